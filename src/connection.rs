@@ -1,0 +1,598 @@
+//! [`Connection`]: the high-level, safe API. Operations take their buffer by
+//! value and return a [`Pending`] that gives it back once the device is done.
+
+#![forbid(unsafe_code)]
+
+use std::fmt;
+use std::net::{SocketAddr, TcpStream};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::completion::Completion;
+use crate::domain::{Counter, Domain, Live};
+use crate::error::{Error, Result};
+use crate::memory::{Exposed, LocalBuffer, LocalSlice, Memory, RemoteRegion, RemoteSlice};
+use crate::ops::OpId;
+use crate::transport::{self, ConnTransport, Posted, RemoteOp, WorkItem};
+
+/// How to set a connection up, and how long to wait for things.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct ConnectOptions {
+    /// The whole handshake, TCP connect included (default 10 s).
+    pub handshake_timeout: Duration,
+    /// How long [`Pending::wait`] waits, and posting waits for queue room
+    /// (default 60 s).
+    pub op_timeout: Duration,
+    /// Send-queue requests outstanding at most (default 128).
+    pub send_queue_depth: u32,
+    /// Receives posted at most (default 128).
+    pub recv_queue_depth: u32,
+    /// Sends and writes up to this size are copied into the request at post
+    /// time (default 64 bytes; the device may grant less).
+    pub max_inline: u32,
+    /// Descriptors of our exposed regions to send the peer in the handshake.
+    pub advertise: Vec<RemoteRegion>,
+    /// ACK timeout code: 4.096 us * 2^n (default 14, about 67 ms).
+    pub ack_timeout: u8,
+    /// Transport retries before an operation fails (default 7).
+    pub retry_count: u8,
+    /// Receiver-not-ready retries (default 7: retry until a receive is posted;
+    /// [`Pending::wait`]'s timeout still bounds the wait).
+    pub rnr_retry: u8,
+    /// Receiver-not-ready NAK timer code (default 12, 0.64 ms).
+    pub min_rnr_timer: u8,
+    /// IP traffic class / DSCP for RoCE (default 0).
+    pub traffic_class: u8,
+    /// InfiniBand service level (default 0).
+    pub service_level: u8,
+    /// Busy-poll this long before sleeping on the completion channel
+    /// (default 50 us). Zero sleeps at once; long values trade CPU for latency.
+    pub spin: Duration,
+    /// The largest handshake message accepted (default 1 MiB).
+    pub max_handshake_payload: u32,
+}
+
+impl Default for ConnectOptions {
+    fn default() -> Self {
+        ConnectOptions {
+            handshake_timeout: Duration::from_secs(10),
+            op_timeout: Duration::from_secs(60),
+            send_queue_depth: 128,
+            recv_queue_depth: 128,
+            max_inline: 64,
+            advertise: Vec::new(),
+            ack_timeout: 14,
+            retry_count: 7,
+            rnr_retry: 7,
+            min_rnr_timer: 12,
+            traffic_class: 0,
+            service_level: 0,
+            spin: Duration::from_micros(50),
+            max_handshake_payload: crate::bootstrap::DEFAULT_MAX_PAYLOAD,
+        }
+    }
+}
+
+impl ConnectOptions {
+    /// Sends `region`'s descriptor to the peer in the handshake.
+    pub fn advertise<M: Memory>(mut self, region: &Exposed<M>) -> Self {
+        self.advertise.push(region.descriptor());
+        self
+    }
+
+    /// Sets the handshake timeout.
+    pub fn handshake_timeout(mut self, t: Duration) -> Self {
+        self.handshake_timeout = t;
+        self
+    }
+
+    /// Sets the default operation timeout.
+    pub fn op_timeout(mut self, t: Duration) -> Self {
+        self.op_timeout = t;
+        self
+    }
+
+    /// Sets the queue depths.
+    pub fn queue_depth(mut self, send: u32, recv: u32) -> Self {
+        self.send_queue_depth = send;
+        self.recv_queue_depth = recv;
+        self
+    }
+
+    /// Sets how long to busy-poll before sleeping.
+    pub fn spin(mut self, t: Duration) -> Self {
+        self.spin = t;
+        self
+    }
+}
+
+/// Facts about an established connection.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ConnectionInfo {
+    /// `verbs`.
+    pub transport: &'static str,
+    /// The peer's handshake address.
+    pub peer_addr: Option<SocketAddr>,
+    /// Our queue pair number.
+    pub local_qp_num: u32,
+    /// The peer's queue pair number.
+    pub remote_qp_num: u32,
+    /// Path MTU in bytes (the smaller of both ends' active MTU).
+    pub mtu: u32,
+    /// The largest single message (send, or write with immediate); larger
+    /// writes and reads are split transparently.
+    pub max_message_size: u64,
+    /// Sends up to this size are inline.
+    pub max_inline: u32,
+    /// Send queue depth granted.
+    pub send_queue_depth: u32,
+    /// Receive queue depth granted.
+    pub recv_queue_depth: u32,
+}
+
+pub(crate) struct Shared {
+    transport: ConnTransport,
+    info: ConnectionInfo,
+    peer_regions: Vec<RemoteRegion>,
+    op_timeout: Duration,
+    _live: Live,
+}
+
+/// A reliable connection to one peer.
+///
+/// Every operation takes its local buffer by value and returns a
+/// [`Pending`] that hands it back, with a [`Completion`], when the device
+/// is done with it. Thread-safe: operations may be posted and waited on
+/// from several threads.
+///
+/// Dropping the connection (or [`close`](Connection::close)) tells the peer,
+/// and fails everything still outstanding with [`Error::ConnectionLost`];
+/// buffers of operations still in flight are released once the device can
+/// no longer touch them.
+pub struct Connection {
+    shared: Arc<Shared>,
+}
+
+impl Connection {
+    pub(crate) fn establish(
+        domain: &Domain,
+        stream: TcpStream,
+        opts: &ConnectOptions,
+        is_server: bool,
+    ) -> Result<Self> {
+        let est = transport::establish(domain, stream, opts, is_server)?;
+        Ok(Connection {
+            shared: Arc::new(Shared {
+                transport: est.transport,
+                info: est.info,
+                peer_regions: est.peer_regions,
+                op_timeout: opts.op_timeout,
+                _live: domain.live(Counter::Connections),
+            }),
+        })
+    }
+
+    /// Facts about the connection.
+    pub fn info(&self) -> &ConnectionInfo {
+        &self.shared.info
+    }
+
+    /// The regions the peer advertised in the handshake.
+    pub fn remote_regions(&self) -> &[RemoteRegion] {
+        &self.shared.peer_regions
+    }
+
+    /// The peer's region with `tag`.
+    pub fn remote_region(&self, tag: u64) -> Option<RemoteRegion> {
+        self.shared
+            .peer_regions
+            .iter()
+            .find(|r| r.tag == tag)
+            .copied()
+    }
+
+    fn deadline(&self) -> Instant {
+        Instant::now() + self.shared.op_timeout
+    }
+
+    fn post_items<B: Send + 'static>(&self, buf: B, items: Result<Vec<WorkItem>>) -> Pending<B> {
+        match items {
+            Ok(items) => self.pending(
+                buf,
+                self.shared.transport.post_send(&items, self.deadline()),
+            ),
+            Err(e) => Pending::failed(&self.shared, buf, e),
+        }
+    }
+
+    fn pending<B: Send + 'static>(&self, buf: B, posted: Posted) -> Pending<B> {
+        match posted {
+            Posted::Ok(id) => Pending::new(&self.shared, id, buf),
+            Posted::Refused(e) => Pending::failed(&self.shared, buf, e),
+            Posted::Stuck(id, e) => Pending::stuck(&self.shared, id, buf, e),
+        }
+    }
+
+    fn one<B: LocalBuffer>(&self, local: LocalSlice<B>, op: RemoteOp) -> Pending<B> {
+        let item = local
+            .resolve()
+            .map(|l| vec![WorkItem { local: Some(l), op }]);
+        self.post_items(local.into_inner(), item)
+    }
+
+    /// Sends `local` as one message; it lands in the peer's next posted receive.
+    pub fn send<B: LocalBuffer>(&self, local: impl Into<LocalSlice<B>>) -> Pending<B> {
+        self.one(local.into(), RemoteOp::Send)
+    }
+
+    /// Sends `local` with a 32-bit immediate the peer's receive completion carries.
+    pub fn send_with_imm<B: LocalBuffer>(
+        &self,
+        local: impl Into<LocalSlice<B>>,
+        imm: u32,
+    ) -> Pending<B> {
+        self.one(local.into(), RemoteOp::SendWithImm(imm))
+    }
+
+    /// Sends a small message copied from `data` at post time (no registered
+    /// buffer needed), at most [`ConnectionInfo::max_inline`] bytes; `imm`
+    /// rides along if given. An empty `data` sends a zero-byte message.
+    pub fn send_inline(&self, data: &[u8], imm: Option<u32>) -> Pending<()> {
+        self.pending(
+            (),
+            self.shared
+                .transport
+                .post_inline(data, imm, self.deadline()),
+        )
+    }
+
+    /// Posts a receive into `local` for the peer's next send.
+    pub fn recv<B: LocalBuffer>(&self, local: impl Into<LocalSlice<B>>) -> Pending<B> {
+        let local = local.into();
+        match local.resolve() {
+            Ok(parts) => {
+                let posted = self.shared.transport.post_recv(Some(parts));
+                self.pending(local.into_inner(), posted)
+            }
+            Err(e) => Pending::failed(&self.shared, local.into_inner(), e),
+        }
+    }
+
+    /// Posts a receive with no buffer: for the peer's writes with immediate
+    /// and zero-byte sends. Its completion carries the immediate.
+    pub fn recv_imm(&self) -> Pending<()> {
+        self.pending((), self.shared.transport.post_recv(None))
+    }
+
+    /// Writes `local` into the peer's memory at `remote` (same length).
+    /// Larger than the maximum message size is fine: it is split.
+    pub fn write<B: LocalBuffer>(
+        &self,
+        local: impl Into<LocalSlice<B>>,
+        remote: &RemoteSlice,
+    ) -> Pending<B> {
+        self.one(local.into(), RemoteOp::Write(*remote))
+    }
+
+    /// Writes `local` to `remote` and consumes one of the peer's receives,
+    /// handing it `imm`: data and notification in one message (at most the
+    /// maximum message size).
+    pub fn write_with_imm<B: LocalBuffer>(
+        &self,
+        local: impl Into<LocalSlice<B>>,
+        remote: &RemoteSlice,
+        imm: u32,
+    ) -> Pending<B> {
+        self.one(local.into(), RemoteOp::WriteWithImm(*remote, imm))
+    }
+
+    /// Reads the peer's memory at `remote` into `local` (same length).
+    pub fn read<B: LocalBuffer>(
+        &self,
+        local: impl Into<LocalSlice<B>>,
+        remote: &RemoteSlice,
+    ) -> Pending<B> {
+        self.one(local.into(), RemoteOp::Read(*remote))
+    }
+
+    /// Starts a batch: several operations posted with one doorbell, only the
+    /// last one signaled, completing together.
+    pub fn batch<B: LocalBuffer>(&self) -> Batch<'_, B> {
+        Batch {
+            conn: self,
+            items: Vec::new(),
+        }
+    }
+
+    /// Polls for completions once: releases the buffers of dropped
+    /// operations that have finished. [`Pending::wait`] does this too.
+    ///
+    /// # Errors
+    /// [`Error::Verbs`] when polling fails.
+    pub fn progress(&self) -> Result<usize> {
+        self.shared.transport.progress()
+    }
+
+    /// `None` while the connection can carry operations; else why not
+    /// (the queue pair went to the error state, or the peer closed or died).
+    pub fn broken(&self) -> Option<String> {
+        self.shared.transport.broken()
+    }
+
+    /// Operations in flight, and how many of those have had their
+    /// [`Pending`] dropped.
+    pub fn in_flight(&self) -> (usize, usize) {
+        self.shared.transport.stats()
+    }
+
+    /// Closes the connection: tells the peer, and fails what is outstanding.
+    pub fn close(self) {
+        drop(self)
+    }
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        self.shared
+            .transport
+            .shutdown("the connection was closed by this side");
+    }
+}
+
+impl fmt::Debug for Connection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Connection")
+            .field("info", &self.shared.info)
+            .finish()
+    }
+}
+
+/// Operations to post together; see [`Connection::batch`].
+#[derive(Debug)]
+#[must_use = "a batch does nothing until posted"]
+pub struct Batch<'c, B: LocalBuffer> {
+    conn: &'c Connection,
+    items: Vec<(LocalSlice<B>, RemoteOp)>,
+}
+
+impl<B: LocalBuffer> Batch<'_, B> {
+    /// Adds a send.
+    pub fn send(mut self, local: impl Into<LocalSlice<B>>) -> Self {
+        self.items.push((local.into(), RemoteOp::Send));
+        self
+    }
+
+    /// Adds a write.
+    pub fn write(mut self, local: impl Into<LocalSlice<B>>, remote: &RemoteSlice) -> Self {
+        self.items.push((local.into(), RemoteOp::Write(*remote)));
+        self
+    }
+
+    /// Adds a write with immediate.
+    pub fn write_with_imm(
+        mut self,
+        local: impl Into<LocalSlice<B>>,
+        remote: &RemoteSlice,
+        imm: u32,
+    ) -> Self {
+        self.items
+            .push((local.into(), RemoteOp::WriteWithImm(*remote, imm)));
+        self
+    }
+
+    /// Adds a read.
+    pub fn read(mut self, local: impl Into<LocalSlice<B>>, remote: &RemoteSlice) -> Self {
+        self.items.push((local.into(), RemoteOp::Read(*remote)));
+        self
+    }
+
+    /// Posts them all; the buffers come back together, in order.
+    pub fn post(self) -> Pending<Vec<B>> {
+        let items: Result<Vec<WorkItem>> = self
+            .items
+            .iter()
+            .map(|(local, op)| {
+                local.resolve().map(|l| WorkItem {
+                    local: Some(l),
+                    op: *op,
+                })
+            })
+            .collect();
+        let bufs: Vec<B> = self
+            .items
+            .into_iter()
+            .map(|(l, _)| l.into_inner())
+            .collect();
+        self.conn.post_items(bufs, items)
+    }
+}
+
+/// An operation in flight. Holds its buffer until the device is done.
+///
+/// Wait with [`wait`](Pending::wait) (or poll with
+/// [`poll`](Pending::poll)), then take the buffer back with
+/// [`into_buffer`](Pending::into_buffer), or do both with
+/// [`finish`](Pending::finish). Dropping it before it completes is safe:
+/// the buffer stays with the connection until the device is done with it.
+#[must_use = "an operation's outcome and buffer come back through its Pending"]
+pub struct Pending<B: Send + 'static> {
+    shared: Arc<Shared>,
+    buf: Option<B>,
+    stage: Stage,
+}
+
+enum Stage {
+    /// Posted; the outcome is not taken yet.
+    InFlight(OpId),
+    /// Part of it reached the device and the connection broke: the buffer
+    /// stays until the connection is torn down. The error is reported once.
+    Stuck(OpId, Option<Box<Error>>),
+    /// Finished successfully.
+    Succeeded(Completion),
+    /// Finished with an error (or never posted); `None` once reported.
+    Failed(Option<Box<Error>>),
+}
+
+impl<B: Send + 'static> Pending<B> {
+    fn new(shared: &Arc<Shared>, id: OpId, buf: B) -> Self {
+        Pending {
+            shared: Arc::clone(shared),
+            buf: Some(buf),
+            stage: Stage::InFlight(id),
+        }
+    }
+
+    fn failed(shared: &Arc<Shared>, buf: B, error: Error) -> Self {
+        Pending {
+            shared: Arc::clone(shared),
+            buf: Some(buf),
+            stage: Stage::Failed(Some(Box::new(error))),
+        }
+    }
+
+    fn stuck(shared: &Arc<Shared>, id: OpId, buf: B, error: Error) -> Self {
+        Pending {
+            shared: Arc::clone(shared),
+            buf: Some(buf),
+            stage: Stage::Stuck(id, Some(Box::new(error))),
+        }
+    }
+
+    /// Moves an outcome from the connection's table into this value, if there is one.
+    fn collect(&mut self) {
+        if let Stage::InFlight(id) = self.stage {
+            if let Some(outcome) = self.shared.transport.take(id) {
+                self.stage = match outcome {
+                    Ok(c) => Stage::Succeeded(c),
+                    Err(e) => Stage::Failed(Some(Box::new(e))),
+                };
+            }
+        }
+    }
+
+    /// The outcome, if known: an error is handed out once.
+    fn report(&mut self) -> Option<Result<Completion>> {
+        self.collect();
+        match &mut self.stage {
+            Stage::InFlight(_) => None,
+            Stage::Succeeded(c) => Some(Ok(*c)),
+            Stage::Stuck(_, e) | Stage::Failed(e) => Some(Err(e.take().map_or_else(
+                || {
+                    Error::InvalidArgument(
+                        "this operation failed and its error was already returned".into(),
+                    )
+                },
+                |e| *e,
+            ))),
+        }
+    }
+
+    /// Waits for the operation, up to the connection's operation timeout.
+    ///
+    /// # Errors
+    /// The operation's error ([`Error::Completion`] with its status,
+    /// [`Error::ConnectionLost`], or what refused it before posting); or
+    /// [`Error::Timeout`], after which it is still in flight and may be
+    /// waited on again.
+    pub fn wait(&mut self) -> Result<Completion> {
+        let timeout = self.shared.op_timeout;
+        self.wait_timeout(timeout)
+    }
+
+    /// Waits up to `timeout`.
+    ///
+    /// # Errors
+    /// As [`wait`](Self::wait).
+    pub fn wait_timeout(&mut self, timeout: Duration) -> Result<Completion> {
+        if let Stage::InFlight(id) = self.stage {
+            self.shared.transport.wait(
+                id,
+                Instant::now() + timeout,
+                "an operation to complete",
+                timeout,
+            )?;
+        }
+        self.report().unwrap_or(Err(Error::Timeout {
+            what: "an operation to complete",
+            after: timeout,
+        }))
+    }
+
+    /// Checks once, without blocking: `Some` when finished.
+    ///
+    /// # Errors
+    /// As [`wait`](Self::wait), without the timeout.
+    pub fn poll(&mut self) -> Result<Option<Completion>> {
+        if let Stage::InFlight(id) = self.stage {
+            if !self.shared.transport.poll(id)? {
+                return Ok(None);
+            }
+        }
+        self.report().transpose()
+    }
+
+    /// Whether the device is done with the buffer, as far as this value
+    /// knows (it learns by [`wait`](Self::wait), [`poll`](Self::poll) or
+    /// [`into_buffer`](Self::into_buffer)).
+    pub fn is_done(&self) -> bool {
+        matches!(self.stage, Stage::Succeeded(_) | Stage::Failed(_))
+    }
+
+    /// The buffer back, once the device is done with it; else `self`.
+    ///
+    /// # Errors
+    /// `Err(self)` while the operation is in flight.
+    pub fn into_buffer(mut self) -> std::result::Result<B, Box<Self>> {
+        if let Stage::InFlight(id) = self.stage {
+            // Pick up an outcome that arrived meanwhile.
+            if self.shared.transport.poll(id).unwrap_or(false) {
+                self.collect();
+            }
+        }
+        if !self.is_done() {
+            return Err(Box::new(self));
+        }
+        Ok(self.buf.take().expect("the buffer is present until taken"))
+    }
+
+    /// Waits (up to the operation timeout), then returns the completion and
+    /// the buffer.
+    ///
+    /// # Errors
+    /// As [`wait`](Self::wait). On error the buffer is dropped once the
+    /// device is done with it; use [`wait`](Self::wait) and
+    /// [`into_buffer`](Self::into_buffer) to keep it.
+    pub fn finish(mut self) -> Result<(Completion, B)> {
+        let c = self.wait()?;
+        let buf = self.buf.take().expect("the buffer is present until taken");
+        Ok((c, buf))
+    }
+}
+
+impl<B: Send + 'static> Drop for Pending<B> {
+    fn drop(&mut self) {
+        if let Stage::InFlight(id) | Stage::Stuck(id, _) = self.stage {
+            // Still tracked: the table keeps the buffer until the final completion
+            // (or frees the slot at once if that already happened).
+            let buf: Box<dyn std::any::Any + Send> = match self.buf.take() {
+                Some(b) => Box::new(b),
+                None => Box::new(()),
+            };
+            self.shared.transport.orphan(id, buf);
+        }
+    }
+}
+
+impl<B: Send + 'static> fmt::Debug for Pending<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let stage = match &self.stage {
+            Stage::InFlight(_) => "in flight",
+            Stage::Stuck(..) => "stuck until the connection is dropped",
+            Stage::Succeeded(_) => "succeeded",
+            Stage::Failed(_) => "failed",
+        };
+        f.debug_struct("Pending").field("stage", &stage).finish()
+    }
+}

@@ -1,0 +1,473 @@
+//! [`Domain`]: this process's endpoint on one RDMA device port. Memory is
+//! registered with a domain, and connections are made from it.
+
+use std::fmt;
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::connection::{ConnectOptions, Connection};
+use crate::error::{Error, Result};
+use crate::memory::{Access, Exposed, HostMemory, Memory, Region};
+use crate::transport::{self, Backend};
+
+/// Where to find the device. [`DomainConfig::from_env`] reads
+/// `GPU_RDMA_DEVICE`, `GPU_RDMA_PORT` and `GPU_RDMA_GID_INDEX`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DomainConfig {
+    /// The device by name (`mlx5_0`, `rxe0`); `None`: the first with an active port.
+    pub device: Option<String>,
+    /// The port; `None`: the device's first active port.
+    pub port: Option<u8>,
+    /// The GID index to use; `None`: chosen (RoCE v2 with IPv4 first).
+    pub gid_index: Option<u32>,
+}
+
+impl DomainConfig {
+    /// Defaults overridden by the environment.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a port or GID index that is not a number.
+    pub fn from_env() -> Result<Self> {
+        let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
+        let parse = |name: &'static str| -> Result<Option<u32>> {
+            var(name)
+                .map(|v| {
+                    v.trim()
+                        .parse::<u32>()
+                        .map_err(|_| Error::InvalidArgument(format!("{name}={v} is not a number")))
+                })
+                .transpose()
+        };
+        let port = parse("GPU_RDMA_PORT")?
+            .map(|p| {
+                u8::try_from(p)
+                    .map_err(|_| Error::InvalidArgument(format!("GPU_RDMA_PORT={p} is too large")))
+            })
+            .transpose()?;
+        Ok(DomainConfig {
+            device: var("GPU_RDMA_DEVICE"),
+            port,
+            gid_index: parse("GPU_RDMA_GID_INDEX")?,
+        })
+    }
+
+    /// Uses the device called `name`.
+    pub fn device(mut self, name: impl Into<String>) -> Self {
+        self.device = Some(name.into());
+        self
+    }
+
+    /// Uses port `port`.
+    pub fn port(mut self, port: u8) -> Self {
+        self.port = Some(port);
+        self
+    }
+
+    /// Uses GID index `index`.
+    pub fn gid_index(mut self, index: u32) -> Self {
+        self.gid_index = Some(index);
+        self
+    }
+}
+
+/// Live resources of a domain, for leak checks and monitoring.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DomainStats {
+    /// Registered [`Region`]s (including those inside [`Exposed`] ones).
+    pub regions: usize,
+    /// [`Exposed`] regions (remote keys outstanding).
+    pub exposed: usize,
+    /// Open connections (queue pairs).
+    pub connections: usize,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    regions: AtomicUsize,
+    exposed: AtomicUsize,
+    connections: AtomicUsize,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Counter {
+    Regions,
+    Exposed,
+    Connections,
+}
+
+impl Counters {
+    fn get(&self, c: Counter) -> &AtomicUsize {
+        match c {
+            Counter::Regions => &self.regions,
+            Counter::Exposed => &self.exposed,
+            Counter::Connections => &self.connections,
+        }
+    }
+}
+
+/// Counts one live resource until dropped.
+#[derive(Debug)]
+pub(crate) struct Live {
+    counters: Arc<Counters>,
+    which: Counter,
+}
+
+impl Drop for Live {
+    fn drop(&mut self) {
+        self.counters.get(self.which).fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// This process's endpoint on one RDMA device port: a protection domain,
+/// the port and GID it addresses peers with, and the memory registered in
+/// it. Cheap to clone; shared by every region and connection made from it.
+#[derive(Clone)]
+pub struct Domain {
+    pub(crate) inner: Arc<DomainInner>,
+}
+
+pub(crate) struct DomainInner {
+    id: u64,
+    pub(crate) backend: Backend,
+    counters: Arc<Counters>,
+}
+
+/// What a domain runs on, in plain words.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DomainInfo {
+    /// `verbs`.
+    pub transport: &'static str,
+    /// Device name.
+    pub device: String,
+    /// Port number.
+    pub port: u8,
+    /// Link layer (`InfiniBand`, `Ethernet`).
+    pub link_layer: String,
+    /// Active MTU in bytes.
+    pub mtu: u32,
+    /// The GID index used.
+    pub gid_index: u32,
+    /// The GID, as ibv_devinfo prints it.
+    pub gid: String,
+    /// Why this GID.
+    pub gid_reason: String,
+}
+
+impl fmt::Display for DomainInfo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} on {} port {} ({}, MTU {}, GID index {} {}: {})",
+            self.transport,
+            self.device,
+            self.port,
+            self.link_layer,
+            self.mtu,
+            self.gid_index,
+            self.gid,
+            self.gid_reason
+        )
+    }
+}
+
+static NEXT_DOMAIN_ID: AtomicU64 = AtomicU64::new(1);
+
+impl Domain {
+    /// Opens the device named by the environment (see [`DomainConfig::from_env`]),
+    /// else the first device with an active port.
+    ///
+    /// # Errors
+    /// [`Error::NoDevice`] when the machine has no usable RDMA device, with
+    /// the reason; see [`Domain::with_config`].
+    pub fn open() -> Result<Self> {
+        Domain::with_config(&DomainConfig::from_env()?)
+    }
+
+    /// Opens the device `config` names.
+    ///
+    /// # Errors
+    /// [`Error::NoDevice`], [`Error::DeviceNotFound`], [`Error::NoActivePort`],
+    /// [`Error::NoGid`], [`Error::Verbs`], or [`Error::FeatureDisabled`] when
+    /// built without the `verbs` feature.
+    pub fn with_config(config: &DomainConfig) -> Result<Self> {
+        let backend = transport::open_backend(config)?;
+        let domain = Domain {
+            inner: Arc::new(DomainInner {
+                id: NEXT_DOMAIN_ID.fetch_add(1, Ordering::Relaxed),
+                backend,
+                counters: Arc::default(),
+            }),
+        };
+        tracing::info!("gpu-rdma domain: {}", domain.info());
+        Ok(domain)
+    }
+
+    pub(crate) fn id(&self) -> u64 {
+        self.inner.id
+    }
+
+    pub(crate) fn live(&self, which: Counter) -> Live {
+        self.inner
+            .counters
+            .get(which)
+            .fetch_add(1, Ordering::AcqRel);
+        Live {
+            counters: Arc::clone(&self.inner.counters),
+            which,
+        }
+    }
+
+    /// The device, port and GID in use, and why.
+    pub fn info(&self) -> DomainInfo {
+        self.inner.backend.info()
+    }
+
+    /// Live resources.
+    pub fn stats(&self) -> DomainStats {
+        let c = &self.inner.counters;
+        DomainStats {
+            regions: c.regions.load(Ordering::Acquire),
+            exposed: c.exposed.load(Ordering::Acquire),
+            connections: c.connections.load(Ordering::Acquire),
+        }
+    }
+
+    /// Allocates `len` zeroed bytes of page-aligned host memory and registers
+    /// them for local use ([`Access::LOCAL`]).
+    ///
+    /// # Errors
+    /// As [`HostMemory::new`] and [`Domain::register`].
+    pub fn alloc(&self, len: usize) -> Result<Region<HostMemory>> {
+        Ok(self.register(HostMemory::new(len)?, Access::LOCAL)?)
+    }
+
+    /// Registers `mem` with `access` rights. Use [`Access::LOCAL`] unless a
+    /// peer needs a key; for that, [`Domain::expose`] the region.
+    ///
+    /// # Errors
+    /// The error and the memory back when the device refuses the
+    /// registration (for example `ENOMEM` from the memory-lock limit).
+    pub fn register<M: Memory>(
+        &self,
+        mem: M,
+        access: Access,
+    ) -> std::result::Result<Region<M>, BufError<M>> {
+        if mem.is_empty() {
+            return Err(BufError {
+                error: Error::InvalidArgument("cannot register zero bytes".into()),
+                buffer: mem,
+            });
+        }
+        // SAFETY: `mem` is moved into the Region with the registration, and the
+        // Region deregisters before it frees (or leaks) the memory; `Memory`'s
+        // contract keeps the address range valid and fixed until then.
+        match unsafe { self.inner.backend.register(mem.as_ptr(), mem.len(), access) } {
+            Ok(reg) => Ok(Region::from_parts(
+                reg,
+                mem,
+                access,
+                self.clone(),
+                self.live(Counter::Regions),
+            )),
+            Err(error) => Err(BufError { error, buffer: mem }),
+        }
+    }
+
+    /// Gives peers `access` (any of [`Access::REMOTE_READ`],
+    /// [`Access::REMOTE_WRITE`], [`Access::REMOTE_ATOMIC`]) to `region`
+    /// under a new remote key, tagged `tag` in its descriptor. Nothing else
+    /// is granted: least privilege.
+    ///
+    /// # Errors
+    /// The error and the region back when `access` has no remote right or
+    /// the region belongs to another domain, or the device refuses.
+    pub fn expose<M: Memory>(
+        &self,
+        region: Region<M>,
+        access: Access,
+        tag: u64,
+    ) -> std::result::Result<Exposed<M>, BufError<Region<M>>> {
+        let remote = access.remote();
+        if remote.is_empty() || remote != access {
+            return Err(BufError {
+                error: Error::InvalidArgument(format!(
+                    "expose takes remote rights only (REMOTE_READ, REMOTE_WRITE, REMOTE_ATOMIC), got {access:?}"
+                )),
+                buffer: region,
+            });
+        }
+        if region.domain().id() != self.id() {
+            return Err(BufError {
+                error: Error::InvalidArgument(
+                    "the region is registered with another domain".into(),
+                ),
+                buffer: region,
+            });
+        }
+        let mut mr_access = remote;
+        if remote.intersects(Access::REMOTE_WRITE | Access::REMOTE_ATOMIC) {
+            mr_access |= Access::LOCAL_WRITE;
+        }
+        // SAFETY: the Exposed value owns `region` (and so its memory) and drops
+        // this second registration before the region; see `Exposed`'s Drop.
+        match unsafe {
+            self.inner
+                .backend
+                .register(region.memory().as_ptr(), region.len(), mr_access)
+        } {
+            Ok(reg) => Ok(Exposed::from_parts(
+                reg,
+                region,
+                remote,
+                tag,
+                self.live(Counter::Exposed),
+            )),
+            Err(error) => Err(BufError {
+                error,
+                buffer: region,
+            }),
+        }
+    }
+
+    /// Listens for connections on `addr` (TCP, for the handshake).
+    ///
+    /// # Errors
+    /// [`Error::Io`] when the address cannot be bound.
+    pub fn listen(&self, addr: impl ToSocketAddrs) -> Result<Listener> {
+        Ok(Listener {
+            domain: self.clone(),
+            tcp: TcpListener::bind(addr)?,
+        })
+    }
+
+    /// Connects to a listener at `addr`, with `opts`.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when no TCP connection can be made, [`Error::Timeout`],
+    /// [`Error::Bootstrap`] when the handshake fails, [`Error::ModifyQp`]
+    /// when the queue pairs cannot be connected.
+    pub fn connect(&self, addr: impl ToSocketAddrs, opts: &ConnectOptions) -> Result<Connection> {
+        let deadline = Instant::now() + opts.handshake_timeout;
+        let mut last = None;
+        for a in addr.to_socket_addrs()? {
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            if remaining.is_zero() {
+                break;
+            }
+            match TcpStream::connect_timeout(&a, remaining) {
+                Ok(stream) => return Connection::establish(self, stream, opts, false),
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(match last {
+            Some(e) if e.kind() == std::io::ErrorKind::TimedOut => Error::Timeout {
+                what: "the TCP connection to the peer",
+                after: opts.handshake_timeout,
+            },
+            Some(e) => Error::Io(e),
+            None => Error::InvalidArgument("the address resolved to nothing".into()),
+        })
+    }
+}
+
+impl fmt::Debug for Domain {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Domain")
+            .field("id", &self.inner.id)
+            .field("info", &self.info())
+            .finish()
+    }
+}
+
+/// An error that gives back the value the failed call took.
+#[derive(Debug)]
+pub struct BufError<T> {
+    /// What went wrong.
+    pub error: Error,
+    /// The value, unharmed.
+    pub buffer: T,
+}
+
+impl<T> fmt::Display for BufError<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.error, f)
+    }
+}
+
+impl<T: fmt::Debug> std::error::Error for BufError<T> {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.error)
+    }
+}
+
+impl<T> From<BufError<T>> for Error {
+    fn from(e: BufError<T>) -> Self {
+        e.error
+    }
+}
+
+/// Accepts connections for a [`Domain`].
+#[derive(Debug)]
+pub struct Listener {
+    domain: Domain,
+    tcp: TcpListener,
+}
+
+impl Listener {
+    /// The address it listens on (useful after binding port 0).
+    ///
+    /// # Errors
+    /// [`Error::Io`].
+    pub fn local_addr(&self) -> Result<SocketAddr> {
+        Ok(self.tcp.local_addr()?)
+    }
+
+    /// Waits for the next peer, however long, then runs the handshake
+    /// (bounded by `opts.handshake_timeout`).
+    ///
+    /// # Errors
+    /// As [`Domain::connect`]. A peer that fails the handshake is an error of
+    /// this call; the listener stays usable.
+    pub fn accept(&self, opts: &ConnectOptions) -> Result<Connection> {
+        let (stream, _) = self.tcp.accept()?;
+        Connection::establish(&self.domain, stream, opts, true)
+    }
+
+    /// Like [`accept`](Self::accept), but gives up after `timeout` without a peer.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`], or as [`Listener::accept`].
+    pub fn accept_timeout(&self, opts: &ConnectOptions, timeout: Duration) -> Result<Connection> {
+        let deadline = Instant::now() + timeout;
+        self.tcp.set_nonblocking(true)?;
+        let accepted = loop {
+            match self.tcp.accept() {
+                Ok((stream, _)) => break Ok(stream),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    if Instant::now() >= deadline {
+                        break Err(Error::Timeout {
+                            what: "a peer to connect",
+                            after: timeout,
+                        });
+                    }
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => break Err(e.into()),
+            }
+        };
+        self.tcp.set_nonblocking(false)?;
+        let stream = accepted?;
+        stream.set_nonblocking(false)?;
+        Connection::establish(&self.domain, stream, opts, true)
+    }
+
+    /// The domain it accepts for.
+    pub fn domain(&self) -> &Domain {
+        &self.domain
+    }
+}

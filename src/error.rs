@@ -1,0 +1,290 @@
+//! The crate's one error type.
+
+use std::io;
+use std::time::Duration;
+
+use crate::completion::{CompletionError, WcStatus};
+use crate::memory::Access;
+
+/// Everything that can go wrong, one variant per failing operation.
+///
+/// The operating-system error or device status is kept as the source. See the
+/// crate documentation's "Failure semantics" for what state each leaves a
+/// connection in.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// No RDMA device can be used on this machine; `reason` says why
+    /// (no kernel support, no device, no driver).
+    #[error("no RDMA device: {reason}")]
+    NoDevice {
+        /// Why, in plain words, with what to do about it.
+        reason: String,
+    },
+
+    /// The RDMA device asked for by name does not exist.
+    #[error(
+        "RDMA device `{name}` not found (available: {})",
+        list_or_none(available)
+    )]
+    DeviceNotFound {
+        /// The name asked for.
+        name: String,
+        /// The devices that do exist.
+        available: Vec<String>,
+    },
+
+    /// The device has no port in the ACTIVE state (or the port asked for is not active).
+    #[error("RDMA device `{device}` has no usable port: {detail}")]
+    NoActivePort {
+        /// The device.
+        device: String,
+        /// The port states found.
+        detail: String,
+    },
+
+    /// No usable GID on the chosen port, or the GID index asked for is empty.
+    #[error("RDMA device `{device}` port {port}: {detail}")]
+    NoGid {
+        /// The device.
+        device: String,
+        /// The port.
+        port: u8,
+        /// What was wrong.
+        detail: String,
+    },
+
+    /// An ibverbs call failed.
+    #[error("{op} failed: {source}")]
+    Verbs {
+        /// The verb, for example `ibv_reg_mr`.
+        op: &'static str,
+        /// The errno it returned.
+        #[source]
+        source: io::Error,
+    },
+
+    /// The device or driver does not support the operation
+    /// (`EOPNOTSUPP`, `EPROTONOSUPPORT`, `ENOSYS`): "not here", not a fault.
+    #[error("{op} is not supported by this device or driver: {source}")]
+    NotSupported {
+        /// The verb that refused.
+        op: &'static str,
+        /// The errno it returned.
+        #[source]
+        source: io::Error,
+    },
+
+    /// A queue pair state transition failed.
+    #[error(
+        "queue pair {qp_num:#x}: transition {transition} failed{}: {source} [{detail}]",
+        attribute.map(|a| format!(" (attribute `{a}`)")).unwrap_or_default()
+    )]
+    ModifyQp {
+        /// The queue pair number.
+        qp_num: u32,
+        /// For example `INIT->RTR`.
+        transition: &'static str,
+        /// The attribute found to be wrong, when it could be told.
+        attribute: Option<&'static str>,
+        /// The attributes that were set, or why the named one is wrong.
+        detail: String,
+        /// The errno the driver returned (`EINVAL` for an attribute it checked itself).
+        #[source]
+        source: io::Error,
+    },
+
+    /// A work request completed with an error status.
+    #[error(transparent)]
+    Completion(#[from] CompletionError),
+
+    /// The out-of-band handshake failed.
+    #[error("bootstrap: {0}")]
+    Bootstrap(#[from] BootstrapError),
+
+    /// Nothing arrived within the time allowed.
+    #[error("timed out after {after:?} waiting for {what}")]
+    Timeout {
+        /// What was awaited.
+        what: &'static str,
+        /// The time allowed.
+        after: Duration,
+    },
+
+    /// A range lies outside its region; nothing was posted.
+    #[error(
+        "range of {len} bytes at offset {offset} is outside the {region_len}-byte {side} region"
+    )]
+    OutOfBounds {
+        /// `local` or `remote`.
+        side: &'static str,
+        /// Start of the range.
+        offset: u64,
+        /// Its length.
+        len: u64,
+        /// The region's length.
+        region_len: u64,
+    },
+
+    /// The peer's region does not grant the access the operation needs; nothing was posted.
+    #[error("the remote region grants {granted:?}, this operation needs {needed:?}")]
+    AccessDenied {
+        /// What the operation needs.
+        needed: Access,
+        /// What the region grants.
+        granted: Access,
+    },
+
+    /// A message larger than the transport's maximum message size; nothing was posted.
+    #[error("a message of {len} bytes exceeds the maximum message size of {max} bytes")]
+    MessageTooLarge {
+        /// The message's size.
+        len: u64,
+        /// The maximum.
+        max: u64,
+    },
+
+    /// The connection can no longer carry operations: the queue pair is in the
+    /// error state, or the peer closed or died. Open a new connection.
+    #[error("connection lost: {reason}")]
+    ConnectionLost {
+        /// What happened.
+        reason: String,
+    },
+
+    /// A send or receive queue stayed full for the whole timeout.
+    #[error("the {queue} queue stayed full ({depth} requests outstanding)")]
+    QueueFull {
+        /// `send` or `receive`.
+        queue: &'static str,
+        /// Its depth.
+        depth: u32,
+    },
+
+    /// An argument or configuration value is invalid.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+
+    /// The crate was built without a feature this call needs.
+    #[error(
+        "gpu-rdma was built without the `{feature}` feature; rebuild with `--features {feature}`"
+    )]
+    FeatureDisabled {
+        /// The Cargo feature.
+        feature: &'static str,
+    },
+
+    /// Another I/O error.
+    #[error("I/O error: {0}")]
+    Io(#[from] io::Error),
+}
+
+impl Error {
+    /// Whether this is a remote-access error completion: bad rkey, an address
+    /// outside the peer's region, or an access right the region does not grant.
+    pub fn is_remote_access(&self) -> bool {
+        matches!(self, Error::Completion(c) if c.status == WcStatus::RemoteAccess)
+    }
+
+    /// Whether this is a timeout.
+    pub fn is_timeout(&self) -> bool {
+        matches!(self, Error::Timeout { .. })
+    }
+
+    /// The completion status, when this is an error completion.
+    pub fn wc_status(&self) -> Option<WcStatus> {
+        match self {
+            Error::Completion(c) => Some(c.status),
+            _ => None,
+        }
+    }
+}
+
+fn list_or_none(names: &[String]) -> String {
+    if names.is_empty() {
+        "none".to_owned()
+    } else {
+        names.join(", ")
+    }
+}
+
+/// A handshake message that could not be used.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum BootstrapError {
+    /// The bytes do not start with this protocol's magic: not a gpu-rdma peer, or garbled.
+    #[error(
+        "garbled message: bad magic {found:#010x} (expected {expected:#010x}); is the peer a gpu-rdma endpoint?"
+    )]
+    BadMagic {
+        /// What arrived.
+        found: u32,
+        /// What this protocol sends.
+        expected: u32,
+    },
+    /// The peer speaks another protocol version.
+    #[error("protocol version mismatch: this side speaks {ours}, the peer {theirs}")]
+    VersionMismatch {
+        /// Ours.
+        ours: u16,
+        /// Theirs.
+        theirs: u16,
+    },
+    /// The message's checksum does not match its payload.
+    #[error(
+        "garbled message: checksum {found:#010x} does not match the payload's {computed:#010x}"
+    )]
+    Checksum {
+        /// The checksum in the header.
+        found: u32,
+        /// The payload's.
+        computed: u32,
+    },
+    /// The connection closed in the middle of a message.
+    #[error("truncated message: the connection closed after {got} of {expected} bytes")]
+    Truncated {
+        /// Bytes the message should have.
+        expected: usize,
+        /// Bytes that arrived.
+        got: usize,
+    },
+    /// A length field larger than the configured limit (nothing was allocated for it).
+    #[error("oversized message: {len} bytes announced, the limit is {max}")]
+    Oversized {
+        /// The announced length.
+        len: u64,
+        /// The limit.
+        max: u64,
+    },
+    /// A well-framed message whose content does not parse.
+    #[error("malformed {what}: {detail}")]
+    Malformed {
+        /// Which message.
+        what: &'static str,
+        /// What is wrong with it.
+        detail: String,
+    },
+    /// A message of another kind than the handshake expects at this step.
+    #[error("unexpected message: expected {expected}, got {got}")]
+    Unexpected {
+        /// What the handshake expected.
+        expected: &'static str,
+        /// What arrived.
+        got: String,
+    },
+    /// The peer closed the connection before sending anything.
+    #[error("the peer closed the connection during the handshake")]
+    PeerClosed,
+    /// The peer refused the connection and said why.
+    #[error("the peer rejected the connection: {reason}")]
+    Rejected {
+        /// The peer's reason.
+        reason: String,
+    },
+    /// The peer's endpoint cannot be used with ours.
+    #[error("incompatible peer: {0}")]
+    Incompatible(String),
+}
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

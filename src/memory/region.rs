@@ -1,0 +1,553 @@
+//! Registered memory: [`Region`] (owned, local use) and [`Exposed`]
+//! (shared, with a remote key).
+
+use std::fmt;
+use std::mem::ManuallyDrop;
+use std::ops::{Bound, Deref, DerefMut, RangeBounds};
+use std::sync::{Arc, Mutex};
+
+use super::{Access, HostMemory, Memory, MemoryKind, RemoteRegion};
+use crate::domain::{Domain, Live};
+use crate::error::{Error, Result};
+use crate::transport::Registration;
+
+/// Memory registered with a [`Domain`], for local use in operations:
+/// the source of sends and writes, the destination of receives and reads.
+///
+/// It owns its memory and frees it only after deregistering. Operations
+/// take it by value and return it with their completion, so while the
+/// device may touch it nothing else can. It is registered with
+/// [`Access::LOCAL`] by default and never has a remote key; see
+/// [`Domain::expose`] for that.
+///
+/// Host-memory regions dereference to `[u8]`.
+pub struct Region<M: Memory = HostMemory> {
+    // Dropped by hand: deregister, then free (or leak, if deregistration failed).
+    reg: ManuallyDrop<Registration>,
+    mem: ManuallyDrop<M>,
+    access: Access,
+    domain: Domain,
+    _live: Live,
+}
+
+impl<M: Memory> Drop for Region<M> {
+    fn drop(&mut self) {
+        // SAFETY: both fields are taken exactly once, here, and never used again.
+        let (reg, mem) = unsafe {
+            (
+                ManuallyDrop::take(&mut self.reg),
+                ManuallyDrop::take(&mut self.mem),
+            )
+        };
+        release(reg, mem);
+    }
+}
+
+/// Deregisters, then frees. If deregistration fails the device may still
+/// reach the memory, so it is leaked rather than freed.
+fn release<M>(reg: Registration, mem: M) {
+    if let Err(e) = reg.deregister() {
+        tracing::error!(
+            "memory deregistration failed, leaking the memory so the device cannot reach freed pages: {e}"
+        );
+        std::mem::forget(mem);
+    }
+}
+
+impl<M: Memory> Region<M> {
+    pub(crate) fn from_parts(
+        reg: Registration,
+        mem: M,
+        access: Access,
+        domain: Domain,
+        live: Live,
+    ) -> Self {
+        Region {
+            reg: ManuallyDrop::new(reg),
+            mem: ManuallyDrop::new(mem),
+            access,
+            domain,
+            _live: live,
+        }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.mem.len()
+    }
+
+    /// Whether the length is zero.
+    pub fn is_empty(&self) -> bool {
+        self.mem.len() == 0
+    }
+
+    /// The access rights it is registered with.
+    pub fn access(&self) -> Access {
+        self.access
+    }
+
+    /// Where the memory lives.
+    pub fn kind(&self) -> MemoryKind {
+        self.mem.kind()
+    }
+
+    /// The local key (for the low-level [`crate::verbs`] API).
+    pub fn lkey(&self) -> u32 {
+        self.reg.lkey()
+    }
+
+    /// Start address.
+    pub fn addr(&self) -> u64 {
+        self.mem.as_ptr() as u64
+    }
+
+    /// The memory it owns.
+    pub fn memory(&self) -> &M {
+        &self.mem
+    }
+
+    /// The domain it is registered with.
+    pub fn domain(&self) -> &Domain {
+        &self.domain
+    }
+
+    /// Deregisters and gives the memory back.
+    ///
+    /// # Errors
+    /// When deregistration fails the memory may still be reachable by the
+    /// device: it is leaked, and the error returned.
+    pub fn into_memory(self) -> Result<M> {
+        let mut this = ManuallyDrop::new(self);
+        // SAFETY: `this` is never used again and its Drop does not run; every
+        // field is taken or dropped exactly once here.
+        let (reg, mem) = unsafe {
+            std::ptr::drop_in_place(&mut this.domain);
+            std::ptr::drop_in_place(&mut this._live);
+            (
+                ManuallyDrop::take(&mut this.reg),
+                ManuallyDrop::take(&mut this.mem),
+            )
+        };
+        match reg.deregister() {
+            Ok(()) => Ok(mem),
+            Err(e) => {
+                std::mem::forget(mem);
+                Err(e)
+            }
+        }
+    }
+}
+
+impl Region<HostMemory> {
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        self.mem.as_slice()
+    }
+
+    /// The bytes, mutably.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        self.mem.as_mut_slice()
+    }
+}
+
+impl Deref for Region<HostMemory> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        self.mem.as_slice()
+    }
+}
+
+impl DerefMut for Region<HostMemory> {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        self.mem.as_mut_slice()
+    }
+}
+
+impl<M: Memory + fmt::Debug> fmt::Debug for Region<M> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Region")
+            .field("memory", &self.mem)
+            .field("lkey", &format_args!("{:#x}", self.reg.lkey()))
+            .field("access", &self.access)
+            .finish()
+    }
+}
+
+/// A region a peer may access with its remote key, as granted at
+/// [`Domain::expose`].
+///
+/// Cheap to clone: every clone, and every operation using it as a local
+/// buffer, keeps it registered. Since a peer may write it at any moment,
+/// it offers no safe `&[u8]`: copy out with [`Exposed::read_at`], or use
+/// [`Exposed::as_slice`] under its contract, or [`withdraw`](Exposed::withdraw)
+/// it to revoke the key and get the [`Region`] back.
+pub struct Exposed<M: Memory = HostMemory> {
+    inner: Arc<ExposedInner<M>>,
+}
+
+struct ExposedInner<M: Memory> {
+    // Dropped by hand: revoke the remote key first, then the region (or leak
+    // the region if revoking failed).
+    remote: ManuallyDrop<Registration>,
+    region: ManuallyDrop<Region<M>>,
+    access: Access,
+    tag: u64,
+    // Serializes CPU-side copies through shared handles.
+    cpu: Mutex<()>,
+    _live: Live,
+}
+
+impl<M: Memory> Drop for ExposedInner<M> {
+    fn drop(&mut self) {
+        // SAFETY: both fields are taken exactly once, here, and never used again.
+        let (remote, region) = unsafe {
+            (
+                ManuallyDrop::take(&mut self.remote),
+                ManuallyDrop::take(&mut self.region),
+            )
+        };
+        release(remote, region);
+    }
+}
+
+/// Why [`Exposed::withdraw`] did not give the region back.
+#[derive(Debug)]
+pub enum WithdrawError<M: Memory> {
+    /// Other handles exist (clones, or operations in flight): here it is back.
+    InUse(Exposed<M>),
+    /// Revoking the remote key failed; the region was leaked so that no
+    /// peer can reach freed memory.
+    Failed(Error),
+}
+
+impl<M: Memory> fmt::Display for WithdrawError<M> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            WithdrawError::InUse(_) => {
+                f.write_str("the exposed region is still in use (clones or operations in flight)")
+            }
+            WithdrawError::Failed(e) => write!(f, "revoking the remote key failed: {e}"),
+        }
+    }
+}
+
+impl<M: Memory + fmt::Debug> std::error::Error for WithdrawError<M> {}
+
+impl<M: Memory> Clone for Exposed<M> {
+    fn clone(&self) -> Self {
+        Exposed {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+}
+
+impl<M: Memory> Exposed<M> {
+    pub(crate) fn from_parts(
+        remote: Registration,
+        region: Region<M>,
+        access: Access,
+        tag: u64,
+        live: Live,
+    ) -> Self {
+        Exposed {
+            inner: Arc::new(ExposedInner {
+                remote: ManuallyDrop::new(remote),
+                region: ManuallyDrop::new(region),
+                access,
+                tag,
+                cpu: Mutex::new(()),
+                _live: live,
+            }),
+        }
+    }
+
+    /// What a peer needs to access it.
+    pub fn descriptor(&self) -> RemoteRegion {
+        RemoteRegion {
+            tag: self.inner.tag,
+            addr: self.inner.region.addr(),
+            len: self.inner.region.len() as u64,
+            rkey: self.inner.remote.rkey(),
+            access: self.inner.access,
+        }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.inner.region.len()
+    }
+
+    /// Whether the length is zero.
+    pub fn is_empty(&self) -> bool {
+        self.inner.region.is_empty()
+    }
+
+    /// The remote rights granted.
+    pub fn access(&self) -> Access {
+        self.inner.access
+    }
+
+    /// The remote key.
+    pub fn rkey(&self) -> u32 {
+        self.inner.remote.rkey()
+    }
+
+    /// The local key.
+    pub fn lkey(&self) -> u32 {
+        self.inner.region.lkey()
+    }
+
+    /// The tag it was exposed with.
+    pub fn tag(&self) -> u64 {
+        self.inner.tag
+    }
+
+    /// Revokes the remote key and returns the region, when this is the last
+    /// handle (no clone, no operation in flight); else returns itself.
+    /// A peer that uses the old key afterwards gets a remote-access error.
+    ///
+    /// # Errors
+    /// [`WithdrawError::InUse`] (with `self` back) while other handles exist;
+    /// [`WithdrawError::Failed`] if the key could not be revoked.
+    pub fn withdraw(self) -> std::result::Result<Region<M>, WithdrawError<M>> {
+        let inner =
+            Arc::try_unwrap(self.inner).map_err(|inner| WithdrawError::InUse(Exposed { inner }))?;
+        let mut inner = ManuallyDrop::new(inner);
+        // SAFETY: `inner` is never used again and its Drop does not run; every
+        // field is taken or dropped exactly once here.
+        let (remote, region) = unsafe {
+            std::ptr::drop_in_place(&mut inner.cpu);
+            std::ptr::drop_in_place(&mut inner._live);
+            (
+                ManuallyDrop::take(&mut inner.remote),
+                ManuallyDrop::take(&mut inner.region),
+            )
+        };
+        match remote.deregister() {
+            Ok(()) => Ok(region),
+            Err(e) => {
+                std::mem::forget(region);
+                Err(WithdrawError::Failed(e))
+            }
+        }
+    }
+}
+
+impl Exposed<HostMemory> {
+    fn check(&self, offset: usize, len: usize) -> Result<()> {
+        let end = offset.checked_add(len);
+        if end.is_none_or(|e| e > self.len()) {
+            return Err(Error::OutOfBounds {
+                side: "local",
+                offset: offset as u64,
+                len: len as u64,
+                region_len: self.len() as u64,
+            });
+        }
+        Ok(())
+    }
+
+    /// Copies `out.len()` bytes at `offset` out. If a peer writes the same
+    /// bytes meanwhile, the copy may mix old and new data; arrange with the
+    /// peer (a write with immediate, a message) to read after it is done.
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`].
+    pub fn read_at(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        self.check(offset, out.len())?;
+        let _cpu = self.inner.cpu.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: the range is inside the live registered mapping (checked); CPU
+        // copies are serialized by the lock, and `out` is a distinct Rust buffer.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.inner.region.memory().as_ptr().add(offset),
+                out.as_mut_ptr(),
+                out.len(),
+            )
+        };
+        Ok(())
+    }
+
+    /// Copies `data` in at `offset` (to prepare data a peer will read).
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`].
+    pub fn write_at(&self, offset: usize, data: &[u8]) -> Result<()> {
+        self.check(offset, data.len())?;
+        let _cpu = self.inner.cpu.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: as in read_at; no Rust reference to the mapping exists outside
+        // `as_slice`, whose contract excludes this call.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                data.as_ptr(),
+                self.inner.region.memory().as_ptr().add(offset),
+                data.len(),
+            )
+        };
+        Ok(())
+    }
+
+    /// The bytes, without a copy.
+    ///
+    /// # Safety
+    /// While the returned slice lives, no peer may write the region, no
+    /// operation of this side may write it (a receive or read into it), and
+    /// [`write_at`](Self::write_at) may not be called: for example after the
+    /// peer signalled that its write is complete and before it is told it may
+    /// write again.
+    pub unsafe fn as_slice(&self) -> &[u8] {
+        // SAFETY: the mapping is live for as long as `self`; the caller
+        // guarantees that nothing writes it while the slice lives.
+        unsafe { std::slice::from_raw_parts(self.inner.region.memory().as_ptr(), self.len()) }
+    }
+}
+
+impl<M: Memory + fmt::Debug> fmt::Debug for Exposed<M> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Exposed")
+            .field("region", &self.inner.region)
+            .field("remote", &self.descriptor())
+            .finish()
+    }
+}
+
+mod sealed {
+    /// Where a local buffer is, for posting. Not nameable outside the crate.
+    #[derive(Clone, Copy, Debug)]
+    pub struct LocalParts {
+        pub addr: u64,
+        pub len: usize,
+        pub lkey: u32,
+        pub domain: u64,
+    }
+
+    pub trait Sealed {
+        fn parts(&self) -> LocalParts;
+    }
+}
+
+pub(crate) use sealed::LocalParts;
+
+/// A buffer operations can use locally: [`Region`] and [`Exposed`].
+///
+/// Operations take it by value (an [`Exposed`] by clone) and give it back
+/// with their completion. Sealed: the crate relies on its implementations
+/// keeping the memory registered.
+pub trait LocalBuffer: sealed::Sealed + Send + Sized + 'static {
+    /// Length in bytes.
+    fn buffer_len(&self) -> usize;
+
+    /// A byte range of it, for an operation. The range is checked when the
+    /// operation is posted; a bad one fails that operation with
+    /// [`Error::OutOfBounds`] and the buffer comes back.
+    fn slice(self, range: impl RangeBounds<usize>) -> LocalSlice<Self> {
+        LocalSlice::new(self, range)
+    }
+}
+
+impl<M: Memory> sealed::Sealed for Region<M> {
+    fn parts(&self) -> LocalParts {
+        LocalParts {
+            addr: self.addr(),
+            len: self.len(),
+            lkey: self.reg.lkey(),
+            domain: self.domain.id(),
+        }
+    }
+}
+
+impl<M: Memory> LocalBuffer for Region<M> {
+    fn buffer_len(&self) -> usize {
+        self.len()
+    }
+}
+
+impl<M: Memory> sealed::Sealed for Exposed<M> {
+    fn parts(&self) -> LocalParts {
+        self.inner.region.parts()
+    }
+}
+
+impl<M: Memory> LocalBuffer for Exposed<M> {
+    fn buffer_len(&self) -> usize {
+        self.len()
+    }
+}
+
+/// A local buffer and the byte range of it an operation uses.
+#[derive(Debug)]
+pub struct LocalSlice<B> {
+    buf: B,
+    start: usize,
+    end: Option<usize>,
+    bad: bool,
+}
+
+impl<B: LocalBuffer> LocalSlice<B> {
+    /// `range` of `buf` (checked when posted).
+    pub fn new(buf: B, range: impl RangeBounds<usize>) -> Self {
+        let mut bad = false;
+        let start = match range.start_bound() {
+            Bound::Included(&s) => s,
+            Bound::Excluded(&s) => s.checked_add(1).unwrap_or_else(|| {
+                bad = true;
+                usize::MAX
+            }),
+            Bound::Unbounded => 0,
+        };
+        let end = match range.end_bound() {
+            Bound::Included(&e) => Some(e.checked_add(1).unwrap_or_else(|| {
+                bad = true;
+                usize::MAX
+            })),
+            Bound::Excluded(&e) => Some(e),
+            Bound::Unbounded => None,
+        };
+        LocalSlice {
+            buf,
+            start,
+            end,
+            bad,
+        }
+    }
+
+    /// The buffer back.
+    pub fn into_inner(self) -> B {
+        self.buf
+    }
+
+    /// The buffer.
+    pub fn buffer(&self) -> &B {
+        &self.buf
+    }
+
+    /// Address, length and lkey of the range, checked against the buffer.
+    pub(crate) fn resolve(&self) -> Result<LocalParts> {
+        let parts = self.buf.parts();
+        let end = self.end.unwrap_or(parts.len);
+        if self.bad || self.start > end || end > parts.len {
+            return Err(Error::OutOfBounds {
+                side: "local",
+                offset: self.start as u64,
+                len: end.saturating_sub(self.start) as u64,
+                region_len: parts.len as u64,
+            });
+        }
+        Ok(LocalParts {
+            addr: parts.addr + self.start as u64,
+            len: end - self.start,
+            ..parts
+        })
+    }
+}
+
+impl<B: LocalBuffer> From<B> for LocalSlice<B> {
+    fn from(buf: B) -> Self {
+        LocalSlice {
+            buf,
+            start: 0,
+            end: None,
+            bad: false,
+        }
+    }
+}

@@ -1,0 +1,406 @@
+//! The table of operations in flight on one connection: which work request
+//! id belongs to which operation, what its outcome was, and the buffers of
+//! operations whose handle was dropped before they completed ("orphans"),
+//! kept until the device is done with them.
+//!
+//! Transport-neutral; the transport holds it under its lock.
+
+#![forbid(unsafe_code)]
+
+use std::any::Any;
+
+use crate::completion::{Completion, CompletionError, Opcode, WcStatus};
+use crate::error::{Error, Result};
+
+/// Identifies one operation: slot index and generation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct OpId {
+    index: u32,
+    generation: u32,
+}
+
+const FINAL_BIT: u64 = 1 << 63;
+const GEN_MASK: u32 = 0x7fff_ffff;
+
+impl OpId {
+    /// The work request id for one of its work requests. Only the final
+    /// request of an operation completes it; earlier ones (unsignaled parts
+    /// of a batch) report only errors.
+    pub(crate) fn wr_id(self, last: bool) -> u64 {
+        (if last { FINAL_BIT } else { 0 })
+            | (u64::from(self.generation & GEN_MASK) << 32)
+            | u64::from(self.index)
+    }
+
+    fn from_wr_id(wr_id: u64) -> (OpId, bool) {
+        let id = OpId {
+            index: wr_id as u32,
+            generation: ((wr_id >> 32) as u32) & GEN_MASK,
+        };
+        (id, wr_id & FINAL_BIT != 0)
+    }
+}
+
+/// One completion as a transport reports it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RawCompletion {
+    pub wr_id: u64,
+    pub status: WcStatus,
+    pub byte_len: u32,
+    pub imm: Option<u32>,
+    pub qp_num: u32,
+    pub vendor_err: u32,
+    /// For receives: whether a write with immediate (rather than a send) consumed it.
+    pub by_write_imm: bool,
+}
+
+/// Queue resources an operation held, released when it completes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Held {
+    pub send_wrs: u32,
+    pub recv_wrs: u32,
+}
+
+type Orphan = Box<dyn Any + Send>;
+
+enum Slot {
+    Free,
+    Busy {
+        opcode: Opcode,
+        held: Held,
+        first_error: Option<Completion>,
+        orphan: Option<Orphan>,
+    },
+    Done {
+        outcome: Result<Completion>,
+    },
+}
+
+struct Entry {
+    generation: u32,
+    slot: Slot,
+}
+
+/// The table. Never shrinks; reuses slots.
+pub(crate) struct OpTable {
+    entries: Vec<Entry>,
+    free: Vec<u32>,
+    busy: usize,
+    orphans: usize,
+}
+
+impl OpTable {
+    pub(crate) fn new() -> Self {
+        OpTable {
+            entries: Vec::new(),
+            free: Vec::new(),
+            busy: 0,
+            orphans: 0,
+        }
+    }
+
+    /// Operations posted and not yet completed.
+    pub(crate) fn in_flight(&self) -> usize {
+        self.busy
+    }
+
+    /// In-flight operations whose handle was dropped.
+    pub(crate) fn orphans(&self) -> usize {
+        self.orphans
+    }
+
+    /// Starts tracking an operation about to be posted.
+    pub(crate) fn start(&mut self, opcode: Opcode, held: Held) -> OpId {
+        let slot = Slot::Busy {
+            opcode,
+            held,
+            first_error: None,
+            orphan: None,
+        };
+        self.busy += 1;
+        if let Some(index) = self.free.pop() {
+            let e = &mut self.entries[index as usize];
+            e.generation = e.generation.wrapping_add(1) & GEN_MASK;
+            e.slot = slot;
+            OpId {
+                index,
+                generation: e.generation,
+            }
+        } else {
+            let index = self.entries.len() as u32;
+            self.entries.push(Entry {
+                generation: 0,
+                slot,
+            });
+            OpId {
+                index,
+                generation: 0,
+            }
+        }
+    }
+
+    fn entry(&mut self, id: OpId) -> Option<&mut Entry> {
+        self.entries
+            .get_mut(id.index as usize)
+            .filter(|e| e.generation == id.generation)
+    }
+
+    fn release(&mut self, index: u32) {
+        self.entries[index as usize].slot = Slot::Free;
+        self.free.push(index);
+    }
+
+    /// Forgets an operation that could not be posted at all.
+    pub(crate) fn abort(&mut self, id: OpId) {
+        if let Some(e) = self.entry(id) {
+            if matches!(e.slot, Slot::Busy { .. }) {
+                self.busy -= 1;
+                self.release(id.index);
+            }
+        }
+    }
+
+    /// Records one completion. Returns the queue resources to release (when
+    /// it was the operation's final request) and an orphaned buffer that may
+    /// now be dropped.
+    ///
+    /// `lost` is why the connection broke, if it did: flushed operations
+    /// then fail with [`Error::ConnectionLost`] rather than a flush status.
+    pub(crate) fn complete(
+        &mut self,
+        raw: &RawCompletion,
+        lost: Option<&str>,
+    ) -> (Held, Option<Orphan>) {
+        let (id, last) = OpId::from_wr_id(raw.wr_id);
+        let Some(entry) = self.entry(id) else {
+            tracing::warn!(wr_id = raw.wr_id, "completion for an unknown work request");
+            return (Held::default(), None);
+        };
+        let Slot::Busy {
+            opcode,
+            held,
+            first_error,
+            orphan,
+        } = &mut entry.slot
+        else {
+            tracing::warn!(
+                wr_id = raw.wr_id,
+                "completion for an operation that is not in flight"
+            );
+            return (Held::default(), None);
+        };
+        let opcode = match *opcode {
+            Opcode::Recv if raw.by_write_imm => Opcode::RecvWriteWithImm,
+            other => other,
+        };
+        let completion = Completion {
+            wr_id: raw.wr_id & !FINAL_BIT,
+            opcode,
+            status: raw.status,
+            byte_len: raw.byte_len,
+            imm: raw.imm,
+            qp_num: raw.qp_num,
+            vendor_err: raw.vendor_err,
+        };
+        if !last {
+            // An unsignaled part of a batch reports only errors; keep the first.
+            if !raw.status.is_success() && first_error.is_none() {
+                *first_error = Some(completion);
+            }
+            return (Held::default(), None);
+        }
+        let held = *held;
+        let orphan = orphan.take();
+        let effective = first_error.take().unwrap_or(completion);
+        let outcome = match (effective.result(), lost) {
+            (Ok(c), _) => Ok(c),
+            (
+                Err(CompletionError {
+                    status: WcStatus::WrFlush,
+                    opcode,
+                    ..
+                }),
+                Some(reason),
+            ) => Err(Error::ConnectionLost {
+                reason: format!("{reason}; the {opcode} was flushed"),
+            }),
+            (Err(e), _) => Err(Error::Completion(e)),
+        };
+        if orphan.is_some() {
+            self.orphans -= 1;
+            self.release(id.index);
+        } else {
+            entry.slot = Slot::Done { outcome };
+        }
+        self.busy -= 1;
+        (held, orphan)
+    }
+
+    /// Whether the operation has an outcome to take.
+    pub(crate) fn is_done(&self, id: OpId) -> bool {
+        self.entries
+            .get(id.index as usize)
+            .is_some_and(|e| e.generation == id.generation && matches!(e.slot, Slot::Done { .. }))
+    }
+
+    /// Takes a finished operation's outcome, freeing its slot.
+    pub(crate) fn take(&mut self, id: OpId) -> Option<Result<Completion>> {
+        let e = self.entry(id)?;
+        if !matches!(e.slot, Slot::Done { .. }) {
+            return None;
+        }
+        let Slot::Done { outcome } = std::mem::replace(&mut e.slot, Slot::Free) else {
+            unreachable!()
+        };
+        self.free.push(id.index);
+        Some(outcome)
+    }
+
+    /// The handle of an operation was dropped. If it is still in flight its
+    /// buffer is kept until it completes; if it finished, the slot is freed
+    /// and the buffer handed back to be dropped by the caller.
+    pub(crate) fn orphan(&mut self, id: OpId, buffer: Orphan) -> Option<Orphan> {
+        let Some(e) = self.entry(id) else {
+            return Some(buffer);
+        };
+        match &mut e.slot {
+            Slot::Busy { orphan, .. } => {
+                *orphan = Some(buffer);
+                self.orphans += 1;
+                None
+            }
+            Slot::Done { .. } => {
+                self.release(id.index);
+                Some(buffer)
+            }
+            Slot::Free => Some(buffer),
+        }
+    }
+
+    /// Takes every orphaned buffer: only once the device can no longer
+    /// touch them (the queue pair is destroyed).
+    pub(crate) fn take_orphans(&mut self) -> Vec<Orphan> {
+        let mut out = Vec::new();
+        for e in &mut self.entries {
+            if let Slot::Busy { orphan, .. } = &mut e.slot {
+                if let Some(o) = orphan.take() {
+                    out.push(o);
+                }
+            }
+        }
+        self.orphans = 0;
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn raw(id: OpId, last: bool, status: WcStatus) -> RawCompletion {
+        RawCompletion {
+            wr_id: id.wr_id(last),
+            status,
+            byte_len: 8,
+            imm: None,
+            qp_num: 1,
+            vendor_err: 0,
+            by_write_imm: false,
+        }
+    }
+
+    #[test]
+    fn an_operation_completes_once_and_its_slot_is_reused() {
+        let mut t = OpTable::new();
+        let held = Held {
+            send_wrs: 1,
+            recv_wrs: 0,
+        };
+        let a = t.start(Opcode::Write, held);
+        assert_eq!(t.in_flight(), 1);
+        assert!(!t.is_done(a));
+        assert_eq!(t.complete(&raw(a, true, WcStatus::Success), None).0, held);
+        assert!(t.is_done(a));
+        assert_eq!(t.take(a).unwrap().unwrap().opcode, Opcode::Write);
+        assert!(t.take(a).is_none());
+        let b = t.start(Opcode::Read, held);
+        assert_eq!(b.index, a.index);
+        assert_ne!(b.generation, a.generation);
+        // A stale completion for the old generation is ignored.
+        assert_eq!(
+            t.complete(&raw(a, true, WcStatus::Success), None).0,
+            Held::default()
+        );
+        assert!(!t.is_done(b));
+    }
+
+    #[test]
+    fn a_batch_reports_the_first_error_at_its_final_request() {
+        let mut t = OpTable::new();
+        let a = t.start(
+            Opcode::Write,
+            Held {
+                send_wrs: 3,
+                recv_wrs: 0,
+            },
+        );
+        t.complete(&raw(a, false, WcStatus::RemoteAccess), None);
+        assert!(!t.is_done(a), "not done before its final request");
+        let (held, _) = t.complete(&raw(a, true, WcStatus::WrFlush), None);
+        assert_eq!(held.send_wrs, 3);
+        let err = t.take(a).unwrap().unwrap_err();
+        assert!(err.is_remote_access(), "{err}");
+    }
+
+    #[test]
+    fn flushes_after_a_lost_connection_say_so() {
+        let mut t = OpTable::new();
+        let a = t.start(
+            Opcode::Recv,
+            Held {
+                send_wrs: 0,
+                recv_wrs: 1,
+            },
+        );
+        t.complete(
+            &raw(a, true, WcStatus::WrFlush),
+            Some("the peer closed the connection"),
+        );
+        match t.take(a).unwrap() {
+            Err(Error::ConnectionLost { reason }) => {
+                assert!(reason.contains("peer closed"), "{reason}")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn orphans_are_kept_until_completion() {
+        let mut t = OpTable::new();
+        let a = t.start(
+            Opcode::Send,
+            Held {
+                send_wrs: 1,
+                recv_wrs: 0,
+            },
+        );
+        assert!(
+            t.orphan(a, Box::new(vec![1u8, 2, 3])).is_none(),
+            "kept while in flight"
+        );
+        assert_eq!(t.orphans(), 1);
+        let (_, orphan) = t.complete(&raw(a, true, WcStatus::Success), None);
+        assert!(orphan.is_some(), "released at completion");
+        assert_eq!((t.orphans(), t.in_flight()), (0, 0));
+
+        let b = t.start(Opcode::Send, Held::default());
+        t.complete(&raw(b, true, WcStatus::Success), None);
+        assert!(
+            t.orphan(b, Box::new(1u32)).is_some(),
+            "already done: dropped at once"
+        );
+        let c = t.start(Opcode::Send, Held::default());
+        t.orphan(c, Box::new(2u32));
+        assert_eq!(t.take_orphans().len(), 1);
+    }
+}

@@ -1,0 +1,845 @@
+//! The verbs transport: one RC queue pair per connection, one completion
+//! queue with a completion channel, and the handshake's TCP socket kept
+//! open to notice a peer that closes or dies.
+
+use std::hash::{BuildHasher, Hasher};
+use std::net::TcpStream;
+use std::os::fd::AsFd;
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use super::{ConnTransport, Established, Posted, Registration, RemoteOp, WorkItem};
+use crate::bootstrap::{self, CAP_VERBS, Deadline, Hello, VerbsEndpoint};
+use crate::completion::{Completion, Opcode};
+use crate::connection::{ConnectOptions, ConnectionInfo};
+use crate::domain::{Domain, DomainConfig, DomainInfo};
+use crate::error::{BootstrapError, Error, Result};
+use crate::memory::{Access, LocalParts};
+use crate::ops::{Held, OpId, OpTable, RawCompletion};
+use crate::verbs::{
+    self, CompletionChannel, CompletionQueue, Context, DeviceAttr, GidChoice, LinkLayer,
+    MemoryRegion, Mtu, PortAttr, ProtectionDomain, QpCaps, QpState, QueuePair, QueuePairBuilder,
+    RecvWr, RtrAttr, RtsAttr, SendOp, SendWr, Sge, WaitOutcome, WcOpcode, WorkCompletion,
+    choose_gid,
+};
+
+/// A domain on a verbs device: context, protection domain, port and GID.
+pub(crate) struct VerbsDomain {
+    pd: ProtectionDomain,
+    ctx: Context,
+    port: PortAttr,
+    gid: GidChoice,
+    device: DeviceAttr,
+}
+
+impl VerbsDomain {
+    pub(crate) fn open(config: &DomainConfig) -> Result<Self> {
+        let (ctx, port) = verbs::open_device(config.device.as_deref(), config.port)?;
+        let device = ctx.query_device()?;
+        let table = ctx.gid_table(port.port)?;
+        let gid =
+            choose_gid(&table, port.link_layer, config.gid_index).ok_or_else(|| Error::NoGid {
+                device: ctx.name().to_owned(),
+                port: port.port,
+                detail: match config.gid_index {
+                    Some(i) => format!(
+                        "GID index {i} is empty or does not exist (non-empty entries: {:?})",
+                        table.iter().map(|e| e.index).collect::<Vec<_>>()
+                    ),
+                    None => "the GID table is empty: on RoCE, is the network device up?".to_owned(),
+                },
+            })?;
+        let pd = ProtectionDomain::new(&ctx)?;
+        Ok(VerbsDomain {
+            pd,
+            ctx,
+            port,
+            gid,
+            device,
+        })
+    }
+
+    pub(crate) fn info(&self) -> DomainInfo {
+        DomainInfo {
+            transport: "verbs",
+            device: self.ctx.name().to_owned(),
+            port: self.port.port,
+            link_layer: self.port.link_layer.to_string(),
+            mtu: self.port.active_mtu.bytes(),
+            gid_index: self.gid.entry.index,
+            gid: self.gid.entry.gid.to_string(),
+            gid_reason: self.gid.reason.clone(),
+        }
+    }
+
+    /// # Safety
+    /// As [`MemoryRegion::register`].
+    pub(crate) unsafe fn register(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        access: Access,
+    ) -> Result<Registration> {
+        // SAFETY: forwarded contract.
+        Ok(Registration::Verbs(unsafe {
+            MemoryRegion::register(&self.pd, ptr, len, access)?
+        }))
+    }
+}
+
+fn random_psn() -> u32 {
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(Instant::now().elapsed().as_nanos() ^ u128::from(std::process::id()));
+    (h.finish() as u32) & 0x00ff_ffff
+}
+
+const POLL_BATCH: usize = 32;
+
+struct State {
+    // Declared first: dropped (destroyed) before the table's orphaned buffers.
+    qp: Option<QueuePair>,
+    table: OpTable,
+    send_used: u32,
+    recv_used: u32,
+    /// Why the connection can no longer be used.
+    lost: Option<String>,
+    /// The peer closed or died at this instant; the queue pair is moved to
+    /// the error state after a short grace, so completions already on their
+    /// way are still reported.
+    peer_gone: Option<Instant>,
+    wcs: [WorkCompletion; POLL_BATCH],
+    sges: Vec<Sge>,
+    scratch: Vec<(SendOp, usize, bool)>,
+}
+
+/// One connection's verbs resources.
+pub(crate) struct VerbsConn {
+    state: Mutex<State>,
+    cq: CompletionQueue,
+    socket: TcpStream,
+    domain_id: u64,
+    send_depth: u32,
+    recv_depth: u32,
+    max_message: u64,
+    max_inline: u32,
+    spin: Duration,
+}
+
+const PEER_GRACE: Duration = Duration::from_millis(50);
+
+impl VerbsConn {
+    pub(crate) fn establish(
+        domain: &Domain,
+        vd: &VerbsDomain,
+        stream: TcpStream,
+        opts: &ConnectOptions,
+        _is_server: bool,
+    ) -> Result<Established> {
+        let deadline = Deadline::after(opts.handshake_timeout, "the handshake");
+        stream.set_nodelay(true)?;
+        let peer_addr = stream.peer_addr().ok();
+
+        let channel = CompletionChannel::new(&vd.ctx)?;
+        let cq = CompletionQueue::new(
+            &vd.ctx,
+            opts.send_queue_depth + opts.recv_queue_depth,
+            Some(&channel),
+        )?;
+        let mut qp = QueuePairBuilder::new(&vd.pd, &cq, &cq)
+            .caps(QpCaps {
+                max_send_wr: opts.send_queue_depth,
+                max_recv_wr: opts.recv_queue_depth,
+                max_send_sge: 1,
+                max_recv_sge: 1,
+                max_inline_data: opts.max_inline,
+            })
+            .build()?;
+        qp.init(
+            vd.port.port,
+            Access::REMOTE_READ | Access::REMOTE_WRITE | Access::REMOTE_ATOMIC,
+        )?;
+
+        let psn = random_psn();
+        let responder_resources = vd.device.max_qp_rd_atom.min(16) as u8;
+        let mine = VerbsEndpoint {
+            qp_num: qp.qp_num(),
+            psn,
+            max_msg_sz: vd.port.max_msg_sz,
+            lid: vd.port.lid,
+            mtu: vd.port.active_mtu.to_raw() as u8,
+            link_layer: vd.port.link_layer.to_raw(),
+            responder_resources,
+            gid: vd.gid.entry.gid.raw(),
+        };
+        let hello = Hello {
+            caps: CAP_VERBS,
+            verbs: Some(mine),
+            regions: opts.advertise.clone(),
+        };
+        let peer =
+            bootstrap::exchange_hello(&stream, &hello, deadline, opts.max_handshake_payload)?;
+
+        let reject = |reason: String| -> Error {
+            bootstrap::send_reject(&stream, &reason);
+            BootstrapError::Incompatible(reason).into()
+        };
+        let Some(theirs) = peer.verbs else {
+            return Err(reject("the peer offers no verbs endpoint".into()));
+        };
+        let their_ll = LinkLayer::from_raw(theirs.link_layer);
+        if their_ll != vd.port.link_layer {
+            return Err(reject(format!(
+                "link layers differ: {} here, {} at the peer",
+                vd.port.link_layer, their_ll
+            )));
+        }
+        let their_mtu = Mtu::from_raw(u32::from(theirs.mtu)).unwrap_or(Mtu::Mtu256);
+        let path_mtu = vd.port.active_mtu.min(their_mtu);
+        let is_global = vd.port.link_layer != LinkLayer::InfiniBand;
+        let rtr = RtrAttr {
+            port: vd.port.port,
+            path_mtu,
+            dest_qp_num: theirs.qp_num,
+            rq_psn: theirs.psn,
+            max_dest_rd_atomic: responder_resources,
+            min_rnr_timer: opts.min_rnr_timer,
+            dest_lid: theirs.lid,
+            dest_gid: verbs::Gid(theirs.gid),
+            is_global,
+            sgid_index: u8::try_from(vd.gid.entry.index).map_err(|_| {
+                Error::InvalidArgument(format!(
+                    "GID index {} does not fit sgid_index",
+                    vd.gid.entry.index
+                ))
+            })?,
+            hop_limit: 64,
+            traffic_class: opts.traffic_class,
+            service_level: opts.service_level,
+        };
+        if let Err(e) = qp.ready_to_receive(&rtr) {
+            bootstrap::send_reject(&stream, &e.to_string());
+            return Err(e);
+        }
+        let rts = RtsAttr {
+            sq_psn: psn,
+            timeout: opts.ack_timeout,
+            retry_cnt: opts.retry_count,
+            rnr_retry: opts.rnr_retry,
+            max_rd_atomic: (vd
+                .device
+                .max_qp_init_rd_atom
+                .min(u32::from(theirs.responder_resources))
+                .max(1)) as u8,
+        };
+        if let Err(e) = qp.ready_to_send(&rts) {
+            bootstrap::send_reject(&stream, &e.to_string());
+            return Err(e);
+        }
+        bootstrap::exchange_ready(&stream, deadline)?;
+        stream.set_nonblocking(true)?;
+
+        let caps = qp.caps();
+        let max_message = u64::from(vd.port.max_msg_sz.min(theirs.max_msg_sz)).max(1);
+        let info = ConnectionInfo {
+            transport: "verbs",
+            peer_addr,
+            local_qp_num: qp.qp_num(),
+            remote_qp_num: theirs.qp_num,
+            mtu: path_mtu.bytes(),
+            max_message_size: max_message,
+            max_inline: caps.max_inline_data,
+            send_queue_depth: caps.max_send_wr,
+            recv_queue_depth: caps.max_recv_wr,
+        };
+        tracing::debug!(?info, "verbs connection established");
+        let conn = VerbsConn {
+            state: Mutex::new(State {
+                qp: Some(qp),
+                table: OpTable::new(),
+                send_used: 0,
+                recv_used: 0,
+                lost: None,
+                peer_gone: None,
+                wcs: [WorkCompletion::EMPTY; POLL_BATCH],
+                sges: Vec::with_capacity(64),
+                scratch: Vec::with_capacity(64),
+            }),
+            cq,
+            socket: stream,
+            domain_id: domain.id(),
+            send_depth: caps.max_send_wr,
+            recv_depth: caps.max_recv_wr,
+            max_message,
+            max_inline: caps.max_inline_data,
+            spin: opts.spin,
+        };
+        Ok(Established {
+            transport: ConnTransport::Verbs(conn),
+            peer_regions: peer.regions,
+            info,
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock cannot leave the table half-updated in
+        // a way that breaks memory safety; keep going.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Polls the completion queue once and records what it finds.
+    fn progress(&self, st: &mut State) -> Result<usize> {
+        let mut wcs = st.wcs;
+        let n = self.cq.poll(&mut wcs)?;
+        for wc in &wcs[..n] {
+            let raw = RawCompletion {
+                wr_id: wc.wr_id,
+                status: wc.status,
+                byte_len: wc.byte_len,
+                imm: wc.imm,
+                qp_num: wc.qp_num,
+                vendor_err: wc.vendor_err,
+                by_write_imm: wc.opcode == WcOpcode::RecvRdmaWithImm,
+            };
+            if !wc.status.is_success() && st.lost.is_none() {
+                st.lost = Some(format!(
+                    "the queue pair went to the error state after a work request failed with {}",
+                    wc.status
+                ));
+            }
+            let (held, orphan) = st.table.complete(&raw, st.lost.as_deref());
+            st.send_used -= held.send_wrs.min(st.send_used);
+            st.recv_used -= held.recv_wrs.min(st.recv_used);
+            // The device is done with the orphan's memory: its final request completed.
+            drop(orphan);
+        }
+        st.wcs = wcs;
+        self.check_grace(st);
+        Ok(n)
+    }
+
+    fn check_grace(&self, st: &mut State) {
+        if let Some(at) = st.peer_gone {
+            if at.elapsed() >= PEER_GRACE {
+                st.peer_gone = None;
+                if let Some(qp) = st.qp.as_mut() {
+                    if qp.state() != QpState::Error {
+                        if let Err(e) = qp.set_error() {
+                            tracing::warn!("moving the queue pair to the error state: {e}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Looks at the socket after poll(2) said it is readable: the peer said
+    /// bye, closed, or died.
+    fn check_peer(&self, st: &mut State) {
+        if st.lost.is_some() {
+            return;
+        }
+        let mut byte = [0u8; 1];
+        let reason = match self.socket.peek(&mut byte) {
+            Ok(0) => {
+                "the peer closed the connection (its process exited or dropped the connection)"
+            }
+            Ok(_) => "the peer closed the connection (it said bye)",
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
+            Err(_) => "the connection to the peer was reset",
+        };
+        tracing::info!("{reason}");
+        st.lost = Some(reason.to_owned());
+        st.peer_gone = Some(Instant::now());
+    }
+
+    /// Waits, driving progress, until `ready` holds or the deadline passes.
+    fn wait_until(
+        &self,
+        deadline: Instant,
+        mut ready: impl FnMut(&mut State) -> bool,
+    ) -> Result<bool> {
+        let spin_until = Instant::now() + self.spin;
+        loop {
+            {
+                let mut st = self.lock();
+                self.progress(&mut st)?;
+                if ready(&mut st) {
+                    return Ok(true);
+                }
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Ok(false);
+            }
+            if now < spin_until {
+                std::hint::spin_loop();
+                continue;
+            }
+            self.cq.req_notify(false)?;
+            let watch_peer = {
+                let mut st = self.lock();
+                self.progress(&mut st)?;
+                if ready(&mut st) {
+                    return Ok(true);
+                }
+                st.lost.is_none()
+            };
+            let slice = deadline
+                .saturating_duration_since(Instant::now())
+                .min(Duration::from_millis(20));
+            let extra = watch_peer.then(|| self.socket.as_fd());
+            if self.cq.wait_event(slice, extra)? == WaitOutcome::Extra {
+                let mut st = self.lock();
+                self.check_peer(&mut st);
+            }
+        }
+    }
+
+    pub(crate) fn wait_done(
+        &self,
+        id: OpId,
+        deadline: Instant,
+        what: &'static str,
+        timeout: Duration,
+    ) -> Result<()> {
+        if self.wait_until(deadline, |st| st.table.is_done(id))? {
+            Ok(())
+        } else {
+            Err(Error::Timeout {
+                what,
+                after: timeout,
+            })
+        }
+    }
+
+    pub(crate) fn poll_done(&self, id: OpId) -> Result<bool> {
+        let mut st = self.lock();
+        self.progress(&mut st)?;
+        Ok(st.table.is_done(id))
+    }
+
+    pub(crate) fn progress_now(&self) -> Result<usize> {
+        let mut st = self.lock();
+        self.progress(&mut st)
+    }
+
+    pub(crate) fn take(&self, id: OpId) -> Option<Result<Completion>> {
+        self.lock().table.take(id)
+    }
+
+    pub(crate) fn orphan(&self, id: OpId, buffer: Box<dyn std::any::Any + Send>) {
+        let released = self.lock().table.orphan(id, buffer);
+        // Dropped outside the lock: deregistering can take a while.
+        drop(released);
+    }
+
+    pub(crate) fn broken(&self) -> Option<String> {
+        let mut st = self.lock();
+        let _ = self.progress(&mut st);
+        if st.lost.is_none() {
+            self.check_peer(&mut st);
+        }
+        st.lost.clone()
+    }
+
+    pub(crate) fn stats(&self) -> (usize, usize) {
+        let st = self.lock();
+        (st.table.in_flight(), st.table.orphans())
+    }
+
+    /// Closes this side: says bye, then moves the queue pair to the error
+    /// state so everything outstanding completes (flushed).
+    pub(crate) fn shutdown(&self, reason: &str) {
+        let mut st = self.lock();
+        if st.lost.is_none() {
+            bootstrap::send_bye(&self.socket);
+            st.lost = Some(reason.to_owned());
+        }
+        if let Some(qp) = st.qp.as_mut() {
+            if qp.state() != QpState::Error {
+                if let Err(e) = qp.set_error() {
+                    tracing::warn!("moving the queue pair to the error state: {e}");
+                }
+            }
+        }
+    }
+
+    fn check_local(&self, local: &LocalParts) -> Result<()> {
+        if local.domain != self.domain_id {
+            return Err(Error::InvalidArgument(
+                "the buffer is registered with another domain than this connection's".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Splits the items into send-queue requests, checking each.
+    fn plan(
+        &self,
+        items: &[WorkItem],
+        scratch: &mut Vec<(SendOp, usize, bool)>,
+        sges: &mut Vec<Sge>,
+    ) -> Result<()> {
+        scratch.clear();
+        sges.clear();
+        for item in items {
+            let (addr, len, lkey) = match &item.local {
+                Some(l) => {
+                    self.check_local(l)?;
+                    (l.addr, l.len as u64, l.lkey)
+                }
+                None => (0, 0, 0),
+            };
+            let (remote, needed) = match item.op {
+                RemoteOp::Write(r) | RemoteOp::WriteWithImm(r, _) => {
+                    (Some(r), Access::REMOTE_WRITE)
+                }
+                RemoteOp::Read(r) => (Some(r), Access::REMOTE_READ),
+                RemoteOp::Send | RemoteOp::SendWithImm(_) => (None, Access::empty()),
+            };
+            if let Some(r) = remote {
+                if !r.access().contains(needed) {
+                    return Err(Error::AccessDenied {
+                        needed,
+                        granted: r.access(),
+                    });
+                }
+                if len != r.len() {
+                    return Err(Error::InvalidArgument(format!(
+                        "the local range has {len} bytes and the remote range {}",
+                        r.len()
+                    )));
+                }
+            }
+            let chunks = match item.op {
+                RemoteOp::Send | RemoteOp::SendWithImm(_) => {
+                    if len > self.max_message {
+                        return Err(Error::MessageTooLarge {
+                            len,
+                            max: self.max_message,
+                        });
+                    }
+                    1
+                }
+                // A write with immediate is one message: it consumes one receive.
+                RemoteOp::WriteWithImm(..) => {
+                    if len > self.max_message {
+                        return Err(Error::MessageTooLarge {
+                            len,
+                            max: self.max_message,
+                        });
+                    }
+                    1
+                }
+                RemoteOp::Write(_) | RemoteOp::Read(_) => len.div_ceil(self.max_message).max(1),
+            };
+            for c in 0..chunks {
+                let off = c * self.max_message;
+                let n = (len - off).min(self.max_message);
+                let op = match item.op {
+                    RemoteOp::Send => SendOp::Send,
+                    RemoteOp::SendWithImm(imm) => SendOp::SendWithImm(imm),
+                    RemoteOp::Write(r) => SendOp::Write {
+                        remote_addr: r.addr() + off,
+                        rkey: r.rkey(),
+                    },
+                    RemoteOp::WriteWithImm(r, imm) => SendOp::WriteWithImm {
+                        remote_addr: r.addr(),
+                        rkey: r.rkey(),
+                        imm,
+                    },
+                    RemoteOp::Read(r) => SendOp::Read {
+                        remote_addr: r.addr() + off,
+                        rkey: r.rkey(),
+                    },
+                };
+                let inline = n > 0 && n <= u64::from(self.max_inline) && !op.writes_local();
+                if n > 0 {
+                    scratch.push((op, sges.len(), inline));
+                    sges.push(Sge::new(addr + off, n as u32, lkey));
+                } else {
+                    scratch.push((op, usize::MAX, false));
+                }
+            }
+        }
+        if scratch.len() as u64 > u64::from(self.send_depth) {
+            return Err(Error::InvalidArgument(format!(
+                "the operation needs {} send-queue requests, the queue holds {}",
+                scratch.len(),
+                self.send_depth
+            )));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn post_send(&self, items: &[WorkItem], deadline: Instant) -> Posted {
+        let Some(last) = items.last() else {
+            return Posted::Refused(Error::InvalidArgument("nothing to post".into()));
+        };
+        let opcode = last.op.opcode();
+        let mut st = self.lock();
+        loop {
+            if let Some(reason) = &st.lost {
+                return Posted::Refused(Error::ConnectionLost {
+                    reason: reason.clone(),
+                });
+            }
+            let (mut scratch, mut sges) = (
+                std::mem::take(&mut st.scratch),
+                std::mem::take(&mut st.sges),
+            );
+            if let Err(e) = self.plan(items, &mut scratch, &mut sges) {
+                st.scratch = scratch;
+                st.sges = sges;
+                return Posted::Refused(e);
+            }
+            let n = scratch.len() as u32;
+            if st.send_used + n <= self.send_depth {
+                let id = st.table.start(
+                    opcode,
+                    Held {
+                        send_wrs: n,
+                        recv_wrs: 0,
+                    },
+                );
+                let outcome = {
+                    let count = scratch.len();
+                    let wrs = scratch.iter().enumerate().map(|(i, &(op, sge, inline))| {
+                        let list: &[Sge] = if sge == usize::MAX {
+                            &[]
+                        } else {
+                            &sges[sge..sge + 1]
+                        };
+                        let last = i + 1 == count;
+                        SendWr::new(id.wr_id(last), op, list)
+                            .signaled(last)
+                            .inline(inline)
+                    });
+                    let qp = st
+                        .qp
+                        .as_mut()
+                        .expect("the queue pair lives as long as the connection");
+                    // SAFETY: every scatter/gather entry names a range of a registered
+                    // buffer (checked against its length by `LocalSlice::resolve`, with
+                    // its lkey, in this connection's domain) that the caller's
+                    // `Pending` owns until this operation's final request completes;
+                    // if the `Pending` is dropped first, the buffer moves into the
+                    // table as an orphan and is dropped only at that completion or
+                    // after the queue pair is destroyed.
+                    unsafe { qp.post_send(wrs) }
+                };
+                st.scratch = scratch;
+                st.sges = sges;
+                return match outcome {
+                    Ok(()) => {
+                        st.send_used += n;
+                        Posted::Ok(id)
+                    }
+                    Err(e) if e.posted == 0 => {
+                        st.table.abort(id);
+                        Posted::Refused(e.error)
+                    }
+                    Err(e) => {
+                        // Part of the chain is on the wire without a signaled request
+                        // behind it: break the connection so it flushes, and keep
+                        // the buffer until teardown.
+                        st.send_used += n;
+                        let reason = format!("posting failed part-way: {}", e.error);
+                        st.lost = Some(reason.clone());
+                        if let Some(qp) = st.qp.as_mut() {
+                            let _ = qp.set_error();
+                        }
+                        Posted::Stuck(id, Error::ConnectionLost { reason })
+                    }
+                };
+            }
+            st.scratch = scratch;
+            st.sges = sges;
+            drop(st);
+            let room = |s: &mut State| s.send_used + n <= self.send_depth || s.lost.is_some();
+            match self.wait_until(deadline, room) {
+                Ok(true) => st = self.lock(),
+                Ok(false) => {
+                    return Posted::Refused(Error::QueueFull {
+                        queue: "send",
+                        depth: self.send_depth,
+                    });
+                }
+                Err(e) => return Posted::Refused(e),
+            }
+        }
+    }
+
+    pub(crate) fn post_inline(&self, data: &[u8], imm: Option<u32>, deadline: Instant) -> Posted {
+        if data.len() as u64 > u64::from(self.max_inline) {
+            return Posted::Refused(Error::MessageTooLarge {
+                len: data.len() as u64,
+                max: u64::from(self.max_inline),
+            });
+        }
+        let op = match imm {
+            Some(imm) => SendOp::SendWithImm(imm),
+            None => SendOp::Send,
+        };
+        let opcode = if imm.is_some() {
+            Opcode::SendWithImm
+        } else {
+            Opcode::Send
+        };
+        let mut st = self.lock();
+        loop {
+            if let Some(reason) = &st.lost {
+                return Posted::Refused(Error::ConnectionLost {
+                    reason: reason.clone(),
+                });
+            }
+            if st.send_used < self.send_depth {
+                let id = st.table.start(
+                    opcode,
+                    Held {
+                        send_wrs: 1,
+                        recv_wrs: 0,
+                    },
+                );
+                // lkey 0 is never used: inline data is copied at post time.
+                let sge = [Sge::new(data.as_ptr() as u64, data.len() as u32, 0)];
+                let list: &[Sge] = if data.is_empty() { &[] } else { &sge };
+                let wr = SendWr::new(id.wr_id(true), op, list).inline(!data.is_empty());
+                let qp = st
+                    .qp
+                    .as_mut()
+                    .expect("the queue pair lives as long as the connection");
+                // SAFETY: an inline request's data is copied into the work queue
+                // during ibv_post_send; `data` is valid for this call and nothing
+                // references it afterwards.
+                let outcome = unsafe { qp.post_send([wr]) };
+                return match outcome {
+                    Ok(()) => {
+                        st.send_used += 1;
+                        Posted::Ok(id)
+                    }
+                    Err(e) => {
+                        st.table.abort(id);
+                        Posted::Refused(e.error)
+                    }
+                };
+            }
+            drop(st);
+            match self.wait_until(deadline, |s| {
+                s.send_used < self.send_depth || s.lost.is_some()
+            }) {
+                Ok(true) => st = self.lock(),
+                Ok(false) => {
+                    return Posted::Refused(Error::QueueFull {
+                        queue: "send",
+                        depth: self.send_depth,
+                    });
+                }
+                Err(e) => return Posted::Refused(e),
+            }
+        }
+    }
+
+    pub(crate) fn post_recv(&self, local: Option<LocalParts>) -> Posted {
+        if let Some(l) = &local {
+            if let Err(e) = self.check_local(l) {
+                return Posted::Refused(e);
+            }
+            if l.len as u64 > self.max_message.max(u64::from(u32::MAX)) {
+                return Posted::Refused(Error::MessageTooLarge {
+                    len: l.len as u64,
+                    max: u64::from(u32::MAX),
+                });
+            }
+        }
+        let mut st = self.lock();
+        if let Some(reason) = &st.lost {
+            return Posted::Refused(Error::ConnectionLost {
+                reason: reason.clone(),
+            });
+        }
+        if st.recv_used >= self.recv_depth {
+            return Posted::Refused(Error::QueueFull {
+                queue: "receive",
+                depth: self.recv_depth,
+            });
+        }
+        let id = st.table.start(
+            Opcode::Recv,
+            Held {
+                send_wrs: 0,
+                recv_wrs: 1,
+            },
+        );
+        let sge = local.map(|l| Sge::new(l.addr, l.len.min(u32::MAX as usize) as u32, l.lkey));
+        let list: &[Sge] = match &sge {
+            Some(s) => std::slice::from_ref(s),
+            None => &[],
+        };
+        let qp = st
+            .qp
+            .as_mut()
+            .expect("the queue pair lives as long as the connection");
+        // SAFETY: the entry names a checked range of a registered buffer of this
+        // domain, owned by the caller's `Pending` (or, once that is dropped, by the
+        // table) until this receive completes or the queue pair is destroyed.
+        let outcome = unsafe { qp.post_recv([RecvWr::new(id.wr_id(true), list)]) };
+        match outcome {
+            Ok(()) => {
+                st.recv_used += 1;
+                Posted::Ok(id)
+            }
+            Err(e) => {
+                st.table.abort(id);
+                Posted::Refused(e.error)
+            }
+        }
+    }
+}
+
+impl Drop for VerbsConn {
+    fn drop(&mut self) {
+        let cq = self.cq.clone();
+        let st = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
+        if let Some(qp) = st.qp.as_mut() {
+            if qp.state() != QpState::Error {
+                let _ = qp.set_error();
+            }
+        }
+        // Drain the flushes, briefly: after the queue pair is destroyed the
+        // device touches none of its requests' memory anyway.
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let mut wcs = [WorkCompletion::EMPTY; POLL_BATCH];
+        while st.table.in_flight() > 0 && Instant::now() < deadline {
+            match cq.poll(&mut wcs) {
+                Ok(0) => std::thread::sleep(Duration::from_micros(200)),
+                Ok(n) => {
+                    for wc in &wcs[..n] {
+                        let raw = RawCompletion {
+                            wr_id: wc.wr_id,
+                            status: wc.status,
+                            byte_len: wc.byte_len,
+                            imm: wc.imm,
+                            qp_num: wc.qp_num,
+                            vendor_err: wc.vendor_err,
+                            by_write_imm: false,
+                        };
+                        drop(st.table.complete(&raw, Some("the connection was dropped")));
+                    }
+                }
+                Err(_) => break,
+            }
+        }
+        let orphans = st.table.take_orphans();
+        match st.qp.take().map(QueuePair::destroy) {
+            Some(Err(e)) => {
+                tracing::error!(
+                    "destroying the queue pair failed ({e}): leaking {} buffers so the device cannot reach freed memory",
+                    orphans.len()
+                );
+                std::mem::forget(orphans);
+            }
+            _ => drop(orphans),
+        }
+    }
+}
