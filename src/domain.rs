@@ -384,7 +384,6 @@ impl fmt::Debug for Domain {
 }
 
 /// An error that gives back the value the failed call took.
-#[derive(Debug)]
 pub struct BufError<T> {
     /// What went wrong.
     pub error: Error,
@@ -398,7 +397,15 @@ impl<T> fmt::Display for BufError<T> {
     }
 }
 
-impl<T: fmt::Debug> std::error::Error for BufError<T> {
+impl<T> fmt::Debug for BufError<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BufError")
+            .field("error", &self.error)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<T> std::error::Error for BufError<T> {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         Some(&self.error)
     }

@@ -1,1 +1,117 @@
-fn main() {}
+//! `cargo xtask`: project automation for gpu-rdma.
+//!
+//! - `setup`: installs the Debian packages the build and the VM need, then
+//!   downloads and unpacks the Debian kernel that carries `rdma_rxe`
+//!   (soft-RoCE) and builds the VM's initramfs. Idempotent.
+//! - `vm -- CMD [ARGS]`: runs CMD as root in a qemu guest booted from that
+//!   kernel, with the host's root file system shared read-only at the same
+//!   paths and `rxe0` up; passes CMD's output and exit code through.
+//! - `test`: `cargo test` here, then the verbs tests and the transfer
+//!   example inside the guest on `rxe0`; prints both tiers' summaries.
+//! - `demo`: the transfer example in the guest: 256 MiB by write, read and
+//!   send, verified.
+
+mod setup;
+mod test;
+mod vm;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+
+pub type Result<T> = std::result::Result<T, String>;
+
+const USAGE: &str = "\
+usage: cargo xtask <command>
+
+commands:
+  setup                 install packages, fetch the Debian kernel, build the VM initramfs
+  vm [OPTS] -- CMD ...  run CMD as root in the soft-RoCE guest (rxe0 up)
+                          --timeout SECS (default 900)  --mem SIZE (default 3G)  --keep
+  test                  cargo test here, then the verbs tests and the transfer example on rxe0
+  demo                  the transfer example on rxe0: 256 MiB by write, read and send, verified
+";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let outcome = match args.first().map(String::as_str) {
+        Some("setup") => setup::setup().map(|_| 0),
+        Some("vm") => vm::command(&args[1..]),
+        Some("test") => test::run(),
+        Some("demo") => test::demo(),
+        Some("-h" | "--help" | "help") | None => {
+            print!("{USAGE}");
+            Ok(0)
+        }
+        Some(other) => Err(format!("unknown command `{other}`\n{USAGE}")),
+    };
+    match outcome {
+        Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
+        Err(e) => {
+            eprintln!("xtask: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The workspace root.
+pub fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_path_buf()
+}
+
+/// Where downloads, the kernel and VM runs live.
+pub fn cache_dir() -> PathBuf {
+    std::env::var_os("GPU_RDMA_VM_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join("target").join("softroce"))
+}
+
+/// Runs a command, failing with its description when it does not exit 0.
+pub fn run(cmd: &mut Command) -> Result<()> {
+    let status = cmd
+        .status()
+        .map_err(|e| format!("cannot run {cmd:?}: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("{cmd:?} failed: {status}"))
+    }
+}
+
+/// Runs a command and returns its standard output.
+pub fn output(cmd: &mut Command) -> Result<String> {
+    let out = cmd
+        .output()
+        .map_err(|e| format!("cannot run {cmd:?}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{cmd:?} failed: {}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// A command prefixed with `sudo` unless we are root.
+pub fn privileged(program: &str) -> Command {
+    let is_root = output(Command::new("id").arg("-u"))
+        .map(|s| s.trim() == "0")
+        .unwrap_or(false);
+    if is_root {
+        Command::new(program)
+    } else {
+        let mut c = Command::new("sudo");
+        c.arg(program);
+        c
+    }
+}
+
+/// `cargo`, as the one running us.
+pub fn cargo() -> Command {
+    let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    c.current_dir(root());
+    c
+}

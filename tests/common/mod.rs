@@ -1,0 +1,60 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::thread;
+use std::time::Duration;
+
+use gpu_rdma::{ConnectOptions, Connection, Domain, DomainConfig};
+
+/// The RDMA device the verbs tests run on, from `GPU_RDMA_TEST_DEVICE`.
+/// Verbs tests are `#[ignore]`d, so this runs only when asked for
+/// (`-- --ignored`); then a missing variable is a failure, not a skip.
+pub fn device() -> String {
+    std::env::var("GPU_RDMA_TEST_DEVICE").unwrap_or_else(|_| {
+        panic!("GPU_RDMA_TEST_DEVICE is not set: name the RDMA device to test on (cargo xtask test runs these on soft-RoCE rxe0)")
+    })
+}
+
+pub fn domain() -> Domain {
+    Domain::with_config(&DomainConfig::default().device(device())).expect("open the test device")
+}
+
+pub fn opts() -> ConnectOptions {
+    ConnectOptions::default()
+        .op_timeout(Duration::from_secs(60))
+        .handshake_timeout(Duration::from_secs(30))
+}
+
+/// A connected pair in this process: (server side, client side).
+pub fn pair_on(
+    server: &Domain,
+    client: &Domain,
+    server_opts: ConnectOptions,
+    client_opts: ConnectOptions,
+) -> (Connection, Connection) {
+    let listener = server.listen("127.0.0.1:0").expect("listen");
+    let addr: SocketAddr = listener.local_addr().unwrap();
+    let t = thread::spawn(move || listener.accept_timeout(&server_opts, Duration::from_secs(30)));
+    let c = client.connect(addr, &client_opts).expect("connect");
+    let s = t.join().expect("accept thread").expect("accept");
+    (s, c)
+}
+
+/// A connected pair on one domain with default options.
+pub fn pair(d: &Domain) -> (Connection, Connection) {
+    pair_on(d, d, opts(), opts())
+}
+
+/// A deterministic byte pattern (never all one value).
+pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 24) as u8
+        })
+        .collect()
+}

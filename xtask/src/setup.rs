@@ -1,0 +1,295 @@
+//! `cargo xtask setup`: packages, the Debian kernel with `rdma_rxe`, the
+//! guest's kernel image and initramfs. Every step is skipped when its
+//! output already exists.
+
+use std::fs;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use crate::{Result, cache_dir, output, privileged, run};
+
+/// Debian packages for building gpu-rdma (rdma-core headers, bindgen's
+/// libclang) and for the soft-RoCE VM (qemu, busybox, module tools, perftest).
+pub const PACKAGES: &[&str] = &[
+    "build-essential",
+    "pkg-config",
+    "libclang-dev",
+    "clang",
+    "libibverbs-dev",
+    "librdmacm-dev",
+    "rdma-core",
+    "ibverbs-providers",
+    "ibverbs-utils",
+    "perftest",
+    "qemu-system-x86",
+    "busybox-static",
+    "kmod",
+    "cpio",
+    "xz-utils",
+    "zstd",
+    "gzip",
+    "iproute2",
+];
+
+/// The modules the initramfs loads to mount the host's root.
+const INITRAMFS_MODULES: &[&str] = &["virtio_pci", "9pnet_virtio", "9p", "overlay"];
+
+const INIT_SH: &str = include_str!("../assets/init.sh");
+
+/// What the VM boots.
+#[derive(Clone, Debug)]
+pub struct Kernel {
+    /// The unpacked linux-image package.
+    pub root: PathBuf,
+    /// Its kernel release (`6.1.0-57-amd64`).
+    pub release: String,
+    /// The uncompressed ELF kernel (booted directly, PVH).
+    pub vmlinux: PathBuf,
+    /// The initramfs.
+    pub initramfs: PathBuf,
+}
+
+impl Kernel {
+    /// The unpacked `/lib/modules`.
+    pub fn modules_dir(&self) -> PathBuf {
+        self.root.join("lib/modules")
+    }
+}
+
+pub fn setup() -> Result<Kernel> {
+    ensure_packages(PACKAGES)?;
+    let kernel = ensure_kernel()?;
+    println!(
+        "xtask: setup done: kernel {} in {}",
+        kernel.release,
+        kernel.root.display()
+    );
+    Ok(kernel)
+}
+
+fn ensure_packages(packages: &[&str]) -> Result<()> {
+    let status = Command::new("dpkg-query")
+        .args(["-W", "-f=${Package} ${db:Status-Status}\n"])
+        .args(packages)
+        .stderr(Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run dpkg-query (is this Debian?): {e}"))?;
+    let text = String::from_utf8_lossy(&status.stdout);
+    let missing: Vec<&str> = packages
+        .iter()
+        .copied()
+        .filter(|p| {
+            !text
+                .lines()
+                .any(|l| l.split_whitespace().collect::<Vec<_>>() == [*p, "installed"])
+        })
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    println!("xtask: installing {}", missing.join(" "));
+    run(privileged("apt-get").arg("update").arg("-q"))?;
+    run(privileged("apt-get")
+        .env("DEBIAN_FRONTEND", "noninteractive")
+        .args(["install", "-y", "-q", "--no-install-recommends"])
+        .args(&missing))
+}
+
+/// The package name of Debian's current kernel (`linux-image-6.1.0-57-amd64`).
+fn kernel_package() -> Result<String> {
+    if let Ok(p) = std::env::var("GPU_RDMA_VM_KERNEL_PACKAGE") {
+        return Ok(p);
+    }
+    let deps = output(Command::new("apt-cache").args(["depends", "linux-image-amd64"]))?;
+    deps.lines()
+        .filter_map(|l| l.trim().strip_prefix("Depends: "))
+        .find(|p| p.starts_with("linux-image-") && p.ends_with("-amd64"))
+        .map(str::to_owned)
+        .ok_or_else(|| {
+            format!("no linux-image package in `apt-cache depends linux-image-amd64`:\n{deps}")
+        })
+}
+
+pub fn ensure_kernel() -> Result<Kernel> {
+    let cache = cache_dir();
+    let pkg = kernel_package()?;
+    let root = cache.join(&pkg);
+    let modules = root.join("lib/modules");
+    if !modules.is_dir() {
+        let debs = cache.join("debs");
+        fs::create_dir_all(&debs).map_err(|e| format!("{}: {e}", debs.display()))?;
+        let deb = match find_deb(&debs, &pkg) {
+            Some(d) => d,
+            None => {
+                println!("xtask: downloading {pkg}");
+                run(Command::new("apt-get")
+                    .args(["download", "-q", &pkg])
+                    .current_dir(&debs))?;
+                find_deb(&debs, &pkg).ok_or_else(|| {
+                    format!("apt-get download {pkg} left no .deb in {}", debs.display())
+                })?
+            }
+        };
+        let partial = cache.join(format!("{pkg}.partial"));
+        let _ = fs::remove_dir_all(&partial);
+        run(Command::new("dpkg").arg("-x").arg(&deb).arg(&partial))?;
+        fs::rename(&partial, &root).map_err(|e| format!("{}: {e}", root.display()))?;
+    }
+    let release = fs::read_dir(&modules)
+        .map_err(|e| format!("{}: {e}", modules.display()))?
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .next()
+        .ok_or_else(|| format!("no kernel release under {}", modules.display()))?;
+    if !modules.join(&release).join("modules.dep").is_file() {
+        run(Command::new("depmod").arg("-b").arg(&root).arg(&release))?;
+    }
+
+    let vmlinux = cache.join(format!("vmlinux-{release}"));
+    if !vmlinux.is_file() {
+        let image = root.join(format!("boot/vmlinuz-{release}"));
+        extract_vmlinux(&image, &vmlinux)?;
+    }
+
+    let initramfs = cache.join(format!("initramfs-{release}.cpio.gz"));
+    let stamp = cache.join(format!("initramfs-{release}.init.sh"));
+    if !initramfs.is_file() || fs::read_to_string(&stamp).ok().as_deref() != Some(INIT_SH) {
+        build_initramfs(&root, &release, &initramfs)?;
+        fs::write(&stamp, INIT_SH).map_err(|e| format!("{}: {e}", stamp.display()))?;
+    }
+    Ok(Kernel {
+        root,
+        release,
+        vmlinux,
+        initramfs,
+    })
+}
+
+fn find_deb(dir: &Path, pkg: &str) -> Option<PathBuf> {
+    fs::read_dir(dir)
+        .ok()?
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .find(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with(&format!("{pkg}_")) && n.ends_with(".deb"))
+        })
+}
+
+/// Finds the compressed payload in a bzImage and decompresses it: booting the
+/// ELF directly (PVH) skips the in-guest decompression, slow under emulation.
+fn extract_vmlinux(image: &Path, out: &Path) -> Result<()> {
+    let bytes = fs::read(image).map_err(|e| format!("{}: {e}", image.display()))?;
+    let formats: [(&[u8], &str, &[&str]); 3] = [
+        (b"\xfd7zXZ\x00", "xz", &["-dc"]),
+        (b"\x28\xb5\x2f\xfd", "zstd", &["-dcq"]),
+        (b"\x1f\x8b\x08", "gzip", &["-dc"]),
+    ];
+    for (magic, tool, args) in formats {
+        let mut from = 0;
+        while let Some(pos) = find(&bytes[from..], magic).map(|p| p + from) {
+            from = pos + 1;
+            let mut child = Command::new(tool)
+                .args(args)
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::null())
+                .spawn()
+                .map_err(|e| format!("cannot run {tool}: {e}"))?;
+            let mut stdin = child.stdin.take().expect("piped");
+            let payload = bytes[pos..].to_vec();
+            let writer = std::thread::spawn(move || {
+                let _ = stdin.write_all(&payload);
+            });
+            let mut elf = Vec::new();
+            let _ = child.stdout.take().expect("piped").read_to_end(&mut elf);
+            let _ = child.wait();
+            let _ = writer.join();
+            if elf.starts_with(b"\x7fELF") {
+                fs::write(out, &elf).map_err(|e| format!("{}: {e}", out.display()))?;
+                println!(
+                    "xtask: extracted {} ({} MiB)",
+                    out.display(),
+                    elf.len() >> 20
+                );
+                return Ok(());
+            }
+        }
+    }
+    Err(format!("no compressed kernel found in {}", image.display()))
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+/// A busybox initramfs with the modules that mount the host's root.
+fn build_initramfs(root: &Path, release: &str, out: &Path) -> Result<()> {
+    let work = cache_dir().join("initramfs.work");
+    let _ = fs::remove_dir_all(&work);
+    let modules_dir = work.join("modules");
+    fs::create_dir_all(work.join("bin")).map_err(|e| e.to_string())?;
+    fs::create_dir_all(&modules_dir).map_err(|e| e.to_string())?;
+    fs::copy("/bin/busybox", work.join("bin/busybox")).map_err(|e| format!("/bin/busybox: {e}"))?;
+    fs::write(work.join("init"), INIT_SH).map_err(|e| e.to_string())?;
+    run(Command::new("chmod").arg("+x").arg(work.join("init")))?;
+
+    let mut order: Vec<String> = Vec::new();
+    for module in INITRAMFS_MODULES {
+        let deps = output(Command::new("modprobe").arg("-d").arg(root).args([
+            "-S",
+            release,
+            "--show-depends",
+            module,
+        ]))?;
+        for line in deps.lines() {
+            let mut words = line.split_whitespace();
+            if words.next() != Some("insmod") {
+                continue;
+            }
+            let Some(path) = words.next() else { continue };
+            let file = Path::new(path)
+                .file_name()
+                .and_then(|n| n.to_str())
+                .unwrap_or_default();
+            let name = file.split(".ko").next().unwrap_or_default().to_owned();
+            if name.is_empty() || order.contains(&name) {
+                continue;
+            }
+            let data = match file.rsplit('.').next() {
+                Some("xz") => output_bytes(Command::new("xz").arg("-dc").arg(path))?,
+                Some("zst") => output_bytes(Command::new("zstd").arg("-dcq").arg(path))?,
+                Some("gz") => output_bytes(Command::new("gzip").arg("-dc").arg(path))?,
+                _ => fs::read(path).map_err(|e| format!("{path}: {e}"))?,
+            };
+            fs::write(modules_dir.join(format!("{name}.ko")), data).map_err(|e| e.to_string())?;
+            order.push(name);
+        }
+    }
+    fs::write(work.join("modules.order"), order.join("\n") + "\n").map_err(|e| e.to_string())?;
+    let script = format!(
+        "cd '{}' && find . | cpio -o -H newc --quiet | gzip -1 > '{}'",
+        work.display(),
+        out.display()
+    );
+    run(Command::new("sh").arg("-c").arg(script))?;
+    let _ = fs::remove_dir_all(&work);
+    println!(
+        "xtask: built {} (modules: {})",
+        out.display(),
+        order.join(" ")
+    );
+    Ok(())
+}
+
+fn output_bytes(cmd: &mut Command) -> Result<Vec<u8>> {
+    let out = cmd
+        .output()
+        .map_err(|e| format!("cannot run {cmd:?}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("{cmd:?} failed: {}", out.status));
+    }
+    Ok(out.stdout)
+}
