@@ -259,6 +259,16 @@ impl From<PostError> for Error {
 
 const PSN_MASK: u32 = 0x00ff_ffff;
 
+/// How many requests of a chain starting at `base` (of `len`) come before
+/// `bad`, the one a failed post points at: those were posted.
+fn chain_position<T>(base: *const T, bad: *const T, len: usize) -> usize {
+    if bad.is_null() {
+        return 0;
+    }
+    let offset = (bad as usize).wrapping_sub(base as usize) / std::mem::size_of::<T>();
+    offset.min(len)
+}
+
 fn einval() -> io::Error {
     io::Error::from_raw_os_error(libc::EINVAL)
 }
@@ -677,15 +687,9 @@ impl QueuePair {
         // scatter lists, all valid for this call; the caller guarantees the
         // memory they name per the contract above.
         let rc = unsafe { ffi::ibv_post_send(self.qp.as_ptr(), base, &mut bad) };
-        let outcome = result::errno_rc(rc, "ibv_post_send").map_err(|error| PostError {
-            // SAFETY: on failure `bad` points into the chain (or is null).
-            posted: if bad.is_null() {
-                0
-            } else {
-                unsafe { bad.offset_from(base) }.max(0) as usize
-            },
-            error,
-        });
+        let posted = chain_position(base, bad, self.send_wrs.len());
+        let outcome =
+            result::errno_rc(rc, "ibv_post_send").map_err(|error| PostError { posted, error });
         self.send_wrs.clear();
         outcome
     }
@@ -736,15 +740,9 @@ impl QueuePair {
         // SAFETY: live QP; the chain and scatter lists are valid for this call;
         // the caller guarantees the memory per the contract above.
         let rc = unsafe { ffi::ibv_post_recv(self.qp.as_ptr(), base, &mut bad) };
-        let outcome = result::errno_rc(rc, "ibv_post_recv").map_err(|error| PostError {
-            // SAFETY: on failure `bad` points into the chain (or is null).
-            posted: if bad.is_null() {
-                0
-            } else {
-                unsafe { bad.offset_from(base) }.max(0) as usize
-            },
-            error,
-        });
+        let posted = chain_position(base, bad, self.recv_wrs.len());
+        let outcome =
+            result::errno_rc(rc, "ibv_post_recv").map_err(|error| PostError { posted, error });
         self.recv_wrs.clear();
         outcome
     }
