@@ -25,5 +25,6 @@ pub use connection::{Batch, ConnectOptions, Connection, ConnectionInfo, Pending}
 pub use domain::{BufError, Domain, DomainConfig, DomainInfo, DomainStats, Listener};
 pub use error::{BootstrapError, Error, Result};
 pub use memory::{
-    Access, Exposed, HostMemory, LocalBuffer, LocalSlice, Memory, Region, RemoteRegion, RemoteSlice,
+    Access, Exposed, HostMemory, LocalBuffer, LocalSlice, Memory, MemoryKind, Region, RemoteRegion,
+    RemoteSlice, Shared, WithdrawError,
 };

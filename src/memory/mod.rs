@@ -19,7 +19,7 @@ mod region;
 
 pub use host::HostMemory;
 pub(crate) use region::LocalParts;
-pub use region::{Exposed, LocalBuffer, LocalSlice, Region, WithdrawError};
+pub use region::{Exposed, LocalBuffer, LocalSlice, Region, Shared, WithdrawError};
 
 use std::fmt;
 use std::ops::{Bound, RangeBounds};

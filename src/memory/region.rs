@@ -173,31 +173,21 @@ impl<M: Memory + fmt::Debug> fmt::Debug for Region<M> {
     }
 }
 
-/// A region a peer may access with its remote key, as granted at
-/// [`Domain::expose`].
-///
-/// Cheap to clone: every clone, and every operation using it as a local
-/// buffer, keeps it registered. Since a peer may write it at any moment,
-/// it offers no safe `&[u8]`: copy out with [`Exposed::read_at`], or use
-/// [`Exposed::as_slice`] under its contract, or [`withdraw`](Exposed::withdraw)
-/// it to revoke the key and get the [`Region`] back.
-pub struct Exposed<M: Memory = HostMemory> {
-    inner: Arc<ExposedInner<M>>,
-}
-
-struct ExposedInner<M: Memory> {
+/// The state behind [`Shared`] and [`Exposed`]: a region, possibly a second
+/// registration with remote rights, and a lock for CPU-side copies.
+struct SharedInner<M: Memory> {
     // Dropped by hand: revoke the remote key first, then the region (or leak
     // the region if revoking failed).
-    remote: ManuallyDrop<Registration>,
+    remote: ManuallyDrop<Option<Registration>>,
     region: ManuallyDrop<Region<M>>,
     access: Access,
     tag: u64,
     // Serializes CPU-side copies through shared handles.
     cpu: Mutex<()>,
-    _live: Live,
+    _live: Option<Live>,
 }
 
-impl<M: Memory> Drop for ExposedInner<M> {
+impl<M: Memory> Drop for SharedInner<M> {
     fn drop(&mut self) {
         // SAFETY: both fields are taken exactly once, here, and never used again.
         let (remote, region) = unsafe {
@@ -206,7 +196,230 @@ impl<M: Memory> Drop for ExposedInner<M> {
                 ManuallyDrop::take(&mut self.region),
             )
         };
-        release(remote, region);
+        match remote {
+            Some(remote) => release(remote, region),
+            None => drop(region),
+        }
+    }
+}
+
+impl<M: Memory> SharedInner<M> {
+    /// Takes the region out, revoking the remote key first (if any).
+    fn into_region(self) -> std::result::Result<Region<M>, Error> {
+        let mut inner = ManuallyDrop::new(self);
+        // SAFETY: `inner` is never used again and its Drop does not run; every
+        // field is taken or dropped exactly once here.
+        let (remote, region) = unsafe {
+            std::ptr::drop_in_place(&mut inner.cpu);
+            std::ptr::drop_in_place(&mut inner._live);
+            (
+                ManuallyDrop::take(&mut inner.remote),
+                ManuallyDrop::take(&mut inner.region),
+            )
+        };
+        match remote.map(Registration::deregister) {
+            Some(Err(e)) => {
+                std::mem::forget(region);
+                Err(e)
+            }
+            _ => Ok(region),
+        }
+    }
+}
+
+impl SharedInner<HostMemory> {
+    fn check(&self, offset: usize, len: usize) -> Result<()> {
+        let end = offset.checked_add(len);
+        if end.is_none_or(|e| e > self.region.len()) {
+            return Err(Error::OutOfBounds {
+                side: "local",
+                offset: offset as u64,
+                len: len as u64,
+                region_len: self.region.len() as u64,
+            });
+        }
+        Ok(())
+    }
+
+    fn read_at(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        self.check(offset, out.len())?;
+        let _cpu = self.cpu.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: the range is inside the live registered mapping (checked); CPU
+        // copies are serialized by the lock, and `out` is a distinct Rust buffer.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.region.memory().as_ptr().add(offset),
+                out.as_mut_ptr(),
+                out.len(),
+            )
+        };
+        Ok(())
+    }
+
+    fn write_at(&self, offset: usize, data: &[u8]) -> Result<()> {
+        self.check(offset, data.len())?;
+        let _cpu = self.cpu.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: as in read_at; no Rust reference to the mapping exists outside
+        // `as_slice`, whose contract excludes this call.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                data.as_ptr(),
+                self.region.memory().as_ptr().add(offset),
+                data.len(),
+            )
+        };
+        Ok(())
+    }
+
+    /// # Safety
+    /// As [`Shared::as_slice`].
+    unsafe fn as_slice(&self) -> &[u8] {
+        // SAFETY: the mapping is live for as long as `self`; the caller
+        // guarantees that nothing writes it while the slice lives.
+        unsafe { std::slice::from_raw_parts(self.region.memory().as_ptr(), self.region.len()) }
+    }
+}
+
+/// A [`Region`] shared between several operations at once, for example
+/// receives into consecutive chunks of one buffer. Cheap to clone; every
+/// clone and every operation using it keeps it registered. Get the
+/// [`Region`] back with [`Shared::try_into_region`] once no operation
+/// uses it.
+///
+/// While shared, the device may be writing any part of it, so it offers no
+/// safe `&[u8]`: copy with [`read_at`](Shared::read_at) and
+/// [`write_at`](Shared::write_at), or use [`as_slice`](Shared::as_slice)
+/// under its contract. Operations on overlapping ranges at the same time
+/// are the caller's mistake: the bytes may mix, but memory stays safe.
+pub struct Shared<M: Memory = HostMemory> {
+    inner: Arc<SharedInner<M>>,
+}
+
+/// A region a peer may access with its remote key, as granted at
+/// [`Domain::expose`](crate::Domain::expose): a [`Shared`] region with a
+/// second registration that carries only the remote rights asked for.
+///
+/// Cheap to clone. Since a peer may write it at any moment, it offers no
+/// safe `&[u8]`: copy out with [`Exposed::read_at`], or use
+/// [`Exposed::as_slice`] under its contract, or [`withdraw`](Exposed::withdraw)
+/// it to revoke the key and get the [`Region`] back.
+pub struct Exposed<M: Memory = HostMemory> {
+    inner: Arc<SharedInner<M>>,
+}
+
+macro_rules! shared_common {
+    ($t:ident) => {
+        impl<M: Memory> Clone for $t<M> {
+            fn clone(&self) -> Self {
+                $t {
+                    inner: Arc::clone(&self.inner),
+                }
+            }
+        }
+
+        impl<M: Memory> $t<M> {
+            /// Length in bytes.
+            pub fn len(&self) -> usize {
+                self.inner.region.len()
+            }
+
+            /// Whether the length is zero.
+            pub fn is_empty(&self) -> bool {
+                self.inner.region.is_empty()
+            }
+
+            /// The local key.
+            pub fn lkey(&self) -> u32 {
+                self.inner.region.lkey()
+            }
+
+            /// Where the memory lives.
+            pub fn kind(&self) -> MemoryKind {
+                self.inner.region.kind()
+            }
+        }
+
+        impl $t<HostMemory> {
+            /// Copies `out.len()` bytes at `offset` out. If the device writes
+            /// the same bytes meanwhile (a peer's write, a receive in flight),
+            /// the copy may mix old and new data: read after the operation that
+            /// fills them has completed.
+            ///
+            /// # Errors
+            /// [`Error::OutOfBounds`].
+            pub fn read_at(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+                self.inner.read_at(offset, out)
+            }
+
+            /// Copies `data` in at `offset` (to prepare data to send, or for a
+            /// peer to read).
+            ///
+            /// # Errors
+            /// [`Error::OutOfBounds`].
+            pub fn write_at(&self, offset: usize, data: &[u8]) -> Result<()> {
+                self.inner.write_at(offset, data)
+            }
+
+            /// The bytes, without a copy.
+            ///
+            /// # Safety
+            /// While the returned slice lives, nothing may write the region: no
+            /// peer (for an exposed region), no operation of this side that
+            /// writes it (a receive or read into it), and no
+            /// [`write_at`](Self::write_at). For example: after the operation
+            /// or peer that filled it signalled completion, and before anything
+            /// may write it again.
+            pub unsafe fn as_slice(&self) -> &[u8] {
+                // SAFETY: forwarded contract.
+                unsafe { self.inner.as_slice() }
+            }
+        }
+
+        impl<M: Memory> sealed::Sealed for $t<M> {
+            fn parts(&self) -> LocalParts {
+                self.inner.region.parts()
+            }
+        }
+
+        impl<M: Memory> LocalBuffer for $t<M> {
+            fn buffer_len(&self) -> usize {
+                self.len()
+            }
+        }
+    };
+}
+
+shared_common!(Shared);
+shared_common!(Exposed);
+
+impl<M: Memory> Region<M> {
+    /// Shares the region between several operations at once.
+    pub fn share(self) -> Shared<M> {
+        Shared {
+            inner: Arc::new(SharedInner {
+                remote: ManuallyDrop::new(None),
+                region: ManuallyDrop::new(self),
+                access: Access::empty(),
+                tag: 0,
+                cpu: Mutex::new(()),
+                _live: None,
+            }),
+        }
+    }
+}
+
+impl<M: Memory> Shared<M> {
+    /// The region back when this is the last handle (no clone, no operation
+    /// in flight); else `self`.
+    ///
+    /// # Errors
+    /// `Err(self)` while other handles exist.
+    pub fn try_into_region(self) -> std::result::Result<Region<M>, Self> {
+        let inner = Arc::try_unwrap(self.inner).map_err(|inner| Shared { inner })?;
+        // Without a remote registration nothing can fail here.
+        Ok(inner
+            .into_region()
+            .unwrap_or_else(|_| unreachable!("no remote registration to revoke")))
     }
 }
 
@@ -233,14 +446,6 @@ impl<M: Memory> fmt::Display for WithdrawError<M> {
 
 impl<M: Memory + fmt::Debug> std::error::Error for WithdrawError<M> {}
 
-impl<M: Memory> Clone for Exposed<M> {
-    fn clone(&self) -> Self {
-        Exposed {
-            inner: Arc::clone(&self.inner),
-        }
-    }
-}
-
 impl<M: Memory> Exposed<M> {
     pub(crate) fn from_parts(
         remote: Registration,
@@ -250,15 +455,22 @@ impl<M: Memory> Exposed<M> {
         live: Live,
     ) -> Self {
         Exposed {
-            inner: Arc::new(ExposedInner {
-                remote: ManuallyDrop::new(remote),
+            inner: Arc::new(SharedInner {
+                remote: ManuallyDrop::new(Some(remote)),
                 region: ManuallyDrop::new(region),
                 access,
                 tag,
                 cpu: Mutex::new(()),
-                _live: live,
+                _live: Some(live),
             }),
         }
+    }
+
+    fn remote(&self) -> &Registration {
+        self.inner
+            .remote
+            .as_ref()
+            .expect("an exposed region has a remote registration")
     }
 
     /// What a peer needs to access it.
@@ -267,19 +479,9 @@ impl<M: Memory> Exposed<M> {
             tag: self.inner.tag,
             addr: self.inner.region.addr(),
             len: self.inner.region.len() as u64,
-            rkey: self.inner.remote.rkey(),
+            rkey: self.remote().rkey(),
             access: self.inner.access,
         }
-    }
-
-    /// Length in bytes.
-    pub fn len(&self) -> usize {
-        self.inner.region.len()
-    }
-
-    /// Whether the length is zero.
-    pub fn is_empty(&self) -> bool {
-        self.inner.region.is_empty()
     }
 
     /// The remote rights granted.
@@ -289,12 +491,7 @@ impl<M: Memory> Exposed<M> {
 
     /// The remote key.
     pub fn rkey(&self) -> u32 {
-        self.inner.remote.rkey()
-    }
-
-    /// The local key.
-    pub fn lkey(&self) -> u32 {
-        self.inner.region.lkey()
+        self.remote().rkey()
     }
 
     /// The tag it was exposed with.
@@ -303,8 +500,8 @@ impl<M: Memory> Exposed<M> {
     }
 
     /// Revokes the remote key and returns the region, when this is the last
-    /// handle (no clone, no operation in flight); else returns itself.
-    /// A peer that uses the old key afterwards gets a remote-access error.
+    /// handle (no clone, no operation in flight). A peer that uses the old
+    /// key afterwards gets a remote-access error.
     ///
     /// # Errors
     /// [`WithdrawError::InUse`] (with `self` back) while other handles exist;
@@ -312,100 +509,22 @@ impl<M: Memory> Exposed<M> {
     pub fn withdraw(self) -> std::result::Result<Region<M>, WithdrawError<M>> {
         let inner =
             Arc::try_unwrap(self.inner).map_err(|inner| WithdrawError::InUse(Exposed { inner }))?;
-        let mut inner = ManuallyDrop::new(inner);
-        // SAFETY: `inner` is never used again and its Drop does not run; every
-        // field is taken or dropped exactly once here.
-        let (remote, region) = unsafe {
-            std::ptr::drop_in_place(&mut inner.cpu);
-            std::ptr::drop_in_place(&mut inner._live);
-            (
-                ManuallyDrop::take(&mut inner.remote),
-                ManuallyDrop::take(&mut inner.region),
-            )
-        };
-        match remote.deregister() {
-            Ok(()) => Ok(region),
-            Err(e) => {
-                std::mem::forget(region);
-                Err(WithdrawError::Failed(e))
-            }
-        }
+        inner.into_region().map_err(WithdrawError::Failed)
     }
 }
 
-impl Exposed<HostMemory> {
-    fn check(&self, offset: usize, len: usize) -> Result<()> {
-        let end = offset.checked_add(len);
-        if end.is_none_or(|e| e > self.len()) {
-            return Err(Error::OutOfBounds {
-                side: "local",
-                offset: offset as u64,
-                len: len as u64,
-                region_len: self.len() as u64,
-            });
-        }
-        Ok(())
-    }
-
-    /// Copies `out.len()` bytes at `offset` out. If a peer writes the same
-    /// bytes meanwhile, the copy may mix old and new data; arrange with the
-    /// peer (a write with immediate, a message) to read after it is done.
-    ///
-    /// # Errors
-    /// [`Error::OutOfBounds`].
-    pub fn read_at(&self, offset: usize, out: &mut [u8]) -> Result<()> {
-        self.check(offset, out.len())?;
-        let _cpu = self.inner.cpu.lock().unwrap_or_else(|e| e.into_inner());
-        // SAFETY: the range is inside the live registered mapping (checked); CPU
-        // copies are serialized by the lock, and `out` is a distinct Rust buffer.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.inner.region.memory().as_ptr().add(offset),
-                out.as_mut_ptr(),
-                out.len(),
-            )
-        };
-        Ok(())
-    }
-
-    /// Copies `data` in at `offset` (to prepare data a peer will read).
-    ///
-    /// # Errors
-    /// [`Error::OutOfBounds`].
-    pub fn write_at(&self, offset: usize, data: &[u8]) -> Result<()> {
-        self.check(offset, data.len())?;
-        let _cpu = self.inner.cpu.lock().unwrap_or_else(|e| e.into_inner());
-        // SAFETY: as in read_at; no Rust reference to the mapping exists outside
-        // `as_slice`, whose contract excludes this call.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                data.as_ptr(),
-                self.inner.region.memory().as_ptr().add(offset),
-                data.len(),
-            )
-        };
-        Ok(())
-    }
-
-    /// The bytes, without a copy.
-    ///
-    /// # Safety
-    /// While the returned slice lives, no peer may write the region, no
-    /// operation of this side may write it (a receive or read into it), and
-    /// [`write_at`](Self::write_at) may not be called: for example after the
-    /// peer signalled that its write is complete and before it is told it may
-    /// write again.
-    pub unsafe fn as_slice(&self) -> &[u8] {
-        // SAFETY: the mapping is live for as long as `self`; the caller
-        // guarantees that nothing writes it while the slice lives.
-        unsafe { std::slice::from_raw_parts(self.inner.region.memory().as_ptr(), self.len()) }
+impl<M: Memory + fmt::Debug> fmt::Debug for Shared<M> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Shared")
+            .field("region", &*self.inner.region)
+            .finish()
     }
 }
 
 impl<M: Memory + fmt::Debug> fmt::Debug for Exposed<M> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Exposed")
-            .field("region", &self.inner.region)
+            .field("region", &*self.inner.region)
             .field("remote", &self.descriptor())
             .finish()
     }
@@ -457,18 +576,6 @@ impl<M: Memory> sealed::Sealed for Region<M> {
 }
 
 impl<M: Memory> LocalBuffer for Region<M> {
-    fn buffer_len(&self) -> usize {
-        self.len()
-    }
-}
-
-impl<M: Memory> sealed::Sealed for Exposed<M> {
-    fn parts(&self) -> LocalParts {
-        self.inner.region.parts()
-    }
-}
-
-impl<M: Memory> LocalBuffer for Exposed<M> {
     fn buffer_len(&self) -> usize {
         self.len()
     }
