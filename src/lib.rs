@@ -1,10 +1,181 @@
 //! # gpu-rdma
 //!
-//! Zero-copy RDMA transfers between machines, built to carry GPU memory
-//! (GPUDirect RDMA) and host memory through one safe API.
+//! Zero-copy RDMA transfers between machines through one safe API, built to
+//! carry GPU memory (GPUDirect RDMA: GPU HBM -> PCIe -> NIC -> network, with no
+//! copy through host RAM) as well as host memory.
 //!
-//! (Crate documentation: see the README; the full manual lands with the
-//! GPU-memory work.)
+//! This release has the verbs core on host memory: devices, memory
+//! registration, reliable-connected queue pairs, the out-of-band handshake
+//! and the safe [`Connection`]. CUDA memory, the path diagnostics and a TCP
+//! fallback plug into the same types.
+//!
+//! ## Quick start
+//!
+//! ```no_run
+//! use gpu_rdma::{Access, ConnectOptions, Domain};
+//!
+//! # fn main() -> gpu_rdma::Result<()> {
+//! let domain = Domain::open()?; // GPU_RDMA_DEVICE, else the first active port
+//!
+//! // Side A: expose 1 MiB for remote writes, and wait for a peer.
+//! let target = domain.expose(domain.alloc(1 << 20)?, Access::REMOTE_WRITE, 1)?;
+//! let listener = domain.listen("0.0.0.0:7471")?;
+//! let conn = listener.accept(&ConnectOptions::default().advertise(&target))?;
+//! let done = conn.recv_imm().wait()?; // the peer's write with immediate
+//! # Ok(()) }
+//! ```
+//!
+//! ```no_run
+//! # use gpu_rdma::{ConnectOptions, Domain};
+//! # fn main() -> gpu_rdma::Result<()> {
+//! # let domain = Domain::open()?;
+//! // Side B: write into A's region, and tell A in the same message.
+//! let conn = domain.connect("10.0.0.1:7471", &ConnectOptions::default())?;
+//! let remote = conn.remote_region(1).expect("A advertised it");
+//! let mut data = domain.alloc(1 << 20)?;
+//! data.fill(42);
+//! let (completion, data) = conn.write_with_imm(data, &remote.whole(), 7).finish()?;
+//! # Ok(()) }
+//! ```
+//!
+//! ## Memory safety
+//!
+//! The device reads and writes memory behind the compiler's back, so the
+//! API is built so that no safe code can free, move or reuse memory while
+//! the device may touch it:
+//!
+//! - A [`Region`] owns its memory and its registration, and deregisters
+//!   before it frees. Operations take it **by value** and hand it back with
+//!   their completion through [`Pending`]; while it is in flight, nothing
+//!   else can reach it.
+//! - A [`Pending`] dropped early keeps its buffer inside the connection
+//!   until the device is done with it (its final completion, or the queue
+//!   pair's destruction). A connection dropped with work in flight moves its
+//!   queue pair to the error state, waits briefly for the flushes, destroys
+//!   it, and only then frees the buffers.
+//! - Memory a peer may write ([`Exposed`]) or several operations share
+//!   ([`Shared`]) gives no safe `&[u8]`: copy out with `read_at`, or use the
+//!   `unsafe fn as_slice` under its written contract.
+//! - The low-level [`verbs`] layer is complete but its registration and
+//!   posting calls are `unsafe`, with a `# Safety` contract each.
+//!
+//! The compiler enforces these rules; for example, a buffer moved into an
+//! operation cannot be touched:
+//!
+//! ```compile_fail,E0382
+//! # fn f(conn: &gpu_rdma::Connection, domain: &gpu_rdma::Domain) -> gpu_rdma::Result<()> {
+//! let mut buf = domain.alloc(4096)?;
+//! let pending = conn.send(buf);
+//! buf[0] = 1; // error: borrow of moved value: the device owns it now
+//! # Ok(()) }
+//! ```
+//!
+//! nor can a buffer be sent while borrowed:
+//!
+//! ```compile_fail,E0505
+//! # fn f(conn: &gpu_rdma::Connection, domain: &gpu_rdma::Domain) -> gpu_rdma::Result<()> {
+//! let buf = domain.alloc(4096)?;
+//! let view: &[u8] = &buf;
+//! let pending = conn.send(buf); // error: cannot move out of `buf` while borrowed
+//! println!("{}", view[0]);
+//! # Ok(()) }
+//! ```
+//!
+//! a region a peer may write has no safe slice:
+//!
+//! ```compile_fail,E0608
+//! # fn f(exposed: gpu_rdma::Exposed) {
+//! let first = exposed[0]; // error: cannot index into an `Exposed`
+//! # }
+//! ```
+//!
+//! a region cannot be duplicated to keep a handle while the device uses it:
+//!
+//! ```compile_fail,E0599
+//! # fn f(region: gpu_rdma::Region) {
+//! let copy = region.clone(); // error: `Region` is not `Clone`
+//! # }
+//! ```
+//!
+//! an operation's buffer is not reachable through its `Pending`:
+//!
+//! ```compile_fail,E0616
+//! # fn f(p: gpu_rdma::Pending<gpu_rdma::Region>) {
+//! let b = p.buf; // error: field `buf` is private
+//! # }
+//! ```
+//!
+//! and raw posting must be `unsafe`:
+//!
+//! ```compile_fail,E0133
+//! # fn f(qp: &mut gpu_rdma::verbs::QueuePair) {
+//! qp.post_send([]); // error: call to unsafe function
+//! # }
+//! ```
+//!
+//! ## Completions and errors
+//!
+//! A [`Completion`] is a small `Copy` value: work request id, [`Opcode`],
+//! byte count, immediate, [`WcStatus`]. A failed operation is an
+//! [`Error::Completion`] naming the status (with its `IBV_WC_*` name), the
+//! operation, the work request and the queue pair; [`Error::is_remote_access`]
+//! tells a bad rkey, an out-of-bounds address or a missing right at the
+//! peer. Everything that can fail returns a typed [`Error`]; nothing panics
+//! on bad input, and everything that waits for a peer has a timeout
+//! ([`ConnectOptions::handshake_timeout`], [`ConnectOptions::op_timeout`]).
+//!
+//! ## Failure semantics
+//!
+//! | error | what happened | the connection | what to do |
+//! |---|---|---|---|
+//! | [`Error::OutOfBounds`], [`Error::AccessDenied`], [`Error::MessageTooLarge`], [`Error::InvalidArgument`] | refused before posting | unchanged, usable | fix the request; the buffer comes back from [`Pending::into_buffer`] |
+//! | [`Error::Timeout`] from [`Pending::wait`] | nothing yet | unchanged | wait again, or drop the connection to abort |
+//! | [`Error::Completion`] | the device failed the operation | the queue pair is in the error state ([`Connection::broken`] says why) | connect again |
+//! | [`Error::ConnectionLost`] | the peer closed or died, or this side closed | broken | connect again |
+//! | [`Error::Bootstrap`], [`Error::Timeout`] from connect/accept | the handshake failed | never established; a listener stays usable | check the peer, retry |
+//! | [`Error::NoDevice`], [`Error::DeviceNotFound`], [`Error::NoActivePort`], [`Error::NoGid`] | no usable RDMA port | - | see the reason; `gpu-rdma devices` |
+//!
+//! ## Cargo features
+//!
+//! | feature | default | what it adds |
+//! |---|---|---|
+//! | `verbs` | yes | ibverbs through `rdma-sys`; building needs rdma-core headers (`libibverbs-dev`) |
+//! | `cuda` | yes | CUDA through `cudarc`, loaded at run time: building needs no CUDA |
+//! | `cli` | yes | the `gpu-rdma` command-line tool (`clap`, `tracing-subscriber`) |
+//!
+//! `cargo build --no-default-features` builds on a machine without
+//! rdma-core; [`Domain::open`] then says the crate was built without verbs.
+//!
+//! ## System requirements
+//!
+//! - Linux with rdma-core (libibverbs); an RDMA device: InfiniBand or RoCE
+//!   (ConnectX), or soft-RoCE (`rdma_rxe`) for development.
+//! - Enough locked-memory allowance for registered buffers (`ulimit -l`).
+//! - On a machine without an RDMA device every call returns
+//!   [`Error::NoDevice`] with the reason (for example a kernel without
+//!   InfiniBand support); `cargo xtask vm` runs programs in a soft-RoCE VM.
+//!
+//! ## Which memory path will I get?
+//!
+//! | memory | path | status |
+//! |---|---|---|
+//! | host ([`HostMemory`], any [`Memory`]) | `ibv_reg_mr` on host pages | available |
+//! | CUDA device memory | dma-buf, then nvidia-peermem, then host staging | planned (see the project's issues) |
+//!
+//! ## Threads and cleanup
+//!
+//! [`Domain`], [`Connection`], [`Exposed`] and [`Shared`] are `Send + Sync`;
+//! operations may be posted and waited on from several threads. Resources
+//! keep their parents alive, so they may be dropped in any order: the
+//! device context, protection domain, queue pairs and registrations are
+//! released in dependency order when the last user goes.
+//! [`Domain::stats`] counts what is live.
+//!
+//! ## Environment
+//!
+//! `GPU_RDMA_DEVICE`, `GPU_RDMA_PORT`, `GPU_RDMA_GID_INDEX` choose the
+//! device, port and GID ([`DomainConfig::from_env`]); `GPU_RDMA_LOG` sets
+//! the log filter of the tools (`tracing` directives).
 
 #![warn(missing_docs)]
 
@@ -14,7 +185,10 @@ mod connection;
 mod domain;
 mod error;
 pub mod memory;
+// Used by the transports; without `verbs` none is compiled in yet.
+#[cfg_attr(not(feature = "verbs"), allow(dead_code))]
 mod ops;
+#[cfg_attr(not(feature = "verbs"), allow(dead_code))]
 mod transport;
 pub mod units;
 #[cfg(feature = "verbs")]
