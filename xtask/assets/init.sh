@@ -35,11 +35,11 @@ R=/newroot
 mount -t proc proc $R/proc
 mount -t sysfs sys $R/sys
 mount -t devtmpfs dev $R/dev
-mkdir -p $R/dev/pts $R/dev/shm $R/run $R/tmp
+mkdir -p $R/dev/pts $R/dev/shm $R/run
 mount -t devpts devpts $R/dev/pts
 mount -t tmpfs tmpfs $R/dev/shm
 mount -t tmpfs tmpfs $R/run
-mount -t tmpfs tmpfs $R/tmp
+# /tmp stays the overlay's: the checkout (and its build outputs) may live there.
 KREL=$(uname -r)
 mkdir -p $R/lib/modules/$KREL
 mount --bind $R$MODS/$KREL $R/lib/modules/$KREL || fail "cannot bind the kernel modules"
