@@ -12,8 +12,7 @@ use std::env;
 use std::fs;
 use std::path::PathBuf;
 
-const INSTALL_HINT: &str =
-    "sudo apt-get install libibverbs-dev librdmacm-dev libclang-dev pkg-config";
+const INSTALL_HINT: &str = "sudo apt-get install libibverbs-dev librdmacm-dev libclang-dev pkg-config";
 
 fn main() {
     println!("cargo::rustc-check-cfg=cfg(gpu_rdma_dmabuf_mr)");
@@ -21,27 +20,18 @@ fn main() {
     println!("cargo::rerun-if-env-changed=PKG_CONFIG_PATH");
 
     if env::var_os("CARGO_FEATURE_VERBS").is_none() {
-        println!(
-            "cargo::rustc-env=GPU_RDMA_RDMA_CORE_VERSION=none (built without the verbs feature)"
-        );
+        println!("cargo::rustc-env=GPU_RDMA_RDMA_CORE_VERSION=none (built without the verbs feature)");
         return;
     }
 
-    let probe = pkg_config::Config::new()
-        .cargo_metadata(false)
-        .env_metadata(false)
-        .probe("libibverbs");
+    let probe = pkg_config::Config::new().cargo_metadata(false).env_metadata(false).probe("libibverbs");
     let (version, mut include_dirs) = match probe {
         Ok(lib) => (lib.version, lib.include_paths),
         Err(_) => ("unknown".to_owned(), Vec::new()),
     };
     include_dirs.push(PathBuf::from("/usr/include"));
 
-    let Some(header) = include_dirs
-        .iter()
-        .map(|dir| dir.join("infiniband/verbs.h"))
-        .find(|path| path.is_file())
-    else {
+    let Some(header) = include_dirs.iter().map(|dir| dir.join("infiniband/verbs.h")).find(|path| path.is_file()) else {
         eprintln!(
             "error: gpu-rdma needs the rdma-core headers (infiniband/verbs.h) for its `verbs` feature: \
              install them with `{INSTALL_HINT}`, or build with `--no-default-features`"

@@ -24,21 +24,13 @@ use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
 use gpu_rdma::units::{format_bytes, parse_bytes};
-use gpu_rdma::{
-    Access, ConnectOptions, Connection, Domain, DomainConfig, Error, LocalBuffer, Pending, Region,
-    Shared,
-};
+use gpu_rdma::{Access, ConnectOptions, Connection, Domain, DomainConfig, Error, LocalBuffer, Pending, Region, Shared};
 
 #[derive(Parser, Debug)]
 #[command(about = "Move a buffer between two processes by RDMA, and time it")]
 struct Args {
     /// Listen on ADDR (the side that owns the target or source memory).
-    #[arg(
-        long,
-        value_name = "ADDR",
-        conflicts_with = "connect",
-        required_unless_present = "connect"
-    )]
+    #[arg(long, value_name = "ADDR", conflicts_with = "connect", required_unless_present = "connect")]
     listen: Option<SocketAddr>,
     /// Connect to the listener at ADDR (the side that drives and times the transfer).
     #[arg(long, value_name = "ADDR")]
@@ -89,9 +81,7 @@ fn main() -> ExitCode {
         Ok(false) => ExitCode::from(1),
         Err(Error::NoDevice { reason }) => {
             eprintln!("transfer: no RDMA device on this machine: {reason}.");
-            eprintln!(
-                "transfer: this example needs verbs; `cargo xtask demo` runs it on soft-RoCE in a VM."
-            );
+            eprintln!("transfer: this example needs verbs; `cargo xtask demo` runs it on soft-RoCE in a VM.");
             ExitCode::from(2)
         }
         Err(e) => {
@@ -110,27 +100,14 @@ fn run(args: &Args) -> gpu_rdma::Result<bool> {
         config = config.gid_index(g);
     }
     let domain = Domain::with_config(&config)?;
-    let len = usize::try_from(args.bytes)
-        .map_err(|_| Error::InvalidArgument("--bytes is too large".into()))?;
+    let len = usize::try_from(args.bytes).map_err(|_| Error::InvalidArgument("--bytes is too large".into()))?;
     if len == 0 {
         return Err(Error::InvalidArgument("--bytes must be at least 1".into()));
     }
     let timeout = Duration::from_secs(args.timeout);
-    let opts = ConnectOptions::default()
-        .handshake_timeout(timeout)
-        .op_timeout(timeout)
-        .queue_depth(256, 256);
-    let role = if args.listen.is_some() {
-        "listener"
-    } else {
-        "client"
-    };
-    println!(
-        "transfer ({role}): {:?} of {} over {}",
-        args.op,
-        format_bytes(args.bytes),
-        domain.info()
-    );
+    let opts = ConnectOptions::default().handshake_timeout(timeout).op_timeout(timeout).queue_depth(256, 256);
+    let role = if args.listen.is_some() { "listener" } else { "client" };
+    println!("transfer ({role}): {:?} of {} over {}", args.op, format_bytes(args.bytes), domain.info());
     match (args.listen, args.connect) {
         (Some(addr), _) => listener(&domain, addr, args, len, opts),
         (None, Some(addr)) => client(&domain, addr, args, len, opts),
@@ -160,10 +137,7 @@ fn verify(buf: &[u8]) -> bool {
         if chunk != &w[..chunk.len()] {
             let i = chunk.iter().zip(w).position(|(a, b)| *a != b).unwrap_or(0);
             let off = k * 8 + i;
-            println!(
-                "MISMATCH at offset {off}: expected {:#04x}, found {:#04x}",
-                w[i], chunk[i]
-            );
+            println!("MISMATCH at offset {off}: expected {:#04x}, found {:#04x}", w[i], chunk[i]);
             return false;
         }
     }
@@ -180,12 +154,7 @@ fn report(what: &str, bytes: u64, took: Duration) {
     );
 }
 
-fn accept(
-    domain: &Domain,
-    addr: SocketAddr,
-    opts: &ConnectOptions,
-    timeout: Duration,
-) -> gpu_rdma::Result<Connection> {
+fn accept(domain: &Domain, addr: SocketAddr, opts: &ConnectOptions, timeout: Duration) -> gpu_rdma::Result<Connection> {
     let listener = domain.listen(addr)?;
     println!("listening on {}", listener.local_addr()?);
     listener.accept_timeout(opts, timeout)
@@ -201,10 +170,7 @@ fn connect(
     let deadline = Instant::now() + timeout;
     loop {
         match domain.connect(addr, opts) {
-            Err(Error::Io(e))
-                if e.kind() == std::io::ErrorKind::ConnectionRefused
-                    && Instant::now() < deadline =>
-            {
+            Err(Error::Io(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused && Instant::now() < deadline => {
                 std::thread::sleep(Duration::from_millis(100));
             }
             other => return other,
@@ -215,10 +181,7 @@ fn connect(
 /// The chunks a send is cut into: each at most the maximum message size.
 fn chunks(len: usize, max: u64) -> Vec<std::ops::Range<usize>> {
     let step = usize::try_from(max).unwrap_or(usize::MAX).max(1);
-    (0..len)
-        .step_by(step)
-        .map(|s| s..(s + step).min(len))
-        .collect()
+    (0..len).step_by(step).map(|s| s..(s + step).min(len)).collect()
 }
 
 fn listener(
@@ -235,16 +198,11 @@ fn listener(
             let conn = accept(domain, addr, &opts.advertise(&target), timeout)?;
             let done = conn.recv_imm().wait()?;
             if done.imm != Some(DONE) {
-                return Err(Error::InvalidArgument(format!(
-                    "unexpected notification {:?}",
-                    done.imm
-                )));
+                return Err(Error::InvalidArgument(format!("unexpected notification {:?}", done.imm)));
             }
             println!("write: the client wrote {len} bytes");
             drop(conn);
-            let region = target
-                .withdraw()
-                .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+            let region = target.withdraw().map_err(|e| Error::InvalidArgument(e.to_string()))?;
             Ok(!args.verify || verify(&region))
         }
         Op::Read => {
@@ -280,21 +238,14 @@ fn listener(
             report("send (received)", received, t0.elapsed());
             // Tell the client everything arrived, then verify.
             conn.send_inline(&[], Some(DONE)).wait()?;
-            let region: Region = buffer
-                .try_into_region()
-                .map_err(|_| Error::InvalidArgument("buffer in use".into()))?;
+            let region: Region =
+                buffer.try_into_region().map_err(|_| Error::InvalidArgument("buffer in use".into()))?;
             Ok(received == len as u64 && (!args.verify || verify(&region)))
         }
     }
 }
 
-fn client(
-    domain: &Domain,
-    addr: SocketAddr,
-    args: &Args,
-    len: usize,
-    opts: ConnectOptions,
-) -> gpu_rdma::Result<bool> {
+fn client(domain: &Domain, addr: SocketAddr, args: &Args, len: usize, opts: ConnectOptions) -> gpu_rdma::Result<bool> {
     let timeout = Duration::from_secs(args.timeout);
     let mut region = domain.alloc(len)?;
     if args.verify && args.op != Op::Read {
@@ -310,7 +261,9 @@ fn client(
     );
     let remote_for = |tag: u64| {
         let r = conn.remote_region(tag).ok_or_else(|| {
-            Error::InvalidArgument("the listener advertised no region for this --op: are both sides given the same --op?".into())
+            Error::InvalidArgument(
+                "the listener advertised no region for this --op: are both sides given the same --op?".into(),
+            )
         })?;
         if r.len != len as u64 {
             return Err(Error::InvalidArgument(format!(

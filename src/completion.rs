@@ -212,17 +212,13 @@ impl WcStatus {
             MwBind => "memory window bind error",
             BadResponse => "bad response from the peer",
             LocalAccess => "local access error",
-            RemoteInvalidRequest => {
-                "remote invalid request (for example a send larger than the peer's posted receive)"
-            }
+            RemoteInvalidRequest => "remote invalid request (for example a send larger than the peer's posted receive)",
             RemoteAccess => {
                 "remote access error (bad rkey, address outside the peer's region, or access right not granted)"
             }
             RemoteOperation => "remote operation error",
             RetryExceeded => "transport retry counter exceeded: the peer stopped answering",
-            RnrRetryExceeded => {
-                "receiver-not-ready retry counter exceeded: the peer posted no receive"
-            }
+            RnrRetryExceeded => "receiver-not-ready retry counter exceeded: the peer posted no receive",
             LocalRddViolation => "local RDD violation",
             RemoteInvalidRdRequest => "remote invalid RD request",
             RemoteAbort => "remote aborted",
@@ -289,9 +285,7 @@ impl Completion {
 
 /// A work request that completed with an error status.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "{opcode} (work request {wr_id:#x}) on queue pair {qp_num:#x} failed: {status}, vendor error {vendor_err:#x}"
-)]
+#[error("{opcode} (work request {wr_id:#x}) on queue pair {qp_num:#x} failed: {status}, vendor error {vendor_err:#x}")]
 pub struct CompletionError {
     /// The status the device reported.
     pub status: WcStatus,
@@ -335,10 +329,7 @@ mod tests {
         assert!(text.contains("0x2a"), "{text}");
         assert!(text.contains("queue pair 0x11"), "{text}");
         assert!(text.contains("IBV_WC_REM_ACCESS_ERR"), "{text}");
-        let ok = Completion {
-            status: WcStatus::Success,
-            ..c
-        };
+        let ok = Completion { status: WcStatus::Success, ..c };
         assert_eq!(ok.result(), Ok(ok));
     }
 }

@@ -11,6 +11,8 @@ use std::time::{Duration, Instant};
 use crate::completion::Completion;
 use crate::domain::{Counter, Domain, Live};
 use crate::error::{Error, Result};
+#[cfg(feature = "cuda")]
+use crate::memory::LocalParts;
 use crate::memory::{Exposed, LocalBuffer, LocalSlice, Memory, RemoteRegion, RemoteSlice};
 use crate::ops::OpId;
 use crate::transport::{self, ConnTransport, Posted, RemoteOp, WorkItem};
@@ -51,6 +53,10 @@ pub struct ConnectOptions {
     pub spin: Duration,
     /// The largest handshake message accepted (default 1 MiB).
     pub max_handshake_payload: u32,
+    /// Staged GPU memory: bytes per chunk of a write or read (default 4 MiB).
+    pub staging_chunk: usize,
+    /// Staged GPU memory: chunks in flight per operation (default 4, at least 2).
+    pub staging_depth: usize,
 }
 
 impl Default for ConnectOptions {
@@ -70,6 +76,8 @@ impl Default for ConnectOptions {
             service_level: 0,
             spin: Duration::from_micros(50),
             max_handshake_payload: crate::bootstrap::DEFAULT_MAX_PAYLOAD,
+            staging_chunk: 4 << 20,
+            staging_depth: 4,
         }
     }
 }
@@ -97,6 +105,13 @@ impl ConnectOptions {
     pub fn queue_depth(mut self, send: u32, recv: u32) -> Self {
         self.send_queue_depth = send;
         self.recv_queue_depth = recv;
+        self
+    }
+
+    /// Sets the staging chunk size and depth (staged GPU memory).
+    pub fn staging(mut self, chunk: usize, depth: usize) -> Self {
+        self.staging_chunk = chunk;
+        self.staging_depth = depth;
         self
     }
 
@@ -137,6 +152,10 @@ pub(crate) struct Shared {
     info: ConnectionInfo,
     peer_regions: Vec<RemoteRegion>,
     op_timeout: Duration,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    staging: (usize, usize),
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    domain: Domain,
     _live: Live,
 }
 
@@ -169,6 +188,8 @@ impl Connection {
                 info: est.info,
                 peer_regions: est.peer_regions,
                 op_timeout: opts.op_timeout,
+                staging: (opts.staging_chunk, opts.staging_depth),
+                domain: domain.clone(),
                 _live: domain.live(Counter::Connections),
             }),
         })
@@ -186,11 +207,7 @@ impl Connection {
 
     /// The peer's region with `tag`.
     pub fn remote_region(&self, tag: u64) -> Option<RemoteRegion> {
-        self.shared
-            .peer_regions
-            .iter()
-            .find(|r| r.tag == tag)
-            .copied()
+        self.shared.peer_regions.iter().find(|r| r.tag == tag).copied()
     }
 
     fn deadline(&self) -> Instant {
@@ -199,10 +216,7 @@ impl Connection {
 
     fn post_items<B: Send + 'static>(&self, buf: B, items: Result<Vec<WorkItem>>) -> Pending<B> {
         match items {
-            Ok(items) => self.pending(
-                buf,
-                self.shared.transport.post_send(&items, self.deadline()),
-            ),
+            Ok(items) => self.pending(buf, self.shared.transport.post_send(&items, self.deadline())),
             Err(e) => Pending::failed(&self.shared, buf, e),
         }
     }
@@ -216,10 +230,81 @@ impl Connection {
     }
 
     fn one<B: LocalBuffer>(&self, local: LocalSlice<B>, op: RemoteOp) -> Pending<B> {
-        let item = local
-            .resolve()
-            .map(|l| vec![WorkItem { local: Some(l), op }]);
-        self.post_items(local.into_inner(), item)
+        let parts = match local.resolve() {
+            Ok(p) => p,
+            Err(e) => return Pending::failed(&self.shared, local.into_inner(), e),
+        };
+        #[cfg(feature = "cuda")]
+        if parts.path.is_some() {
+            return self.gpu(local, parts, Some(op));
+        }
+        self.post_items(local.into_inner(), Ok(vec![WorkItem { local: Some(parts), op }]))
+    }
+
+    /// GPU memory: a direct path posts like host memory, after the data is
+    /// produced (sends, writes) and with a flush before the completion is
+    /// reported (receives, reads); the staged path runs a pipeline. `op` is
+    /// `None` for a receive.
+    #[cfg(feature = "cuda")]
+    fn gpu<B: LocalBuffer>(&self, local: LocalSlice<B>, parts: LocalParts, op: Option<RemoteOp>) -> Pending<B> {
+        use crate::memory::path::MemPath;
+        use crate::staging::{Pipeline, StagedOp};
+        let Some(cuda) = local.buffer().cuda() else {
+            return Pending::failed(
+                &self.shared,
+                local.into_inner(),
+                Error::InvalidArgument("GPU path without a GPU buffer".into()),
+            );
+        };
+        let device = cuda.device().clone();
+        if parts.path == Some(MemPath::Staged) {
+            let staged = match op {
+                None => StagedOp::Recv,
+                Some(RemoteOp::Send) => StagedOp::Send { imm: None },
+                Some(RemoteOp::SendWithImm(imm)) => StagedOp::Send { imm: Some(imm) },
+                Some(RemoteOp::Write(r)) => StagedOp::Write { remote: r, imm: None },
+                Some(RemoteOp::WriteWithImm(r, imm)) => StagedOp::Write { remote: r, imm: Some(imm) },
+                Some(RemoteOp::Read(r)) => StagedOp::Read { remote: r },
+            };
+            if let StagedOp::Send { .. } = staged {
+                if parts.len as u64 > self.shared.info.max_message_size {
+                    let e = Error::MessageTooLarge { len: parts.len as u64, max: self.shared.info.max_message_size };
+                    return Pending::failed(&self.shared, local.into_inner(), e);
+                }
+            }
+            let (chunk, depth) = self.shared.staging;
+            let pipeline =
+                Pipeline::new(staged, &self.shared.domain, &device, parts, chunk, depth, self.shared.op_timeout)
+                    .and_then(|p| {
+                        if matches!(staged, StagedOp::Send { .. } | StagedOp::Write { .. }) {
+                            cuda.order_after_ready(p.out_stream())?;
+                        }
+                        Ok(p)
+                    });
+            return match pipeline {
+                Ok(p) => Pending::staged(&self.shared, p, local.into_inner()),
+                Err(e) => Pending::failed(&self.shared, local.into_inner(), e),
+            };
+        }
+        match op {
+            Some(op @ RemoteOp::Read(_)) => {
+                let mut p = self.post_items(local.into_inner(), Ok(vec![WorkItem { local: Some(parts), op }]));
+                p.after = Some(Box::new(move || device.flush_remote_writes()));
+                p
+            }
+            Some(op) => {
+                if let Err(e) = cuda.wait_ready() {
+                    return Pending::failed(&self.shared, local.into_inner(), e);
+                }
+                self.post_items(local.into_inner(), Ok(vec![WorkItem { local: Some(parts), op }]))
+            }
+            None => {
+                let posted = self.shared.transport.post_recv(Some(parts));
+                let mut p = self.pending(local.into_inner(), posted);
+                p.after = Some(Box::new(move || device.flush_remote_writes()));
+                p
+            }
+        }
     }
 
     /// Sends `local` as one message; it lands in the peer's next posted receive.
@@ -228,11 +313,7 @@ impl Connection {
     }
 
     /// Sends `local` with a 32-bit immediate the peer's receive completion carries.
-    pub fn send_with_imm<B: LocalBuffer>(
-        &self,
-        local: impl Into<LocalSlice<B>>,
-        imm: u32,
-    ) -> Pending<B> {
+    pub fn send_with_imm<B: LocalBuffer>(&self, local: impl Into<LocalSlice<B>>, imm: u32) -> Pending<B> {
         self.one(local.into(), RemoteOp::SendWithImm(imm))
     }
 
@@ -240,24 +321,35 @@ impl Connection {
     /// buffer needed), at most [`ConnectionInfo::max_inline`] bytes; `imm`
     /// rides along if given. An empty `data` sends a zero-byte message.
     pub fn send_inline(&self, data: &[u8], imm: Option<u32>) -> Pending<()> {
-        self.pending(
-            (),
-            self.shared
-                .transport
-                .post_inline(data, imm, self.deadline()),
-        )
+        self.pending((), self.shared.transport.post_inline(data, imm, self.deadline()))
     }
 
     /// Posts a receive into `local` for the peer's next send.
     pub fn recv<B: LocalBuffer>(&self, local: impl Into<LocalSlice<B>>) -> Pending<B> {
         let local = local.into();
         match local.resolve() {
+            #[cfg(feature = "cuda")]
+            Ok(parts) if parts.path.is_some() => self.gpu(local, parts, None),
             Ok(parts) => {
                 let posted = self.shared.transport.post_recv(Some(parts));
                 self.pending(local.into_inner(), posted)
             }
             Err(e) => Pending::failed(&self.shared, local.into_inner(), e),
         }
+    }
+
+    /// For a GPU region exposed to this peer: a receive for the peer's
+    /// write with immediate (or zero-byte send) that says "done", whose
+    /// completion also makes the written data visible to CUDA work: on a
+    /// direct path it flushes remote writes where the GPU needs that, on the
+    /// staged path it copies the host mirror into GPU memory. A one-sided
+    /// write into a staged GPU region reaches GPU memory only this way.
+    #[cfg(feature = "cuda")]
+    pub fn recv_write(&self, exposed: &Exposed<crate::cuda::CudaBuffer>) -> Pending<()> {
+        let mut p = self.recv_imm();
+        let target = exposed.clone();
+        p.after = Some(Box::new(move || target.pull()));
+        p
     }
 
     /// Posts a receive with no buffer: for the peer's writes with immediate
@@ -268,11 +360,7 @@ impl Connection {
 
     /// Writes `local` into the peer's memory at `remote` (same length).
     /// Larger than the maximum message size is fine: it is split.
-    pub fn write<B: LocalBuffer>(
-        &self,
-        local: impl Into<LocalSlice<B>>,
-        remote: &RemoteSlice,
-    ) -> Pending<B> {
+    pub fn write<B: LocalBuffer>(&self, local: impl Into<LocalSlice<B>>, remote: &RemoteSlice) -> Pending<B> {
         self.one(local.into(), RemoteOp::Write(*remote))
     }
 
@@ -289,21 +377,14 @@ impl Connection {
     }
 
     /// Reads the peer's memory at `remote` into `local` (same length).
-    pub fn read<B: LocalBuffer>(
-        &self,
-        local: impl Into<LocalSlice<B>>,
-        remote: &RemoteSlice,
-    ) -> Pending<B> {
+    pub fn read<B: LocalBuffer>(&self, local: impl Into<LocalSlice<B>>, remote: &RemoteSlice) -> Pending<B> {
         self.one(local.into(), RemoteOp::Read(*remote))
     }
 
     /// Starts a batch: several operations posted with one doorbell, only the
     /// last one signaled, completing together.
     pub fn batch<B: LocalBuffer>(&self) -> Batch<'_, B> {
-        Batch {
-            conn: self,
-            items: Vec::new(),
-        }
+        Batch { conn: self, items: Vec::new() }
     }
 
     /// Polls for completions once: releases the buffers of dropped
@@ -335,17 +416,13 @@ impl Connection {
 
 impl Drop for Connection {
     fn drop(&mut self) {
-        self.shared
-            .transport
-            .shutdown("the connection was closed by this side");
+        self.shared.transport.shutdown("the connection was closed by this side");
     }
 }
 
 impl fmt::Debug for Connection {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Connection")
-            .field("info", &self.shared.info)
-            .finish()
+        f.debug_struct("Connection").field("info", &self.shared.info).finish()
     }
 }
 
@@ -371,14 +448,8 @@ impl<B: LocalBuffer> Batch<'_, B> {
     }
 
     /// Adds a write with immediate.
-    pub fn write_with_imm(
-        mut self,
-        local: impl Into<LocalSlice<B>>,
-        remote: &RemoteSlice,
-        imm: u32,
-    ) -> Self {
-        self.items
-            .push((local.into(), RemoteOp::WriteWithImm(*remote, imm)));
+    pub fn write_with_imm(mut self, local: impl Into<LocalSlice<B>>, remote: &RemoteSlice, imm: u32) -> Self {
+        self.items.push((local.into(), RemoteOp::WriteWithImm(*remote, imm)));
         self
     }
 
@@ -390,22 +461,37 @@ impl<B: LocalBuffer> Batch<'_, B> {
 
     /// Posts them all; the buffers come back together, in order.
     pub fn post(self) -> Pending<Vec<B>> {
+        #[cfg(feature = "cuda")]
+        let mut flush: Vec<crate::cuda::CudaDevice> = Vec::new();
         let items: Result<Vec<WorkItem>> = self
             .items
             .iter()
             .map(|(local, op)| {
-                local.resolve().map(|l| WorkItem {
-                    local: Some(l),
-                    op: *op,
-                })
+                let l = local.resolve()?;
+                #[cfg(feature = "cuda")]
+                if let (Some(path), Some(cuda)) = (l.path, local.buffer().cuda()) {
+                    if !path.is_direct() {
+                        return Err(Error::InvalidArgument(
+                            "staged GPU buffers cannot be batched: post their operations one by one".into(),
+                        ));
+                    }
+                    if op.reads_remote() {
+                        flush.push(cuda.device().clone());
+                    } else {
+                        cuda.wait_ready()?;
+                    }
+                }
+                Ok(WorkItem { local: Some(l), op: *op })
             })
             .collect();
-        let bufs: Vec<B> = self
-            .items
-            .into_iter()
-            .map(|(l, _)| l.into_inner())
-            .collect();
-        self.conn.post_items(bufs, items)
+        let bufs: Vec<B> = self.items.into_iter().map(|(l, _)| l.into_inner()).collect();
+        #[allow(unused_mut)]
+        let mut pending = self.conn.post_items(bufs, items);
+        #[cfg(feature = "cuda")]
+        if !flush.is_empty() {
+            pending.after = Some(Box::new(move || flush.iter().try_for_each(|d| d.flush_remote_writes())));
+        }
+        pending
     }
 }
 
@@ -421,11 +507,19 @@ pub struct Pending<B: Send + 'static> {
     shared: Arc<Shared>,
     buf: Option<B>,
     stage: Stage,
+    /// Runs once the operation succeeded, before the success is reported
+    /// (flushing remote writes into GPU memory, copying a staged mirror in).
+    after: Option<Hook>,
 }
+
+type Hook = Box<dyn FnOnce() -> Result<()> + Send>;
 
 enum Stage {
     /// Posted; the outcome is not taken yet.
     InFlight(OpId),
+    /// A staged GPU operation: copies and network steps in flight.
+    #[cfg(feature = "cuda")]
+    Staged(Box<crate::staging::Pipeline>),
     /// Part of it reached the device and the connection broke: the buffer
     /// stays until the connection is torn down. The error is reported once.
     Stuck(OpId, Option<Box<Error>>),
@@ -436,39 +530,57 @@ enum Stage {
 }
 
 impl<B: Send + 'static> Pending<B> {
+    fn with(shared: &Arc<Shared>, buf: B, stage: Stage) -> Self {
+        Pending { shared: Arc::clone(shared), buf: Some(buf), stage, after: None }
+    }
+
     fn new(shared: &Arc<Shared>, id: OpId, buf: B) -> Self {
-        Pending {
-            shared: Arc::clone(shared),
-            buf: Some(buf),
-            stage: Stage::InFlight(id),
-        }
+        Pending::with(shared, buf, Stage::InFlight(id))
     }
 
     fn failed(shared: &Arc<Shared>, buf: B, error: Error) -> Self {
-        Pending {
-            shared: Arc::clone(shared),
-            buf: Some(buf),
-            stage: Stage::Failed(Some(Box::new(error))),
-        }
+        Pending::with(shared, buf, Stage::Failed(Some(Box::new(error))))
     }
 
     fn stuck(shared: &Arc<Shared>, id: OpId, buf: B, error: Error) -> Self {
-        Pending {
-            shared: Arc::clone(shared),
-            buf: Some(buf),
-            stage: Stage::Stuck(id, Some(Box::new(error))),
-        }
+        Pending::with(shared, buf, Stage::Stuck(id, Some(Box::new(error))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn staged(shared: &Arc<Shared>, pipeline: crate::staging::Pipeline, buf: B) -> Self {
+        Pending::with(shared, buf, Stage::Staged(Box::new(pipeline)))
+    }
+
+    /// Records a success, running the after-hook first.
+    fn succeed(&mut self, c: Completion) {
+        self.stage = match self.after.take().map(|hook| hook()) {
+            Some(Err(e)) => Stage::Failed(Some(Box::new(e))),
+            _ => Stage::Succeeded(c),
+        };
     }
 
     /// Moves an outcome from the connection's table into this value, if there is one.
     fn collect(&mut self) {
-        if let Stage::InFlight(id) = self.stage {
-            if let Some(outcome) = self.shared.transport.take(id) {
-                self.stage = match outcome {
-                    Ok(c) => Stage::Succeeded(c),
-                    Err(e) => Stage::Failed(Some(Box::new(e))),
-                };
+        match &mut self.stage {
+            Stage::InFlight(id) => match self.shared.transport.take(*id) {
+                Some(Ok(c)) => self.succeed(c),
+                Some(Err(e)) => self.stage = Stage::Failed(Some(Box::new(e))),
+                None => {}
+            },
+            #[cfg(feature = "cuda")]
+            Stage::Staged(p) => {
+                if let Err(e) = p.advance(&self.shared.transport) {
+                    // A CUDA failure: wait for what is in flight, then report it.
+                    p.abandon(&self.shared.transport);
+                    self.stage = Stage::Failed(Some(Box::new(e)));
+                } else if p.finished() {
+                    match p.outcome() {
+                        Ok(c) => self.succeed(c),
+                        Err(e) => self.stage = Stage::Failed(Some(Box::new(e))),
+                    }
+                }
             }
+            _ => {}
         }
     }
 
@@ -477,13 +589,11 @@ impl<B: Send + 'static> Pending<B> {
         self.collect();
         match &mut self.stage {
             Stage::InFlight(_) => None,
+            #[cfg(feature = "cuda")]
+            Stage::Staged(_) => None,
             Stage::Succeeded(c) => Some(Ok(*c)),
             Stage::Stuck(_, e) | Stage::Failed(e) => Some(Err(e.take().map_or_else(
-                || {
-                    Error::InvalidArgument(
-                        "this operation failed and its error was already returned".into(),
-                    )
-                },
+                || Error::InvalidArgument("this operation failed and its error was already returned".into()),
                 |e| *e,
             ))),
         }
@@ -506,18 +616,34 @@ impl<B: Send + 'static> Pending<B> {
     /// # Errors
     /// As [`wait`](Self::wait).
     pub fn wait_timeout(&mut self, timeout: Duration) -> Result<Completion> {
+        const WHAT: &str = "an operation to complete";
+        let deadline = Instant::now() + timeout;
         if let Stage::InFlight(id) = self.stage {
-            self.shared.transport.wait(
-                id,
-                Instant::now() + timeout,
-                "an operation to complete",
-                timeout,
-            )?;
+            self.shared.transport.wait(id, deadline, WHAT, timeout)?;
         }
-        self.report().unwrap_or(Err(Error::Timeout {
-            what: "an operation to complete",
-            after: timeout,
-        }))
+        #[cfg(feature = "cuda")]
+        while let Stage::Staged(p) = &self.stage {
+            let waiting_on = p.waiting_on();
+            self.collect();
+            if !matches!(self.stage, Stage::Staged(_)) {
+                break;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Error::Timeout { what: WHAT, after: timeout });
+            }
+            match waiting_on {
+                // Sleep on the network step, briefly: copies finish meanwhile too.
+                Some(id) => {
+                    match self.shared.transport.wait(id, deadline.min(now + Duration::from_millis(1)), WHAT, timeout) {
+                        Ok(()) | Err(Error::Timeout { .. }) => {}
+                        Err(e) => return Err(e),
+                    }
+                }
+                None => std::thread::sleep(Duration::from_micros(20)),
+            }
+        }
+        self.report().unwrap_or(Err(Error::Timeout { what: WHAT, after: timeout }))
     }
 
     /// Checks once, without blocking: `Some` when finished.
@@ -545,11 +671,12 @@ impl<B: Send + 'static> Pending<B> {
     /// # Errors
     /// `Err(self)` while the operation is in flight.
     pub fn into_buffer(mut self) -> std::result::Result<B, Box<Self>> {
-        if let Stage::InFlight(id) = self.stage {
+        match self.stage {
             // Pick up an outcome that arrived meanwhile.
-            if self.shared.transport.poll(id).unwrap_or(false) {
-                self.collect();
-            }
+            Stage::InFlight(id) if self.shared.transport.poll(id).unwrap_or(false) => self.collect(),
+            #[cfg(feature = "cuda")]
+            Stage::Staged(_) => self.collect(),
+            _ => {}
         }
         if !self.is_done() {
             return Err(Box::new(self));
@@ -573,6 +700,12 @@ impl<B: Send + 'static> Pending<B> {
 
 impl<B: Send + 'static> Drop for Pending<B> {
     fn drop(&mut self) {
+        #[cfg(feature = "cuda")]
+        if let Stage::Staged(p) = &mut self.stage {
+            // Copies are waited for; slots still on the network stay with the
+            // connection. The GPU buffer is then free to go.
+            p.abandon(&self.shared.transport);
+        }
         if let Stage::InFlight(id) | Stage::Stuck(id, _) = self.stage {
             // Still tracked: the table keeps the buffer until the final completion
             // (or frees the slot at once if that already happened).
@@ -589,6 +722,8 @@ impl<B: Send + 'static> fmt::Debug for Pending<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let stage = match &self.stage {
             Stage::InFlight(_) => "in flight",
+            #[cfg(feature = "cuda")]
+            Stage::Staged(_) => "staging",
             Stage::Stuck(..) => "stuck until the connection is dropped",
             Stage::Succeeded(_) => "succeeded",
             Stage::Failed(_) => "failed",

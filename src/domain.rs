@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 
 use crate::connection::{ConnectOptions, Connection};
 use crate::error::{Error, Result};
-use crate::memory::{Access, Exposed, HostMemory, Memory, Region};
+use crate::memory::path::PathPolicy;
+use crate::memory::{Access, Exposed, HostMemory, Memory, MemoryKind, Region};
 use crate::transport::{self, Backend};
 
 /// Where to find the device. [`DomainConfig::from_env`] reads
@@ -35,23 +36,14 @@ impl DomainConfig {
         let parse = |name: &'static str| -> Result<Option<u32>> {
             var(name)
                 .map(|v| {
-                    v.trim()
-                        .parse::<u32>()
-                        .map_err(|_| Error::InvalidArgument(format!("{name}={v} is not a number")))
+                    v.trim().parse::<u32>().map_err(|_| Error::InvalidArgument(format!("{name}={v} is not a number")))
                 })
                 .transpose()
         };
         let port = parse("GPU_RDMA_PORT")?
-            .map(|p| {
-                u8::try_from(p)
-                    .map_err(|_| Error::InvalidArgument(format!("GPU_RDMA_PORT={p} is too large")))
-            })
+            .map(|p| u8::try_from(p).map_err(|_| Error::InvalidArgument(format!("GPU_RDMA_PORT={p} is too large"))))
             .transpose()?;
-        Ok(DomainConfig {
-            device: var("GPU_RDMA_DEVICE"),
-            port,
-            gid_index: parse("GPU_RDMA_GID_INDEX")?,
-        })
+        Ok(DomainConfig { device: var("GPU_RDMA_DEVICE"), port, gid_index: parse("GPU_RDMA_GID_INDEX")? })
     }
 
     /// Uses the device called `name`.
@@ -133,6 +125,12 @@ pub(crate) struct DomainInner {
     id: u64,
     pub(crate) backend: Backend,
     counters: Arc<Counters>,
+    /// Staging machinery per GPU (streams, pinned registered buffers).
+    #[cfg(feature = "cuda")]
+    pub(crate) stagers: std::sync::Mutex<Vec<Arc<crate::staging::Stager>>>,
+    /// GPU path reports already logged, so each is logged once.
+    #[cfg(feature = "cuda")]
+    pub(crate) logged_paths: std::sync::Mutex<Vec<(usize, String)>>,
 }
 
 /// What a domain runs on, in plain words.
@@ -200,6 +198,10 @@ impl Domain {
                 id: NEXT_DOMAIN_ID.fetch_add(1, Ordering::Relaxed),
                 backend,
                 counters: Arc::default(),
+                #[cfg(feature = "cuda")]
+                stagers: Default::default(),
+                #[cfg(feature = "cuda")]
+                logged_paths: Default::default(),
             }),
         };
         tracing::info!("gpu-rdma domain: {}", domain.info());
@@ -211,14 +213,8 @@ impl Domain {
     }
 
     pub(crate) fn live(&self, which: Counter) -> Live {
-        self.inner
-            .counters
-            .get(which)
-            .fetch_add(1, Ordering::AcqRel);
-        Live {
-            counters: Arc::clone(&self.inner.counters),
-            which,
-        }
+        self.inner.counters.get(which).fetch_add(1, Ordering::AcqRel);
+        Live { counters: Arc::clone(&self.inner.counters), which }
     }
 
     /// The device, port and GID in use, and why.
@@ -248,17 +244,52 @@ impl Domain {
     /// Registers `mem` with `access` rights. Use [`Access::LOCAL`] unless a
     /// peer needs a key; for that, [`Domain::expose`] the region.
     ///
+    /// GPU memory ([`crate::cuda::CudaBuffer`]) goes through the path choice
+    /// (dma-buf, then nvidia-peermem, then staged; `GPU_RDMA_MEM_PATH`
+    /// forces one): see [`Domain::register_with_path`].
+    ///
     /// # Errors
     /// The error and the memory back when the device refuses the
-    /// registration (for example `ENOMEM` from the memory-lock limit).
-    pub fn register<M: Memory>(
+    /// registration (for example `ENOMEM` from the memory-lock limit), or
+    /// `GPU_RDMA_MEM_PATH` has an unknown value.
+    pub fn register<M: Memory>(&self, mem: M, access: Access) -> std::result::Result<Region<M>, BufError<M>> {
+        match PathPolicy::from_env() {
+            Ok(policy) => self.register_with_path(mem, access, policy),
+            Err(error) => Err(BufError { error, buffer: mem }),
+        }
+    }
+
+    /// Registers `mem`, choosing the GPU memory path by `policy` (ignored
+    /// for host memory). The region's [`Region::path_report`] says which
+    /// path won and why the others lost; the first registration per GPU
+    /// logs it.
+    ///
+    /// # Errors
+    /// As [`Domain::register`]; with a forced path, that path's failure.
+    pub fn register_with_path<M: Memory>(
         &self,
         mem: M,
         access: Access,
+        policy: PathPolicy,
     ) -> std::result::Result<Region<M>, BufError<M>> {
         if mem.is_empty() {
+            return Err(BufError { error: Error::InvalidArgument("cannot register zero bytes".into()), buffer: mem });
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(buf) = mem.cuda_buffer() {
+            return match crate::memory::gpu::register(self, buf, access, policy) {
+                Ok((reg, report)) => {
+                    Ok(Region::from_parts(reg, mem, access, Some(report), self.clone(), self.live(Counter::Regions)))
+                }
+                Err(error) => Err(BufError { error, buffer: mem }),
+            };
+        }
+        let _ = policy;
+        if mem.kind() != MemoryKind::Host {
             return Err(BufError {
-                error: Error::InvalidArgument("cannot register zero bytes".into()),
+                error: Error::CudaUnavailable {
+                    reason: "GPU memory needs the `cuda` feature and a `CudaBuffer`".into(),
+                },
                 buffer: mem,
             });
         }
@@ -266,13 +297,7 @@ impl Domain {
         // Region deregisters before it frees (or leaks) the memory; `Memory`'s
         // contract keeps the address range valid and fixed until then.
         match unsafe { self.inner.backend.register(mem.as_ptr(), mem.len(), access) } {
-            Ok(reg) => Ok(Region::from_parts(
-                reg,
-                mem,
-                access,
-                self.clone(),
-                self.live(Counter::Regions),
-            )),
+            Ok(reg) => Ok(Region::from_parts(reg, mem, access, None, self.clone(), self.live(Counter::Regions))),
             Err(error) => Err(BufError { error, buffer: mem }),
         }
     }
@@ -282,9 +307,16 @@ impl Domain {
     /// under a new remote key, tagged `tag` in its descriptor. Nothing else
     /// is granted: least privilege.
     ///
+    /// GPU memory on a direct path is exposed as it is: peers read and write
+    /// the GPU. On the staged path peers reach a pinned host mirror instead,
+    /// which its owner moves to and from the GPU explicitly (see
+    /// [`Exposed::publish`] and [`Connection::recv_write`]).
+    ///
     /// # Errors
     /// The error and the region back when `access` has no remote right or
     /// the region belongs to another domain, or the device refuses.
+    // The error hands the region back by value, as the caller gave it.
+    #[allow(clippy::result_large_err)]
     pub fn expose<M: Memory>(
         &self,
         region: Region<M>,
@@ -302,9 +334,7 @@ impl Domain {
         }
         if region.domain().id() != self.id() {
             return Err(BufError {
-                error: Error::InvalidArgument(
-                    "the region is registered with another domain".into(),
-                ),
+                error: Error::InvalidArgument("the region is registered with another domain".into()),
                 buffer: region,
             });
         }
@@ -312,24 +342,18 @@ impl Domain {
         if remote.intersects(Access::REMOTE_WRITE | Access::REMOTE_ATOMIC) {
             mr_access |= Access::LOCAL_WRITE;
         }
+        #[cfg(feature = "cuda")]
+        if let (Some(buf), Some(path)) = (region.memory().cuda_buffer(), region.memory_path()) {
+            return match crate::memory::gpu::register_remote(self, buf, mr_access, path) {
+                Ok(reg) => Ok(Exposed::from_parts(reg, region, remote, tag, self.live(Counter::Exposed))),
+                Err(error) => Err(BufError { error, buffer: region }),
+            };
+        }
         // SAFETY: the Exposed value owns `region` (and so its memory) and drops
         // this second registration before the region; see `Exposed`'s Drop.
-        match unsafe {
-            self.inner
-                .backend
-                .register(region.memory().as_ptr(), region.len(), mr_access)
-        } {
-            Ok(reg) => Ok(Exposed::from_parts(
-                reg,
-                region,
-                remote,
-                tag,
-                self.live(Counter::Exposed),
-            )),
-            Err(error) => Err(BufError {
-                error,
-                buffer: region,
-            }),
+        match unsafe { self.inner.backend.register(region.memory().as_ptr(), region.len(), mr_access) } {
+            Ok(reg) => Ok(Exposed::from_parts(reg, region, remote, tag, self.live(Counter::Exposed))),
+            Err(error) => Err(BufError { error, buffer: region }),
         }
     }
 
@@ -338,10 +362,7 @@ impl Domain {
     /// # Errors
     /// [`Error::Io`] when the address cannot be bound.
     pub fn listen(&self, addr: impl ToSocketAddrs) -> Result<Listener> {
-        Ok(Listener {
-            domain: self.clone(),
-            tcp: TcpListener::bind(addr)?,
-        })
+        Ok(Listener { domain: self.clone(), tcp: TcpListener::bind(addr)? })
     }
 
     /// Connects to a listener at `addr`, with `opts`.
@@ -364,10 +385,9 @@ impl Domain {
             }
         }
         Err(match last {
-            Some(e) if e.kind() == std::io::ErrorKind::TimedOut => Error::Timeout {
-                what: "the TCP connection to the peer",
-                after: opts.handshake_timeout,
-            },
+            Some(e) if e.kind() == std::io::ErrorKind::TimedOut => {
+                Error::Timeout { what: "the TCP connection to the peer", after: opts.handshake_timeout }
+            }
             Some(e) => Error::Io(e),
             None => Error::InvalidArgument("the address resolved to nothing".into()),
         })
@@ -376,10 +396,7 @@ impl Domain {
 
 impl fmt::Debug for Domain {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Domain")
-            .field("id", &self.inner.id)
-            .field("info", &self.info())
-            .finish()
+        f.debug_struct("Domain").field("id", &self.inner.id).field("info", &self.info()).finish()
     }
 }
 
@@ -399,9 +416,7 @@ impl<T> fmt::Display for BufError<T> {
 
 impl<T> fmt::Debug for BufError<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("BufError")
-            .field("error", &self.error)
-            .finish_non_exhaustive()
+        f.debug_struct("BufError").field("error", &self.error).finish_non_exhaustive()
     }
 }
 
@@ -456,10 +471,7 @@ impl Listener {
                 Ok((stream, _)) => break Ok(stream),
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                     if Instant::now() >= deadline {
-                        break Err(Error::Timeout {
-                            what: "a peer to connect",
-                            after: timeout,
-                        });
+                        break Err(Error::Timeout { what: "a peer to connect", after: timeout });
                     }
                     std::thread::sleep(Duration::from_millis(2));
                 }

@@ -23,10 +23,7 @@ pub enum Error {
     },
 
     /// The RDMA device asked for by name does not exist.
-    #[error(
-        "RDMA device `{name}` not found (available: {})",
-        list_or_none(available)
-    )]
+    #[error("RDMA device `{name}` not found (available: {})", list_or_none(available))]
     DeviceNotFound {
         /// The name asked for.
         name: String,
@@ -112,9 +109,7 @@ pub enum Error {
     },
 
     /// A range lies outside its region; nothing was posted.
-    #[error(
-        "range of {len} bytes at offset {offset} is outside the {region_len}-byte {side} region"
-    )]
+    #[error("range of {len} bytes at offset {offset} is outside the {region_len}-byte {side} region")]
     OutOfBounds {
         /// `local` or `remote`.
         side: &'static str,
@@ -166,12 +161,29 @@ pub enum Error {
     InvalidArgument(String),
 
     /// The crate was built without a feature this call needs.
-    #[error(
-        "gpu-rdma was built without the `{feature}` feature; rebuild with `--features {feature}`"
-    )]
+    #[error("gpu-rdma was built without the `{feature}` feature; rebuild with `--features {feature}`")]
     FeatureDisabled {
         /// The Cargo feature.
         feature: &'static str,
+    },
+
+    /// CUDA cannot be used here: no driver library, no device, `cuInit`
+    /// failed, or the crate was built without the `cuda` feature.
+    #[error("CUDA is not available: {reason}")]
+    CudaUnavailable {
+        /// Why, in plain words.
+        reason: String,
+    },
+
+    /// A CUDA driver call failed.
+    #[error("{op} failed: {name} (CUresult {code})")]
+    Cuda {
+        /// The driver function, for example `cuMemAlloc`.
+        op: &'static str,
+        /// The `CUresult` number.
+        code: u32,
+        /// Its name, for example `CUDA_ERROR_OUT_OF_MEMORY`.
+        name: String,
     },
 
     /// Another I/O error.
@@ -191,6 +203,17 @@ impl Error {
         matches!(self, Error::Timeout { .. })
     }
 
+    /// Whether this is the driver's "not supported" answer
+    /// (`CUDA_ERROR_NOT_SUPPORTED`, or `EOPNOTSUPP`-like from verbs): "not
+    /// here", not a fault.
+    pub fn is_not_supported(&self) -> bool {
+        match self {
+            Error::NotSupported { .. } => true,
+            Error::Cuda { name, .. } => name == "CUDA_ERROR_NOT_SUPPORTED",
+            _ => false,
+        }
+    }
+
     /// The completion status, when this is an error completion.
     pub fn wc_status(&self) -> Option<WcStatus> {
         match self {
@@ -201,11 +224,7 @@ impl Error {
 }
 
 fn list_or_none(names: &[String]) -> String {
-    if names.is_empty() {
-        "none".to_owned()
-    } else {
-        names.join(", ")
-    }
+    if names.is_empty() { "none".to_owned() } else { names.join(", ") }
 }
 
 /// A handshake message that could not be used.
@@ -213,9 +232,7 @@ fn list_or_none(names: &[String]) -> String {
 #[non_exhaustive]
 pub enum BootstrapError {
     /// The bytes do not start with this protocol's magic: not a gpu-rdma peer, or garbled.
-    #[error(
-        "garbled message: bad magic {found:#010x} (expected {expected:#010x}); is the peer a gpu-rdma endpoint?"
-    )]
+    #[error("garbled message: bad magic {found:#010x} (expected {expected:#010x}); is the peer a gpu-rdma endpoint?")]
     BadMagic {
         /// What arrived.
         found: u32,
@@ -231,9 +248,7 @@ pub enum BootstrapError {
         theirs: u16,
     },
     /// The message's checksum does not match its payload.
-    #[error(
-        "garbled message: checksum {found:#010x} does not match the payload's {computed:#010x}"
-    )]
+    #[error("garbled message: checksum {found:#010x} does not match the payload's {computed:#010x}")]
     Checksum {
         /// The checksum in the header.
         found: u32,

@@ -199,6 +199,10 @@ pub use connection::{Batch, ConnectOptions, Connection, ConnectionInfo, Pending}
 pub use domain::{BufError, Domain, DomainConfig, DomainInfo, DomainStats, Listener};
 pub use error::{BootstrapError, Error, Result};
 pub use memory::{
-    Access, Exposed, HostMemory, LocalBuffer, LocalSlice, Memory, MemoryKind, Region, RemoteRegion,
-    RemoteSlice, Shared, WithdrawError,
+    Access, Exposed, HostMemory, LocalBuffer, LocalSlice, Memory, MemoryKind, Region, RemoteRegion, RemoteSlice,
+    Shared, WithdrawError,
 };
+#[cfg(feature = "cuda")]
+pub mod cuda;
+#[cfg(feature = "cuda")]
+mod staging;

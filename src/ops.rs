@@ -27,16 +27,11 @@ impl OpId {
     /// request of an operation completes it; earlier ones (unsignaled parts
     /// of a batch) report only errors.
     pub(crate) fn wr_id(self, last: bool) -> u64 {
-        (if last { FINAL_BIT } else { 0 })
-            | (u64::from(self.generation & GEN_MASK) << 32)
-            | u64::from(self.index)
+        (if last { FINAL_BIT } else { 0 }) | (u64::from(self.generation & GEN_MASK) << 32) | u64::from(self.index)
     }
 
     fn from_wr_id(wr_id: u64) -> (OpId, bool) {
-        let id = OpId {
-            index: wr_id as u32,
-            generation: ((wr_id >> 32) as u32) & GEN_MASK,
-        };
+        let id = OpId { index: wr_id as u32, generation: ((wr_id >> 32) as u32) & GEN_MASK };
         (id, wr_id & FINAL_BIT != 0)
     }
 }
@@ -65,15 +60,8 @@ type Orphan = Box<dyn Any + Send>;
 
 enum Slot {
     Free,
-    Busy {
-        opcode: Opcode,
-        held: Held,
-        first_error: Option<Completion>,
-        orphan: Option<Orphan>,
-    },
-    Done {
-        outcome: Result<Completion>,
-    },
+    Busy { opcode: Opcode, held: Held, first_error: Option<Completion>, orphan: Option<Orphan> },
+    Done { outcome: Result<Completion> },
 }
 
 struct Entry {
@@ -91,12 +79,7 @@ pub(crate) struct OpTable {
 
 impl OpTable {
     pub(crate) fn new() -> Self {
-        OpTable {
-            entries: Vec::new(),
-            free: Vec::new(),
-            busy: 0,
-            orphans: 0,
-        }
+        OpTable { entries: Vec::new(), free: Vec::new(), busy: 0, orphans: 0 }
     }
 
     /// Operations posted and not yet completed.
@@ -111,38 +94,22 @@ impl OpTable {
 
     /// Starts tracking an operation about to be posted.
     pub(crate) fn start(&mut self, opcode: Opcode, held: Held) -> OpId {
-        let slot = Slot::Busy {
-            opcode,
-            held,
-            first_error: None,
-            orphan: None,
-        };
+        let slot = Slot::Busy { opcode, held, first_error: None, orphan: None };
         self.busy += 1;
         if let Some(index) = self.free.pop() {
             let e = &mut self.entries[index as usize];
             e.generation = e.generation.wrapping_add(1) & GEN_MASK;
             e.slot = slot;
-            OpId {
-                index,
-                generation: e.generation,
-            }
+            OpId { index, generation: e.generation }
         } else {
             let index = self.entries.len() as u32;
-            self.entries.push(Entry {
-                generation: 0,
-                slot,
-            });
-            OpId {
-                index,
-                generation: 0,
-            }
+            self.entries.push(Entry { generation: 0, slot });
+            OpId { index, generation: 0 }
         }
     }
 
     fn entry(&mut self, id: OpId) -> Option<&mut Entry> {
-        self.entries
-            .get_mut(id.index as usize)
-            .filter(|e| e.generation == id.generation)
+        self.entries.get_mut(id.index as usize).filter(|e| e.generation == id.generation)
     }
 
     fn release(&mut self, index: u32) {
@@ -166,27 +133,14 @@ impl OpTable {
     ///
     /// `lost` is why the connection broke, if it did: flushed operations
     /// then fail with [`Error::ConnectionLost`] rather than a flush status.
-    pub(crate) fn complete(
-        &mut self,
-        raw: &RawCompletion,
-        lost: Option<&str>,
-    ) -> (Held, Option<Orphan>) {
+    pub(crate) fn complete(&mut self, raw: &RawCompletion, lost: Option<&str>) -> (Held, Option<Orphan>) {
         let (id, last) = OpId::from_wr_id(raw.wr_id);
         let Some(entry) = self.entry(id) else {
             tracing::warn!(wr_id = raw.wr_id, "completion for an unknown work request");
             return (Held::default(), None);
         };
-        let Slot::Busy {
-            opcode,
-            held,
-            first_error,
-            orphan,
-        } = &mut entry.slot
-        else {
-            tracing::warn!(
-                wr_id = raw.wr_id,
-                "completion for an operation that is not in flight"
-            );
+        let Slot::Busy { opcode, held, first_error, orphan } = &mut entry.slot else {
+            tracing::warn!(wr_id = raw.wr_id, "completion for an operation that is not in flight");
             return (Held::default(), None);
         };
         let opcode = match *opcode {
@@ -214,16 +168,9 @@ impl OpTable {
         let effective = first_error.take().unwrap_or(completion);
         let outcome = match (effective.result(), lost) {
             (Ok(c), _) => Ok(c),
-            (
-                Err(CompletionError {
-                    status: WcStatus::WrFlush,
-                    opcode,
-                    ..
-                }),
-                Some(reason),
-            ) => Err(Error::ConnectionLost {
-                reason: format!("{reason}; the {opcode} was flushed"),
-            }),
+            (Err(CompletionError { status: WcStatus::WrFlush, opcode, .. }), Some(reason)) => {
+                Err(Error::ConnectionLost { reason: format!("{reason}; the {opcode} was flushed") })
+            }
             (Err(e), _) => Err(Error::Completion(e)),
         };
         if orphan.is_some() {
@@ -249,9 +196,7 @@ impl OpTable {
         if !matches!(e.slot, Slot::Done { .. }) {
             return None;
         }
-        let Slot::Done { outcome } = std::mem::replace(&mut e.slot, Slot::Free) else {
-            unreachable!()
-        };
+        let Slot::Done { outcome } = std::mem::replace(&mut e.slot, Slot::Free) else { unreachable!() };
         self.free.push(id.index);
         Some(outcome)
     }
@@ -312,10 +257,7 @@ mod tests {
     #[test]
     fn an_operation_completes_once_and_its_slot_is_reused() {
         let mut t = OpTable::new();
-        let held = Held {
-            send_wrs: 1,
-            recv_wrs: 0,
-        };
+        let held = Held { send_wrs: 1, recv_wrs: 0 };
         let a = t.start(Opcode::Write, held);
         assert_eq!(t.in_flight(), 1);
         assert!(!t.is_done(a));
@@ -327,23 +269,14 @@ mod tests {
         assert_eq!(b.index, a.index);
         assert_ne!(b.generation, a.generation);
         // A stale completion for the old generation is ignored.
-        assert_eq!(
-            t.complete(&raw(a, true, WcStatus::Success), None).0,
-            Held::default()
-        );
+        assert_eq!(t.complete(&raw(a, true, WcStatus::Success), None).0, Held::default());
         assert!(!t.is_done(b));
     }
 
     #[test]
     fn a_batch_reports_the_first_error_at_its_final_request() {
         let mut t = OpTable::new();
-        let a = t.start(
-            Opcode::Write,
-            Held {
-                send_wrs: 3,
-                recv_wrs: 0,
-            },
-        );
+        let a = t.start(Opcode::Write, Held { send_wrs: 3, recv_wrs: 0 });
         t.complete(&raw(a, false, WcStatus::RemoteAccess), None);
         assert!(!t.is_done(a), "not done before its final request");
         let (held, _) = t.complete(&raw(a, true, WcStatus::WrFlush), None);
@@ -355,17 +288,8 @@ mod tests {
     #[test]
     fn flushes_after_a_lost_connection_say_so() {
         let mut t = OpTable::new();
-        let a = t.start(
-            Opcode::Recv,
-            Held {
-                send_wrs: 0,
-                recv_wrs: 1,
-            },
-        );
-        t.complete(
-            &raw(a, true, WcStatus::WrFlush),
-            Some("the peer closed the connection"),
-        );
+        let a = t.start(Opcode::Recv, Held { send_wrs: 0, recv_wrs: 1 });
+        t.complete(&raw(a, true, WcStatus::WrFlush), Some("the peer closed the connection"));
         match t.take(a).unwrap() {
             Err(Error::ConnectionLost { reason }) => {
                 assert!(reason.contains("peer closed"), "{reason}")
@@ -377,17 +301,8 @@ mod tests {
     #[test]
     fn orphans_are_kept_until_completion() {
         let mut t = OpTable::new();
-        let a = t.start(
-            Opcode::Send,
-            Held {
-                send_wrs: 1,
-                recv_wrs: 0,
-            },
-        );
-        assert!(
-            t.orphan(a, Box::new(vec![1u8, 2, 3])).is_none(),
-            "kept while in flight"
-        );
+        let a = t.start(Opcode::Send, Held { send_wrs: 1, recv_wrs: 0 });
+        assert!(t.orphan(a, Box::new(vec![1u8, 2, 3])).is_none(), "kept while in flight");
         assert_eq!(t.orphans(), 1);
         let (_, orphan) = t.complete(&raw(a, true, WcStatus::Success), None);
         assert!(orphan.is_some(), "released at completion");
@@ -395,10 +310,7 @@ mod tests {
 
         let b = t.start(Opcode::Send, Held::default());
         t.complete(&raw(b, true, WcStatus::Success), None);
-        assert!(
-            t.orphan(b, Box::new(1u32)).is_some(),
-            "already done: dropped at once"
-        );
+        assert!(t.orphan(b, Box::new(1u32)).is_some(), "already done: dropped at once");
         let c = t.start(Opcode::Send, Held::default());
         t.orphan(c, Box::new(2u32));
         assert_eq!(t.take_orphans().len(), 1);

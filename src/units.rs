@@ -12,15 +12,12 @@ use crate::error::{Error, Result};
 /// [`Error::InvalidArgument`] for anything else, or a size that overflows.
 pub fn parse_bytes(text: &str) -> Result<u64> {
     let t = text.trim();
-    let split = t
-        .find(|c: char| !c.is_ascii_digit() && c != '_')
-        .unwrap_or(t.len());
+    let split = t.find(|c: char| !c.is_ascii_digit() && c != '_').unwrap_or(t.len());
     let (num, suffix) = t.split_at(split);
-    let num: u64 = num.replace('_', "").parse().map_err(|_| {
-        Error::InvalidArgument(format!(
-            "`{text}` is not a byte size (like 4096, 64KiB, 256MiB)"
-        ))
-    })?;
+    let num: u64 = num
+        .replace('_', "")
+        .parse()
+        .map_err(|_| Error::InvalidArgument(format!("`{text}` is not a byte size (like 4096, 64KiB, 256MiB)")))?;
     let mult: u64 = match suffix.trim() {
         "" | "B" | "b" => 1,
         "k" | "K" | "KiB" | "kiB" | "Ki" => 1 << 10,
@@ -32,13 +29,10 @@ pub fn parse_bytes(text: &str) -> Result<u64> {
         "GB" => 1_000_000_000,
         "TB" => 1_000_000_000_000,
         other => {
-            return Err(Error::InvalidArgument(format!(
-                "`{other}` in `{text}` is not a size unit"
-            )));
+            return Err(Error::InvalidArgument(format!("`{other}` in `{text}` is not a size unit")));
         }
     };
-    num.checked_mul(mult)
-        .ok_or_else(|| Error::InvalidArgument(format!("`{text}` is too large")))
+    num.checked_mul(mult).ok_or_else(|| Error::InvalidArgument(format!("`{text}` is too large")))
 }
 
 /// Formats a byte count with a binary suffix: `256 MiB`, `4 KiB`, `100 B`.
@@ -50,11 +44,7 @@ pub fn format_bytes(n: u64) -> String {
         v /= 1024.0;
         u += 1;
     }
-    if u == 0 || v.fract() == 0.0 {
-        format!("{} {}", v as u64, UNITS[u])
-    } else {
-        format!("{v:.2} {}", UNITS[u])
-    }
+    if u == 0 || v.fract() == 0.0 { format!("{} {}", v as u64, UNITS[u]) } else { format!("{v:.2} {}", UNITS[u]) }
 }
 
 #[cfg(test)]

@@ -21,10 +21,7 @@ fn opening_a_domain_without_a_device_is_a_typed_error_with_the_reason() {
                 reason.contains("no RDMA support") || reason.contains("no RDMA devices"),
                 "the reason should say what is missing: {reason}"
             );
-            assert!(
-                reason.contains("rdma_rxe") || reason.contains("mlx5"),
-                "and what to do: {reason}"
-            );
+            assert!(reason.contains("rdma_rxe") || reason.contains("mlx5"), "and what to do: {reason}");
         }
         Err(other) => panic!("expected NoDevice, got {other:?}"),
     }
@@ -33,10 +30,7 @@ fn opening_a_domain_without_a_device_is_a_typed_error_with_the_reason() {
 #[test]
 fn asking_for_a_device_by_name_never_panics() {
     let err = Domain::with_config(&DomainConfig::default().device("mlx5_99")).unwrap_err();
-    assert!(
-        matches!(err, Error::NoDevice { .. } | Error::DeviceNotFound { .. }),
-        "{err:?}"
-    );
+    assert!(matches!(err, Error::NoDevice { .. } | Error::DeviceNotFound { .. }), "{err:?}");
 }
 
 #[test]
@@ -44,10 +38,7 @@ fn bad_environment_values_are_typed_errors() {
     // A child process, so the variable does not leak into parallel tests.
     if std::env::var_os("GPU_RDMA_ENV_CHILD").is_some() {
         let err = DomainConfig::from_env().unwrap_err();
-        assert!(
-            matches!(err, Error::InvalidArgument(ref m) if m.contains("GPU_RDMA_GID_INDEX")),
-            "{err}"
-        );
+        assert!(matches!(err, Error::InvalidArgument(ref m) if m.contains("GPU_RDMA_GID_INDEX")), "{err}");
         return;
     }
     let out = Command::new(std::env::current_exe().unwrap())
@@ -62,10 +53,7 @@ fn bad_environment_values_are_typed_errors() {
 
 #[test]
 fn the_devices_command_says_plainly_when_there_is_no_device() {
-    let out = Command::new(env!("CARGO_BIN_EXE_gpu-rdma"))
-        .arg("devices")
-        .output()
-        .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_gpu-rdma")).arg("devices").output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("rdma-core"), "{text}");
     if has_rdma_devices() {

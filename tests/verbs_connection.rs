@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 
 use gpu_rdma::bootstrap::{self, FrameKind, Hello};
 use gpu_rdma::{
-    Access, BootstrapError, ConnectOptions, Domain, DomainConfig, DomainStats, Error, HostMemory,
-    LocalBuffer, Memory, Opcode, RemoteSlice, WcStatus,
+    Access, BootstrapError, ConnectOptions, Domain, DomainConfig, DomainStats, Error, HostMemory, LocalBuffer, Memory,
+    Opcode, RemoteSlice, WcStatus,
 };
 
 use common::{device, domain, opts, pair, pair_on, pattern};
@@ -202,15 +202,7 @@ verbs_test! {
 }
 
 /// A peer's region full of a known pattern, and a connection to it.
-fn victim(
-    access: Access,
-) -> (
-    Domain,
-    gpu_rdma::Exposed,
-    gpu_rdma::Connection,
-    gpu_rdma::Connection,
-    Vec<u8>,
-) {
+fn victim(access: Access) -> (Domain, gpu_rdma::Exposed, gpu_rdma::Connection, gpu_rdma::Connection, Vec<u8>) {
     let d = domain();
     let original = pattern(64 * 1024, 9);
     let target = d.expose(filled(&d, &original), access, 0).unwrap();

@@ -11,9 +11,9 @@ mod common;
 use std::time::{Duration, Instant};
 
 use gpu_rdma::verbs::{
-    self, CompletionChannel, CompletionQueue, Context, DeviceList, LinkLayer, MemoryRegion, Mtu,
-    PortAttr, ProtectionDomain, QpCaps, QpState, QueuePair, QueuePairBuilder, RecvWr, RtrAttr,
-    RtsAttr, SendOp, SendWr, Sge, WaitOutcome, WcOpcode, WorkCompletion,
+    self, CompletionChannel, CompletionQueue, Context, DeviceList, LinkLayer, MemoryRegion, Mtu, PortAttr,
+    ProtectionDomain, QpCaps, QpState, QueuePair, QueuePairBuilder, RecvWr, RtrAttr, RtsAttr, SendOp, SendWr, Sge,
+    WaitOutcome, WcOpcode, WorkCompletion,
 };
 use gpu_rdma::{Access, Error, HostMemory, Memory, WcStatus};
 
@@ -59,21 +59,13 @@ fn rtr_to(port: &PortAttr, gid_index: u8, peer: &QueuePair, psn: u32) -> RtrAttr
 }
 
 fn rts(psn: u32) -> RtsAttr {
-    RtsAttr {
-        sq_psn: psn,
-        timeout: 14,
-        retry_cnt: 7,
-        rnr_retry: 7,
-        max_rd_atomic: 4,
-    }
+    RtsAttr { sq_psn: psn, timeout: 14, retry_cnt: 7, rnr_retry: 7, max_rd_atomic: 4 }
 }
 
 fn connected_loop() -> Loop {
     let (ctx, port) = open();
     let table = ctx.gid_table(port.port).unwrap();
-    let gid = verbs::choose_gid(&table, port.link_layer, None)
-        .expect("a usable GID")
-        .entry;
+    let gid = verbs::choose_gid(&table, port.link_layer, None).expect("a usable GID").entry;
     let pd = ProtectionDomain::new(&ctx).unwrap();
     let cq = CompletionQueue::new(&ctx, 64, None).unwrap();
     let mut a = QueuePairBuilder::new(&pd, &cq, &cq).build().unwrap();
@@ -101,11 +93,7 @@ fn poll_n(cq: &CompletionQueue, n: usize) -> Vec<WorkCompletion> {
     while out.len() < n {
         let got = cq.poll(&mut buf).unwrap();
         out.extend_from_slice(&buf[..got]);
-        assert!(
-            Instant::now() < deadline,
-            "only {} of {n} completions after 30 s",
-            out.len()
-        );
+        assert!(Instant::now() < deadline, "only {} of {n} completions after 30 s", out.len());
     }
     out
 }
@@ -125,11 +113,7 @@ fn buf(pd: &ProtectionDomain, data: &[u8], access: Access) -> Buf {
 
 impl Buf {
     fn sge(&self) -> Sge {
-        Sge::new(
-            self.mem.as_ptr() as u64,
-            self.mem.len() as u32,
-            self.mr.lkey(),
-        )
+        Sge::new(self.mem.as_ptr() as u64, self.mem.len() as u32, self.mr.lkey())
     }
 }
 

@@ -8,11 +8,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser, Debug)]
-#[command(
-    name = "gpu-rdma",
-    version,
-    about = "Zero-copy RDMA between GPUs: devices, diagnostics, benchmarks"
-)]
+#[command(name = "gpu-rdma", version, about = "Zero-copy RDMA between GPUs: devices, diagnostics, benchmarks")]
 struct Cli {
     #[command(subcommand)]
     command: Cmd,
@@ -46,11 +42,7 @@ fn devices(only: Option<&str>) -> ExitCode {
     println!(
         "rdma-core {} at build time; dma-buf registration (ibv_reg_dmabuf_mr): {}",
         verbs::RDMA_CORE_VERSION,
-        if verbs::HAS_DMABUF_MR {
-            "available"
-        } else {
-            "not in these headers"
-        }
+        if verbs::HAS_DMABUF_MR { "available" } else { "not in these headers" }
     );
     let list = match DeviceList::new() {
         Ok(l) => l,
@@ -60,9 +52,7 @@ fn devices(only: Option<&str>) -> ExitCode {
         }
     };
     if list.is_empty() {
-        println!(
-            "no RDMA devices found: no driver has registered one (load mlx5_ib, or rdma_rxe for soft-RoCE)"
-        );
+        println!("no RDMA devices found: no driver has registered one (load mlx5_ib, or rdma_rxe for soft-RoCE)");
         return ExitCode::from(1);
     }
     let mut shown = 0;
@@ -96,10 +86,7 @@ fn devices(only: Option<&str>) -> ExitCode {
         println!("\tmax_sge:\t\t{}", attr.max_sge);
         println!("\tmax_mr_size:\t\t{:#x}", attr.max_mr_size);
         println!("\tmax_qp_rd_atom:\t\t{}", attr.max_qp_rd_atom);
-        println!(
-            "\tatomics:\t\t{}",
-            if attr.atomics { "supported" } else { "none" }
-        );
+        println!("\tatomics:\t\t{}", if attr.atomics { "supported" } else { "none" });
         println!("\tsysfs:\t\t\t{}", ctx.sysfs_path().display());
         for port in 1..=attr.phys_port_cnt {
             let p = match ctx.query_port(port) {
@@ -121,20 +108,14 @@ fn devices(only: Option<&str>) -> ExitCode {
                 Ok(table) => {
                     let chosen = choose_gid(&table, p.link_layer, None);
                     for e in &table {
-                        let mark = if chosen.as_ref().is_some_and(|c| c.entry.index == e.index) {
-                            "  <- default"
-                        } else {
-                            ""
-                        };
+                        let mark =
+                            if chosen.as_ref().is_some_and(|c| c.entry.index == e.index) { "  <- default" } else { "" };
                         println!(
                             "\t\t\tGID[{:3}]:\t\t{}, {}{}{mark}",
                             e.index,
                             e.gid,
                             e.gid_type,
-                            e.netdev
-                                .as_deref()
-                                .map(|n| format!(", {n}"))
-                                .unwrap_or_default()
+                            e.netdev.as_deref().map(|n| format!(", {n}")).unwrap_or_default()
                         );
                     }
                     match chosen {
@@ -149,11 +130,7 @@ fn devices(only: Option<&str>) -> ExitCode {
         }
     }
     if shown == 0 {
-        println!(
-            "no RDMA device called `{}`; found: {}",
-            only.unwrap_or_default(),
-            list.names().join(", ")
-        );
+        println!("no RDMA device called `{}`; found: {}", only.unwrap_or_default(), list.names().join(", "));
         return ExitCode::from(1);
     }
     ExitCode::SUCCESS

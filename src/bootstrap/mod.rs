@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 
 pub use wire::{
-    CAP_VERBS, DEFAULT_MAX_PAYLOAD, FrameKind, HEADER_LEN, Hello, MAGIC, REGION_LEN, VERSION,
-    VerbsEndpoint, decode_frame, decode_region, encode_frame, encode_region,
+    CAP_VERBS, DEFAULT_MAX_PAYLOAD, FrameKind, HEADER_LEN, Hello, MAGIC, REGION_LEN, VERSION, VerbsEndpoint,
+    decode_frame, decode_region, encode_frame, encode_region,
 };
 
 use crate::error::{BootstrapError, Error, Result};
@@ -32,11 +32,7 @@ pub struct Deadline {
 impl Deadline {
     /// `total` from now, awaiting `what`.
     pub fn after(total: Duration, what: &'static str) -> Self {
-        Deadline {
-            at: Instant::now() + total,
-            total,
-            what,
-        }
+        Deadline { at: Instant::now() + total, total, what }
     }
 
     /// The same instant, awaiting something else.
@@ -45,16 +41,11 @@ impl Deadline {
     }
 
     fn remaining(&self) -> Option<Duration> {
-        self.at
-            .checked_duration_since(Instant::now())
-            .filter(|d| !d.is_zero())
+        self.at.checked_duration_since(Instant::now()).filter(|d| !d.is_zero())
     }
 
     fn expired(&self) -> Error {
-        Error::Timeout {
-            what: self.what,
-            after: self.total,
-        }
+        Error::Timeout { what: self.what, after: self.total }
     }
 }
 
@@ -68,12 +59,7 @@ fn read_full(stream: &TcpStream, buf: &mut [u8], deadline: Deadline) -> Result<u
         match (&*stream).read(&mut buf[got..]) {
             Ok(0) => return Ok(got),
             Ok(n) => got += n,
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                ) =>
-            {
+            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
                 return Err(deadline.expired());
             }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -91,32 +77,20 @@ fn read_full(stream: &TcpStream, buf: &mut [u8], deadline: Deadline) -> Result<u
 /// [`BootstrapError::PeerClosed`] on a clean close before the frame;
 /// [`BootstrapError::Truncated`] on a close inside it; the header and
 /// checksum errors of [`wire::decode_header`]; [`Error::Io`].
-pub fn read_frame(
-    stream: &TcpStream,
-    deadline: Deadline,
-    max_payload: u32,
-) -> Result<(FrameKind, Bytes)> {
+pub fn read_frame(stream: &TcpStream, deadline: Deadline, max_payload: u32) -> Result<(FrameKind, Bytes)> {
     let mut head = [0u8; HEADER_LEN];
     let got = read_full(stream, &mut head, deadline)?;
     if got == 0 {
         return Err(BootstrapError::PeerClosed.into());
     }
     if got < HEADER_LEN {
-        return Err(BootstrapError::Truncated {
-            expected: HEADER_LEN,
-            got,
-        }
-        .into());
+        return Err(BootstrapError::Truncated { expected: HEADER_LEN, got }.into());
     }
     let header = wire::decode_header(&head, max_payload)?;
     let mut payload = vec![0u8; header.len as usize];
     let got = read_full(stream, &mut payload, deadline)?;
     if got < payload.len() {
-        return Err(BootstrapError::Truncated {
-            expected: HEADER_LEN + payload.len(),
-            got: HEADER_LEN + got,
-        }
-        .into());
+        return Err(BootstrapError::Truncated { expected: HEADER_LEN + payload.len(), got: HEADER_LEN + got }.into());
     }
     wire::check_payload(&header, &payload)?;
     Ok((header.kind, Bytes::from(payload)))
@@ -127,12 +101,7 @@ pub fn read_frame(
 /// # Errors
 /// [`Error::Timeout`] when the peer does not drain its socket in time;
 /// [`Error::Io`].
-pub fn write_frame(
-    stream: &TcpStream,
-    kind: FrameKind,
-    payload: &[u8],
-    deadline: Deadline,
-) -> Result<()> {
+pub fn write_frame(stream: &TcpStream, kind: FrameKind, payload: &[u8], deadline: Deadline) -> Result<()> {
     let frame = encode_frame(kind, payload);
     let mut sent = 0;
     while sent < frame.len() {
@@ -141,12 +110,7 @@ pub fn write_frame(
         match (&*stream).write(&frame[sent..]) {
             Ok(0) => return Err(Error::Io(io::Error::from(io::ErrorKind::WriteZero))),
             Ok(n) => sent += n,
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                ) =>
-            {
+            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
                 return Err(deadline.expired());
             }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -158,15 +122,8 @@ pub fn write_frame(
 
 fn unexpected(expected: &'static str, kind: FrameKind, payload: &[u8]) -> Error {
     match kind {
-        FrameKind::Reject => BootstrapError::Rejected {
-            reason: wire::decode_reason(payload),
-        }
-        .into(),
-        other => BootstrapError::Unexpected {
-            expected,
-            got: other.name().to_owned(),
-        }
-        .into(),
+        FrameKind::Reject => BootstrapError::Rejected { reason: wire::decode_reason(payload) }.into(),
+        other => BootstrapError::Unexpected { expected, got: other.name().to_owned() }.into(),
     }
 }
 
@@ -176,18 +133,8 @@ fn unexpected(expected: &'static str, kind: FrameKind, payload: &[u8]) -> Error 
 /// As [`read_frame`], plus [`BootstrapError::Malformed`] for a hello that
 /// does not parse, [`BootstrapError::Rejected`] when the peer refuses and
 /// [`BootstrapError::Unexpected`] for another message.
-pub fn exchange_hello(
-    stream: &TcpStream,
-    mine: &Hello,
-    deadline: Deadline,
-    max_payload: u32,
-) -> Result<Hello> {
-    write_frame(
-        stream,
-        FrameKind::Hello,
-        &mine.encode(),
-        deadline.for_("sending the hello"),
-    )?;
+pub fn exchange_hello(stream: &TcpStream, mine: &Hello, deadline: Deadline, max_payload: u32) -> Result<Hello> {
+    write_frame(stream, FrameKind::Hello, &mine.encode(), deadline.for_("sending the hello"))?;
     let (kind, payload) = read_frame(stream, deadline.for_("the peer's hello"), max_payload)?;
     match kind {
         FrameKind::Hello => Ok(Hello::decode(&payload)?),
@@ -201,17 +148,8 @@ pub fn exchange_hello(
 /// # Errors
 /// As [`exchange_hello`].
 pub fn exchange_ready(stream: &TcpStream, deadline: Deadline) -> Result<()> {
-    write_frame(
-        stream,
-        FrameKind::Ready,
-        &[],
-        deadline.for_("sending ready"),
-    )?;
-    let (kind, payload) = read_frame(
-        stream,
-        deadline.for_("the peer's ready"),
-        wire::MAX_REASON as u32,
-    )?;
+    write_frame(stream, FrameKind::Ready, &[], deadline.for_("sending ready"))?;
+    let (kind, payload) = read_frame(stream, deadline.for_("the peer's ready"), wire::MAX_REASON as u32)?;
     match kind {
         FrameKind::Ready => Ok(()),
         other => Err(unexpected("ready", other, &payload)),
@@ -222,12 +160,7 @@ pub fn exchange_ready(stream: &TcpStream, deadline: Deadline) -> Result<()> {
 /// ignored, the connection is being dropped anyway).
 pub fn send_reject(stream: &TcpStream, reason: &str) {
     let deadline = Deadline::after(Duration::from_millis(500), "sending a reject");
-    let _ = write_frame(
-        stream,
-        FrameKind::Reject,
-        &wire::encode_reason(reason),
-        deadline,
-    );
+    let _ = write_frame(stream, FrameKind::Reject, &wire::encode_reason(reason), deadline);
 }
 
 /// Tells the peer we are closing (best effort).
@@ -252,16 +185,8 @@ mod tests {
     #[test]
     fn frames_cross_a_socket() {
         let (a, b) = pair();
-        let t = thread::spawn(move || {
-            read_frame(&b, Deadline::after(Duration::from_secs(5), "x"), 64).unwrap()
-        });
-        write_frame(
-            &a,
-            FrameKind::Reject,
-            b"no",
-            Deadline::after(Duration::from_secs(5), "x"),
-        )
-        .unwrap();
+        let t = thread::spawn(move || read_frame(&b, Deadline::after(Duration::from_secs(5), "x"), 64).unwrap());
+        write_frame(&a, FrameKind::Reject, b"no", Deadline::after(Duration::from_secs(5), "x")).unwrap();
         let (kind, payload) = t.join().unwrap();
         assert_eq!((kind, &payload[..]), (FrameKind::Reject, &b"no"[..]));
     }
@@ -270,27 +195,10 @@ mod tests {
     fn silent_peer_times_out_on_time() {
         let (a, _b) = pair();
         let t0 = Instant::now();
-        let err = read_frame(
-            &a,
-            Deadline::after(Duration::from_millis(200), "the peer's hello"),
-            64,
-        )
-        .unwrap_err();
+        let err = read_frame(&a, Deadline::after(Duration::from_millis(200), "the peer's hello"), 64).unwrap_err();
         let took = t0.elapsed();
-        assert!(
-            matches!(
-                err,
-                Error::Timeout {
-                    what: "the peer's hello",
-                    ..
-                }
-            ),
-            "{err}"
-        );
-        assert!(
-            took >= Duration::from_millis(190) && took < Duration::from_secs(3),
-            "{took:?}"
-        );
+        assert!(matches!(err, Error::Timeout { what: "the peer's hello", .. }), "{err}");
+        assert!(took >= Duration::from_millis(190) && took < Duration::from_secs(3), "{took:?}");
     }
 
     #[test]
@@ -298,25 +206,13 @@ mod tests {
         let (a, b) = pair();
         drop(b);
         let err = read_frame(&a, Deadline::after(Duration::from_secs(5), "x"), 64).unwrap_err();
-        assert!(
-            matches!(err, Error::Bootstrap(BootstrapError::PeerClosed)),
-            "{err}"
-        );
+        assert!(matches!(err, Error::Bootstrap(BootstrapError::PeerClosed)), "{err}");
 
         let (a, b) = pair();
         let frame = encode_frame(FrameKind::Reject, b"0123456789");
         (&b).write_all(&frame[..HEADER_LEN + 4]).unwrap();
         drop(b);
         let err = read_frame(&a, Deadline::after(Duration::from_secs(5), "x"), 64).unwrap_err();
-        assert!(
-            matches!(
-                err,
-                Error::Bootstrap(BootstrapError::Truncated {
-                    expected: 26,
-                    got: 20
-                })
-            ),
-            "{err}"
-        );
+        assert!(matches!(err, Error::Bootstrap(BootstrapError::Truncated { expected: 26, got: 20 })), "{err}");
     }
 }

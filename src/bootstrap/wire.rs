@@ -106,17 +106,11 @@ pub fn decode_header(bytes: &[u8; HEADER_LEN], max_payload: u32) -> Result<Heade
     let mut b = &bytes[..];
     let magic = b.get_u32();
     if magic != MAGIC {
-        return Err(BootstrapError::BadMagic {
-            found: magic,
-            expected: MAGIC,
-        });
+        return Err(BootstrapError::BadMagic { found: magic, expected: MAGIC });
     }
     let version = b.get_u16();
     if version != VERSION {
-        return Err(BootstrapError::VersionMismatch {
-            ours: VERSION,
-            theirs: version,
-        });
+        return Err(BootstrapError::VersionMismatch { ours: VERSION, theirs: version });
     }
     let kind_raw = b.get_u8();
     let flags = b.get_u8();
@@ -127,16 +121,10 @@ pub fn decode_header(bytes: &[u8; HEADER_LEN], max_payload: u32) -> Result<Heade
         detail: format!("unknown message kind {kind_raw}"),
     })?;
     if flags != 0 {
-        return Err(BootstrapError::Malformed {
-            what: "frame header",
-            detail: format!("unknown flags {flags:#04x}"),
-        });
+        return Err(BootstrapError::Malformed { what: "frame header", detail: format!("unknown flags {flags:#04x}") });
     }
     if len > max_payload {
-        return Err(BootstrapError::Oversized {
-            len: u64::from(len),
-            max: u64::from(max_payload),
-        });
+        return Err(BootstrapError::Oversized { len: u64::from(len), max: u64::from(max_payload) });
     }
     Ok(Header { kind, len, crc })
 }
@@ -161,10 +149,7 @@ pub fn encode_frame(kind: FrameKind, payload: &[u8]) -> Bytes {
 pub fn check_payload(header: &Header, payload: &[u8]) -> Result<(), BootstrapError> {
     let computed = crc32fast::hash(payload);
     if computed != header.crc {
-        return Err(BootstrapError::Checksum {
-            found: header.crc,
-            computed,
-        });
+        return Err(BootstrapError::Checksum { found: header.crc, computed });
     }
     Ok(())
 }
@@ -176,23 +161,14 @@ pub fn check_payload(header: &Header, payload: &[u8]) -> Result<(), BootstrapErr
 /// # Errors
 /// Every [`BootstrapError`] a frame can cause, [`BootstrapError::Truncated`]
 /// when `bytes` ends inside the frame.
-pub fn decode_frame(
-    bytes: &[u8],
-    max_payload: u32,
-) -> Result<(FrameKind, Bytes, usize), BootstrapError> {
+pub fn decode_frame(bytes: &[u8], max_payload: u32) -> Result<(FrameKind, Bytes, usize), BootstrapError> {
     let Some(head) = bytes.first_chunk::<HEADER_LEN>() else {
-        return Err(BootstrapError::Truncated {
-            expected: HEADER_LEN,
-            got: bytes.len(),
-        });
+        return Err(BootstrapError::Truncated { expected: HEADER_LEN, got: bytes.len() });
     };
     let header = decode_header(head, max_payload)?;
     let total = HEADER_LEN + header.len as usize;
     if bytes.len() < total {
-        return Err(BootstrapError::Truncated {
-            expected: total,
-            got: bytes.len(),
-        });
+        return Err(BootstrapError::Truncated { expected: total, got: bytes.len() });
     }
     let payload = &bytes[HEADER_LEN..total];
     check_payload(&header, payload)?;
@@ -241,11 +217,7 @@ impl Hello {
     /// Encodes the payload.
     pub fn encode(&self) -> Bytes {
         let mut out = BytesMut::with_capacity(8 + VERBS_LEN + 4 + self.regions.len() * REGION_LEN);
-        let caps = if self.verbs.is_some() {
-            self.caps | CAP_VERBS
-        } else {
-            self.caps & !CAP_VERBS
-        };
+        let caps = if self.verbs.is_some() { self.caps | CAP_VERBS } else { self.caps & !CAP_VERBS };
         out.put_u64(caps);
         if let Some(v) = &self.verbs {
             out.put_u32(v.qp_num);
@@ -270,10 +242,7 @@ impl Hello {
     /// # Errors
     /// [`BootstrapError::Malformed`] naming the field.
     pub fn decode(mut p: &[u8]) -> Result<Self, BootstrapError> {
-        let bad = |detail: String| BootstrapError::Malformed {
-            what: "hello",
-            detail,
-        };
+        let bad = |detail: String| BootstrapError::Malformed { what: "hello", detail };
         let short = |field: &str| bad(format!("ends before the {field} field"));
         let caps = p.try_get_u64().map_err(|_| short("caps"))?;
         let verbs = if caps & CAP_VERBS != 0 {
@@ -291,9 +260,7 @@ impl Hello {
             let mut gid = [0u8; 16];
             p.copy_to_slice(&mut gid);
             if qp_num == 0 || qp_num > 0x00ff_ffff {
-                return Err(bad(format!(
-                    "queue pair number {qp_num:#x} is not a 24-bit non-zero value"
-                )));
+                return Err(bad(format!("queue pair number {qp_num:#x} is not a 24-bit non-zero value")));
             }
             if psn > 0x00ff_ffff {
                 return Err(bad(format!("PSN {psn:#x} does not fit in 24 bits")));
@@ -307,16 +274,7 @@ impl Hello {
             if link_layer > 2 {
                 return Err(bad(format!("link layer {link_layer} is unknown")));
             }
-            Some(VerbsEndpoint {
-                qp_num,
-                psn,
-                max_msg_sz,
-                lid,
-                mtu,
-                link_layer,
-                responder_resources,
-                gid,
-            })
+            Some(VerbsEndpoint { qp_num, psn, max_msg_sz, lid, mtu, link_layer, responder_resources, gid })
         } else {
             None
         };
@@ -325,21 +283,14 @@ impl Hello {
             return Err(bad(format!("{count} regions, the limit is {MAX_REGIONS}")));
         }
         if (count as usize).saturating_mul(REGION_LEN) > p.remaining() {
-            return Err(bad(format!(
-                "{count} regions announced, only {} bytes follow",
-                p.remaining()
-            )));
+            return Err(bad(format!("{count} regions announced, only {} bytes follow", p.remaining())));
         }
         let mut regions = Vec::with_capacity(count as usize);
         for _ in 0..count {
             regions.push(decode_region(&p[..REGION_LEN])?);
             p.advance(REGION_LEN);
         }
-        Ok(Hello {
-            caps,
-            verbs,
-            regions,
-        })
+        Ok(Hello { caps, verbs, regions })
     }
 }
 
@@ -360,10 +311,7 @@ pub fn encode_region(r: &RemoteRegion) -> [u8; REGION_LEN] {
 /// # Errors
 /// [`BootstrapError::Malformed`].
 pub fn decode_region(bytes: &[u8]) -> Result<RemoteRegion, BootstrapError> {
-    let bad = |detail: String| BootstrapError::Malformed {
-        what: "region descriptor",
-        detail,
-    };
+    let bad = |detail: String| BootstrapError::Malformed { what: "region descriptor", detail };
     if bytes.len() != REGION_LEN {
         return Err(bad(format!("{} bytes, expected {REGION_LEN}", bytes.len())));
     }
@@ -374,19 +322,10 @@ pub fn decode_region(bytes: &[u8]) -> Result<RemoteRegion, BootstrapError> {
     let rkey = b.get_u32();
     let bits = b.get_u32();
     if addr.checked_add(len).is_none() {
-        return Err(bad(format!(
-            "{addr:#x}+{len} wraps around the address space"
-        )));
+        return Err(bad(format!("{addr:#x}+{len} wraps around the address space")));
     }
-    let access =
-        Access::from_bits(bits).ok_or_else(|| bad(format!("unknown access bits {bits:#x}")))?;
-    Ok(RemoteRegion {
-        tag,
-        addr,
-        len,
-        rkey,
-        access,
-    })
+    let access = Access::from_bits(bits).ok_or_else(|| bad(format!("unknown access bits {bits:#x}")))?;
+    Ok(RemoteRegion { tag, addr, len, rkey, access })
 }
 
 /// Encodes a reject reason (cut to [`MAX_REASON`] bytes at a character boundary).
@@ -428,13 +367,7 @@ mod tests {
                     rkey: 0x1234,
                     access: Access::REMOTE_WRITE,
                 },
-                RemoteRegion {
-                    tag: 2,
-                    addr: 0x1000,
-                    len: 4096,
-                    rkey: 0x99,
-                    access: Access::REMOTE_READ,
-                },
+                RemoteRegion { tag: 2, addr: 0x1000, len: 4096, rkey: 0x99, access: Access::REMOTE_READ },
             ],
         }
     }
@@ -446,11 +379,7 @@ mod tests {
         let (kind, payload, used) = decode_frame(&frame, DEFAULT_MAX_PAYLOAD).unwrap();
         assert_eq!((kind, used), (FrameKind::Hello, frame.len()));
         assert_eq!(Hello::decode(&payload).unwrap(), h);
-        let no_verbs = Hello {
-            caps: 0,
-            verbs: None,
-            regions: vec![],
-        };
+        let no_verbs = Hello { caps: 0, verbs: None, regions: vec![] };
         assert_eq!(Hello::decode(&no_verbs.encode()).unwrap(), no_verbs);
     }
 
@@ -459,27 +388,15 @@ mod tests {
         let frame = encode_frame(FrameKind::Ready, b"");
         let mut f = frame.to_vec();
         f[0] ^= 0xff;
-        assert!(matches!(
-            decode_frame(&f, 64),
-            Err(BootstrapError::BadMagic { .. })
-        ));
+        assert!(matches!(decode_frame(&f, 64), Err(BootstrapError::BadMagic { .. })));
         let mut f = frame.to_vec();
         f[5] = 9;
-        assert!(matches!(
-            decode_frame(&f, 64),
-            Err(BootstrapError::VersionMismatch { ours: 1, theirs: 9 })
-        ));
+        assert!(matches!(decode_frame(&f, 64), Err(BootstrapError::VersionMismatch { ours: 1, theirs: 9 })));
         let mut f = frame.to_vec();
         f[6] = 77;
-        assert!(matches!(
-            decode_frame(&f, 64),
-            Err(BootstrapError::Malformed { .. })
-        ));
+        assert!(matches!(decode_frame(&f, 64), Err(BootstrapError::Malformed { .. })));
         let big = encode_frame(FrameKind::Hello, &[0u8; 100]);
-        assert!(matches!(
-            decode_frame(&big, 64),
-            Err(BootstrapError::Oversized { len: 100, max: 64 })
-        ));
+        assert!(matches!(decode_frame(&big, 64), Err(BootstrapError::Oversized { len: 100, max: 64 })));
     }
 
     #[test]
@@ -487,30 +404,21 @@ mod tests {
         let frame = encode_frame(FrameKind::Hello, &hello().encode());
         for cut in 0..frame.len() {
             assert!(
-                matches!(
-                    decode_frame(&frame[..cut], DEFAULT_MAX_PAYLOAD),
-                    Err(BootstrapError::Truncated { .. })
-                ),
+                matches!(decode_frame(&frame[..cut], DEFAULT_MAX_PAYLOAD), Err(BootstrapError::Truncated { .. })),
                 "cut at {cut}"
             );
         }
         let mut f = frame.to_vec();
         let last = f.len() - 1;
         f[last] ^= 1;
-        assert!(matches!(
-            decode_frame(&f, DEFAULT_MAX_PAYLOAD),
-            Err(BootstrapError::Checksum { .. })
-        ));
+        assert!(matches!(decode_frame(&f, DEFAULT_MAX_PAYLOAD), Err(BootstrapError::Checksum { .. })));
     }
 
     #[test]
     fn hello_fields_are_validated() {
         let mut h = hello();
         h.verbs.as_mut().unwrap().mtu = 9;
-        assert!(matches!(
-            Hello::decode(&h.encode()),
-            Err(BootstrapError::Malformed { .. })
-        ));
+        assert!(matches!(Hello::decode(&h.encode()), Err(BootstrapError::Malformed { .. })));
         let mut h = hello();
         h.verbs.as_mut().unwrap().qp_num = 0;
         assert!(Hello::decode(&h.encode()).is_err());
@@ -522,13 +430,7 @@ mod tests {
         payload[at..at + 4].copy_from_slice(&u32::MAX.to_be_bytes());
         assert!(Hello::decode(&payload).is_err());
         // A region that wraps the address space.
-        let r = RemoteRegion {
-            tag: 0,
-            addr: u64::MAX - 1,
-            len: 4,
-            rkey: 0,
-            access: Access::empty(),
-        };
+        let r = RemoteRegion { tag: 0, addr: u64::MAX - 1, len: 4, rkey: 0, access: Access::empty() };
         assert!(decode_region(&encode_region(&r)).is_err());
     }
 
@@ -557,8 +459,7 @@ mod tests {
                 let crc = crc32fast::hash(&f[HEADER_LEN..]);
                 f[12..16].copy_from_slice(&crc.to_be_bytes());
             }
-            if let Ok((FrameKind::Hello, payload, _)) = decode_frame(&f[..cut], DEFAULT_MAX_PAYLOAD)
-            {
+            if let Ok((FrameKind::Hello, payload, _)) = decode_frame(&f[..cut], DEFAULT_MAX_PAYLOAD) {
                 if Hello::decode(&payload).is_ok() {
                     decoded_ok += 1;
                 }

@@ -29,9 +29,7 @@ impl HostMemory {
     /// kernel refuses the mapping.
     pub fn new(len: usize) -> Result<Self> {
         if len == 0 {
-            return Err(Error::InvalidArgument(
-                "cannot allocate a zero-byte buffer".into(),
-            ));
+            return Err(Error::InvalidArgument("cannot allocate a zero-byte buffer".into()));
         }
         // SAFETY: an anonymous private mapping at an address of the kernel's
         // choosing touches no existing memory.
@@ -48,8 +46,8 @@ impl HostMemory {
         if ptr == libc::MAP_FAILED {
             return Err(Error::Io(std::io::Error::last_os_error()));
         }
-        let ptr = NonNull::new(ptr.cast::<u8>())
-            .ok_or_else(|| Error::Io(std::io::Error::other("mmap returned NULL")))?;
+        let ptr =
+            NonNull::new(ptr.cast::<u8>()).ok_or_else(|| Error::Io(std::io::Error::other("mmap returned NULL")))?;
         Ok(HostMemory { ptr, len })
     }
 
@@ -93,11 +91,7 @@ impl Drop for HostMemory {
     fn drop(&mut self) {
         // SAFETY: the mapping was made by `new` with this length and is unmapped once.
         if unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) } != 0 {
-            tracing::error!(
-                "munmap of {} bytes failed: {}",
-                self.len,
-                std::io::Error::last_os_error()
-            );
+            tracing::error!("munmap of {} bytes failed: {}", self.len, std::io::Error::last_os_error());
         }
     }
 }

@@ -14,7 +14,10 @@
 //! - An operation dropped before it completes keeps its buffer inside the
 //!   connection until the device is done with it.
 
+#[cfg(feature = "cuda")]
+pub mod gpu;
 mod host;
+pub mod path;
 mod region;
 
 pub use host::HostMemory;
@@ -63,6 +66,11 @@ impl Default for Access {
 pub enum MemoryKind {
     /// Host (CPU) memory.
     Host,
+    /// CUDA device memory of the GPU with this ordinal.
+    Cuda {
+        /// The device ordinal.
+        ordinal: usize,
+    },
 }
 
 /// Memory that can be registered with a device.
@@ -87,6 +95,13 @@ pub unsafe trait Memory: Send + Sync + 'static {
     fn kind(&self) -> MemoryKind {
         MemoryKind::Host
     }
+    /// The CUDA buffer, when this is one (how registration finds the GPU
+    /// paths). Only [`crate::cuda::CudaBuffer`] answers.
+    #[cfg(feature = "cuda")]
+    #[doc(hidden)]
+    fn cuda_buffer(&self) -> Option<&crate::cuda::CudaBuffer> {
+        None
+    }
 }
 
 /// What a peer needs to read or write one of our regions: sent in the
@@ -108,12 +123,7 @@ pub struct RemoteRegion {
 impl RemoteRegion {
     /// The whole region.
     pub fn whole(&self) -> RemoteSlice {
-        RemoteSlice {
-            addr: self.addr,
-            len: self.len,
-            rkey: self.rkey,
-            access: self.access,
-        }
+        RemoteSlice { addr: self.addr, len: self.len, rkey: self.rkey, access: self.access }
     }
 
     /// A byte range of it.
@@ -139,12 +149,7 @@ impl RemoteRegion {
                 region_len: self.len,
             });
         }
-        Ok(RemoteSlice {
-            addr: self.addr + start,
-            len: end - start,
-            rkey: self.rkey,
-            access: self.access,
-        })
+        Ok(RemoteSlice { addr: self.addr + start, len: end - start, rkey: self.rkey, access: self.access })
     }
 
     /// The 32-byte wire form (the same as in the handshake).
@@ -187,12 +192,7 @@ impl RemoteSlice {
     /// reported as a remote-access error completion. Safe, since only the
     /// peer's memory is at stake, and the peer's device protects it.
     pub fn from_raw_parts(addr: u64, len: u64, rkey: u32) -> Self {
-        RemoteSlice {
-            addr,
-            len,
-            rkey,
-            access: Access::REMOTE_READ | Access::REMOTE_WRITE | Access::REMOTE_ATOMIC,
-        }
+        RemoteSlice { addr, len, rkey, access: Access::REMOTE_READ | Access::REMOTE_WRITE | Access::REMOTE_ATOMIC }
     }
 
     /// Start address at the peer.
@@ -220,18 +220,19 @@ impl RemoteSlice {
         self.access
     }
 
+    /// `len` bytes at `offset` (the caller checked the range).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn sub(&self, offset: u64, len: u64) -> RemoteSlice {
+        RemoteSlice { addr: self.addr + offset, len, ..*self }
+    }
+
     /// The first `len` bytes.
     ///
     /// # Errors
     /// [`Error::OutOfBounds`].
     pub fn prefix(&self, len: u64) -> Result<RemoteSlice> {
         if len > self.len {
-            return Err(Error::OutOfBounds {
-                side: "remote",
-                offset: 0,
-                len,
-                region_len: self.len,
-            });
+            return Err(Error::OutOfBounds { side: "remote", offset: 0, len, region_len: self.len });
         }
         Ok(RemoteSlice { len, ..*self })
     }
@@ -239,11 +240,7 @@ impl RemoteSlice {
 
 impl fmt::Debug for RemoteSlice {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "RemoteSlice({:#x}+{} rkey {:#x})",
-            self.addr, self.len, self.rkey
-        )
+        write!(f, "RemoteSlice({:#x}+{} rkey {:#x})", self.addr, self.len, self.rkey)
     }
 }
 
@@ -252,13 +249,7 @@ mod tests {
     use super::*;
 
     fn region() -> RemoteRegion {
-        RemoteRegion {
-            tag: 7,
-            addr: 0x1000,
-            len: 100,
-            rkey: 0x42,
-            access: Access::REMOTE_WRITE,
-        }
+        RemoteRegion { tag: 7, addr: 0x1000, len: 100, rkey: 0x42, access: Access::REMOTE_WRITE }
     }
 
     #[test]
@@ -270,32 +261,18 @@ mod tests {
         assert_eq!(r.slice(100..).unwrap().len(), 0);
         assert!(matches!(
             r.slice(90..101),
-            Err(Error::OutOfBounds {
-                side: "remote",
-                offset: 90,
-                len: 11,
-                region_len: 100
-            })
+            Err(Error::OutOfBounds { side: "remote", offset: 90, len: 11, region_len: 100 })
         ));
         let (start, end) = (50, 40);
-        assert!(matches!(
-            r.slice(start..end),
-            Err(Error::OutOfBounds { .. })
-        ));
-        assert!(matches!(
-            r.whole().prefix(101),
-            Err(Error::OutOfBounds { .. })
-        ));
+        assert!(matches!(r.slice(start..end), Err(Error::OutOfBounds { .. })));
+        assert!(matches!(r.whole().prefix(101), Err(Error::OutOfBounds { .. })));
     }
 
     #[test]
     fn access_defaults_to_least_privilege() {
         assert_eq!(Access::default(), Access::LOCAL_WRITE);
         assert!(Access::default().remote().is_empty());
-        assert_eq!(
-            (Access::LOCAL_WRITE | Access::REMOTE_READ).remote(),
-            Access::REMOTE_READ
-        );
+        assert_eq!((Access::LOCAL_WRITE | Access::REMOTE_READ).remote(), Access::REMOTE_READ);
     }
 
     #[test]

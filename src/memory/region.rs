@@ -6,6 +6,7 @@ use std::mem::ManuallyDrop;
 use std::ops::{Bound, Deref, DerefMut, RangeBounds};
 use std::sync::{Arc, Mutex};
 
+use super::path::{MemPath, PathReport};
 use super::{Access, HostMemory, Memory, MemoryKind, RemoteRegion};
 use crate::domain::{Domain, Live};
 use crate::error::{Error, Result};
@@ -26,6 +27,7 @@ pub struct Region<M: Memory = HostMemory> {
     reg: ManuallyDrop<Registration>,
     mem: ManuallyDrop<M>,
     access: Access,
+    path: Option<Box<PathReport>>,
     domain: Domain,
     _live: Live,
 }
@@ -35,12 +37,7 @@ pub struct Region<M: Memory = HostMemory> {
 impl<M: Memory> Drop for Region<M> {
     fn drop(&mut self) {
         // SAFETY: both fields are taken exactly once, here, and never used again.
-        let (reg, mem) = unsafe {
-            (
-                ManuallyDrop::take(&mut self.reg),
-                ManuallyDrop::take(&mut self.mem),
-            )
-        };
+        let (reg, mem) = unsafe { (ManuallyDrop::take(&mut self.reg), ManuallyDrop::take(&mut self.mem)) };
         release(reg, mem);
     }
 }
@@ -49,9 +46,7 @@ impl<M: Memory> Drop for Region<M> {
 /// reach the memory, so it is leaked rather than freed.
 fn release<M>(reg: Registration, mem: M) {
     if let Err(e) = reg.deregister() {
-        tracing::error!(
-            "memory deregistration failed, leaking the memory so the device cannot reach freed pages: {e}"
-        );
+        tracing::error!("memory deregistration failed, leaking the memory so the device cannot reach freed pages: {e}");
         std::mem::forget(mem);
     }
 }
@@ -61,6 +56,7 @@ impl<M: Memory> Region<M> {
         reg: Registration,
         mem: M,
         access: Access,
+        path: Option<PathReport>,
         domain: Domain,
         live: Live,
     ) -> Self {
@@ -68,9 +64,21 @@ impl<M: Memory> Region<M> {
             reg: ManuallyDrop::new(reg),
             mem: ManuallyDrop::new(mem),
             access,
+            path: path.map(Box::new),
             domain,
             _live: live,
         }
+    }
+
+    /// For GPU memory: the path the NIC reaches it by (dma-buf,
+    /// nvidia-peermem or staged). `None` for host memory.
+    pub fn memory_path(&self) -> Option<MemPath> {
+        self.path.as_ref().map(|p| p.chosen)
+    }
+
+    /// For GPU memory: the path chosen and why the others lost.
+    pub fn path_report(&self) -> Option<&PathReport> {
+        self.path.as_deref()
     }
 
     /// Length in bytes.
@@ -124,12 +132,10 @@ impl<M: Memory> Region<M> {
         // SAFETY: `this` is never used again and its Drop does not run; every
         // field is taken or dropped exactly once here.
         let (reg, mem) = unsafe {
+            std::ptr::drop_in_place(&mut this.path);
             std::ptr::drop_in_place(&mut this.domain);
             std::ptr::drop_in_place(&mut this._live);
-            (
-                ManuallyDrop::take(&mut this.reg),
-                ManuallyDrop::take(&mut this.mem),
-            )
+            (ManuallyDrop::take(&mut this.reg), ManuallyDrop::take(&mut this.mem))
         };
         match reg.deregister() {
             Ok(()) => Ok(mem),
@@ -193,12 +199,7 @@ struct SharedInner<M: Memory> {
 impl<M: Memory> Drop for SharedInner<M> {
     fn drop(&mut self) {
         // SAFETY: both fields are taken exactly once, here, and never used again.
-        let (remote, region) = unsafe {
-            (
-                ManuallyDrop::take(&mut self.remote),
-                ManuallyDrop::take(&mut self.region),
-            )
-        };
+        let (remote, region) = unsafe { (ManuallyDrop::take(&mut self.remote), ManuallyDrop::take(&mut self.region)) };
         match remote {
             Some(remote) => release(remote, region),
             None => drop(region),
@@ -215,10 +216,7 @@ impl<M: Memory> SharedInner<M> {
         let (remote, region) = unsafe {
             std::ptr::drop_in_place(&mut inner.cpu);
             std::ptr::drop_in_place(&mut inner._live);
-            (
-                ManuallyDrop::take(&mut inner.remote),
-                ManuallyDrop::take(&mut inner.region),
-            )
+            (ManuallyDrop::take(&mut inner.remote), ManuallyDrop::take(&mut inner.region))
         };
         match remote.map(Registration::deregister) {
             Some(Err(e)) => {
@@ -250,11 +248,7 @@ impl SharedInner<HostMemory> {
         // SAFETY: the range is inside the live registered mapping (checked); CPU
         // copies are serialized by the lock, and `out` is a distinct Rust buffer.
         unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.region.memory().as_ptr().add(offset),
-                out.as_mut_ptr(),
-                out.len(),
-            )
+            std::ptr::copy_nonoverlapping(self.region.memory().as_ptr().add(offset), out.as_mut_ptr(), out.len())
         };
         Ok(())
     }
@@ -264,13 +258,7 @@ impl SharedInner<HostMemory> {
         let _cpu = self.cpu.lock().unwrap_or_else(|e| e.into_inner());
         // SAFETY: as in read_at; no Rust reference to the mapping exists outside
         // `as_slice`, whose contract excludes this call.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                data.as_ptr(),
-                self.region.memory().as_ptr().add(offset),
-                data.len(),
-            )
-        };
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.region.memory().as_ptr().add(offset), data.len()) };
         Ok(())
     }
 
@@ -314,9 +302,7 @@ macro_rules! shared_common {
     ($t:ident) => {
         impl<M: Memory> Clone for $t<M> {
             fn clone(&self) -> Self {
-                $t {
-                    inner: Arc::clone(&self.inner),
-                }
+                $t { inner: Arc::clone(&self.inner) }
             }
         }
 
@@ -382,6 +368,23 @@ macro_rules! shared_common {
             fn parts(&self) -> LocalParts {
                 self.inner.region.parts()
             }
+
+            #[cfg(feature = "cuda")]
+            fn cuda(&self) -> Option<&crate::cuda::CudaBuffer> {
+                self.inner.region.cuda()
+            }
+        }
+
+        impl<M: Memory> $t<M> {
+            /// For GPU memory: the path the NIC reaches it by.
+            pub fn memory_path(&self) -> Option<MemPath> {
+                self.inner.region.memory_path()
+            }
+
+            /// For GPU memory: the path chosen and why the others lost.
+            pub fn path_report(&self) -> Option<&PathReport> {
+                self.inner.region.path_report()
+            }
         }
 
         impl<M: Memory> LocalBuffer for $t<M> {
@@ -420,9 +423,63 @@ impl<M: Memory> Shared<M> {
     pub fn try_into_region(self) -> std::result::Result<Region<M>, Self> {
         let inner = Arc::try_unwrap(self.inner).map_err(|inner| Shared { inner })?;
         // Without a remote registration nothing can fail here.
-        Ok(inner
-            .into_region()
-            .unwrap_or_else(|_| unreachable!("no remote registration to revoke")))
+        Ok(inner.into_region().unwrap_or_else(|_| unreachable!("no remote registration to revoke")))
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl Shared<crate::cuda::CudaBuffer> {
+    /// The GPU buffer (copy in and out with its methods once no operation
+    /// writes it).
+    pub fn cuda(&self) -> &crate::cuda::CudaBuffer {
+        self.inner.region.memory()
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl Exposed<crate::cuda::CudaBuffer> {
+    /// The GPU buffer.
+    pub fn cuda(&self) -> &crate::cuda::CudaBuffer {
+        self.inner.region.memory()
+    }
+
+    /// Makes the GPU contents readable by peers: waits for the work that
+    /// produces them (see [`CudaBuffer::ready_after`](crate::cuda::CudaBuffer::ready_after)),
+    /// and on the staged path copies them into the host mirror peers read.
+    /// Call it before telling a peer to read.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn publish(&self) -> Result<()> {
+        let buf = self.cuda();
+        buf.wait_ready()?;
+        if let Some((addr, len)) = self.remote().mirror() {
+            let _cpu = self.inner.cpu.lock().unwrap_or_else(|e| e.into_inner());
+            // SAFETY: the mirror is a live mapping of `len` bytes owned by the remote
+            // registration; no Rust reference to it exists (CPU copies are serialized).
+            unsafe { buf.copy_to_raw(0, addr as *mut u8, len.min(buf.len())) }?;
+        }
+        Ok(())
+    }
+
+    /// Makes what peers wrote visible to CUDA work: on a direct path a flush
+    /// of remote writes where the GPU needs one, on the staged path a copy
+    /// of the host mirror into GPU memory. Call it after the peer said it
+    /// is done; [`Connection::recv_write`](crate::Connection::recv_write)
+    /// does it for you.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn pull(&self) -> Result<()> {
+        let buf = self.cuda();
+        match self.remote().mirror() {
+            Some((addr, len)) => {
+                let _cpu = self.inner.cpu.lock().unwrap_or_else(|e| e.into_inner());
+                // SAFETY: as in publish, reading the mirror.
+                unsafe { buf.copy_from_raw(0, addr as *const u8, len.min(buf.len())) }
+            }
+            None => buf.device().flush_remote_writes(),
+        }
     }
 }
 
@@ -450,13 +507,7 @@ impl<M: Memory> fmt::Display for WithdrawError<M> {
 impl<M: Memory + fmt::Debug> std::error::Error for WithdrawError<M> {}
 
 impl<M: Memory> Exposed<M> {
-    pub(crate) fn from_parts(
-        remote: Registration,
-        region: Region<M>,
-        access: Access,
-        tag: u64,
-        live: Live,
-    ) -> Self {
+    pub(crate) fn from_parts(remote: Registration, region: Region<M>, access: Access, tag: u64, live: Live) -> Self {
         Exposed {
             inner: Arc::new(SharedInner {
                 remote: ManuallyDrop::new(Some(remote)),
@@ -470,17 +521,14 @@ impl<M: Memory> Exposed<M> {
     }
 
     fn remote(&self) -> &Registration {
-        self.inner
-            .remote
-            .as_ref()
-            .expect("an exposed region has a remote registration")
+        self.inner.remote.as_ref().expect("an exposed region has a remote registration")
     }
 
     /// What a peer needs to access it.
     pub fn descriptor(&self) -> RemoteRegion {
         RemoteRegion {
             tag: self.inner.tag,
-            addr: self.inner.region.addr(),
+            addr: self.remote().mirror().map_or(self.inner.region.addr(), |(addr, _)| addr),
             len: self.inner.region.len() as u64,
             rkey: self.remote().rkey(),
             access: self.inner.access,
@@ -510,26 +558,20 @@ impl<M: Memory> Exposed<M> {
     /// [`WithdrawError::InUse`] (with `self` back) while other handles exist;
     /// [`WithdrawError::Failed`] if the key could not be revoked.
     pub fn withdraw(self) -> std::result::Result<Region<M>, WithdrawError<M>> {
-        let inner =
-            Arc::try_unwrap(self.inner).map_err(|inner| WithdrawError::InUse(Exposed { inner }))?;
+        let inner = Arc::try_unwrap(self.inner).map_err(|inner| WithdrawError::InUse(Exposed { inner }))?;
         inner.into_region().map_err(WithdrawError::Failed)
     }
 }
 
 impl<M: Memory + fmt::Debug> fmt::Debug for Shared<M> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Shared")
-            .field("region", &*self.inner.region)
-            .finish()
+        f.debug_struct("Shared").field("region", &*self.inner.region).finish()
     }
 }
 
 impl<M: Memory + fmt::Debug> fmt::Debug for Exposed<M> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Exposed")
-            .field("region", &*self.inner.region)
-            .field("remote", &self.descriptor())
-            .finish()
+        f.debug_struct("Exposed").field("region", &*self.inner.region).field("remote", &self.descriptor()).finish()
     }
 }
 
@@ -541,10 +583,15 @@ mod sealed {
         pub len: usize,
         pub lkey: u32,
         pub domain: u64,
+        /// GPU memory: how the NIC reaches it.
+        pub path: Option<super::MemPath>,
     }
 
     pub trait Sealed {
         fn parts(&self) -> LocalParts;
+        /// GPU memory: the buffer.
+        #[cfg(feature = "cuda")]
+        fn cuda(&self) -> Option<&crate::cuda::CudaBuffer>;
     }
 }
 
@@ -574,7 +621,13 @@ impl<M: Memory> sealed::Sealed for Region<M> {
             len: self.len(),
             lkey: self.reg.lkey(),
             domain: self.domain.id(),
+            path: self.memory_path(),
         }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(&self) -> Option<&crate::cuda::CudaBuffer> {
+        self.mem.cuda_buffer()
     }
 }
 
@@ -613,12 +666,7 @@ impl<B: LocalBuffer> LocalSlice<B> {
             Bound::Excluded(&e) => Some(e),
             Bound::Unbounded => None,
         };
-        LocalSlice {
-            buf,
-            start,
-            end,
-            bad,
-        }
+        LocalSlice { buf, start, end, bad }
     }
 
     /// The buffer back.
@@ -643,21 +691,12 @@ impl<B: LocalBuffer> LocalSlice<B> {
                 region_len: parts.len as u64,
             });
         }
-        Ok(LocalParts {
-            addr: parts.addr + self.start as u64,
-            len: end - self.start,
-            ..parts
-        })
+        Ok(LocalParts { addr: parts.addr + self.start as u64, len: end - self.start, ..parts })
     }
 }
 
 impl<B: LocalBuffer> From<B> for LocalSlice<B> {
     fn from(buf: B) -> Self {
-        LocalSlice {
-            buf,
-            start: 0,
-            end: None,
-            bad: false,
-        }
+        LocalSlice { buf, start: 0, end: None, bad: false }
     }
 }

@@ -20,8 +20,22 @@ pub(crate) mod verbs;
 
 /// A memory registration.
 pub(crate) enum Registration {
+    /// Host memory, or GPU memory on a direct path (dma-buf, nvidia-peermem).
     #[cfg(feature = "verbs")]
     Verbs(crate::verbs::MemoryRegion),
+    /// GPU memory on the staged path: nothing is registered; operations go
+    /// through the domain's pinned, registered staging buffers.
+    #[cfg(feature = "cuda")]
+    Staged,
+    /// A staged GPU region exposed to peers: a pinned host mirror with its
+    /// own registration (remote rights). Peers read and write the mirror;
+    /// the owner copies between it and the GPU.
+    #[cfg(all(feature = "verbs", feature = "cuda"))]
+    Mirror {
+        // Declared first: deregistered before the mirror is freed.
+        mr: crate::verbs::MemoryRegion,
+        mem: crate::cuda::PinnedHost,
+    },
     #[allow(dead_code)]
     Never(Infallible),
 }
@@ -31,6 +45,10 @@ impl Registration {
         match self {
             #[cfg(feature = "verbs")]
             Registration::Verbs(mr) => mr.lkey(),
+            #[cfg(feature = "cuda")]
+            Registration::Staged => 0,
+            #[cfg(all(feature = "verbs", feature = "cuda"))]
+            Registration::Mirror { mr, .. } => mr.lkey(),
             Registration::Never(n) => match *n {},
         }
     }
@@ -39,7 +57,21 @@ impl Registration {
         match self {
             #[cfg(feature = "verbs")]
             Registration::Verbs(mr) => mr.rkey(),
+            #[cfg(feature = "cuda")]
+            Registration::Staged => 0,
+            #[cfg(all(feature = "verbs", feature = "cuda"))]
+            Registration::Mirror { mr, .. } => mr.rkey(),
             Registration::Never(n) => match *n {},
+        }
+    }
+
+    /// Where peers address it, when that is not the registered memory
+    /// itself (a staged region's host mirror).
+    pub(crate) fn mirror(&self) -> Option<(u64, usize)> {
+        match self {
+            #[cfg(all(feature = "verbs", feature = "cuda"))]
+            Registration::Mirror { mr, .. } => Some((mr.addr(), mr.len())),
+            _ => None,
         }
     }
 
@@ -48,6 +80,16 @@ impl Registration {
         match self {
             #[cfg(feature = "verbs")]
             Registration::Verbs(mr) => mr.deregister(),
+            #[cfg(feature = "cuda")]
+            Registration::Staged => Ok(()),
+            #[cfg(all(feature = "verbs", feature = "cuda"))]
+            Registration::Mirror { mr, mem } => match mr.deregister() {
+                Ok(()) => Ok(()),
+                Err(e) => {
+                    std::mem::forget(mem);
+                    Err(e)
+                }
+            },
             Registration::Never(n) => match n {},
         }
     }
@@ -82,17 +124,51 @@ impl Backend {
         }
     }
 
+    /// Registers `len` bytes of the dma-buf `fd` at `offset`, addressed as `iova`.
+    ///
+    /// # Safety
+    /// The memory behind the dma-buf range must stay allocated until the
+    /// returned registration is deregistered.
+    #[cfg(feature = "cuda")]
+    pub(crate) unsafe fn register_dmabuf(
+        &self,
+        fd: std::os::fd::BorrowedFd<'_>,
+        offset: u64,
+        len: usize,
+        iova: u64,
+        access: Access,
+    ) -> Result<Registration> {
+        match self {
+            #[cfg(feature = "verbs")]
+            // SAFETY: forwarded contract.
+            Backend::Verbs(v) => unsafe { v.register_dmabuf(fd, offset, len, iova, access) },
+            Backend::Never(n) => {
+                let _ = (fd, offset, len, iova, access);
+                match *n {}
+            }
+        }
+    }
+
+    /// Registers a staged region's host mirror with `access`; the
+    /// registration owns the mirror.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn register_mirror(&self, mem: crate::cuda::PinnedHost, access: Access) -> Result<Registration> {
+        match self {
+            #[cfg(feature = "verbs")]
+            Backend::Verbs(v) => v.register_mirror(mem, access),
+            Backend::Never(n) => {
+                let _ = (mem, access);
+                match *n {}
+            }
+        }
+    }
+
     /// Registers `len` bytes at `ptr`.
     ///
     /// # Safety
     /// The memory must stay allocated and in place until the returned
     /// registration is deregistered.
-    pub(crate) unsafe fn register(
-        &self,
-        ptr: *mut u8,
-        len: usize,
-        access: Access,
-    ) -> Result<Registration> {
+    pub(crate) unsafe fn register(&self, ptr: *mut u8, len: usize, access: Access) -> Result<Registration> {
         match self {
             #[cfg(feature = "verbs")]
             // SAFETY: forwarded contract.
@@ -123,6 +199,12 @@ pub(crate) enum RemoteOp {
 }
 
 impl RemoteOp {
+    /// Whether the device writes local memory (a read's destination).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn reads_remote(self) -> bool {
+        matches!(self, RemoteOp::Read(_))
+    }
+
     pub(crate) fn opcode(self) -> Opcode {
         match self {
             RemoteOp::Send => Opcode::Send,

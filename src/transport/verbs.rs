@@ -17,10 +17,9 @@ use crate::error::{BootstrapError, Error, Result};
 use crate::memory::{Access, LocalParts};
 use crate::ops::{Held, OpId, OpTable, RawCompletion};
 use crate::verbs::{
-    self, CompletionChannel, CompletionQueue, Context, DeviceAttr, GidChoice, LinkLayer,
-    MemoryRegion, Mtu, PortAttr, ProtectionDomain, QpCaps, QpState, QueuePair, QueuePairBuilder,
-    RecvWr, RtrAttr, RtsAttr, SendOp, SendWr, Sge, WaitOutcome, WcOpcode, WorkCompletion,
-    choose_gid,
+    self, CompletionChannel, CompletionQueue, Context, DeviceAttr, GidChoice, LinkLayer, MemoryRegion, Mtu, PortAttr,
+    ProtectionDomain, QpCaps, QpState, QueuePair, QueuePairBuilder, RecvWr, RtrAttr, RtsAttr, SendOp, SendWr, Sge,
+    WaitOutcome, WcOpcode, WorkCompletion, choose_gid,
 };
 
 /// A domain on a verbs device: context, protection domain, port and GID.
@@ -37,26 +36,19 @@ impl VerbsDomain {
         let (ctx, port) = verbs::open_device(config.device.as_deref(), config.port)?;
         let device = ctx.query_device()?;
         let table = ctx.gid_table(port.port)?;
-        let gid =
-            choose_gid(&table, port.link_layer, config.gid_index).ok_or_else(|| Error::NoGid {
-                device: ctx.name().to_owned(),
-                port: port.port,
-                detail: match config.gid_index {
-                    Some(i) => format!(
-                        "GID index {i} is empty or does not exist (non-empty entries: {:?})",
-                        table.iter().map(|e| e.index).collect::<Vec<_>>()
-                    ),
-                    None => "the GID table is empty: on RoCE, is the network device up?".to_owned(),
-                },
-            })?;
+        let gid = choose_gid(&table, port.link_layer, config.gid_index).ok_or_else(|| Error::NoGid {
+            device: ctx.name().to_owned(),
+            port: port.port,
+            detail: match config.gid_index {
+                Some(i) => format!(
+                    "GID index {i} is empty or does not exist (non-empty entries: {:?})",
+                    table.iter().map(|e| e.index).collect::<Vec<_>>()
+                ),
+                None => "the GID table is empty: on RoCE, is the network device up?".to_owned(),
+            },
+        })?;
         let pd = ProtectionDomain::new(&ctx)?;
-        Ok(VerbsDomain {
-            pd,
-            ctx,
-            port,
-            gid,
-            device,
-        })
+        Ok(VerbsDomain { pd, ctx, port, gid, device })
     }
 
     pub(crate) fn info(&self) -> DomainInfo {
@@ -74,16 +66,45 @@ impl VerbsDomain {
 
     /// # Safety
     /// As [`MemoryRegion::register`].
-    pub(crate) unsafe fn register(
+    pub(crate) unsafe fn register(&self, ptr: *mut u8, len: usize, access: Access) -> Result<Registration> {
+        // SAFETY: forwarded contract.
+        Ok(Registration::Verbs(unsafe { MemoryRegion::register(&self.pd, ptr, len, access)? }))
+    }
+
+    /// # Safety
+    /// As [`MemoryRegion::register_dmabuf`].
+    #[cfg(feature = "cuda")]
+    pub(crate) unsafe fn register_dmabuf(
         &self,
-        ptr: *mut u8,
+        fd: std::os::fd::BorrowedFd<'_>,
+        offset: u64,
         len: usize,
+        iova: u64,
         access: Access,
     ) -> Result<Registration> {
-        // SAFETY: forwarded contract.
-        Ok(Registration::Verbs(unsafe {
-            MemoryRegion::register(&self.pd, ptr, len, access)?
-        }))
+        #[cfg(gpu_rdma_dmabuf_mr)]
+        {
+            // SAFETY: forwarded contract.
+            Ok(Registration::Verbs(unsafe { MemoryRegion::register_dmabuf(&self.pd, fd, offset, len, iova, access)? }))
+        }
+        #[cfg(not(gpu_rdma_dmabuf_mr))]
+        {
+            let _ = (fd, offset, len, iova, access);
+            Err(Error::NotSupported {
+                op: "ibv_reg_dmabuf_mr (absent from the rdma-core headers this crate was built with)",
+                source: std::io::Error::from_raw_os_error(libc::EOPNOTSUPP),
+            })
+        }
+    }
+
+    /// Registers a staged region's host mirror; the registration owns it.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn register_mirror(&self, mem: crate::cuda::PinnedHost, access: Access) -> Result<Registration> {
+        use crate::memory::Memory;
+        // SAFETY: `mem` moves into the registration, which deregisters before it
+        // frees (or leaks) the memory.
+        let mr = unsafe { MemoryRegion::register(&self.pd, mem.as_ptr(), mem.len(), access)? };
+        Ok(Registration::Mirror { mr, mem })
     }
 }
 
@@ -140,11 +161,7 @@ impl VerbsConn {
         let peer_addr = stream.peer_addr().ok();
 
         let channel = CompletionChannel::new(&vd.ctx)?;
-        let cq = CompletionQueue::new(
-            &vd.ctx,
-            opts.send_queue_depth + opts.recv_queue_depth,
-            Some(&channel),
-        )?;
+        let cq = CompletionQueue::new(&vd.ctx, opts.send_queue_depth + opts.recv_queue_depth, Some(&channel))?;
         let mut qp = QueuePairBuilder::new(&vd.pd, &cq, &cq)
             .caps(QpCaps {
                 max_send_wr: opts.send_queue_depth,
@@ -154,10 +171,7 @@ impl VerbsConn {
                 max_inline_data: opts.max_inline,
             })
             .build()?;
-        qp.init(
-            vd.port.port,
-            Access::REMOTE_READ | Access::REMOTE_WRITE | Access::REMOTE_ATOMIC,
-        )?;
+        qp.init(vd.port.port, Access::REMOTE_READ | Access::REMOTE_WRITE | Access::REMOTE_ATOMIC)?;
 
         let psn = random_psn();
         let responder_resources = vd.device.max_qp_rd_atom.min(16) as u8;
@@ -171,13 +185,8 @@ impl VerbsConn {
             responder_resources,
             gid: vd.gid.entry.gid.raw(),
         };
-        let hello = Hello {
-            caps: CAP_VERBS,
-            verbs: Some(mine),
-            regions: opts.advertise.clone(),
-        };
-        let peer =
-            bootstrap::exchange_hello(&stream, &hello, deadline, opts.max_handshake_payload)?;
+        let hello = Hello { caps: CAP_VERBS, verbs: Some(mine), regions: opts.advertise.clone() };
+        let peer = bootstrap::exchange_hello(&stream, &hello, deadline, opts.max_handshake_payload)?;
 
         let reject = |reason: String| -> Error {
             bootstrap::send_reject(&stream, &reason);
@@ -188,10 +197,7 @@ impl VerbsConn {
         };
         let their_ll = LinkLayer::from_raw(theirs.link_layer);
         if their_ll != vd.port.link_layer {
-            return Err(reject(format!(
-                "link layers differ: {} here, {} at the peer",
-                vd.port.link_layer, their_ll
-            )));
+            return Err(reject(format!("link layers differ: {} here, {} at the peer", vd.port.link_layer, their_ll)));
         }
         let their_mtu = Mtu::from_raw(u32::from(theirs.mtu)).unwrap_or(Mtu::Mtu256);
         let path_mtu = vd.port.active_mtu.min(their_mtu);
@@ -207,10 +213,7 @@ impl VerbsConn {
             dest_gid: verbs::Gid(theirs.gid),
             is_global,
             sgid_index: u8::try_from(vd.gid.entry.index).map_err(|_| {
-                Error::InvalidArgument(format!(
-                    "GID index {} does not fit sgid_index",
-                    vd.gid.entry.index
-                ))
+                Error::InvalidArgument(format!("GID index {} does not fit sgid_index", vd.gid.entry.index))
             })?,
             hop_limit: 64,
             traffic_class: opts.traffic_class,
@@ -225,11 +228,7 @@ impl VerbsConn {
             timeout: opts.ack_timeout,
             retry_cnt: opts.retry_count,
             rnr_retry: opts.rnr_retry,
-            max_rd_atomic: (vd
-                .device
-                .max_qp_init_rd_atom
-                .min(u32::from(theirs.responder_resources))
-                .max(1)) as u8,
+            max_rd_atomic: (vd.device.max_qp_init_rd_atom.min(u32::from(theirs.responder_resources)).max(1)) as u8,
         };
         if let Err(e) = qp.ready_to_send(&rts) {
             bootstrap::send_reject(&stream, &e.to_string());
@@ -273,11 +272,7 @@ impl VerbsConn {
             max_inline: caps.max_inline_data,
             spin: opts.spin,
         };
-        Ok(Established {
-            transport: ConnTransport::Verbs(conn),
-            peer_regions: peer.regions,
-            info,
-        })
+        Ok(Established { transport: ConnTransport::Verbs(conn), peer_regions: peer.regions, info })
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -340,9 +335,7 @@ impl VerbsConn {
         }
         let mut byte = [0u8; 1];
         let reason = match self.socket.peek(&mut byte) {
-            Ok(0) => {
-                "the peer closed the connection (its process exited or dropped the connection)"
-            }
+            Ok(0) => "the peer closed the connection (its process exited or dropped the connection)",
             Ok(_) => "the peer closed the connection (it said bye)",
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
             Err(_) => "the connection to the peer was reset",
@@ -353,11 +346,7 @@ impl VerbsConn {
     }
 
     /// Waits, driving progress, until `ready` holds or the deadline passes.
-    fn wait_until(
-        &self,
-        deadline: Instant,
-        mut ready: impl FnMut(&mut State) -> bool,
-    ) -> Result<bool> {
+    fn wait_until(&self, deadline: Instant, mut ready: impl FnMut(&mut State) -> bool) -> Result<bool> {
         let spin_until = Instant::now() + self.spin;
         loop {
             {
@@ -384,9 +373,7 @@ impl VerbsConn {
                 }
                 st.lost.is_none()
             };
-            let slice = deadline
-                .saturating_duration_since(Instant::now())
-                .min(Duration::from_millis(20));
+            let slice = deadline.saturating_duration_since(Instant::now()).min(Duration::from_millis(20));
             let extra = watch_peer.then(|| self.socket.as_fd());
             if self.cq.wait_event(slice, extra)? == WaitOutcome::Extra {
                 let mut st = self.lock();
@@ -395,20 +382,11 @@ impl VerbsConn {
         }
     }
 
-    pub(crate) fn wait_done(
-        &self,
-        id: OpId,
-        deadline: Instant,
-        what: &'static str,
-        timeout: Duration,
-    ) -> Result<()> {
+    pub(crate) fn wait_done(&self, id: OpId, deadline: Instant, what: &'static str, timeout: Duration) -> Result<()> {
         if self.wait_until(deadline, |st| st.table.is_done(id))? {
             Ok(())
         } else {
-            Err(Error::Timeout {
-                what,
-                after: timeout,
-            })
+            Err(Error::Timeout { what, after: timeout })
         }
     }
 
@@ -474,12 +452,7 @@ impl VerbsConn {
     }
 
     /// Splits the items into send-queue requests, checking each.
-    fn plan(
-        &self,
-        items: &[WorkItem],
-        scratch: &mut Vec<(SendOp, usize, bool)>,
-        sges: &mut Vec<Sge>,
-    ) -> Result<()> {
+    fn plan(&self, items: &[WorkItem], scratch: &mut Vec<(SendOp, usize, bool)>, sges: &mut Vec<Sge>) -> Result<()> {
         scratch.clear();
         sges.clear();
         for item in items {
@@ -491,18 +464,13 @@ impl VerbsConn {
                 None => (0, 0, 0),
             };
             let (remote, needed) = match item.op {
-                RemoteOp::Write(r) | RemoteOp::WriteWithImm(r, _) => {
-                    (Some(r), Access::REMOTE_WRITE)
-                }
+                RemoteOp::Write(r) | RemoteOp::WriteWithImm(r, _) => (Some(r), Access::REMOTE_WRITE),
                 RemoteOp::Read(r) => (Some(r), Access::REMOTE_READ),
                 RemoteOp::Send | RemoteOp::SendWithImm(_) => (None, Access::empty()),
             };
             if let Some(r) = remote {
                 if !r.access().contains(needed) {
-                    return Err(Error::AccessDenied {
-                        needed,
-                        granted: r.access(),
-                    });
+                    return Err(Error::AccessDenied { needed, granted: r.access() });
                 }
                 if len != r.len() {
                     return Err(Error::InvalidArgument(format!(
@@ -514,20 +482,14 @@ impl VerbsConn {
             let chunks = match item.op {
                 RemoteOp::Send | RemoteOp::SendWithImm(_) => {
                     if len > self.max_message {
-                        return Err(Error::MessageTooLarge {
-                            len,
-                            max: self.max_message,
-                        });
+                        return Err(Error::MessageTooLarge { len, max: self.max_message });
                     }
                     1
                 }
                 // A write with immediate is one message: it consumes one receive.
                 RemoteOp::WriteWithImm(..) => {
                     if len > self.max_message {
-                        return Err(Error::MessageTooLarge {
-                            len,
-                            max: self.max_message,
-                        });
+                        return Err(Error::MessageTooLarge { len, max: self.max_message });
                     }
                     1
                 }
@@ -539,19 +501,11 @@ impl VerbsConn {
                 let op = match item.op {
                     RemoteOp::Send => SendOp::Send,
                     RemoteOp::SendWithImm(imm) => SendOp::SendWithImm(imm),
-                    RemoteOp::Write(r) => SendOp::Write {
-                        remote_addr: r.addr() + off,
-                        rkey: r.rkey(),
-                    },
-                    RemoteOp::WriteWithImm(r, imm) => SendOp::WriteWithImm {
-                        remote_addr: r.addr(),
-                        rkey: r.rkey(),
-                        imm,
-                    },
-                    RemoteOp::Read(r) => SendOp::Read {
-                        remote_addr: r.addr() + off,
-                        rkey: r.rkey(),
-                    },
+                    RemoteOp::Write(r) => SendOp::Write { remote_addr: r.addr() + off, rkey: r.rkey() },
+                    RemoteOp::WriteWithImm(r, imm) => {
+                        SendOp::WriteWithImm { remote_addr: r.addr(), rkey: r.rkey(), imm }
+                    }
+                    RemoteOp::Read(r) => SendOp::Read { remote_addr: r.addr() + off, rkey: r.rkey() },
                 };
                 let inline = n > 0 && n <= u64::from(self.max_inline) && !op.writes_local();
                 if n > 0 {
@@ -580,14 +534,9 @@ impl VerbsConn {
         let mut st = self.lock();
         loop {
             if let Some(reason) = &st.lost {
-                return Posted::Refused(Error::ConnectionLost {
-                    reason: reason.clone(),
-                });
+                return Posted::Refused(Error::ConnectionLost { reason: reason.clone() });
             }
-            let (mut scratch, mut sges) = (
-                std::mem::take(&mut st.scratch),
-                std::mem::take(&mut st.sges),
-            );
+            let (mut scratch, mut sges) = (std::mem::take(&mut st.scratch), std::mem::take(&mut st.sges));
             if let Err(e) = self.plan(items, &mut scratch, &mut sges) {
                 st.scratch = scratch;
                 st.sges = sges;
@@ -595,30 +544,15 @@ impl VerbsConn {
             }
             let n = scratch.len() as u32;
             if st.send_used + n <= self.send_depth {
-                let id = st.table.start(
-                    opcode,
-                    Held {
-                        send_wrs: n,
-                        recv_wrs: 0,
-                    },
-                );
+                let id = st.table.start(opcode, Held { send_wrs: n, recv_wrs: 0 });
                 let outcome = {
                     let count = scratch.len();
                     let wrs = scratch.iter().enumerate().map(|(i, &(op, sge, inline))| {
-                        let list: &[Sge] = if sge == usize::MAX {
-                            &[]
-                        } else {
-                            &sges[sge..sge + 1]
-                        };
+                        let list: &[Sge] = if sge == usize::MAX { &[] } else { &sges[sge..sge + 1] };
                         let last = i + 1 == count;
-                        SendWr::new(id.wr_id(last), op, list)
-                            .signaled(last)
-                            .inline(inline)
+                        SendWr::new(id.wr_id(last), op, list).signaled(last).inline(inline)
                     });
-                    let qp = st
-                        .qp
-                        .as_mut()
-                        .expect("the queue pair lives as long as the connection");
+                    let qp = st.qp.as_mut().expect("the queue pair lives as long as the connection");
                     // SAFETY: every scatter/gather entry names a range of a registered
                     // buffer (checked against its length by `LocalSlice::resolve`, with
                     // its lkey, in this connection's domain) that the caller's
@@ -660,10 +594,7 @@ impl VerbsConn {
             match self.wait_until(deadline, room) {
                 Ok(true) => st = self.lock(),
                 Ok(false) => {
-                    return Posted::Refused(Error::QueueFull {
-                        queue: "send",
-                        depth: self.send_depth,
-                    });
+                    return Posted::Refused(Error::QueueFull { queue: "send", depth: self.send_depth });
                 }
                 Err(e) => return Posted::Refused(e),
             }
@@ -672,43 +603,25 @@ impl VerbsConn {
 
     pub(crate) fn post_inline(&self, data: &[u8], imm: Option<u32>, deadline: Instant) -> Posted {
         if data.len() as u64 > u64::from(self.max_inline) {
-            return Posted::Refused(Error::MessageTooLarge {
-                len: data.len() as u64,
-                max: u64::from(self.max_inline),
-            });
+            return Posted::Refused(Error::MessageTooLarge { len: data.len() as u64, max: u64::from(self.max_inline) });
         }
         let op = match imm {
             Some(imm) => SendOp::SendWithImm(imm),
             None => SendOp::Send,
         };
-        let opcode = if imm.is_some() {
-            Opcode::SendWithImm
-        } else {
-            Opcode::Send
-        };
+        let opcode = if imm.is_some() { Opcode::SendWithImm } else { Opcode::Send };
         let mut st = self.lock();
         loop {
             if let Some(reason) = &st.lost {
-                return Posted::Refused(Error::ConnectionLost {
-                    reason: reason.clone(),
-                });
+                return Posted::Refused(Error::ConnectionLost { reason: reason.clone() });
             }
             if st.send_used < self.send_depth {
-                let id = st.table.start(
-                    opcode,
-                    Held {
-                        send_wrs: 1,
-                        recv_wrs: 0,
-                    },
-                );
+                let id = st.table.start(opcode, Held { send_wrs: 1, recv_wrs: 0 });
                 // lkey 0 is never used: inline data is copied at post time.
                 let sge = [Sge::new(data.as_ptr() as u64, data.len() as u32, 0)];
                 let list: &[Sge] = if data.is_empty() { &[] } else { &sge };
                 let wr = SendWr::new(id.wr_id(true), op, list).inline(!data.is_empty());
-                let qp = st
-                    .qp
-                    .as_mut()
-                    .expect("the queue pair lives as long as the connection");
+                let qp = st.qp.as_mut().expect("the queue pair lives as long as the connection");
                 // SAFETY: an inline request's data is copied into the work queue
                 // during ibv_post_send; `data` is valid for this call and nothing
                 // references it afterwards.
@@ -725,15 +638,10 @@ impl VerbsConn {
                 };
             }
             drop(st);
-            match self.wait_until(deadline, |s| {
-                s.send_used < self.send_depth || s.lost.is_some()
-            }) {
+            match self.wait_until(deadline, |s| s.send_used < self.send_depth || s.lost.is_some()) {
                 Ok(true) => st = self.lock(),
                 Ok(false) => {
-                    return Posted::Refused(Error::QueueFull {
-                        queue: "send",
-                        depth: self.send_depth,
-                    });
+                    return Posted::Refused(Error::QueueFull { queue: "send", depth: self.send_depth });
                 }
                 Err(e) => return Posted::Refused(e),
             }
@@ -746,40 +654,23 @@ impl VerbsConn {
                 return Posted::Refused(e);
             }
             if l.len as u64 > self.max_message.max(u64::from(u32::MAX)) {
-                return Posted::Refused(Error::MessageTooLarge {
-                    len: l.len as u64,
-                    max: u64::from(u32::MAX),
-                });
+                return Posted::Refused(Error::MessageTooLarge { len: l.len as u64, max: u64::from(u32::MAX) });
             }
         }
         let mut st = self.lock();
         if let Some(reason) = &st.lost {
-            return Posted::Refused(Error::ConnectionLost {
-                reason: reason.clone(),
-            });
+            return Posted::Refused(Error::ConnectionLost { reason: reason.clone() });
         }
         if st.recv_used >= self.recv_depth {
-            return Posted::Refused(Error::QueueFull {
-                queue: "receive",
-                depth: self.recv_depth,
-            });
+            return Posted::Refused(Error::QueueFull { queue: "receive", depth: self.recv_depth });
         }
-        let id = st.table.start(
-            Opcode::Recv,
-            Held {
-                send_wrs: 0,
-                recv_wrs: 1,
-            },
-        );
+        let id = st.table.start(Opcode::Recv, Held { send_wrs: 0, recv_wrs: 1 });
         let sge = local.map(|l| Sge::new(l.addr, l.len.min(u32::MAX as usize) as u32, l.lkey));
         let list: &[Sge] = match &sge {
             Some(s) => std::slice::from_ref(s),
             None => &[],
         };
-        let qp = st
-            .qp
-            .as_mut()
-            .expect("the queue pair lives as long as the connection");
+        let qp = st.qp.as_mut().expect("the queue pair lives as long as the connection");
         // SAFETY: the entry names a checked range of a registered buffer of this
         // domain, owned by the caller's `Pending` (or, once that is dropped, by the
         // table) until this receive completes or the queue pair is destroyed.

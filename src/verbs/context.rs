@@ -91,20 +91,10 @@ impl Context {
             if dev.is_null() {
                 PathBuf::from(format!("/sys/class/infiniband/{name}"))
             } else {
-                PathBuf::from(
-                    CStr::from_ptr((*dev).ibdev_path.as_ptr())
-                        .to_string_lossy()
-                        .into_owned(),
-                )
+                PathBuf::from(CStr::from_ptr((*dev).ibdev_path.as_ptr()).to_string_lossy().into_owned())
             }
         };
-        Context {
-            inner: Arc::new(ContextInner {
-                ctx,
-                name,
-                ibdev_path,
-            }),
-        }
+        Context { inner: Arc::new(ContextInner { ctx, name, ibdev_path }) }
     }
 
     /// The raw context, for calls this crate does not wrap.
@@ -132,9 +122,7 @@ impl Context {
         let rc = unsafe { ffi::ibv_query_device(self.as_raw(), &mut attr) };
         result::errno_rc(rc, "ibv_query_device")?;
         // SAFETY: fw_ver is a NUL-terminated char array filled by the driver.
-        let fw_ver = unsafe { CStr::from_ptr(attr.fw_ver.as_ptr()) }
-            .to_string_lossy()
-            .into_owned();
+        let fw_ver = unsafe { CStr::from_ptr(attr.fw_ver.as_ptr()) }.to_string_lossy().into_owned();
         let nonneg = |v: libc::c_int| v.max(0) as u32;
         Ok(DeviceAttr {
             fw_ver,
@@ -185,8 +173,8 @@ impl Context {
     /// [`Error::Verbs`] for an index outside the table.
     pub fn query_gid(&self, port: u8, index: u32) -> Result<Gid> {
         let mut gid: ffi::ibv_gid = zeroed();
-        let index = i32::try_from(index)
-            .map_err(|_| Error::InvalidArgument(format!("GID index {index} is too large")))?;
+        let index =
+            i32::try_from(index).map_err(|_| Error::InvalidArgument(format!("GID index {index} is too large")))?;
         // SAFETY: valid context and out-pointer.
         let rc = unsafe { ffi::ibv_query_gid(self.as_raw(), port, index, &mut gid) };
         result::minus_one(rc, "ibv_query_gid")?;
@@ -204,10 +192,7 @@ impl Context {
     /// [`Error::Verbs`] from `ibv_query_port`.
     pub fn gid_table(&self, port: u8) -> Result<Vec<GidEntry>> {
         let attr = self.query_port(port)?;
-        let attrs_dir = self
-            .inner
-            .ibdev_path
-            .join(format!("ports/{port}/gid_attrs"));
+        let attrs_dir = self.inner.ibdev_path.join(format!("ports/{port}/gid_attrs"));
         let mut entries = Vec::new();
         for index in 0..attr.gid_tbl_len {
             let Ok(gid) = self.query_gid(port, index) else {
@@ -216,23 +201,14 @@ impl Context {
             if gid.is_zero() {
                 continue;
             }
-            let read = |kind: &str| {
-                std::fs::read_to_string(attrs_dir.join(format!("{kind}/{index}"))).ok()
-            };
+            let read = |kind: &str| std::fs::read_to_string(attrs_dir.join(format!("{kind}/{index}"))).ok();
             let gid_type = match (read("types"), attr.link_layer) {
                 (Some(text), _) => GidType::from_sysfs(&text),
                 (None, LinkLayer::InfiniBand) => GidType::IbOrRoceV1,
                 (None, _) => GidType::Unknown,
             };
-            let netdev = read("ndevs")
-                .map(|s| s.trim().to_owned())
-                .filter(|s| !s.is_empty());
-            entries.push(GidEntry {
-                index,
-                gid,
-                gid_type,
-                netdev,
-            });
+            let netdev = read("ndevs").map(|s| s.trim().to_owned()).filter(|s| !s.is_empty());
+            entries.push(GidEntry { index, gid, gid_type, netdev });
         }
         Ok(entries)
     }
@@ -240,8 +216,6 @@ impl Context {
 
 impl fmt::Debug for Context {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Context")
-            .field("name", &self.inner.name)
-            .finish()
+        f.debug_struct("Context").field("name", &self.inner.name).finish()
     }
 }

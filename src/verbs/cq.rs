@@ -53,12 +53,7 @@ impl CompletionChannel {
         // SAFETY: valid context; destroyed in Drop.
         let ch = unsafe { ffi::ibv_create_comp_channel(ctx.as_raw()) };
         let ch = result::nonnull(ch, "ibv_create_comp_channel")?;
-        let chan = CompletionChannel {
-            inner: Arc::new(ChannelInner {
-                ch,
-                ctx: ctx.clone(),
-            }),
-        };
+        let chan = CompletionChannel { inner: Arc::new(ChannelInner { ch, ctx: ctx.clone() }) };
         let fd = chan.fd();
         // SAFETY: fcntl on a descriptor owned by the live channel.
         let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
@@ -86,9 +81,7 @@ impl CompletionChannel {
 
 impl fmt::Debug for CompletionChannel {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("CompletionChannel")
-            .field("fd", &self.fd())
-            .finish()
+        f.debug_struct("CompletionChannel").field("fd", &self.fd()).finish()
     }
 }
 
@@ -167,8 +160,7 @@ impl WorkCompletion {
         let with_imm = wc.wc_flags & ffi::ibv_wc_flags::IBV_WC_WITH_IMM.0 != 0;
         // SAFETY: with IBV_WC_WITH_IMM set the union holds the immediate; it is
         // plain data either way.
-        let imm =
-            with_imm.then(|| u32::from_be(unsafe { wc.imm_data_invalidated_rkey_union.imm_data }));
+        let imm = with_imm.then(|| u32::from_be(unsafe { wc.imm_data_invalidated_rkey_union.imm_data }));
         WorkCompletion {
             wr_id: wc.wr_id,
             status: WcStatus::from_raw(wc.status),
@@ -239,9 +231,8 @@ impl CompletionQueue {
     /// # Errors
     /// [`Error::Verbs`] (for example `EINVAL` above the device's `max_cqe`).
     pub fn new(ctx: &Context, capacity: u32, channel: Option<&CompletionChannel>) -> Result<Self> {
-        let cqe = libc::c_int::try_from(capacity.max(1)).map_err(|_| {
-            Error::InvalidArgument(format!("completion queue of {capacity} entries"))
-        })?;
+        let cqe = libc::c_int::try_from(capacity.max(1))
+            .map_err(|_| Error::InvalidArgument(format!("completion queue of {capacity} entries")))?;
         let ch = channel.map_or(std::ptr::null_mut(), |c| c.as_raw());
         // SAFETY: valid context and (optional) channel; destroyed in Drop, and the
         // channel outlives the CQ through the Arc kept below.
@@ -287,8 +278,7 @@ impl CompletionQueue {
         while filled < out.len() {
             let want = (out.len() - filled).min(BATCH);
             // SAFETY: live CQ; `raw` has room for `want` entries.
-            let n =
-                unsafe { ffi::ibv_poll_cq(self.as_raw(), want as libc::c_int, raw.as_mut_ptr()) };
+            let n = unsafe { ffi::ibv_poll_cq(self.as_raw(), want as libc::c_int, raw.as_mut_ptr()) };
             if n < 0 {
                 return Err(result::from_errno("ibv_poll_cq", -n));
             }
@@ -322,21 +312,15 @@ impl CompletionQueue {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] without a channel; [`Error::Verbs`].
-    pub fn wait_event(
-        &self,
-        timeout: Duration,
-        extra: Option<BorrowedFd<'_>>,
-    ) -> Result<WaitOutcome> {
-        let chan = self.inner.channel.as_ref().ok_or_else(|| {
-            Error::InvalidArgument("this completion queue has no completion channel".into())
-        })?;
+    pub fn wait_event(&self, timeout: Duration, extra: Option<BorrowedFd<'_>>) -> Result<WaitOutcome> {
+        let chan = self
+            .inner
+            .channel
+            .as_ref()
+            .ok_or_else(|| Error::InvalidArgument("this completion queue has no completion channel".into()))?;
         use std::os::fd::AsRawFd;
         let mut fds = [
-            libc::pollfd {
-                fd: chan.fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
+            libc::pollfd { fd: chan.fd(), events: libc::POLLIN, revents: 0 },
             libc::pollfd {
                 fd: extra.map_or(-1, |f| f.as_raw_fd()),
                 events: libc::POLLIN | libc::POLLRDHUP,
@@ -351,10 +335,7 @@ impl CompletionQueue {
             if err.kind() == std::io::ErrorKind::Interrupted {
                 return Ok(WaitOutcome::TimedOut);
             }
-            return Err(Error::Verbs {
-                op: "poll(completion channel)",
-                source: err,
-            });
+            return Err(Error::Verbs { op: "poll(completion channel)", source: err });
         }
         if fds[0].revents & libc::POLLIN != 0 {
             let mut cq: *mut ffi::ibv_cq = std::ptr::null_mut();
@@ -366,11 +347,7 @@ impl CompletionQueue {
                 if cq == self.as_raw() {
                     let pending = self.inner.unacked.fetch_add(1, Ordering::AcqRel) + 1;
                     if pending >= 64
-                        && self
-                            .inner
-                            .unacked
-                            .compare_exchange(pending, 0, Ordering::AcqRel, Ordering::Relaxed)
-                            .is_ok()
+                        && self.inner.unacked.compare_exchange(pending, 0, Ordering::AcqRel, Ordering::Relaxed).is_ok()
                     {
                         // SAFETY: live CQ; `pending` events were returned for it and
                         // the counter now owns none of them.
@@ -393,8 +370,6 @@ impl CompletionQueue {
 
 impl fmt::Debug for CompletionQueue {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("CompletionQueue")
-            .field("capacity", &self.inner.capacity)
-            .finish()
+        f.debug_struct("CompletionQueue").field("capacity", &self.inner.capacity).finish()
     }
 }

@@ -50,10 +50,7 @@ impl DeviceList {
             };
             Error::NoDevice { reason }
         })?;
-        Ok(DeviceList {
-            list,
-            len: n.max(0) as usize,
-        })
+        Ok(DeviceList { list, len: n.max(0) as usize })
     }
 
     /// The number of devices.
@@ -71,10 +68,7 @@ impl DeviceList {
         (0..self.len).filter_map(move |i| {
             // SAFETY: `i < len`, the array has `len` entries and lives as long as `self`.
             let dev = unsafe { *self.list.as_ptr().add(i) };
-            NonNull::new(dev).map(|ptr| Device {
-                ptr,
-                _list: PhantomData,
-            })
+            NonNull::new(dev).map(|ptr| Device { ptr, _list: PhantomData })
         })
     }
 
@@ -90,10 +84,7 @@ impl DeviceList {
     pub fn find(&self, name: &str) -> Result<Device<'_>> {
         self.iter()
             .find(|d| d.name() == name)
-            .ok_or_else(|| Error::DeviceNotFound {
-                name: name.to_owned(),
-                available: self.names(),
-            })
+            .ok_or_else(|| Error::DeviceNotFound { name: name.to_owned(), available: self.names() })
     }
 }
 
@@ -127,9 +118,7 @@ impl Device<'_> {
             return String::new();
         }
         // SAFETY: non-null, NUL-terminated, valid while the list lives.
-        unsafe { CStr::from_ptr(name) }
-            .to_string_lossy()
-            .into_owned()
+        unsafe { CStr::from_ptr(name) }.to_string_lossy().into_owned()
     }
 
     /// The node GUID, in host byte order.
@@ -144,9 +133,7 @@ impl Device<'_> {
         // inside the device struct.
         let path = unsafe { &(*self.ptr.as_ptr()).ibdev_path };
         // SAFETY: libibverbs fills it NUL-terminated.
-        unsafe { CStr::from_ptr(path.as_ptr()) }
-            .to_string_lossy()
-            .into_owned()
+        unsafe { CStr::from_ptr(path.as_ptr()) }.to_string_lossy().into_owned()
     }
 
     /// Opens it.

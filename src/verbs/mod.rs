@@ -25,9 +25,7 @@ pub use cq::{CompletionChannel, CompletionQueue, WaitOutcome, WcOpcode, WorkComp
 pub use device::{Device, DeviceList};
 pub use mr::MemoryRegion;
 pub use pd::ProtectionDomain;
-pub use port::{
-    Gid, GidChoice, GidEntry, GidType, LinkLayer, Mtu, PortAttr, PortState, choose_gid,
-};
+pub use port::{Gid, GidChoice, GidEntry, GidType, LinkLayer, Mtu, PortAttr, PortState, choose_gid};
 pub use qp::{PostError, QpCaps, QpState, QueuePair, QueuePairBuilder, RtrAttr, RtsAttr};
 pub use wr::{RecvWr, SendOp, SendWr, Sge};
 
@@ -82,10 +80,6 @@ pub fn open_device(device: Option<&str>, port: Option<u8>) -> Result<(Context, P
     }
     Err(Error::NoActivePort {
         device: device.map_or_else(|| list.names().join(", "), str::to_owned),
-        detail: if seen.is_empty() {
-            "no ports".to_owned()
-        } else {
-            seen.join("; ")
-        },
+        detail: if seen.is_empty() { "no ports".to_owned() } else { seen.join("; ") },
     })
 }

@@ -47,9 +47,7 @@ pub(crate) fn to_ibv_access(access: Access) -> libc::c_int {
 
 fn check_access(access: Access) -> Result<()> {
     // The verbs rule: remote write or atomic rights need local write.
-    if access.intersects(Access::REMOTE_WRITE | Access::REMOTE_ATOMIC)
-        && !access.contains(Access::LOCAL_WRITE)
-    {
+    if access.intersects(Access::REMOTE_WRITE | Access::REMOTE_ATOMIC) && !access.contains(Access::LOCAL_WRITE) {
         return Err(Error::InvalidArgument(format!(
             "access {access:?}: remote write and atomic rights need LOCAL_WRITE too"
         )));
@@ -71,21 +69,12 @@ impl MemoryRegion {
     /// [`Error::Verbs`] (`ENOMEM` when the memory-lock limit is too low,
     /// `EFAULT` for an address the kernel cannot pin), or
     /// [`Error::InvalidArgument`] for an access combination verbs refuses.
-    pub unsafe fn register(
-        pd: &ProtectionDomain,
-        addr: *mut u8,
-        len: usize,
-        access: Access,
-    ) -> Result<Self> {
+    pub unsafe fn register(pd: &ProtectionDomain, addr: *mut u8, len: usize, access: Access) -> Result<Self> {
         check_access(access)?;
         // SAFETY: the caller guarantees the range stays valid; the PD is live.
         let mr = unsafe { ffi::ibv_reg_mr(pd.as_raw(), addr.cast(), len, to_ibv_access(access)) };
         let mr = result::nonnull(mr, "ibv_reg_mr")?;
-        Ok(MemoryRegion {
-            mr,
-            access,
-            pd: pd.clone(),
-        })
+        Ok(MemoryRegion { mr, access, pd: pd.clone() })
     }
 
     /// `ibv_reg_dmabuf_mr`: registers `len` bytes at `offset` of the dma-buf
@@ -111,22 +100,10 @@ impl MemoryRegion {
         check_access(access)?;
         // SAFETY: valid PD and an fd the caller keeps open for this call; the
         // caller guarantees the memory's lifetime.
-        let mr = unsafe {
-            ffi::ibv_reg_dmabuf_mr(
-                pd.as_raw(),
-                offset,
-                len,
-                iova,
-                fd.as_raw_fd(),
-                to_ibv_access(access),
-            )
-        };
+        let mr =
+            unsafe { ffi::ibv_reg_dmabuf_mr(pd.as_raw(), offset, len, iova, fd.as_raw_fd(), to_ibv_access(access)) };
         let mr = result::nonnull(mr, "ibv_reg_dmabuf_mr")?;
-        Ok(MemoryRegion {
-            mr,
-            access,
-            pd: pd.clone(),
-        })
+        Ok(MemoryRegion { mr, access, pd: pd.clone() })
     }
 
     fn raw(&self) -> &ffi::ibv_mr {

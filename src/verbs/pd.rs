@@ -47,12 +47,7 @@ impl ProtectionDomain {
     pub fn new(ctx: &Context) -> Result<Self> {
         // SAFETY: valid context; the PD is deallocated in Drop.
         let pd = result::nonnull(unsafe { ffi::ibv_alloc_pd(ctx.as_raw()) }, "ibv_alloc_pd")?;
-        Ok(ProtectionDomain {
-            inner: Arc::new(PdInner {
-                pd,
-                ctx: ctx.clone(),
-            }),
-        })
+        Ok(ProtectionDomain { inner: Arc::new(PdInner { pd, ctx: ctx.clone() }) })
     }
 
     /// The raw handle.
@@ -68,8 +63,6 @@ impl ProtectionDomain {
 
 impl fmt::Debug for ProtectionDomain {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ProtectionDomain")
-            .field("device", &self.inner.ctx.name())
-            .finish()
+        f.debug_struct("ProtectionDomain").field("device", &self.inner.ctx.name()).finish()
     }
 }

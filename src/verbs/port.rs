@@ -323,27 +323,20 @@ pub struct GidChoice {
 /// address, RoCE v2 with a global IPv6 address, RoCE v2 link-local, then
 /// RoCE v1 (what NCCL and perftest users expect). Empty (zero) entries are
 /// never chosen; they are not in `entries` in the first place.
-pub fn choose_gid(
-    entries: &[GidEntry],
-    link_layer: LinkLayer,
-    override_index: Option<u32>,
-) -> Option<GidChoice> {
+pub fn choose_gid(entries: &[GidEntry], link_layer: LinkLayer, override_index: Option<u32>) -> Option<GidChoice> {
     let usable = |e: &&GidEntry| !e.gid.is_zero();
     if let Some(index) = override_index {
         return entries
             .iter()
             .filter(usable)
             .find(|e| e.index == index)
-            .map(|e| GidChoice {
-                entry: e.clone(),
-                reason: format!("GID index {index} asked for explicitly"),
-            });
+            .map(|e| GidChoice { entry: e.clone(), reason: format!("GID index {index} asked for explicitly") });
     }
     if link_layer == LinkLayer::InfiniBand {
-        return entries.iter().find(usable).map(|e| GidChoice {
-            entry: e.clone(),
-            reason: "InfiniBand port: the first GID (port GUID)".to_owned(),
-        });
+        return entries
+            .iter()
+            .find(usable)
+            .map(|e| GidChoice { entry: e.clone(), reason: "InfiniBand port: the first GID (port GUID)".to_owned() });
     }
     let rank = |e: &GidEntry| -> u8 {
         match (e.gid_type, e.gid.is_ipv4_mapped(), e.gid.is_link_local()) {
@@ -354,23 +347,16 @@ pub fn choose_gid(
             (GidType::IbOrRoceV1, _, _) => 4,
         }
     };
-    entries
-        .iter()
-        .filter(usable)
-        .min_by_key(|e| (rank(e), e.index))
-        .map(|e| {
-            let reason = match rank(e) {
-                0 => "RoCE v2 with an IPv4 address",
-                1 => "RoCE v2 with a global IPv6 address",
-                2 => "RoCE v2 link-local (no IPv4 or global IPv6 GID on this port)",
-                3 => "GID of unknown type (no RoCE v2 entry found)",
-                _ => "RoCE v1 (no RoCE v2 entry found)",
-            };
-            GidChoice {
-                entry: e.clone(),
-                reason: reason.to_owned(),
-            }
-        })
+    entries.iter().filter(usable).min_by_key(|e| (rank(e), e.index)).map(|e| {
+        let reason = match rank(e) {
+            0 => "RoCE v2 with an IPv4 address",
+            1 => "RoCE v2 with a global IPv6 address",
+            2 => "RoCE v2 link-local (no IPv4 or global IPv6 GID on this port)",
+            3 => "GID of unknown type (no RoCE v2 entry found)",
+            _ => "RoCE v1 (no RoCE v2 entry found)",
+        };
+        GidChoice { entry: e.clone(), reason: reason.to_owned() }
+    })
 }
 
 #[cfg(test)]
@@ -382,12 +368,7 @@ mod tests {
     }
 
     fn entry(index: u32, g: &str, t: GidType) -> GidEntry {
-        GidEntry {
-            index,
-            gid: gid(g),
-            gid_type: t,
-            netdev: Some("eth0".into()),
-        }
+        GidEntry { index, gid: gid(g), gid_type: t, netdev: Some("eth0".into()) }
     }
 
     #[test]
@@ -423,12 +404,7 @@ mod tests {
         let c = choose_gid(&table[..2], LinkLayer::Ethernet, None).unwrap();
         assert_eq!(c.entry.index, 1);
         assert!(c.reason.contains("link-local"));
-        let c = choose_gid(
-            &[table[0].clone(), table[4].clone()],
-            LinkLayer::Ethernet,
-            None,
-        )
-        .unwrap();
+        let c = choose_gid(&[table[0].clone(), table[4].clone()], LinkLayer::Ethernet, None).unwrap();
         assert_eq!(c.entry.index, 4);
         let c = choose_gid(&table[..1], LinkLayer::Ethernet, None).unwrap();
         assert_eq!(c.entry.index, 0);
@@ -439,13 +415,7 @@ mod tests {
     fn soft_roce_dummy_netdev_table() {
         // What rxe0 on a dummy netdev shows: only index 0, link-local, RoCE v2.
         let table = vec![entry(0, "fe80::a835:59ff:fe3d:3e51", GidType::RoceV2)];
-        assert_eq!(
-            choose_gid(&table, LinkLayer::Ethernet, None)
-                .unwrap()
-                .entry
-                .index,
-            0
-        );
+        assert_eq!(choose_gid(&table, LinkLayer::Ethernet, None).unwrap().entry.index, 0);
         assert_eq!(choose_gid(&table, LinkLayer::Ethernet, Some(1)), None);
     }
 
@@ -454,20 +424,9 @@ mod tests {
         let table = vec![
             entry(0, "fe80::1", GidType::IbOrRoceV1),
             entry(1, "fe80::1", GidType::RoceV2),
-            GidEntry {
-                index: 2,
-                gid: Gid::default(),
-                gid_type: GidType::Unknown,
-                netdev: None,
-            },
+            GidEntry { index: 2, gid: Gid::default(), gid_type: GidType::Unknown, netdev: None },
         ];
-        assert_eq!(
-            choose_gid(&table, LinkLayer::Ethernet, Some(0))
-                .unwrap()
-                .entry
-                .index,
-            0
-        );
+        assert_eq!(choose_gid(&table, LinkLayer::Ethernet, Some(0)).unwrap().entry.index, 0);
         assert_eq!(choose_gid(&table, LinkLayer::Ethernet, Some(2)), None);
         assert_eq!(choose_gid(&[], LinkLayer::Ethernet, None), None);
     }
@@ -494,11 +453,7 @@ mod tests {
             active_speed: 1,
         };
         assert_eq!(p.rate(), "2.5 Gb/sec (1X SDR)");
-        let p = PortAttr {
-            active_width: 2,
-            active_speed: 32,
-            ..p
-        };
+        let p = PortAttr { active_width: 2, active_speed: 32, ..p };
         assert_eq!(p.rate(), "103.125 Gb/sec (4X EDR)");
     }
 }

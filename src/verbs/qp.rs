@@ -34,13 +34,7 @@ pub struct QpCaps {
 
 impl Default for QpCaps {
     fn default() -> Self {
-        QpCaps {
-            max_send_wr: 256,
-            max_recv_wr: 256,
-            max_send_sge: 1,
-            max_recv_sge: 1,
-            max_inline_data: 64,
-        }
+        QpCaps { max_send_wr: 256, max_recv_wr: 256, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 64 }
     }
 }
 
@@ -154,17 +148,8 @@ pub struct QueuePairBuilder<'a> {
 
 impl<'a> QueuePairBuilder<'a> {
     /// A builder with default capacities.
-    pub fn new(
-        pd: &'a ProtectionDomain,
-        send_cq: &'a CompletionQueue,
-        recv_cq: &'a CompletionQueue,
-    ) -> Self {
-        QueuePairBuilder {
-            pd,
-            send_cq,
-            recv_cq,
-            caps: QpCaps::default(),
-        }
+    pub fn new(pd: &'a ProtectionDomain, send_cq: &'a CompletionQueue, recv_cq: &'a CompletionQueue) -> Self {
+        QueuePairBuilder { pd, send_cq, recv_cq, caps: QpCaps::default() }
     }
 
     /// Sets the capacities to ask for.
@@ -300,12 +285,7 @@ impl QueuePair {
         let mut init: ffi::ibv_qp_init_attr = zeroed();
         // SAFETY: live QP and valid out-pointers.
         let rc = unsafe {
-            ffi::ibv_query_qp(
-                self.qp.as_ptr(),
-                &mut attr,
-                ffi::ibv_qp_attr_mask::IBV_QP_STATE.0 as i32,
-                &mut init,
-            )
+            ffi::ibv_query_qp(self.qp.as_ptr(), &mut attr, ffi::ibv_qp_attr_mask::IBV_QP_STATE.0 as i32, &mut init)
         };
         result::errno_rc(rc, "ibv_query_qp")?;
         Ok(QpState::from_raw(attr.qp_state))
@@ -337,26 +317,14 @@ impl QueuePair {
                 Ok(())
             }
             Err(Error::Verbs { source, .. } | Error::NotSupported { source, .. }) => {
-                Err(Error::ModifyQp {
-                    qp_num: self.qp_num(),
-                    transition,
-                    attribute: None,
-                    detail: detail(),
-                    source,
-                })
+                Err(Error::ModifyQp { qp_num: self.qp_num(), transition, attribute: None, detail: detail(), source })
             }
             Err(e) => Err(e),
         }
     }
 
     fn bad_attr(&self, transition: &'static str, attribute: &'static str, detail: String) -> Error {
-        Error::ModifyQp {
-            qp_num: self.qp_num(),
-            transition,
-            attribute: Some(attribute),
-            detail,
-            source: einval(),
-        }
+        Error::ModifyQp { qp_num: self.qp_num(), transition, attribute: Some(attribute), detail, source: einval() }
     }
 
     /// RESET -> INIT on `port`, allowing peers the `remote` rights on this
@@ -371,32 +339,22 @@ impl QueuePair {
             return Err(self.bad_attr(
                 T,
                 "port_num",
-                format!(
-                    "port {port} does not exist (the device has {})",
-                    self.device.phys_port_cnt
-                ),
+                format!("port {port} does not exist (the device has {})", self.device.phys_port_cnt),
             ));
         }
         let pattr = self.pd.context().query_port(port)?;
         if !pattr.is_active() {
-            return Err(self.bad_attr(
-                T,
-                "port_num",
-                format!("port {port} is {}, not PORT_ACTIVE", pattr.state),
-            ));
+            return Err(self.bad_attr(T, "port_num", format!("port {port} is {}, not PORT_ACTIVE", pattr.state)));
         }
         let mut attr: ffi::ibv_qp_attr = zeroed();
         attr.qp_state = ffi::ibv_qp_state::IBV_QPS_INIT;
         attr.port_num = port;
         attr.pkey_index = 0;
-        attr.qp_access_flags = to_ibv_access(
-            remote & (Access::REMOTE_READ | Access::REMOTE_WRITE | Access::REMOTE_ATOMIC),
-        ) as u32;
+        attr.qp_access_flags =
+            to_ibv_access(remote & (Access::REMOTE_READ | Access::REMOTE_WRITE | Access::REMOTE_ATOMIC)) as u32;
         use ffi::ibv_qp_attr_mask as m;
         let mask = m::IBV_QP_STATE | m::IBV_QP_PKEY_INDEX | m::IBV_QP_PORT | m::IBV_QP_ACCESS_FLAGS;
-        self.modify(&mut attr, mask, T, QpState::Init, || {
-            format!("port_num={port} pkey_index=0 access={remote:?}")
-        })
+        self.modify(&mut attr, mask, T, QpState::Init, || format!("port_num={port} pkey_index=0 access={remote:?}"))
     }
 
     /// INIT -> RTR. Checks each attribute against the device and port first
@@ -411,10 +369,7 @@ impl QueuePair {
             return Err(self.bad_attr(
                 T,
                 "path_mtu",
-                format!(
-                    "path MTU {} is larger than port {}'s active MTU {}",
-                    rtr.path_mtu, rtr.port, pattr.active_mtu
-                ),
+                format!("path MTU {} is larger than port {}'s active MTU {}", rtr.path_mtu, rtr.port, pattr.active_mtu),
             ));
         }
         if rtr.dest_qp_num == 0 || rtr.dest_qp_num > PSN_MASK {
@@ -425,11 +380,7 @@ impl QueuePair {
             ));
         }
         if rtr.rq_psn > PSN_MASK {
-            return Err(self.bad_attr(
-                T,
-                "rq_psn",
-                format!("{:#x} does not fit in 24 bits", rtr.rq_psn),
-            ));
+            return Err(self.bad_attr(T, "rq_psn", format!("{:#x} does not fit in 24 bits", rtr.rq_psn)));
         }
         if u32::from(rtr.max_dest_rd_atomic) > self.device.max_qp_rd_atom {
             return Err(self.bad_attr(
@@ -442,11 +393,7 @@ impl QueuePair {
             ));
         }
         if rtr.min_rnr_timer > 31 {
-            return Err(self.bad_attr(
-                T,
-                "min_rnr_timer",
-                format!("{} is above 31", rtr.min_rnr_timer),
-            ));
+            return Err(self.bad_attr(T, "min_rnr_timer", format!("{} is above 31", rtr.min_rnr_timer)));
         }
         if pattr.link_layer == LinkLayer::Ethernet && !rtr.is_global {
             return Err(self.bad_attr(
@@ -466,10 +413,7 @@ impl QueuePair {
                     ),
                 ));
             }
-            let gid = self
-                .pd
-                .context()
-                .query_gid(rtr.port, u32::from(rtr.sgid_index));
+            let gid = self.pd.context().query_gid(rtr.port, u32::from(rtr.sgid_index));
             if gid.map(|g| g.is_zero()).unwrap_or(true) {
                 return Err(self.bad_attr(
                     T,
@@ -478,11 +422,7 @@ impl QueuePair {
                 ));
             }
             if rtr.dest_gid.is_zero() {
-                return Err(self.bad_attr(
-                    T,
-                    "ah_attr.grh.dgid",
-                    "the peer's GID is all zero".into(),
-                ));
+                return Err(self.bad_attr(T, "ah_attr.grh.dgid", "the peer's GID is all zero".into()));
             }
         } else if rtr.dest_lid == 0 {
             return Err(self.bad_attr(T, "ah_attr.dlid", "LID 0 on a LID-routed path".into()));
@@ -501,9 +441,7 @@ impl QueuePair {
         attr.ah_attr.port_num = rtr.port;
         attr.ah_attr.is_global = u8::from(rtr.is_global);
         if rtr.is_global {
-            attr.ah_attr.grh.dgid = ffi::ibv_gid {
-                raw: rtr.dest_gid.raw(),
-            };
+            attr.ah_attr.grh.dgid = ffi::ibv_gid { raw: rtr.dest_gid.raw() };
             attr.ah_attr.grh.sgid_index = rtr.sgid_index;
             attr.ah_attr.grh.hop_limit = rtr.hop_limit;
             attr.ah_attr.grh.traffic_class = rtr.traffic_class;
@@ -533,11 +471,7 @@ impl QueuePair {
     pub fn ready_to_send(&mut self, rts: &RtsAttr) -> Result<()> {
         const T: &str = "RTR->RTS";
         if rts.sq_psn > PSN_MASK {
-            return Err(self.bad_attr(
-                T,
-                "sq_psn",
-                format!("{:#x} does not fit in 24 bits", rts.sq_psn),
-            ));
+            return Err(self.bad_attr(T, "sq_psn", format!("{:#x} does not fit in 24 bits", rts.sq_psn)));
         }
         if rts.timeout > 31 {
             return Err(self.bad_attr(T, "timeout", format!("{} is above 31", rts.timeout)));
@@ -589,13 +523,7 @@ impl QueuePair {
     pub fn set_error(&mut self) -> Result<()> {
         let mut attr: ffi::ibv_qp_attr = zeroed();
         attr.qp_state = ffi::ibv_qp_state::IBV_QPS_ERR;
-        self.modify(
-            &mut attr,
-            ffi::ibv_qp_attr_mask::IBV_QP_STATE,
-            "->ERR",
-            QpState::Error,
-            String::new,
-        )
+        self.modify(&mut attr, ffi::ibv_qp_attr_mask::IBV_QP_STATE, "->ERR", QpState::Error, String::new)
     }
 
     /// Posts send-queue requests, chained into one doorbell.
@@ -629,9 +557,7 @@ impl QueuePair {
         self.send_wrs.clear();
         for (i, wr) in wrs.into_iter().enumerate() {
             let refuse = |error: Error| PostError { posted: 0, error };
-            if wr.inline
-                && (wr.op.writes_local() || wr.total_len() > u64::from(self.caps.max_inline_data))
-            {
+            if wr.inline && (wr.op.writes_local() || wr.total_len() > u64::from(self.caps.max_inline_data)) {
                 self.send_wrs.clear();
                 return Err(refuse(Error::InvalidArgument(format!(
                     "work request {i}: inline data of {} bytes for {:?} (the inline limit is {} bytes, reads cannot be inline)",
@@ -656,17 +582,11 @@ impl QueuePair {
             raw.send_flags = wr.raw_flags();
             match wr.op {
                 SendOp::Send => {}
-                SendOp::SendWithImm(imm) => {
-                    raw.imm_data_invalidated_rkey_union.imm_data = imm.to_be()
-                }
+                SendOp::SendWithImm(imm) => raw.imm_data_invalidated_rkey_union.imm_data = imm.to_be(),
                 SendOp::Write { remote_addr, rkey } | SendOp::Read { remote_addr, rkey } => {
                     raw.wr.rdma = ffi::rdma_t { remote_addr, rkey };
                 }
-                SendOp::WriteWithImm {
-                    remote_addr,
-                    rkey,
-                    imm,
-                } => {
+                SendOp::WriteWithImm { remote_addr, rkey, imm } => {
                     raw.wr.rdma = ffi::rdma_t { remote_addr, rkey };
                     raw.imm_data_invalidated_rkey_union.imm_data = imm.to_be();
                 }
@@ -688,8 +608,7 @@ impl QueuePair {
         // memory they name per the contract above.
         let rc = unsafe { ffi::ibv_post_send(self.qp.as_ptr(), base, &mut bad) };
         let posted = chain_position(base, bad, self.send_wrs.len());
-        let outcome =
-            result::errno_rc(rc, "ibv_post_send").map_err(|error| PostError { posted, error });
+        let outcome = result::errno_rc(rc, "ibv_post_send").map_err(|error| PostError { posted, error });
         self.send_wrs.clear();
         outcome
     }
@@ -741,8 +660,7 @@ impl QueuePair {
         // the caller guarantees the memory per the contract above.
         let rc = unsafe { ffi::ibv_post_recv(self.qp.as_ptr(), base, &mut bad) };
         let posted = chain_position(base, bad, self.recv_wrs.len());
-        let outcome =
-            result::errno_rc(rc, "ibv_post_recv").map_err(|error| PostError { posted, error });
+        let outcome = result::errno_rc(rc, "ibv_post_recv").map_err(|error| PostError { posted, error });
         self.recv_wrs.clear();
         outcome
     }

@@ -59,17 +59,11 @@ fn is_not_supported(errno: i32) -> bool {
 /// The error for `op` failing with `errno`.
 pub(crate) fn from_errno(op: &'static str, errno: i32) -> Error {
     let source = io::Error::from_raw_os_error(errno);
-    if is_not_supported(errno) {
-        Error::NotSupported { op, source }
-    } else {
-        Error::Verbs { op, source }
-    }
+    if is_not_supported(errno) { Error::NotSupported { op, source } } else { Error::Verbs { op, source } }
 }
 
 fn last_errno() -> i32 {
-    io::Error::last_os_error()
-        .raw_os_error()
-        .unwrap_or(libc::EIO)
+    io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO)
 }
 
 /// NULL-and-errno convention.
@@ -90,11 +84,7 @@ pub(crate) fn errno_rc(rc: c_int, op: &'static str) -> Result<()> {
 
 /// Returns-minus-one-and-sets-errno convention.
 pub(crate) fn minus_one(rc: c_int, op: &'static str) -> Result<()> {
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(from_errno(op, last_errno()))
-    }
+    if rc == 0 { Ok(()) } else { Err(from_errno(op, last_errno())) }
 }
 
 #[cfg(test)]
@@ -103,14 +93,8 @@ mod tests {
 
     #[test]
     fn not_supported_errnos_are_their_own_variant() {
-        assert!(matches!(
-            errno_rc(libc::EOPNOTSUPP, "x"),
-            Err(Error::NotSupported { .. })
-        ));
-        assert!(matches!(
-            errno_rc(-libc::EPROTONOSUPPORT, "x"),
-            Err(Error::NotSupported { .. })
-        ));
+        assert!(matches!(errno_rc(libc::EOPNOTSUPP, "x"), Err(Error::NotSupported { .. })));
+        assert!(matches!(errno_rc(-libc::EPROTONOSUPPORT, "x"), Err(Error::NotSupported { .. })));
         match errno_rc(libc::EINVAL, "ibv_modify_qp") {
             Err(Error::Verbs { op, source }) => {
                 assert_eq!(op, "ibv_modify_qp");

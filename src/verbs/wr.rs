@@ -15,11 +15,7 @@ pub struct Sge(pub(crate) ffi::ibv_sge);
 impl Sge {
     /// An entry. Nothing is checked until the device uses it.
     pub fn new(addr: u64, len: u32, lkey: u32) -> Self {
-        Sge(ffi::ibv_sge {
-            addr,
-            length: len,
-            lkey,
-        })
+        Sge(ffi::ibv_sge { addr, length: len, lkey })
     }
 
     /// Start address.
@@ -45,13 +41,7 @@ impl Sge {
 
 impl fmt::Debug for Sge {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "Sge({:#x}+{} lkey {:#x})",
-            self.addr(),
-            self.len(),
-            self.lkey()
-        )
+        write!(f, "Sge({:#x}+{} lkey {:#x})", self.addr(), self.len(), self.lkey())
     }
 }
 
@@ -129,15 +119,7 @@ pub struct SendWr<'a> {
 impl<'a> SendWr<'a> {
     /// A signaled request.
     pub fn new(wr_id: u64, op: SendOp, sges: &'a [Sge]) -> Self {
-        SendWr {
-            wr_id,
-            op,
-            sges,
-            signaled: true,
-            inline: false,
-            fence: false,
-            solicited: false,
-        }
+        SendWr { wr_id, op, sges, signaled: true, inline: false, fence: false, solicited: false }
     }
 
     /// Sets whether it generates a completion.

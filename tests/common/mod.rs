@@ -21,9 +21,7 @@ pub fn domain() -> Domain {
 }
 
 pub fn opts() -> ConnectOptions {
-    ConnectOptions::default()
-        .op_timeout(Duration::from_secs(60))
-        .handshake_timeout(Duration::from_secs(30))
+    ConnectOptions::default().op_timeout(Duration::from_secs(60)).handshake_timeout(Duration::from_secs(30))
 }
 
 /// A connected pair in this process: (server side, client side).

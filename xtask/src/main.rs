@@ -55,51 +55,32 @@ fn main() -> ExitCode {
 
 /// The workspace root.
 pub fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("xtask lives in the workspace")
-        .to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask lives in the workspace").to_path_buf()
 }
 
 /// Where downloads, the kernel and VM runs live.
 pub fn cache_dir() -> PathBuf {
-    std::env::var_os("GPU_RDMA_VM_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root().join("target").join("softroce"))
+    std::env::var_os("GPU_RDMA_VM_CACHE").map(PathBuf::from).unwrap_or_else(|| root().join("target").join("softroce"))
 }
 
 /// Runs a command, failing with its description when it does not exit 0.
 pub fn run(cmd: &mut Command) -> Result<()> {
-    let status = cmd
-        .status()
-        .map_err(|e| format!("cannot run {cmd:?}: {e}"))?;
-    if status.success() {
-        Ok(())
-    } else {
-        Err(format!("{cmd:?} failed: {status}"))
-    }
+    let status = cmd.status().map_err(|e| format!("cannot run {cmd:?}: {e}"))?;
+    if status.success() { Ok(()) } else { Err(format!("{cmd:?} failed: {status}")) }
 }
 
 /// Runs a command and returns its standard output.
 pub fn output(cmd: &mut Command) -> Result<String> {
-    let out = cmd
-        .output()
-        .map_err(|e| format!("cannot run {cmd:?}: {e}"))?;
+    let out = cmd.output().map_err(|e| format!("cannot run {cmd:?}: {e}"))?;
     if !out.status.success() {
-        return Err(format!(
-            "{cmd:?} failed: {}\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        ));
+        return Err(format!("{cmd:?} failed: {}\n{}", out.status, String::from_utf8_lossy(&out.stderr)));
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 /// A command prefixed with `sudo` unless we are root.
 pub fn privileged(program: &str) -> Command {
-    let is_root = output(Command::new("id").arg("-u"))
-        .map(|s| s.trim() == "0")
-        .unwrap_or(false);
+    let is_root = output(Command::new("id").arg("-u")).map(|s| s.trim() == "0").unwrap_or(false);
     if is_root {
         Command::new(program)
     } else {

@@ -60,11 +60,7 @@ impl Kernel {
 pub fn setup() -> Result<Kernel> {
     ensure_packages(PACKAGES)?;
     let kernel = ensure_kernel()?;
-    println!(
-        "xtask: setup done: kernel {} in {}",
-        kernel.release,
-        kernel.root.display()
-    );
+    println!("xtask: setup done: kernel {} in {}", kernel.release, kernel.root.display());
     Ok(kernel)
 }
 
@@ -79,11 +75,7 @@ fn ensure_packages(packages: &[&str]) -> Result<()> {
     let missing: Vec<&str> = packages
         .iter()
         .copied()
-        .filter(|p| {
-            !text
-                .lines()
-                .any(|l| l.split_whitespace().collect::<Vec<_>>() == [*p, "installed"])
-        })
+        .filter(|p| !text.lines().any(|l| l.split_whitespace().collect::<Vec<_>>() == [*p, "installed"]))
         .collect();
     if missing.is_empty() {
         return Ok(());
@@ -106,9 +98,7 @@ fn kernel_package() -> Result<String> {
         .filter_map(|l| l.trim().strip_prefix("Depends: "))
         .find(|p| p.starts_with("linux-image-") && p.ends_with("-amd64"))
         .map(str::to_owned)
-        .ok_or_else(|| {
-            format!("no linux-image package in `apt-cache depends linux-image-amd64`:\n{deps}")
-        })
+        .ok_or_else(|| format!("no linux-image package in `apt-cache depends linux-image-amd64`:\n{deps}"))
 }
 
 pub fn ensure_kernel() -> Result<Kernel> {
@@ -123,12 +113,9 @@ pub fn ensure_kernel() -> Result<Kernel> {
             Some(d) => d,
             None => {
                 println!("xtask: downloading {pkg}");
-                run(Command::new("apt-get")
-                    .args(["download", "-q", &pkg])
-                    .current_dir(&debs))?;
-                find_deb(&debs, &pkg).ok_or_else(|| {
-                    format!("apt-get download {pkg} left no .deb in {}", debs.display())
-                })?
+                run(Command::new("apt-get").args(["download", "-q", &pkg]).current_dir(&debs))?;
+                find_deb(&debs, &pkg)
+                    .ok_or_else(|| format!("apt-get download {pkg} left no .deb in {}", debs.display()))?
             }
         };
         let partial = cache.join(format!("{pkg}.partial"));
@@ -158,24 +145,13 @@ pub fn ensure_kernel() -> Result<Kernel> {
         build_initramfs(&root, &release, &initramfs)?;
         fs::write(&stamp, INIT_SH).map_err(|e| format!("{}: {e}", stamp.display()))?;
     }
-    Ok(Kernel {
-        root,
-        release,
-        vmlinux,
-        initramfs,
-    })
+    Ok(Kernel { root, release, vmlinux, initramfs })
 }
 
 fn find_deb(dir: &Path, pkg: &str) -> Option<PathBuf> {
-    fs::read_dir(dir)
-        .ok()?
-        .filter_map(|e| e.ok())
-        .map(|e| e.path())
-        .find(|p| {
-            p.file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with(&format!("{pkg}_")) && n.ends_with(".deb"))
-        })
+    fs::read_dir(dir).ok()?.filter_map(|e| e.ok()).map(|e| e.path()).find(|p| {
+        p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with(&format!("{pkg}_")) && n.ends_with(".deb"))
+    })
 }
 
 /// Finds the compressed payload in a bzImage and decompresses it: booting the
@@ -209,11 +185,7 @@ fn extract_vmlinux(image: &Path, out: &Path) -> Result<()> {
             let _ = writer.join();
             if elf.starts_with(b"\x7fELF") {
                 fs::write(out, &elf).map_err(|e| format!("{}: {e}", out.display()))?;
-                println!(
-                    "xtask: extracted {} ({} MiB)",
-                    out.display(),
-                    elf.len() >> 20
-                );
+                println!("xtask: extracted {} ({} MiB)", out.display(), elf.len() >> 20);
                 return Ok(());
             }
         }
@@ -238,22 +210,15 @@ fn build_initramfs(root: &Path, release: &str, out: &Path) -> Result<()> {
 
     let mut order: Vec<String> = Vec::new();
     for module in INITRAMFS_MODULES {
-        let deps = output(Command::new("modprobe").arg("-d").arg(root).args([
-            "-S",
-            release,
-            "--show-depends",
-            module,
-        ]))?;
+        let deps =
+            output(Command::new("modprobe").arg("-d").arg(root).args(["-S", release, "--show-depends", module]))?;
         for line in deps.lines() {
             let mut words = line.split_whitespace();
             if words.next() != Some("insmod") {
                 continue;
             }
             let Some(path) = words.next() else { continue };
-            let file = Path::new(path)
-                .file_name()
-                .and_then(|n| n.to_str())
-                .unwrap_or_default();
+            let file = Path::new(path).file_name().and_then(|n| n.to_str()).unwrap_or_default();
             let name = file.split(".ko").next().unwrap_or_default().to_owned();
             if name.is_empty() || order.contains(&name) {
                 continue;
@@ -269,25 +234,15 @@ fn build_initramfs(root: &Path, release: &str, out: &Path) -> Result<()> {
         }
     }
     fs::write(work.join("modules.order"), order.join("\n") + "\n").map_err(|e| e.to_string())?;
-    let script = format!(
-        "cd '{}' && find . | cpio -o -H newc --quiet | gzip -1 > '{}'",
-        work.display(),
-        out.display()
-    );
+    let script = format!("cd '{}' && find . | cpio -o -H newc --quiet | gzip -1 > '{}'", work.display(), out.display());
     run(Command::new("sh").arg("-c").arg(script))?;
     let _ = fs::remove_dir_all(&work);
-    println!(
-        "xtask: built {} (modules: {})",
-        out.display(),
-        order.join(" ")
-    );
+    println!("xtask: built {} (modules: {})", out.display(), order.join(" "));
     Ok(())
 }
 
 fn output_bytes(cmd: &mut Command) -> Result<Vec<u8>> {
-    let out = cmd
-        .output()
-        .map_err(|e| format!("cannot run {cmd:?}: {e}"))?;
+    let out = cmd.output().map_err(|e| format!("cannot run {cmd:?}: {e}"))?;
     if !out.status.success() {
         return Err(format!("{cmd:?} failed: {}", out.status));
     }

@@ -42,11 +42,8 @@ impl Tally {
             for part in rest.split(';') {
                 let words: Vec<&str> = part.split_whitespace().collect();
                 let n = |w: &str| words.iter().position(|x| x.trim_end_matches('.') == w);
-                for (name, slot) in [
-                    ("passed", &mut t.passed),
-                    ("failed", &mut t.failed),
-                    ("ignored", &mut t.ignored),
-                ] {
+                for (name, slot) in [("passed", &mut t.passed), ("failed", &mut t.failed), ("ignored", &mut t.ignored)]
+                {
                     let count = n(name)
                         .and_then(|i| i.checked_sub(1))
                         .and_then(|j| words.get(j))
@@ -62,9 +59,7 @@ impl Tally {
 /// Runs a command, echoing its output as it comes, and returns it with the exit status.
 fn run_tee(cmd: &mut Command) -> Result<(bool, String)> {
     cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
-    let mut child = cmd
-        .spawn()
-        .map_err(|e| format!("cannot run {cmd:?}: {e}"))?;
+    let mut child = cmd.spawn().map_err(|e| format!("cannot run {cmd:?}: {e}"))?;
     let stderr = child.stderr.take().expect("piped");
     let err_thread = std::thread::spawn(move || {
         let mut text = String::new();
@@ -76,10 +71,7 @@ fn run_tee(cmd: &mut Command) -> Result<(bool, String)> {
         text
     });
     let mut text = String::new();
-    for line in BufReader::new(child.stdout.take().expect("piped"))
-        .lines()
-        .map_while(|l| l.ok())
-    {
+    for line in BufReader::new(child.stdout.take().expect("piped")).lines().map_while(|l| l.ok()) {
         println!("{line}");
         text.push_str(&line);
         text.push('\n');
@@ -92,11 +84,7 @@ fn run_tee(cmd: &mut Command) -> Result<(bool, String)> {
 /// The test executables of targets named `verbs*`, built for this machine.
 fn verbs_test_executables() -> Result<Vec<PathBuf>> {
     let out = cargo()
-        .args([
-            "test",
-            "--no-run",
-            "--message-format=json-render-diagnostics",
-        ])
+        .args(["test", "--no-run", "--message-format=json-render-diagnostics"])
         .stderr(Stdio::inherit())
         .output()
         .map_err(|e| e.to_string())?;
@@ -111,13 +99,10 @@ fn verbs_test_executables() -> Result<Vec<PathBuf>> {
         if msg["reason"] != "compiler-artifact" {
             continue;
         }
-        let (Some(name), Some(exe)) = (msg["target"]["name"].as_str(), msg["executable"].as_str())
-        else {
+        let (Some(name), Some(exe)) = (msg["target"]["name"].as_str(), msg["executable"].as_str()) else {
             continue;
         };
-        let is_test = msg["target"]["kind"]
-            .as_array()
-            .is_some_and(|k| k.iter().any(|v| v == "test"));
+        let is_test = msg["target"]["kind"].as_array().is_some_and(|k| k.iter().any(|v| v == "test"));
         if is_test && name.starts_with("verbs") {
             exes.push(PathBuf::from(exe));
         }
@@ -158,26 +143,16 @@ fn transfer_results(dir: &Path) -> Vec<(String, bool)> {
             let [op, crc, lrc] = w[..] else { return None };
             let logs = ["client", "listener"]
                 .iter()
-                .map(|side| {
-                    fs::read_to_string(dir.join(format!("{side}-{op}.log"))).unwrap_or_default()
-                })
+                .map(|side| fs::read_to_string(dir.join(format!("{side}-{op}.log"))).unwrap_or_default())
                 .collect::<String>();
-            let ok =
-                crc == "0" && lrc == "0" && logs.contains("verified: all 268435456 bytes match");
+            let ok = crc == "0" && lrc == "0" && logs.contains("verified: all 268435456 bytes match");
             Some((op.to_owned(), ok))
         })
         .collect()
 }
 
 fn build_release_tools() -> Result<()> {
-    run_cmd(cargo().args([
-        "build",
-        "--release",
-        "--example",
-        "transfer",
-        "--bin",
-        "gpu-rdma",
-    ]))
+    run_cmd(cargo().args(["build", "--release", "--example", "transfer", "--bin", "gpu-rdma"]))
 }
 
 pub fn run() -> Result<i32> {
@@ -188,30 +163,11 @@ pub fn run() -> Result<i32> {
     if run_cmd(cargo().args(["fmt", "--all", "--", "--check"])).is_err() {
         failures.push("cargo fmt --check".into());
     }
-    if run_cmd(cargo().args([
-        "clippy",
-        "--workspace",
-        "--all-targets",
-        "--",
-        "-D",
-        "warnings",
-    ]))
-    .is_err()
-    {
+    if run_cmd(cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"])).is_err() {
         failures.push("cargo clippy -D warnings".into());
     }
-    if run_cmd(cargo().args([
-        "clippy",
-        "--lib",
-        "--no-default-features",
-        "--",
-        "-D",
-        "warnings",
-    ]))
-    .is_err()
-    {
-        failures
-            .push("cargo clippy --lib --no-default-features (the build without rdma-core)".into());
+    if run_cmd(cargo().args(["clippy", "--lib", "--no-default-features", "--", "-D", "warnings"])).is_err() {
+        failures.push("cargo clippy --lib --no-default-features (the build without rdma-core)".into());
     }
     let (host_ok, host_out) = run_tee(cargo().args(["test", "--workspace"]))?;
     let host = Tally::parse(&host_out);
@@ -233,29 +189,19 @@ pub fn run() -> Result<i32> {
     }
     script.push_str(TRANSFERS);
     script.push_str("exit 0\n");
-    let opts = VmOptions {
-        timeout: Duration::from_secs(1800),
-        keep: true,
-        ..VmOptions::default()
-    };
+    let opts = VmOptions { timeout: Duration::from_secs(1800), keep: true, ..VmOptions::default() };
     let guest = vm::run_script(&kernel, &root(), &script, &opts)?;
     if guest.code != 0 {
         failures.push(format!("the guest run exited {}", guest.code));
     }
     let mut verbs = Tally::default();
     for exe in &exes {
-        let name = exe
-            .file_name()
-            .unwrap_or_default()
-            .to_string_lossy()
-            .into_owned();
+        let name = exe.file_name().unwrap_or_default().to_string_lossy().into_owned();
         match fs::read_to_string(guest.dir.join(format!("{name}.log"))) {
             Ok(log) => {
                 let t = Tally::parse(&log);
                 if t.suites == 0 {
-                    failures.push(format!(
-                        "{name}: no test summary in the guest (crashed or timed out?)"
-                    ));
+                    failures.push(format!("{name}: no test summary in the guest (crashed or timed out?)"));
                 }
                 verbs.passed += t.passed;
                 verbs.failed += t.failed;
@@ -274,18 +220,12 @@ pub fn run() -> Result<i32> {
     if transfers.len() != 3 {
         failures.push(format!("{} of 3 transfers ran", transfers.len()));
     }
-    let min: u64 = std::env::var("GPU_RDMA_MIN_VERBS_TESTS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(20);
+    let min: u64 = std::env::var("GPU_RDMA_MIN_VERBS_TESTS").ok().and_then(|v| v.parse().ok()).unwrap_or(20);
     if verbs.failed > 0 {
         failures.push(format!("{} verbs tests failed on rxe0", verbs.failed));
     }
     if verbs.passed < min {
-        failures.push(format!(
-            "only {} verbs tests passed on rxe0 (at least {min} must)",
-            verbs.passed
-        ));
+        failures.push(format!("only {} verbs tests passed on rxe0 (at least {min} must)", verbs.passed));
     }
     if failures.is_empty() {
         let _ = fs::remove_dir_all(&guest.dir);
@@ -308,9 +248,7 @@ pub fn run() -> Result<i32> {
     let _ = std::io::stdout().flush();
     // Failures that are not counted tests (lints, builds, a guest that died,
     // too few verbs tests) count one each.
-    let counted = u64::from(host.failed > 0)
-        + u64::from(verbs.failed > 0)
-        + (transfers.len() - verified) as u64;
+    let counted = u64::from(host.failed > 0) + u64::from(verbs.failed > 0) + (transfers.len() - verified) as u64;
     let other = (failures.len() as u64).saturating_sub(counted);
     println!(
         "total: {} passed, {} failed",
@@ -325,10 +263,7 @@ pub fn demo() -> Result<i32> {
     build_release_tools()?;
     println!("xtask: demo: the transfer example between two processes in the soft-RoCE guest");
     let script = format!("{TRANSFERS}\nexit 0\n");
-    let opts = VmOptions {
-        keep: true,
-        ..VmOptions::default()
-    };
+    let opts = VmOptions { keep: true, ..VmOptions::default() };
     let guest = vm::run_script(&kernel, &root(), &script, &opts)?;
     let transfers = transfer_results(&guest.dir);
     let verified = transfers.iter().filter(|(_, ok)| *ok).count();
@@ -350,15 +285,7 @@ mod tests {
     fn tallies_libtest_summaries() {
         let text = "test result: ok. 29 passed; 0 failed; 3 ignored; 0 measured; 0 filtered out\n\
                     noise\n   test result: FAILED. 24 passed; 1 failed; 0 ignored; 0 measured; 0 filtered out; finished in 1s\n";
-        assert_eq!(
-            Tally::parse(text),
-            Tally {
-                passed: 53,
-                failed: 1,
-                ignored: 3,
-                suites: 2
-            }
-        );
+        assert_eq!(Tally::parse(text), Tally { passed: 53, failed: 1, ignored: 3, suites: 2 });
         assert_eq!(Tally::parse("nothing"), Tally::default());
     }
 }

@@ -25,12 +25,7 @@ pub struct VmOptions {
 
 impl Default for VmOptions {
     fn default() -> Self {
-        VmOptions {
-            timeout: Duration::from_secs(900),
-            mem: "3G".into(),
-            smp: 2,
-            keep: false,
-        }
+        VmOptions { timeout: Duration::from_secs(900), mem: "3G".into(), smp: 2, keep: false }
     }
 }
 
@@ -60,10 +55,7 @@ pub fn quote(word: &str) -> String {
 pub fn run_script(kernel: &Kernel, cwd: &Path, body: &str, opts: &VmOptions) -> Result<VmRun> {
     let runs = cache_dir().join("runs");
     fs::create_dir_all(&runs).map_err(|e| format!("{}: {e}", runs.display()))?;
-    let stamp = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_millis();
+    let stamp = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_millis();
     let dir = runs.join(format!("run-{stamp}-{}", std::process::id()));
     fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let script = format!("cd {}\n{RXE_UP}\n{body}\n", quote(&cwd.to_string_lossy()));
@@ -75,22 +67,9 @@ pub fn run_script(kernel: &Kernel, cwd: &Path, body: &str, opts: &VmOptions) -> 
         kernel.modules_dir().display()
     );
     let mut qemu = Command::new("qemu-system-x86_64");
-    qemu.args([
-        "-accel",
-        "tcg,thread=multi",
-        "-cpu",
-        "max",
-        "-machine",
-        "q35",
-    ])
-    .args(["-smp", &opts.smp.to_string(), "-m", &opts.mem])
-    .args([
-        "-nographic",
-        "-no-reboot",
-        "-nodefaults",
-        "-serial",
-        "stdio",
-    ]);
+    qemu.args(["-accel", "tcg,thread=multi", "-cpu", "max", "-machine", "q35"])
+        .args(["-smp", &opts.smp.to_string(), "-m", &opts.mem])
+        .args(["-nographic", "-no-reboot", "-nodefaults", "-serial", "stdio"]);
     if Path::new("/usr/share/qemu/qboot.rom").is_file() {
         qemu.args(["-bios", "/usr/share/qemu/qboot.rom"]);
     }
@@ -99,28 +78,15 @@ pub fn run_script(kernel: &Kernel, cwd: &Path, body: &str, opts: &VmOptions) -> 
         .arg("-initrd")
         .arg(&kernel.initramfs)
         .args(["-append", &append])
-        .args([
-            "-fsdev",
-            "local,id=fsroot,path=/,security_model=none,readonly=on,multidevs=remap",
-        ])
+        .args(["-fsdev", "local,id=fsroot,path=/,security_model=none,readonly=on,multidevs=remap"])
         .args(["-device", "virtio-9p-pci,fsdev=fsroot,mount_tag=hostroot"])
         .arg("-fsdev")
-        .arg(format!(
-            "local,id=fsout,path={},security_model=none",
-            dir.display()
-        ))
-        .args([
-            "-device",
-            "virtio-9p-pci,fsdev=fsout,mount_tag=vmout",
-            "-device",
-            "virtio-rng-pci",
-        ])
+        .arg(format!("local,id=fsout,path={},security_model=none", dir.display()))
+        .args(["-device", "virtio-9p-pci,fsdev=fsout,mount_tag=vmout", "-device", "virtio-rng-pci"])
         .stdin(Stdio::null());
 
     let t0 = Instant::now();
-    let mut child = qemu
-        .spawn()
-        .map_err(|e| format!("cannot start qemu-system-x86_64: {e}"))?;
+    let mut child = qemu.spawn().map_err(|e| format!("cannot start qemu-system-x86_64: {e}"))?;
     let mut timed_out = false;
     loop {
         match child.try_wait() {
@@ -135,26 +101,15 @@ pub fn run_script(kernel: &Kernel, cwd: &Path, body: &str, opts: &VmOptions) -> 
             Err(e) => return Err(format!("waiting for qemu: {e}")),
         }
     }
-    let code = fs::read_to_string(dir.join("exit_code"))
-        .ok()
-        .and_then(|s| s.trim().parse::<i32>().ok())
-        .unwrap_or(124);
+    let code = fs::read_to_string(dir.join("exit_code")).ok().and_then(|s| s.trim().parse::<i32>().ok()).unwrap_or(124);
     let boot = fs::read_to_string(dir.join("boot_seconds")).unwrap_or_default();
     eprintln!(
         "xtask: vm: {:.1} s wall, guest booted in {} s, exit {code}{}",
         t0.elapsed().as_secs_f64(),
         boot.trim(),
-        if timed_out {
-            format!(" (timed out after {:?})", opts.timeout)
-        } else {
-            String::new()
-        }
+        if timed_out { format!(" (timed out after {:?})", opts.timeout) } else { String::new() }
     );
-    Ok(VmRun {
-        code,
-        dir,
-        keep: opts.keep,
-    })
+    Ok(VmRun { code, dir, keep: opts.keep })
 }
 
 /// `cargo xtask vm [--timeout SECS] [--mem SIZE] [--keep] -- CMD [ARGS]`.
@@ -169,10 +124,7 @@ pub fn command(args: &[String]) -> Result<i32> {
             }
             "--timeout" => {
                 let v = args.get(i + 1).ok_or("--timeout needs seconds")?;
-                opts.timeout = Duration::from_secs(
-                    v.parse()
-                        .map_err(|_| format!("--timeout {v}: not a number"))?,
-                );
+                opts.timeout = Duration::from_secs(v.parse().map_err(|_| format!("--timeout {v}: not a number"))?);
                 i += 2;
             }
             "--mem" => {
@@ -188,9 +140,7 @@ pub fn command(args: &[String]) -> Result<i32> {
     }
     let cmd = &args[i..];
     if cmd.is_empty() {
-        return Err(
-            "usage: cargo xtask vm [--timeout SECS] [--mem SIZE] [--keep] -- CMD [ARGS]".into(),
-        );
+        return Err("usage: cargo xtask vm [--timeout SECS] [--mem SIZE] [--keep] -- CMD [ARGS]".into());
     }
     let kernel = setup::ensure_kernel()?;
     let words: Vec<String> = cmd.iter().map(|w| quote(w)).collect();

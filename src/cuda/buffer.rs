@@ -1,0 +1,580 @@
+//! RDMA-able device memory, streams and events, pinned host memory.
+
+use std::any::Any;
+use std::fmt;
+use std::os::fd::{FromRawFd, OwnedFd};
+
+use cudarc::driver::sys;
+
+use super::device::{CtxGuard, CudaDevice};
+use super::result::{check, driver};
+use crate::error::{Error, Result};
+use crate::memory::{HostMemory, Memory, MemoryKind};
+
+/// GPU page size: allocations are rounded up to it, since nvidia-peermem
+/// pins GPU memory in 64 KiB pages.
+pub const GPU_PAGE: usize = 64 * 1024;
+
+/// A CUDA stream.
+pub struct CudaStream {
+    stream: sys::CUstream,
+    device: CudaDevice,
+    owned: bool,
+}
+
+// SAFETY: CUDA streams may be used from any thread (the driver is thread-safe);
+// the handle is immutable.
+unsafe impl Send for CudaStream {}
+// SAFETY: as above.
+unsafe impl Sync for CudaStream {}
+
+impl CudaStream {
+    /// A new non-blocking stream on `device`.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn new(device: &CudaDevice) -> Result<Self> {
+        let _ctx = CtxGuard::enter(device)?;
+        let mut stream: sys::CUstream = std::ptr::null_mut();
+        check(
+            // SAFETY: valid out-pointer; the context is current; destroyed in Drop.
+            unsafe { sys::cuStreamCreate(&mut stream, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) },
+            "cuStreamCreate",
+        )?;
+        Ok(CudaStream { stream, device: device.clone(), owned: true })
+    }
+
+    /// Wraps a stream someone else created (a framework's), without taking
+    /// ownership: it is not destroyed when this value is dropped.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of `device`'s primary context (or the
+    /// legacy default stream, null) for as long as this value lives.
+    pub unsafe fn from_raw(device: &CudaDevice, stream: sys::CUstream) -> Self {
+        CudaStream { stream, device: device.clone(), owned: false }
+    }
+
+    /// The raw handle.
+    pub fn as_raw(&self) -> sys::CUstream {
+        self.stream
+    }
+
+    /// The device.
+    pub fn device(&self) -> &CudaDevice {
+        &self.device
+    }
+
+    /// Blocks until everything queued on it is done.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn synchronize(&self) -> Result<()> {
+        let _ctx = CtxGuard::enter(&self.device)?;
+        // SAFETY: live stream of the current context.
+        check(unsafe { sys::cuStreamSynchronize(self.stream) }, "cuStreamSynchronize")
+    }
+
+    /// Makes later work on this stream wait for `event` (on the GPU, without blocking the CPU).
+    pub(crate) fn wait_event(&self, event: &CudaEvent) -> Result<()> {
+        let _ctx = CtxGuard::enter(&self.device)?;
+        // SAFETY: live stream and event.
+        check(unsafe { sys::cuStreamWaitEvent(self.stream, event.event, 0) }, "cuStreamWaitEvent")
+    }
+}
+
+impl Drop for CudaStream {
+    fn drop(&mut self) {
+        if !self.owned {
+            return;
+        }
+        let Ok(_ctx) = CtxGuard::enter(&self.device) else { return };
+        // SAFETY: created by cuStreamCreate and destroyed once; the driver lets
+        // queued work finish before releasing the stream.
+        if let Err(e) = check(unsafe { sys::cuStreamDestroy_v2(self.stream) }, "cuStreamDestroy") {
+            tracing::error!("{e}");
+        }
+    }
+}
+
+impl fmt::Debug for CudaStream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaStream").field("device", &self.device.ordinal()).field("owned", &self.owned).finish()
+    }
+}
+
+/// A CUDA event (timing disabled): marks a point in a stream.
+pub struct CudaEvent {
+    event: sys::CUevent,
+    device: CudaDevice,
+}
+
+// SAFETY: CUDA events may be used from any thread; the handle is immutable.
+unsafe impl Send for CudaEvent {}
+// SAFETY: as above.
+unsafe impl Sync for CudaEvent {}
+
+impl CudaEvent {
+    /// Records an event at the current end of `stream`.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn record(stream: &CudaStream) -> Result<Self> {
+        let _ctx = CtxGuard::enter(&stream.device)?;
+        let mut event: sys::CUevent = std::ptr::null_mut();
+        check(
+            // SAFETY: valid out-pointer; the context is current; destroyed in Drop.
+            unsafe { sys::cuEventCreate(&mut event, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32) },
+            "cuEventCreate",
+        )?;
+        let ev = CudaEvent { event, device: stream.device.clone() };
+        // SAFETY: live event and stream of the current context.
+        check(unsafe { sys::cuEventRecord(ev.event, stream.stream) }, "cuEventRecord")?;
+        Ok(ev)
+    }
+
+    /// Whether the work before it is done (never blocks).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] if that work failed.
+    pub fn is_done(&self) -> Result<bool> {
+        let _ctx = CtxGuard::enter(&self.device)?;
+        // SAFETY: live event.
+        match unsafe { sys::cuEventQuery(self.event) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            other => check(other, "cuEventQuery").map(|()| false),
+        }
+    }
+
+    /// Blocks until the work before it is done.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn synchronize(&self) -> Result<()> {
+        let _ctx = CtxGuard::enter(&self.device)?;
+        // SAFETY: live event.
+        check(unsafe { sys::cuEventSynchronize(self.event) }, "cuEventSynchronize")
+    }
+}
+
+impl Drop for CudaEvent {
+    fn drop(&mut self) {
+        let Ok(_ctx) = CtxGuard::enter(&self.device) else { return };
+        // SAFETY: created by cuEventCreate and destroyed once.
+        if let Err(e) = check(unsafe { sys::cuEventDestroy_v2(self.event) }, "cuEventDestroy") {
+            tracing::error!("{e}");
+        }
+    }
+}
+
+impl fmt::Debug for CudaEvent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaEvent").field("device", &self.device.ordinal()).finish()
+    }
+}
+
+enum Owner {
+    /// Allocated here with `cuMemAlloc`; freed with `cuMemFree`.
+    Ours,
+    /// Someone else's memory (a framework's tensor), kept alive by this value.
+    Foreign(#[allow(dead_code)] Box<dyn Any + Send + Sync>),
+}
+
+/// RDMA-able device memory: allocated with `cuMemAlloc` (never from the
+/// stream-ordered pool, which nvidia-peermem cannot register), rounded up to
+/// whole 64 KiB GPU pages, with `CU_POINTER_ATTRIBUTE_SYNC_MEMOPS` set so
+/// that copies and remote accesses are ordered. Register it with
+/// [`Domain::register`](crate::Domain::register) to use it in operations.
+pub struct CudaBuffer {
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    device: CudaDevice,
+    ready: Option<CudaEvent>,
+    owner: Owner,
+}
+
+// SAFETY: a device allocation may be used from any thread with its context.
+unsafe impl Send for CudaBuffer {}
+// SAFETY: shared access only reads immutable fields or goes through the
+// thread-safe driver.
+unsafe impl Sync for CudaBuffer {}
+
+impl CudaBuffer {
+    /// Allocates `len` bytes (rounded up to 64 KiB) on `device`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for zero bytes; [`Error::Cuda`]
+    /// (`CUDA_ERROR_OUT_OF_MEMORY`).
+    pub fn alloc(device: &CudaDevice, len: usize) -> Result<Self> {
+        if len == 0 {
+            return Err(Error::InvalidArgument("cannot allocate a zero-byte GPU buffer".into()));
+        }
+        let len = len.div_ceil(GPU_PAGE) * GPU_PAGE;
+        let _ctx = CtxGuard::enter(device)?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: valid out-pointer; the context is current; freed in Drop.
+        check(unsafe { sys::cuMemAlloc_v2(&mut ptr, len) }, "cuMemAlloc")?;
+        let buf = CudaBuffer { ptr, len, device: device.clone(), ready: None, owner: Owner::Ours };
+        buf.set_sync_memops()?;
+        Ok(buf)
+    }
+
+    /// Wraps device memory someone else owns (a framework's tensor) so it
+    /// can be registered. `keep_alive` is held until this value is dropped;
+    /// the memory is not freed here.
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` must be device memory of `device`, allocated with
+    /// `cuMemAlloc` or `cuMemCreate` (not the stream-ordered pool if the
+    /// nvidia-peermem path is to be used), that stays allocated and is not
+    /// used by anything else for as long as this value (and any registration
+    /// made from it) lives, which `keep_alive` or the caller must guarantee.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a null pointer or zero length;
+    /// [`Error::Cuda`] when the driver does not know the pointer.
+    pub unsafe fn from_raw(
+        device: &CudaDevice,
+        ptr: sys::CUdeviceptr,
+        len: usize,
+        keep_alive: Box<dyn Any + Send + Sync>,
+    ) -> Result<Self> {
+        if ptr == 0 || len == 0 {
+            return Err(Error::InvalidArgument("a foreign GPU buffer needs a non-null pointer and a length".into()));
+        }
+        let buf = CudaBuffer { ptr, len, device: device.clone(), ready: None, owner: Owner::Foreign(keep_alive) };
+        buf.set_sync_memops()?;
+        Ok(buf)
+    }
+
+    fn set_sync_memops(&self) -> Result<()> {
+        let _ctx = CtxGuard::enter(&self.device)?;
+        let one: u32 = 1;
+        check(
+            // SAFETY: `one` outlives the call; the pointer is a live allocation of the current context.
+            unsafe {
+                sys::cuPointerSetAttribute(
+                    (&one as *const u32).cast(),
+                    sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_SYNC_MEMOPS,
+                    self.ptr,
+                )
+            },
+            "cuPointerSetAttribute(SYNC_MEMOPS)",
+        )
+    }
+
+    /// Whether `CU_POINTER_ATTRIBUTE_SYNC_MEMOPS` is set, as the driver reports it.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn sync_memops(&self) -> Result<bool> {
+        let _ctx = CtxGuard::enter(&self.device)?;
+        let mut v: u32 = 0;
+        check(
+            // SAFETY: `v` is a valid out-pointer of the attribute's size (unsigned int).
+            unsafe {
+                sys::cuPointerGetAttribute(
+                    (&mut v as *mut u32).cast(),
+                    sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_SYNC_MEMOPS,
+                    self.ptr,
+                )
+            },
+            "cuPointerGetAttribute(SYNC_MEMOPS)",
+        )?;
+        Ok(v != 0)
+    }
+
+    /// The device address.
+    pub fn device_ptr(&self) -> sys::CUdeviceptr {
+        self.ptr
+    }
+
+    /// Bytes (a multiple of 64 KiB for buffers allocated here).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the length is zero (never, for a live buffer).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The device.
+    pub fn device(&self) -> &CudaDevice {
+        &self.device
+    }
+
+    /// Declares that the buffer's contents are produced by work on `stream`:
+    /// before the NIC reads it, or a staging copy starts, that work is waited
+    /// for (on the GPU where possible). Without this, the whole context is
+    /// synchronized first (`cuCtxSynchronize`), which is correct but slower.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn ready_after(&mut self, stream: &CudaStream) -> Result<()> {
+        self.ready = Some(CudaEvent::record(stream)?);
+        Ok(())
+    }
+
+    /// Waits (on the CPU) for the work that produces the contents.
+    pub(crate) fn wait_ready(&self) -> Result<()> {
+        match &self.ready {
+            Some(ev) => ev.synchronize(),
+            None => self.device.synchronize(),
+        }
+    }
+
+    /// Makes `stream` wait (on the GPU) for the work that produces the contents.
+    pub(crate) fn order_after_ready(&self, stream: &CudaStream) -> Result<()> {
+        match &self.ready {
+            Some(ev) => stream.wait_event(ev),
+            None => self.device.synchronize(),
+        }
+    }
+
+    fn check_range(&self, offset: usize, len: usize) -> Result<()> {
+        if offset.checked_add(len).is_none_or(|e| e > self.len) {
+            return Err(Error::OutOfBounds {
+                side: "local",
+                offset: offset as u64,
+                len: len as u64,
+                region_len: self.len as u64,
+            });
+        }
+        Ok(())
+    }
+
+    /// Copies `data` to `offset` (synchronously).
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`]; [`Error::Cuda`].
+    pub fn copy_from_host(&mut self, offset: usize, data: &[u8]) -> Result<()> {
+        self.check_range(offset, data.len())?;
+        let _ctx = CtxGuard::enter(&self.device)?;
+        check(
+            // SAFETY: the range is inside the allocation (checked); `data` is valid for reads.
+            unsafe { sys::cuMemcpyHtoD_v2(self.ptr + offset as u64, data.as_ptr().cast(), data.len()) },
+            "cuMemcpyHtoD",
+        )
+    }
+
+    /// Copies `out.len()` bytes at `offset` to `out` (synchronously).
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`]; [`Error::Cuda`].
+    pub fn copy_to_host(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        self.check_range(offset, out.len())?;
+        let _ctx = CtxGuard::enter(&self.device)?;
+        check(
+            // SAFETY: the range is inside the allocation (checked); `out` is valid for writes.
+            unsafe { sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), self.ptr + offset as u64, out.len()) },
+            "cuMemcpyDtoH",
+        )
+    }
+
+    /// Copies `len` bytes at `offset` to raw host memory (synchronously).
+    ///
+    /// # Safety
+    /// `dst..dst + len` must be valid for writes and not referenced by Rust
+    /// code meanwhile.
+    pub(crate) unsafe fn copy_to_raw(&self, offset: usize, dst: *mut u8, len: usize) -> Result<()> {
+        self.check_range(offset, len)?;
+        let _ctx = CtxGuard::enter(&self.device)?;
+        // SAFETY: range checked; the caller guarantees `dst`.
+        check(unsafe { sys::cuMemcpyDtoH_v2(dst.cast(), self.ptr + offset as u64, len) }, "cuMemcpyDtoH")
+    }
+
+    /// Copies `len` bytes of raw host memory to `offset` (synchronously).
+    ///
+    /// # Safety
+    /// `src..src + len` must be valid for reads.
+    pub(crate) unsafe fn copy_from_raw(&self, offset: usize, src: *const u8, len: usize) -> Result<()> {
+        self.check_range(offset, len)?;
+        let _ctx = CtxGuard::enter(&self.device)?;
+        // SAFETY: range checked; the caller guarantees `src`.
+        check(unsafe { sys::cuMemcpyHtoD_v2(self.ptr + offset as u64, src.cast(), len) }, "cuMemcpyHtoD")
+    }
+
+    /// Sets every byte to `value` (synchronously).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn fill(&mut self, value: u8) -> Result<()> {
+        let _ctx = CtxGuard::enter(&self.device)?;
+        // SAFETY: the whole allocation, in the current context.
+        check(unsafe { sys::cuMemsetD8_v2(self.ptr, value, self.len) }, "cuMemsetD8")?;
+        // SAFETY: the context is current.
+        check(unsafe { sys::cuCtxSynchronize() }, "cuCtxSynchronize")
+    }
+
+    /// Exports `len` bytes at `offset` as a dma-buf file descriptor
+    /// (`cuMemGetHandleForAddressRange`). Offset and length must be
+    /// multiples of the host page size.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] (`CUDA_ERROR_NOT_SUPPORTED` when the driver or GPU
+    /// cannot, which [`Error::is_not_supported`] tells), or
+    /// [`Error::CudaUnavailable`] when the driver predates the call.
+    pub fn export_dmabuf(&self, offset: usize, len: usize) -> Result<OwnedFd> {
+        self.check_range(offset, len)?;
+        let page = host_page_size();
+        if offset % page != 0 || len % page != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "dma-buf ranges must be page-aligned: offset {offset}, length {len}, page {page}"
+            )));
+        }
+        if !driver()?.has_dmabuf_export {
+            return Err(Error::CudaUnavailable {
+                reason: "the driver has no cuMemGetHandleForAddressRange (CUDA 11.7+ is needed for dma-buf)".into(),
+            });
+        }
+        let _ctx = CtxGuard::enter(&self.device)?;
+        let mut fd: libc::c_int = -1;
+        check(
+            // SAFETY: `fd` is a valid out-pointer for the handle (an int for DMA_BUF_FD);
+            // the range is inside the allocation; the symbol exists (checked).
+            unsafe {
+                sys::cuMemGetHandleForAddressRange(
+                    (&mut fd as *mut libc::c_int).cast(),
+                    self.ptr + offset as u64,
+                    len,
+                    sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+                    0,
+                )
+            },
+            "cuMemGetHandleForAddressRange",
+        )?;
+        if fd < 0 {
+            return Err(Error::InvalidArgument("the driver returned no dma-buf descriptor".into()));
+        }
+        // SAFETY: the driver returned a new descriptor that nothing else owns.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+}
+
+fn host_page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if p > 0 { p as usize } else { 4096 }
+}
+
+impl Drop for CudaBuffer {
+    fn drop(&mut self) {
+        self.ready = None;
+        if let Owner::Ours = self.owner {
+            let Ok(_ctx) = CtxGuard::enter(&self.device) else { return };
+            // SAFETY: allocated by cuMemAlloc in `alloc` and freed once; a Region
+            // deregisters before it drops its memory, so no NIC mapping is left.
+            if let Err(e) = check(unsafe { sys::cuMemFree_v2(self.ptr) }, "cuMemFree") {
+                tracing::error!("{e}");
+            }
+        }
+    }
+}
+
+// SAFETY: the allocation is owned (or kept alive, for foreign memory) by this
+// value until Drop, and never moves; its kind is CUDA device memory.
+unsafe impl Memory for CudaBuffer {
+    fn as_ptr(&self) -> *mut u8 {
+        self.ptr as *mut u8
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn kind(&self) -> MemoryKind {
+        MemoryKind::Cuda { ordinal: self.device.ordinal() }
+    }
+
+    fn cuda_buffer(&self) -> Option<&CudaBuffer> {
+        Some(self)
+    }
+}
+
+impl fmt::Debug for CudaBuffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaBuffer")
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("len", &self.len)
+            .field("device", &self.device.ordinal())
+            .field("foreign", &matches!(self.owner, Owner::Foreign(_)))
+            .finish()
+    }
+}
+
+/// Host memory pinned for GPU copies (`cuMemHostRegister`), for staging.
+pub struct PinnedHost {
+    mem: HostMemory,
+    device: CudaDevice,
+}
+
+impl PinnedHost {
+    /// Maps and pins `len` bytes.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when mapping fails; [`Error::Cuda`] when pinning does.
+    pub fn new(device: &CudaDevice, len: usize) -> Result<Self> {
+        let mem = HostMemory::new(len)?;
+        let _ctx = CtxGuard::enter(device)?;
+        check(
+            // SAFETY: the mapping is live until Drop, which unregisters it first.
+            unsafe { sys::cuMemHostRegister_v2(mem.as_ptr().cast(), len, sys::CU_MEMHOSTREGISTER_PORTABLE) },
+            "cuMemHostRegister",
+        )?;
+        Ok(PinnedHost { mem, device: device.clone() })
+    }
+
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        self.mem.as_slice()
+    }
+}
+
+impl Drop for PinnedHost {
+    fn drop(&mut self) {
+        let Ok(_ctx) = CtxGuard::enter(&self.device) else { return };
+        // SAFETY: registered in `new`, unregistered once, before the mapping goes.
+        if let Err(e) = check(unsafe { sys::cuMemHostUnregister(self.mem.as_ptr().cast()) }, "cuMemHostUnregister") {
+            tracing::error!("{e}");
+        }
+    }
+}
+
+// SAFETY: the mapping is owned by the inner HostMemory and never moves.
+unsafe impl Memory for PinnedHost {
+    fn as_ptr(&self) -> *mut u8 {
+        self.mem.as_ptr()
+    }
+
+    fn len(&self) -> usize {
+        self.mem.len()
+    }
+}
+
+impl fmt::Debug for PinnedHost {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "PinnedHost({:?})", self.mem)
+    }
+}
+
+/// Queues a device-to-host copy on `stream`.
+///
+/// # Safety
+/// `dst..dst + len` must stay valid host memory, and `src..src + len` valid
+/// device memory of the stream's device, until the copy completes.
+pub(crate) unsafe fn copy_dtoh_async(dst: *mut u8, src: u64, len: usize, stream: &CudaStream) -> Result<()> {
+    let _ctx = CtxGuard::enter(&stream.device)?;
+    // SAFETY: forwarded contract.
+    check(unsafe { sys::cuMemcpyDtoHAsync_v2(dst.cast(), src, len, stream.stream) }, "cuMemcpyDtoHAsync")
+}
+
+/// Queues a host-to-device copy on `stream`.
+///
+/// # Safety
+/// As [`copy_dtoh_async`], the other way round.
+pub(crate) unsafe fn copy_htod_async(dst: u64, src: *const u8, len: usize, stream: &CudaStream) -> Result<()> {
+    let _ctx = CtxGuard::enter(&stream.device)?;
+    // SAFETY: forwarded contract.
+    check(unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.cast(), len, stream.stream) }, "cuMemcpyHtoDAsync")
+}

@@ -1,0 +1,454 @@
+//! The staged path: GPU memory the NIC cannot reach moves through pinned,
+//! registered host buffers ("slots") with CUDA copies on their own streams,
+//! chunked and pipelined so copies overlap the network.
+//!
+//! - write: per chunk, copy GPU -> slot (device-to-host stream), then RDMA
+//!   WRITE slot -> peer; chunks are posted in order, so a final write with
+//!   immediate arrives after all the data.
+//! - read: per chunk, RDMA READ peer -> slot, then copy slot -> GPU
+//!   (host-to-device stream).
+//! - send: copy the message GPU -> slot, then SEND (a message cannot be
+//!   split: one slot of the message's size).
+//! - recv: RECV into a slot, then copy the bytes that arrived slot -> GPU.
+//!
+//! Up to `depth` chunks are in flight. The operation completes when the last
+//! copy into the GPU is done, so its completion means "visible to CUDA".
+
+use std::collections::VecDeque;
+use std::mem::ManuallyDrop;
+use std::sync::{Arc, Mutex};
+
+use crate::completion::{Completion, Opcode, WcStatus};
+use crate::cuda::{CudaDevice, CudaEvent, CudaStream, PinnedHost, copy_dtoh_async, copy_htod_async};
+use crate::domain::Domain;
+use crate::error::{Error, Result};
+use crate::memory::{Access, LocalParts, Memory, RemoteSlice};
+use crate::ops::OpId;
+use crate::transport::{ConnTransport, Posted, Registration, RemoteOp, WorkItem};
+
+/// Smallest slot: one GPU page.
+const MIN_SLOT: usize = 64 * 1024;
+/// Slots kept for reuse per GPU.
+const CACHE_SLOTS: usize = 16;
+
+/// Per-GPU staging machinery of a domain: two streams and a cache of
+/// pinned, registered host buffers.
+pub(crate) struct Stager {
+    device: CudaDevice,
+    d2h: CudaStream,
+    h2d: CudaStream,
+    cache: Mutex<Vec<SlotMem>>,
+}
+
+/// Pinned host memory and its registration; deregistered before it is freed.
+struct SlotMem {
+    reg: ManuallyDrop<Registration>,
+    mem: ManuallyDrop<PinnedHost>,
+}
+
+// The registration is Send + Sync (its handle is), and so is PinnedHost.
+impl Drop for SlotMem {
+    fn drop(&mut self) {
+        // SAFETY: both fields are taken exactly once, here.
+        let (reg, mem) = unsafe { (ManuallyDrop::take(&mut self.reg), ManuallyDrop::take(&mut self.mem)) };
+        if let Err(e) = reg.deregister() {
+            tracing::error!("staging buffer deregistration failed, leaking it: {e}");
+            std::mem::forget(mem);
+        }
+    }
+}
+
+impl SlotMem {
+    fn addr(&self) -> u64 {
+        self.mem.as_ptr() as u64
+    }
+
+    fn size(&self) -> usize {
+        self.mem.len()
+    }
+}
+
+/// A slot on loan: goes back to its stager's cache when dropped.
+pub(crate) struct Slot {
+    mem: Option<SlotMem>,
+    home: Arc<Stager>,
+}
+
+impl Slot {
+    fn addr(&self) -> u64 {
+        self.mem.as_ref().map_or(0, SlotMem::addr)
+    }
+
+    fn parts(&self, len: usize, domain: u64) -> LocalParts {
+        let lkey = self.mem.as_ref().map_or(0, |m| m.reg.lkey());
+        LocalParts { addr: self.addr(), len, lkey, domain, path: None }
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        if let Some(mem) = self.mem.take() {
+            let mut cache = self.home.cache.lock().unwrap_or_else(|e| e.into_inner());
+            if cache.len() < CACHE_SLOTS {
+                cache.push(mem);
+            }
+        }
+    }
+}
+
+impl Stager {
+    /// The domain's stager for `device`, made on first use.
+    pub(crate) fn for_device(domain: &Domain, device: &CudaDevice) -> Result<Arc<Stager>> {
+        let mut all = domain.inner.stagers.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(s) = all.iter().find(|s| s.device.ordinal() == device.ordinal()) {
+            return Ok(Arc::clone(s));
+        }
+        let s = Arc::new(Stager {
+            device: device.clone(),
+            d2h: CudaStream::new(device)?,
+            h2d: CudaStream::new(device)?,
+            cache: Mutex::new(Vec::new()),
+        });
+        all.push(Arc::clone(&s));
+        Ok(s)
+    }
+
+    /// A slot of at least `len` bytes, from the cache or new.
+    fn take(self: &Arc<Self>, domain: &Domain, len: usize) -> Result<Slot> {
+        let want = len.max(MIN_SLOT).next_power_of_two();
+        let cached = {
+            let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+            let best = (0..cache.len()).filter(|&i| cache[i].size() >= want).min_by_key(|&i| cache[i].size());
+            best.map(|i| cache.swap_remove(i))
+        };
+        let mem = match cached {
+            Some(m) => m,
+            None => {
+                let mem = PinnedHost::new(&self.device, want)?;
+                // SAFETY: the registration and the memory travel together in
+                // SlotMem, which deregisters before it frees.
+                let reg = unsafe { domain.inner.backend.register(mem.as_ptr(), mem.len(), Access::LOCAL_WRITE)? };
+                SlotMem { reg: ManuallyDrop::new(reg), mem: ManuallyDrop::new(mem) }
+            }
+        };
+        Ok(Slot { mem: Some(mem), home: Arc::clone(self) })
+    }
+}
+
+/// What a staged operation does.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum StagedOp {
+    Send { imm: Option<u32> },
+    Recv,
+    Write { remote: RemoteSlice, imm: Option<u32> },
+    Read { remote: RemoteSlice },
+}
+
+impl StagedOp {
+    fn opcode(self) -> Opcode {
+        match self {
+            StagedOp::Send { imm: None } => Opcode::Send,
+            StagedOp::Send { imm: Some(_) } => Opcode::SendWithImm,
+            StagedOp::Recv => Opcode::Recv,
+            StagedOp::Write { imm: None, .. } => Opcode::Write,
+            StagedOp::Write { imm: Some(_), .. } => Opcode::WriteWithImm,
+            StagedOp::Read { .. } => Opcode::Read,
+        }
+    }
+
+    /// Whether the data flows GPU -> network (copy out first).
+    fn outbound(self) -> bool {
+        matches!(self, StagedOp::Send { .. } | StagedOp::Write { .. })
+    }
+
+    /// Whether the operation is one message (one slot, one step).
+    fn single(self) -> bool {
+        matches!(self, StagedOp::Send { .. } | StagedOp::Recv)
+    }
+}
+
+enum StepState {
+    /// Copying GPU -> slot.
+    CopyOut(CudaEvent),
+    /// On the network.
+    Net(OpId),
+    /// Copying slot -> GPU.
+    CopyIn(CudaEvent),
+    Done,
+}
+
+struct Step {
+    off: usize,
+    len: usize,
+    slot: Option<Slot>,
+    state: StepState,
+}
+
+/// One staged operation in progress.
+pub(crate) struct Pipeline {
+    op: StagedOp,
+    stager: Arc<Stager>,
+    domain: Domain,
+    dev: u64,
+    len: usize,
+    chunk: usize,
+    depth: usize,
+    next: usize,
+    started: bool,
+    steps: VecDeque<Step>,
+    moved: u64,
+    last: Option<Completion>,
+    error: Option<Error>,
+    post_timeout: std::time::Duration,
+}
+
+impl Pipeline {
+    /// Plans a staged operation on `local` (a range of GPU memory).
+    pub(crate) fn new(
+        op: StagedOp,
+        domain: &Domain,
+        device: &CudaDevice,
+        local: LocalParts,
+        chunk: usize,
+        depth: usize,
+        post_timeout: std::time::Duration,
+    ) -> Result<Self> {
+        let stager = Stager::for_device(domain, device)?;
+        if let StagedOp::Write { remote, .. } | StagedOp::Read { remote } = op {
+            if remote.len() != local.len as u64 {
+                return Err(Error::InvalidArgument(format!(
+                    "the local range has {} bytes and the remote range {}",
+                    local.len,
+                    remote.len()
+                )));
+            }
+        }
+        Ok(Pipeline {
+            op,
+            stager,
+            domain: domain.clone(),
+            dev: local.addr,
+            len: local.len,
+            chunk: chunk.max(MIN_SLOT),
+            depth: depth.max(2),
+            next: 0,
+            started: false,
+            steps: VecDeque::new(),
+            moved: 0,
+            last: None,
+            error: None,
+            post_timeout,
+        })
+    }
+
+    /// The device-to-host stream: GPU work producing the data is ordered before it.
+    pub(crate) fn out_stream(&self) -> &CudaStream {
+        &self.stager.d2h
+    }
+
+    fn has_more(&self) -> bool {
+        self.next < self.len || !self.started
+    }
+
+    /// Whether nothing is left in flight (successfully or not).
+    pub(crate) fn finished(&self) -> bool {
+        self.steps.is_empty() && (self.error.is_some() || !self.has_more())
+    }
+
+    /// A request on the network to sleep on, if any.
+    pub(crate) fn waiting_on(&self) -> Option<OpId> {
+        self.steps.iter().find_map(|s| match s.state {
+            StepState::Net(id) => Some(id),
+            _ => None,
+        })
+    }
+
+    /// The outcome, once finished.
+    pub(crate) fn outcome(&mut self) -> Result<Completion> {
+        if let Some(e) = self.error.take() {
+            return Err(e);
+        }
+        let last = self.last.unwrap_or(Completion {
+            wr_id: 0,
+            opcode: self.op.opcode(),
+            status: WcStatus::Success,
+            byte_len: 0,
+            imm: None,
+            qp_num: 0,
+            vendor_err: 0,
+        });
+        Ok(Completion {
+            opcode: if self.op.outbound() || matches!(self.op, StagedOp::Read { .. }) {
+                self.op.opcode()
+            } else {
+                last.opcode
+            },
+            byte_len: u32::try_from(self.moved).unwrap_or(u32::MAX),
+            ..last
+        })
+    }
+
+    fn fail(&mut self, e: Error) {
+        if self.error.is_none() {
+            self.error = Some(e);
+        }
+    }
+
+    fn remote_op(&self, off: usize, n: usize, last: bool) -> RemoteOp {
+        match self.op {
+            StagedOp::Send { imm: Some(imm) } => RemoteOp::SendWithImm(imm),
+            StagedOp::Send { imm: None } | StagedOp::Recv => RemoteOp::Send,
+            StagedOp::Write { remote, imm } => {
+                let r = remote.sub(off as u64, n as u64);
+                match imm {
+                    Some(imm) if last => RemoteOp::WriteWithImm(r, imm),
+                    _ => RemoteOp::Write(r),
+                }
+            }
+            StagedOp::Read { remote } => RemoteOp::Read(remote.sub(off as u64, n as u64)),
+        }
+    }
+
+    fn post(&mut self, t: &ConnTransport, step: usize) {
+        let (off, n) = (self.steps[step].off, self.steps[step].len);
+        let last = off + n >= self.len;
+        let op = self.remote_op(off, n, last);
+        let parts = self.steps[step].slot.as_ref().map(|s| s.parts(n, self.domain.id()));
+        let deadline = std::time::Instant::now() + self.post_timeout;
+        let posted = match self.op {
+            StagedOp::Recv => t.post_recv(parts),
+            _ => t.post_send(&[WorkItem { local: parts, op }], deadline),
+        };
+        match posted {
+            Posted::Ok(id) => self.steps[step].state = StepState::Net(id),
+            Posted::Refused(e) => {
+                self.steps[step].state = StepState::Done;
+                self.fail(e);
+            }
+            Posted::Stuck(id, e) => {
+                // Part of it may still reach the slot: the connection keeps it.
+                if let Some(slot) = self.steps[step].slot.take() {
+                    t.orphan(id, Box::new(slot));
+                }
+                self.steps[step].state = StepState::Done;
+                self.fail(e);
+            }
+        }
+    }
+
+    /// Starts chunks while there is room, moves each along as its copy or
+    /// network step finishes. Never blocks.
+    pub(crate) fn advance(&mut self, t: &ConnTransport) -> Result<()> {
+        while self.error.is_none() && self.steps.len() < self.depth && self.has_more() {
+            let n = if self.op.single() { self.len } else { (self.len - self.next).min(self.chunk) };
+            let off = self.next;
+            self.next += n;
+            self.started = true;
+            let slot = match self.stager.take(&self.domain, n) {
+                Ok(s) => s,
+                Err(e) => {
+                    self.fail(e);
+                    break;
+                }
+            };
+            let mut step = Step { off, len: n, slot: Some(slot), state: StepState::Done };
+            if self.op.outbound() {
+                let dst = step.slot.as_ref().map_or(0, Slot::addr) as *mut u8;
+                // SAFETY: the slot stays owned by this step (or, if the pipeline is
+                // abandoned, the streams are synchronized first); the GPU range is
+                // inside the operation's buffer, owned by its Pending.
+                let copied = unsafe { copy_dtoh_async(dst, self.dev + off as u64, n, &self.stager.d2h) }
+                    .and_then(|()| CudaEvent::record(&self.stager.d2h));
+                match copied {
+                    Ok(ev) => step.state = StepState::CopyOut(ev),
+                    Err(e) => {
+                        self.fail(e);
+                        break;
+                    }
+                }
+                self.steps.push_back(step);
+            } else {
+                self.steps.push_back(step);
+                let i = self.steps.len() - 1;
+                self.post(t, i);
+            }
+        }
+
+        // Post copied chunks strictly in order, so a final write with
+        // immediate is delivered after every chunk before it.
+        let mut in_order = true;
+        for i in 0..self.steps.len() {
+            match &self.steps[i].state {
+                StepState::CopyOut(ev) => {
+                    if in_order && self.error.is_none() && ev.is_done()? {
+                        self.post(t, i);
+                    } else {
+                        in_order = false;
+                        if self.error.is_some() && ev.is_done()? {
+                            self.steps[i].state = StepState::Done;
+                        }
+                    }
+                }
+                StepState::Net(id) => {
+                    let id = *id;
+                    if t.poll(id)? {
+                        match t.take(id) {
+                            Some(Ok(c)) => {
+                                self.last = Some(c);
+                                if self.op.outbound() {
+                                    self.moved += self.steps[i].len as u64;
+                                    self.steps[i].state = StepState::Done;
+                                } else {
+                                    let n = (c.byte_len as usize).min(self.steps[i].len);
+                                    let src = self.steps[i].slot.as_ref().map_or(0, Slot::addr) as *const u8;
+                                    let dst = self.dev + self.steps[i].off as u64;
+                                    // SAFETY: as for the copy out, the other way round.
+                                    let copied = unsafe { copy_htod_async(dst, src, n, &self.stager.h2d) }
+                                        .and_then(|()| CudaEvent::record(&self.stager.h2d));
+                                    self.moved += n as u64;
+                                    match copied {
+                                        Ok(ev) => self.steps[i].state = StepState::CopyIn(ev),
+                                        Err(e) => {
+                                            self.steps[i].state = StepState::Done;
+                                            self.fail(e);
+                                        }
+                                    }
+                                }
+                            }
+                            Some(Err(e)) => {
+                                self.steps[i].state = StepState::Done;
+                                self.fail(e);
+                            }
+                            None => {}
+                        }
+                    }
+                }
+                StepState::CopyIn(ev) => {
+                    if ev.is_done()? {
+                        self.steps[i].state = StepState::Done;
+                    }
+                }
+                StepState::Done => {}
+            }
+        }
+        // Finished steps give their slots back.
+        self.steps.retain(|s| !matches!(s.state, StepState::Done));
+        Ok(())
+    }
+
+    /// The operation's handle was dropped early: wait for the copies (so the
+    /// GPU buffer may be freed), and leave slots still on the network with
+    /// the connection until the device is done with them.
+    pub(crate) fn abandon(&mut self, t: &ConnTransport) {
+        if let Err(e) = self.stager.d2h.synchronize().and_then(|()| self.stager.h2d.synchronize()) {
+            tracing::error!("synchronizing the staging streams: {e}");
+        }
+        for mut step in self.steps.drain(..) {
+            if let StepState::Net(id) = step.state {
+                if let Some(slot) = step.slot.take() {
+                    t.orphan(id, Box::new(slot));
+                }
+            }
+        }
+    }
+}
