@@ -273,18 +273,33 @@ impl Connection {
                 }
             }
             let (chunk, depth) = self.shared.staging;
-            let pipeline =
-                Pipeline::new(staged, &self.shared.domain, &device, parts, chunk, depth, self.shared.op_timeout)
-                    .and_then(|p| {
-                        if matches!(staged, StagedOp::Send { .. } | StagedOp::Write { .. }) {
-                            cuda.order_after_ready(p.out_stream())?;
-                        }
-                        Ok(p)
-                    });
-            return match pipeline {
-                Ok(p) => Pending::staged(&self.shared, p, local.into_inner()),
-                Err(e) => Pending::failed(&self.shared, local.into_inner(), e),
+            // Started at once: receives must be posted before the peer sends,
+            // and copies should run while the caller does other work. Later
+            // steps advance whenever the operation is waited on or polled.
+            let mut pipeline = match Pipeline::new(
+                staged,
+                &self.shared.domain,
+                &device,
+                parts,
+                chunk,
+                depth,
+                self.shared.op_timeout,
+            ) {
+                Ok(p) => p,
+                Err(e) => return Pending::failed(&self.shared, local.into_inner(), e),
             };
+            let started = if matches!(staged, StagedOp::Send { .. } | StagedOp::Write { .. }) {
+                cuda.order_after_ready(pipeline.out_stream())
+            } else {
+                Ok(())
+            }
+            .and_then(|()| pipeline.advance(&self.shared.transport));
+            if let Err(e) = started {
+                // Whatever reached the device stays with the connection.
+                pipeline.abandon(&self.shared.transport);
+                return Pending::failed(&self.shared, local.into_inner(), e);
+            }
+            return Pending::staged(&self.shared, pipeline, local.into_inner());
         }
         match op {
             Some(op @ RemoteOp::Read(_)) => {

@@ -4,9 +4,10 @@
 //! carry GPU memory (GPUDirect RDMA: GPU HBM -> PCIe -> NIC -> network, with no
 //! copy through host RAM) as well as host memory.
 //!
-//! This release has the verbs core on host memory: devices, memory
-//! registration, reliable-connected queue pairs, the out-of-band handshake
-//! and the safe [`Connection`]. CUDA memory, the path diagnostics and a TCP
+//! It has the verbs core (devices, memory registration, reliable-connected
+//! queue pairs, the out-of-band handshake, the safe [`Connection`]) and CUDA
+//! memory through three paths (dma-buf, nvidia-peermem, staged through
+//! pinned host memory) behind the same calls. Path diagnostics and a TCP
 //! fallback plug into the same types.
 //!
 //! ## Quick start
@@ -140,7 +141,7 @@
 //! | feature | default | what it adds |
 //! |---|---|---|
 //! | `verbs` | yes | ibverbs through `rdma-sys`; building needs rdma-core headers (`libibverbs-dev`) |
-//! | `cuda` | yes | CUDA through `cudarc`, loaded at run time: building needs no CUDA |
+//! | `cuda` | yes | CUDA through `cudarc`, loaded at run time: building needs no CUDA, and a machine without a GPU gets [`Error::CudaUnavailable`] with the reason from every CUDA call, never a panic |
 //! | `cli` | yes | the `gpu-rdma` command-line tool (`clap`, `tracing-subscriber`) |
 //!
 //! `cargo build --no-default-features` builds on a machine without
@@ -157,10 +158,46 @@
 //!
 //! ## Which memory path will I get?
 //!
-//! | memory | path | status |
-//! |---|---|---|
-//! | host ([`HostMemory`], any [`Memory`]) | `ibv_reg_mr` on host pages | available |
-//! | CUDA device memory | dma-buf, then nvidia-peermem, then host staging | planned (see the project's issues) |
+//! Host memory ([`HostMemory`], any host [`Memory`]) is registered with
+//! `ibv_reg_mr`. GPU memory ([`cuda::CudaBuffer`]) is registered by the first
+//! path that works, in this order (`GPU_RDMA_MEM_PATH=dmabuf|peermem|staged`
+//! or [`Domain::register_with_path`] forces one; a forced path that fails is
+//! an error, not a fallback):
+//!
+//! | path | needs | the NIC | cost |
+//! |---|---|---|---|
+//! | `dmabuf` | GPU reports `DMA_BUF_SUPPORTED` (open kernel module), CUDA 11.7+, rdma-core 34+ (`ibv_reg_dmabuf_mr`), kernel 5.12+, a NIC driver that takes dma-bufs | reads/writes GPU memory | none |
+//! | `peermem` | the `nvidia_peermem` module loaded, GPU reports `GPU_DIRECT_RDMA_SUPPORTED` | reads/writes GPU memory | none |
+//! | `staged` | nothing | reads/writes pinned host buffers; CUDA copies on their own streams | a copy each way, pipelined |
+//!
+//! Both direct paths also need the GPU and the NIC close on PCIe (PIX or
+//! PXB) to be fast. [`Region::path_report`] says which path won and why
+//! the others lost, in plain words, for example `staged: dma-buf refused
+//! (ibv_reg_dmabuf_mr is not supported by this device or driver) and
+//! nvidia_peermem not loaded`; the first registration per GPU logs it, and
+//! `gpu-rdma gpu` prints what each GPU would get.
+//!
+//! ### Ordering and visibility on the GPU
+//!
+//! - Before the NIC reads GPU memory (a send or write from it), the CUDA
+//!   work producing it must be complete: tell gpu-rdma which stream
+//!   produces it with [`cuda::CudaBuffer::ready_after`] (waited for on the
+//!   GPU where possible); without it, the context is synchronized.
+//! - After the NIC writes GPU memory (a receive or read into it), the
+//!   completion is reported only once the data is visible to CUDA work:
+//!   `cuFlushGPUDirectRDMAWrites` where the device's ordering attributes
+//!   need it, the copy into the GPU on the staged path.
+//! - A peer's one-sided write into an [`Exposed`] GPU region is visible to
+//!   CUDA after [`Connection::recv_write`] completes for the peer's
+//!   "done" (a write with immediate, or a zero-byte send): on a direct path
+//!   it flushes, on the staged path it copies the region's host mirror
+//!   into the GPU, which is the only way such a write reaches GPU memory.
+//!   Before letting a peer read an exposed staged region, call
+//!   [`Exposed::publish`], which copies the GPU contents to the mirror.
+//! - Staged operations advance when they are waited on or polled; their
+//!   chunk size and depth are [`ConnectOptions::staging_chunk`] and
+//!   [`ConnectOptions::staging_depth`]. A direct-path peer and a staged
+//!   peer interoperate: the wire does not know the difference.
 //!
 //! ## Threads and cleanup
 //!
@@ -174,8 +211,9 @@
 //! ## Environment
 //!
 //! `GPU_RDMA_DEVICE`, `GPU_RDMA_PORT`, `GPU_RDMA_GID_INDEX` choose the
-//! device, port and GID ([`DomainConfig::from_env`]); `GPU_RDMA_LOG` sets
-//! the log filter of the tools (`tracing` directives).
+//! device, port and GID ([`DomainConfig::from_env`]); `GPU_RDMA_MEM_PATH`
+//! the GPU memory path; `GPU_RDMA_LOG` sets the log filter of the tools
+//! (`tracing` directives).
 
 #![warn(missing_docs)]
 

@@ -60,7 +60,7 @@ type Orphan = Box<dyn Any + Send>;
 
 enum Slot {
     Free,
-    Busy { opcode: Opcode, held: Held, first_error: Option<Completion>, orphan: Option<Orphan> },
+    Busy { opcode: Opcode, held: Held, bytes: Option<u64>, first_error: Option<Completion>, orphan: Option<Orphan> },
     Done { outcome: Result<Completion> },
 }
 
@@ -92,9 +92,12 @@ impl OpTable {
         self.orphans
     }
 
-    /// Starts tracking an operation about to be posted.
-    pub(crate) fn start(&mut self, opcode: Opcode, held: Held) -> OpId {
-        let slot = Slot::Busy { opcode, held, first_error: None, orphan: None };
+    /// Starts tracking an operation about to be posted. `bytes` is what a
+    /// send-queue operation moves in all (its completion reports it; the
+    /// device's byte count is only defined for receives), `None` for a
+    /// receive.
+    pub(crate) fn start(&mut self, opcode: Opcode, held: Held, bytes: Option<u64>) -> OpId {
+        let slot = Slot::Busy { opcode, held, bytes, first_error: None, orphan: None };
         self.busy += 1;
         if let Some(index) = self.free.pop() {
             let e = &mut self.entries[index as usize];
@@ -139,7 +142,7 @@ impl OpTable {
             tracing::warn!(wr_id = raw.wr_id, "completion for an unknown work request");
             return (Held::default(), None);
         };
-        let Slot::Busy { opcode, held, first_error, orphan } = &mut entry.slot else {
+        let Slot::Busy { opcode, held, bytes, first_error, orphan } = &mut entry.slot else {
             tracing::warn!(wr_id = raw.wr_id, "completion for an operation that is not in flight");
             return (Held::default(), None);
         };
@@ -151,7 +154,7 @@ impl OpTable {
             wr_id: raw.wr_id & !FINAL_BIT,
             opcode,
             status: raw.status,
-            byte_len: raw.byte_len,
+            byte_len: bytes.map_or(raw.byte_len, |b| u32::try_from(b).unwrap_or(u32::MAX)),
             imm: raw.imm,
             qp_num: raw.qp_num,
             vendor_err: raw.vendor_err,
@@ -258,14 +261,14 @@ mod tests {
     fn an_operation_completes_once_and_its_slot_is_reused() {
         let mut t = OpTable::new();
         let held = Held { send_wrs: 1, recv_wrs: 0 };
-        let a = t.start(Opcode::Write, held);
+        let a = t.start(Opcode::Write, held, None);
         assert_eq!(t.in_flight(), 1);
         assert!(!t.is_done(a));
         assert_eq!(t.complete(&raw(a, true, WcStatus::Success), None).0, held);
         assert!(t.is_done(a));
         assert_eq!(t.take(a).unwrap().unwrap().opcode, Opcode::Write);
         assert!(t.take(a).is_none());
-        let b = t.start(Opcode::Read, held);
+        let b = t.start(Opcode::Read, held, None);
         assert_eq!(b.index, a.index);
         assert_ne!(b.generation, a.generation);
         // A stale completion for the old generation is ignored.
@@ -276,7 +279,7 @@ mod tests {
     #[test]
     fn a_batch_reports_the_first_error_at_its_final_request() {
         let mut t = OpTable::new();
-        let a = t.start(Opcode::Write, Held { send_wrs: 3, recv_wrs: 0 });
+        let a = t.start(Opcode::Write, Held { send_wrs: 3, recv_wrs: 0 }, None);
         t.complete(&raw(a, false, WcStatus::RemoteAccess), None);
         assert!(!t.is_done(a), "not done before its final request");
         let (held, _) = t.complete(&raw(a, true, WcStatus::WrFlush), None);
@@ -288,7 +291,7 @@ mod tests {
     #[test]
     fn flushes_after_a_lost_connection_say_so() {
         let mut t = OpTable::new();
-        let a = t.start(Opcode::Recv, Held { send_wrs: 0, recv_wrs: 1 });
+        let a = t.start(Opcode::Recv, Held { send_wrs: 0, recv_wrs: 1 }, None);
         t.complete(&raw(a, true, WcStatus::WrFlush), Some("the peer closed the connection"));
         match t.take(a).unwrap() {
             Err(Error::ConnectionLost { reason }) => {
@@ -301,17 +304,17 @@ mod tests {
     #[test]
     fn orphans_are_kept_until_completion() {
         let mut t = OpTable::new();
-        let a = t.start(Opcode::Send, Held { send_wrs: 1, recv_wrs: 0 });
+        let a = t.start(Opcode::Send, Held { send_wrs: 1, recv_wrs: 0 }, None);
         assert!(t.orphan(a, Box::new(vec![1u8, 2, 3])).is_none(), "kept while in flight");
         assert_eq!(t.orphans(), 1);
         let (_, orphan) = t.complete(&raw(a, true, WcStatus::Success), None);
         assert!(orphan.is_some(), "released at completion");
         assert_eq!((t.orphans(), t.in_flight()), (0, 0));
 
-        let b = t.start(Opcode::Send, Held::default());
+        let b = t.start(Opcode::Send, Held::default(), None);
         t.complete(&raw(b, true, WcStatus::Success), None);
         assert!(t.orphan(b, Box::new(1u32)).is_some(), "already done: dropped at once");
-        let c = t.start(Opcode::Send, Held::default());
+        let c = t.start(Opcode::Send, Held::default(), None);
         t.orphan(c, Box::new(2u32));
         assert_eq!(t.take_orphans().len(), 1);
     }

@@ -64,3 +64,19 @@ fn the_devices_command_says_plainly_when_there_is_no_device() {
         assert!(text.contains("no RDMA devices"), "{text}");
     }
 }
+
+#[cfg(feature = "cuda")]
+#[test]
+fn without_a_cuda_driver_every_cuda_entry_point_says_so() {
+    use gpu_rdma::cuda::{CudaDevice, driver};
+    match driver() {
+        // A machine with a driver (a GPU machine, or the stand-in on LD_LIBRARY_PATH).
+        Ok(info) => assert!(info.device_count > 0),
+        Err(Error::CudaUnavailable { reason }) => {
+            assert!(reason.contains("libcuda") || reason.contains("no CUDA device"), "{reason}");
+            assert!(matches!(CudaDevice::count(), Err(Error::CudaUnavailable { .. })));
+            assert!(matches!(CudaDevice::open(0), Err(Error::CudaUnavailable { .. })));
+        }
+        Err(other) => panic!("expected CudaUnavailable, got {other:?}"),
+    }
+}

@@ -22,6 +22,19 @@ enum Cmd {
         #[arg(short = 'd', long)]
         device: Option<String>,
     },
+    /// CUDA devices, their GPUDirect attributes, the memory path each would
+    /// get and why; with --bandwidth, host<->device copy bandwidth.
+    Gpu {
+        /// Only this CUDA device.
+        #[arg(long)]
+        gpu: Option<usize>,
+        /// Measure host<->device copy bandwidth (pinned and pageable).
+        #[arg(long)]
+        bandwidth: bool,
+        /// Bytes per copy for --bandwidth.
+        #[arg(long, default_value = "256MiB", value_parser = |s: &str| gpu_rdma::units::parse_bytes(s).map_err(|e| e.to_string()))]
+        bytes: u64,
+    },
 }
 
 fn main() -> ExitCode {
@@ -32,6 +45,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Cmd::Devices { device } => devices(device.as_deref()),
+        Cmd::Gpu { gpu, bandwidth, bytes } => gpu_cmd(gpu, bandwidth, bytes as usize),
     }
 }
 
@@ -139,5 +153,109 @@ fn devices(only: Option<&str>) -> ExitCode {
 #[cfg(not(feature = "verbs"))]
 fn devices(_only: Option<&str>) -> ExitCode {
     println!("gpu-rdma was built without the `verbs` feature: it cannot list RDMA devices");
+    ExitCode::from(1)
+}
+
+#[cfg(feature = "cuda")]
+fn gpu_cmd(only: Option<usize>, bandwidth: bool, bytes: usize) -> ExitCode {
+    use gpu_rdma::cuda::{CudaBuffer, CudaDevice, PinnedHost, driver};
+    use gpu_rdma::memory::gpu::{detect_caps, peermem_marker};
+    use gpu_rdma::memory::path::{PathPolicy, plan};
+    use std::time::Instant;
+
+    let info = match driver() {
+        Ok(i) => i,
+        Err(e) => {
+            println!("no GPU: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    println!("CUDA driver {} ({}), {} device(s)", info.version_string(), info.version, info.device_count);
+    println!(
+        "driver calls: dma-buf export (cuMemGetHandleForAddressRange) {}, cuFlushGPUDirectRDMAWrites {}",
+        if info.has_dmabuf_export { "present" } else { "absent" },
+        if info.has_flush { "present" } else { "absent" }
+    );
+    match peermem_marker(std::path::Path::new("/sys")) {
+        Some(m) => println!("nvidia-peermem: loaded (/sys/{m})"),
+        None => println!("nvidia-peermem: not loaded"),
+    }
+    let mut status = ExitCode::SUCCESS;
+    for ordinal in 0..info.device_count {
+        if only.is_some_and(|o| o != ordinal) {
+            continue;
+        }
+        let dev = match CudaDevice::open(ordinal) {
+            Ok(d) => d,
+            Err(e) => {
+                println!("GPU {ordinal}: {e}");
+                status = ExitCode::from(1);
+                continue;
+            }
+        };
+        let a = dev.attrs();
+        println!(
+            "GPU {ordinal}: {} at {}, {} MiB, compute {}.{}",
+            dev.name(),
+            dev.pci_bus_id(),
+            dev.total_mem() >> 20,
+            a.compute_capability.0,
+            a.compute_capability.1
+        );
+        println!(
+            "\tDMA_BUF_SUPPORTED {}, GPU_DIRECT_RDMA_SUPPORTED {}, FLUSH_WRITES_OPTIONS {:#x}, WRITES_ORDERING {}",
+            a.dma_buf_supported as u8, a.gpu_direct_rdma_supported as u8, a.flush_writes_options, a.writes_ordering
+        );
+        println!("\tafter remote writes: {:?}", dev.flush_policy());
+        let p = plan(&detect_caps(&dev), PathPolicy::Auto);
+        println!("\tmemory paths to try: {}", p.order.iter().map(|m| m.name()).collect::<Vec<_>>().join(", "));
+        for (m, why) in &p.skipped {
+            println!("\t  {m}: {why}");
+        }
+        if bandwidth {
+            let measure = || -> gpu_rdma::Result<()> {
+                let buf = CudaBuffer::alloc(&dev, bytes)?;
+                let mut pinned = PinnedHost::new(&dev, buf.len())?;
+                let mut pageable = vec![0u8; buf.len()];
+                let gbs = |n: usize, t: std::time::Duration| n as f64 / t.as_secs_f64() / 1e9;
+                let rounds = 5;
+                let t = Instant::now();
+                for _ in 0..rounds {
+                    buf.copy_from_host(0, pinned.as_slice())?;
+                }
+                let h2d_pinned = gbs(rounds * buf.len(), t.elapsed());
+                let t = Instant::now();
+                for _ in 0..rounds {
+                    buf.copy_to_host(0, pinned.as_mut_slice())?;
+                }
+                let d2h_pinned = gbs(rounds * buf.len(), t.elapsed());
+                let t = Instant::now();
+                for _ in 0..rounds {
+                    buf.copy_from_host(0, &pageable)?;
+                }
+                let h2d_pageable = gbs(rounds * buf.len(), t.elapsed());
+                let t = Instant::now();
+                for _ in 0..rounds {
+                    buf.copy_to_host(0, &mut pageable)?;
+                }
+                let d2h_pageable = gbs(rounds * buf.len(), t.elapsed());
+                println!(
+                    "\tcopy bandwidth, {} MiB x {rounds}: host->device pinned {h2d_pinned:.2} GB/s, pageable {h2d_pageable:.2} GB/s; device->host pinned {d2h_pinned:.2} GB/s, pageable {d2h_pageable:.2} GB/s",
+                    buf.len() >> 20
+                );
+                Ok(())
+            };
+            if let Err(e) = measure() {
+                println!("\tbandwidth: {e}");
+                status = ExitCode::from(1);
+            }
+        }
+    }
+    status
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_cmd(_only: Option<usize>, _bandwidth: bool, _bytes: usize) -> ExitCode {
+    println!("gpu-rdma was built without the `cuda` feature: it cannot look at GPUs");
     ExitCode::from(1)
 }

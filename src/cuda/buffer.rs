@@ -185,6 +185,11 @@ enum Owner {
 /// whole 64 KiB GPU pages, with `CU_POINTER_ATTRIBUTE_SYNC_MEMOPS` set so
 /// that copies and remote accesses are ordered. Register it with
 /// [`Domain::register`](crate::Domain::register) to use it in operations.
+///
+/// Its copy methods take `&self`: device memory is not Rust memory, so a
+/// copy racing with the NIC (into a buffer a peer may write, say) can mix
+/// old and new bytes but never breaks memory safety. Copy when the
+/// operations touching the range have completed.
 pub struct CudaBuffer {
     ptr: sys::CUdeviceptr,
     len: usize,
@@ -348,7 +353,7 @@ impl CudaBuffer {
     ///
     /// # Errors
     /// [`Error::OutOfBounds`]; [`Error::Cuda`].
-    pub fn copy_from_host(&mut self, offset: usize, data: &[u8]) -> Result<()> {
+    pub fn copy_from_host(&self, offset: usize, data: &[u8]) -> Result<()> {
         self.check_range(offset, data.len())?;
         let _ctx = CtxGuard::enter(&self.device)?;
         check(
@@ -395,11 +400,29 @@ impl CudaBuffer {
         check(unsafe { sys::cuMemcpyHtoD_v2(self.ptr + offset as u64, src.cast(), len) }, "cuMemcpyHtoD")
     }
 
+    /// Sets `count` 32-bit words at `offset` (a multiple of 4) to `value`,
+    /// on the GPU (`cuMemsetD32`), synchronously.
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`], [`Error::InvalidArgument`] for a misaligned
+    /// offset; [`Error::Cuda`].
+    pub fn fill_u32(&self, offset: usize, value: u32, count: usize) -> Result<()> {
+        if offset % 4 != 0 {
+            return Err(Error::InvalidArgument(format!("offset {offset} is not a multiple of 4")));
+        }
+        self.check_range(offset, count.saturating_mul(4))?;
+        let _ctx = CtxGuard::enter(&self.device)?;
+        // SAFETY: the range is inside the allocation (checked) and 4-byte aligned.
+        check(unsafe { sys::cuMemsetD32_v2(self.ptr + offset as u64, value, count) }, "cuMemsetD32")?;
+        // SAFETY: the context is current.
+        check(unsafe { sys::cuCtxSynchronize() }, "cuCtxSynchronize")
+    }
+
     /// Sets every byte to `value` (synchronously).
     ///
     /// # Errors
     /// [`Error::Cuda`].
-    pub fn fill(&mut self, value: u8) -> Result<()> {
+    pub fn fill(&self, value: u8) -> Result<()> {
         let _ctx = CtxGuard::enter(&self.device)?;
         // SAFETY: the whole allocation, in the current context.
         check(unsafe { sys::cuMemsetD8_v2(self.ptr, value, self.len) }, "cuMemsetD8")?;
@@ -528,6 +551,11 @@ impl PinnedHost {
     /// The bytes.
     pub fn as_slice(&self) -> &[u8] {
         self.mem.as_slice()
+    }
+
+    /// The bytes, mutably.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        self.mem.as_mut_slice()
     }
 }
 

@@ -46,6 +46,7 @@ const REQUIRED: &[&str] = &[
     "cuMemcpyHtoDAsync_v2",
     "cuMemcpyDtoHAsync_v2",
     "cuMemsetD8_v2",
+    "cuMemsetD32_v2",
     "cuStreamCreate",
     "cuStreamDestroy_v2",
     "cuStreamSynchronize",

@@ -34,9 +34,9 @@ pub fn kernel_at_least(release: &str, major: u32, minor: u32) -> bool {
     }
 }
 
-/// What this machine offers `buf`'s GPU.
-pub fn detect_caps(buf: &CudaBuffer) -> PathCaps {
-    let attrs = buf.device().attrs();
+/// What this machine offers `device` for each memory path.
+pub fn detect_caps(device: &crate::cuda::CudaDevice) -> PathCaps {
+    let attrs = device.attrs();
     let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
     PathCaps {
         rdma_core_dmabuf: cfg!(gpu_rdma_dmabuf_mr),
@@ -72,7 +72,7 @@ pub(crate) fn register(
     access: Access,
     policy: PathPolicy,
 ) -> Result<(Registration, PathReport)> {
-    let caps = detect_caps(buf);
+    let caps = detect_caps(buf.device());
     let plan = path::plan(&caps, policy);
     for w in &plan.warnings {
         tracing::warn!("GPU {}: {w}", buf.device().ordinal());

@@ -215,6 +215,8 @@ pub struct PathReport {
     pub outcomes: Vec<(MemPath, Outcome)>,
     /// Warnings, for example a forced path whose requirements were missing.
     pub warnings: Vec<String>,
+    /// Whether the path was forced (`GPU_RDMA_MEM_PATH` or the caller).
+    pub forced: bool,
 }
 
 impl PathReport {
@@ -235,6 +237,13 @@ impl fmt::Display for PathReport {
     /// supported by this driver`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}", self.chosen)?;
+        if self.forced {
+            f.write_str(" (forced)")?;
+            for w in &self.warnings {
+                write!(f, " (warning: {w})")?;
+            }
+            return Ok(());
+        }
         let losers: Vec<String> = self
             .outcomes
             .iter()
@@ -277,7 +286,8 @@ pub fn attempt<T>(
             Ok(v) => {
                 outcomes.push((p, Outcome::Chosen));
                 outcomes.sort_by_key(|(q, _)| MemPath::ALL.iter().position(|x| x == q));
-                return Ok((v, PathReport { chosen: p, outcomes, warnings: plan.warnings.clone() }));
+                let forced = matches!(policy, PathPolicy::Force(_));
+                return Ok((v, PathReport { chosen: p, outcomes, warnings: plan.warnings.clone(), forced }));
             }
             Err(e) => {
                 let reason = match p {
@@ -421,6 +431,12 @@ mod tests {
         let p = plan(&all, PathPolicy::Force(MemPath::DmaBuf));
         let err = attempt(&p, PathPolicy::Force(MemPath::DmaBuf), |_| Err::<(), _>(refusal())).unwrap_err();
         assert!(err.is_not_supported());
+        // Forced and working: said plainly.
+        let p = plan(&caps(0), PathPolicy::Force(MemPath::PeerMem));
+        let (_, report) = attempt(&p, PathPolicy::Force(MemPath::PeerMem), |_| Ok(())).unwrap();
+        assert!(report.forced);
+        let text = report.to_string();
+        assert!(text.starts_with("peermem (forced)") && text.contains("nvidia_peermem not loaded"), "{text}");
     }
 
     #[test]

@@ -544,7 +544,8 @@ impl VerbsConn {
             }
             let n = scratch.len() as u32;
             if st.send_used + n <= self.send_depth {
-                let id = st.table.start(opcode, Held { send_wrs: n, recv_wrs: 0 });
+                let bytes = items.iter().map(|i| i.local.map_or(0, |l| l.len as u64)).sum();
+                let id = st.table.start(opcode, Held { send_wrs: n, recv_wrs: 0 }, Some(bytes));
                 let outcome = {
                     let count = scratch.len();
                     let wrs = scratch.iter().enumerate().map(|(i, &(op, sge, inline))| {
@@ -616,7 +617,7 @@ impl VerbsConn {
                 return Posted::Refused(Error::ConnectionLost { reason: reason.clone() });
             }
             if st.send_used < self.send_depth {
-                let id = st.table.start(opcode, Held { send_wrs: 1, recv_wrs: 0 });
+                let id = st.table.start(opcode, Held { send_wrs: 1, recv_wrs: 0 }, Some(data.len() as u64));
                 // lkey 0 is never used: inline data is copied at post time.
                 let sge = [Sge::new(data.as_ptr() as u64, data.len() as u32, 0)];
                 let list: &[Sge] = if data.is_empty() { &[] } else { &sge };
@@ -664,7 +665,7 @@ impl VerbsConn {
         if st.recv_used >= self.recv_depth {
             return Posted::Refused(Error::QueueFull { queue: "receive", depth: self.recv_depth });
         }
-        let id = st.table.start(Opcode::Recv, Held { send_wrs: 0, recv_wrs: 1 });
+        let id = st.table.start(Opcode::Recv, Held { send_wrs: 0, recv_wrs: 1 }, None);
         let sge = local.map(|l| Sge::new(l.addr, l.len.min(u32::MAX as usize) as u32, l.lkey));
         let list: &[Sge] = match &sge {
             Some(s) => std::slice::from_ref(s),

@@ -44,15 +44,37 @@ pub fn pair(d: &Domain) -> (Connection, Connection) {
     pair_on(d, d, opts(), opts())
 }
 
-/// A deterministic byte pattern (never all one value).
+/// A deterministic byte pattern: a 4 KiB block of pseudo-random bytes,
+/// tiled, with every page stamped with its index, so no two pages are alike
+/// (a misplaced chunk shows) and making 256 MiB is cheap in debug builds.
 pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..len)
+    let block: Vec<u8> = (0..4096)
         .map(|_| {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
             (x >> 24) as u8
         })
-        .collect()
+        .collect();
+    let mut out = Vec::with_capacity(len);
+    let mut page = 0u64;
+    while out.len() < len {
+        let start = out.len();
+        let n = (len - start).min(block.len());
+        out.extend_from_slice(&block[..n]);
+        let stamp = (page ^ seed.rotate_left(32)).to_le_bytes();
+        let k = n.min(8);
+        out[start..start + k].copy_from_slice(&stamp[..k]);
+        page += 1;
+    }
+    out
+}
+
+/// `None` when equal, else the first offset that differs.
+pub fn first_difference(a: &[u8], b: &[u8]) -> Option<usize> {
+    if a == b {
+        return None;
+    }
+    Some(a.iter().zip(b).position(|(x, y)| x != y).unwrap_or(a.len().min(b.len())))
 }

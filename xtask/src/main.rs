@@ -10,7 +10,11 @@
 //!   example inside the guest on `rxe0`; prints both tiers' summaries.
 //! - `demo`: the transfer example in the guest: 256 MiB by write, read and
 //!   send, verified.
+//! - `gpu-check`: the GPU checks as one folder (binaries, the rdma-core
+//!   libraries they link, `run.sh`) for a GPU machine without Rust; runs
+//!   them when this machine has a GPU.
 
+mod gpu;
 mod setup;
 mod test;
 mod vm;
@@ -29,6 +33,8 @@ commands:
                           --timeout SECS (default 900)  --mem SIZE (default 3G)  --keep
   test                  cargo test here, then the verbs tests and the transfer example on rxe0
   demo                  the transfer example on rxe0: 256 MiB by write, read and send, verified
+  gpu-check [--run]     build the GPU checks into target/gpu-bundle (binaries, libraries, run.sh)
+                          and run them when this machine has a GPU
 ";
 
 fn main() -> ExitCode {
@@ -38,6 +44,7 @@ fn main() -> ExitCode {
         Some("vm") => vm::command(&args[1..]),
         Some("test") => test::run(),
         Some("demo") => test::demo(),
+        Some("gpu-check") => gpu::command(&args[1..]),
         Some("-h" | "--help" | "help") | None => {
             print!("{USAGE}");
             Ok(0)

@@ -2,9 +2,13 @@
 //!
 //! 1. Here: formatting, clippy, a build without default features, and
 //!    `cargo test` (the verbs tests are `#[ignore]`d here and say why).
+//!    Then the CUDA layer's tests against the test-only CUDA stand-in
+//!    (`cuda-stub/`, exposed as `libcuda.so` in `target/cuda-stub/` and put
+//!    on `LD_LIBRARY_PATH` of those test processes only).
 //! 2. In the soft-RoCE guest: every test target named `verbs*` with
-//!    `--ignored` and `GPU_RDMA_TEST_DEVICE=rxe0`, then the transfer example
-//!    moving 256 MiB by write, read and send between two processes, verified.
+//!    `--ignored` and `GPU_RDMA_TEST_DEVICE=rxe0` (the `*gpu*` ones with the
+//!    CUDA stand-in), then the transfer example moving 256 MiB by write, read
+//!    and send between two processes, and the GPU example, verified.
 //!
 //! It fails when anything fails, when fewer than `GPU_RDMA_MIN_VERBS_TESTS`
 //! (default 20) verbs tests passed in the guest, or when a transfer did not
@@ -152,8 +156,38 @@ fn transfer_results(dir: &Path) -> Vec<(String, bool)> {
 }
 
 fn build_release_tools() -> Result<()> {
-    run_cmd(cargo().args(["build", "--release", "--example", "transfer", "--bin", "gpu-rdma"]))
+    run_cmd(cargo().args([
+        "build",
+        "--release",
+        "--example",
+        "transfer",
+        "--example",
+        "gpu_to_gpu",
+        "--bin",
+        "gpu-rdma",
+    ]))
 }
+
+/// Builds the CUDA stand-in and exposes it as `libcuda.so` in a directory
+/// of its own (never in a directory cargo puts on the loader path), which
+/// is returned.
+fn cuda_stub_dir() -> Result<PathBuf> {
+    run_cmd(cargo().args(["build", "-p", "gpu-rdma-cuda-stub"]))?;
+    let dir = root().join("target/cuda-stub");
+    fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let link = dir.join("libcuda.so");
+    let _ = fs::remove_file(&link);
+    std::os::unix::fs::symlink("../debug/libgpu_rdma_cuda_stub.so", &link)
+        .map_err(|e| format!("{}: {e}", link.display()))?;
+    Ok(dir)
+}
+
+const GPU_EXAMPLE: &str = r#"
+# The GPU example with the CUDA stand-in: direct path, then staged, verified.
+LD_LIBRARY_PATH="$STUB" target/release/examples/gpu_to_gpu --bytes 32MiB --compare > "$VM_OUT/gpu-example.log" 2>&1
+echo "gpu_to_gpu exit $?" >> "$VM_OUT/gpu-example.log"
+echo "=== gpu_to_gpu --compare (CUDA stand-in)"; sed 's/^/  /' "$VM_OUT/gpu-example.log"
+"#;
 
 pub fn run() -> Result<i32> {
     let kernel = setup::setup()?;
@@ -174,20 +208,32 @@ pub fn run() -> Result<i32> {
     if !host_ok {
         failures.push("cargo test".into());
     }
+    println!("\n== tier 1b (this machine): the CUDA layer against the test-only CUDA stand-in");
+    let stub = cuda_stub_dir()?;
+    let (cuda_ok, cuda_out) =
+        run_tee(cargo().args(["test", "--test", "cuda", "--", "--ignored"]).env("LD_LIBRARY_PATH", &stub))?;
+    let cuda = Tally::parse(&cuda_out);
+    if !cuda_ok || cuda.suites == 0 {
+        failures.push("the CUDA layer tests on the stand-in".into());
+    }
 
     println!("\n== tier 2 (soft-RoCE guest, rxe0): verbs tests and the transfer example");
     let exes = verbs_test_executables()?;
     build_release_tools()?;
-    let mut script = String::from("export GPU_RDMA_TEST_DEVICE=rxe0 RUST_BACKTRACE=1\n");
+    let mut script =
+        format!("export GPU_RDMA_TEST_DEVICE=rxe0 RUST_BACKTRACE=1 STUB={}\n", quote(&stub.to_string_lossy()));
     script.push_str("target/release/gpu-rdma devices > \"$VM_OUT/devices.log\" 2>&1; cat \"$VM_OUT/devices.log\"\n");
     for exe in &exes {
         let name = exe.file_name().unwrap_or_default().to_string_lossy();
+        // GPU tests: with the CUDA stand-in, one at a time (256 MiB buffers).
+        let (env, threads) = if name.contains("gpu") { ("LD_LIBRARY_PATH=\"$STUB\" ", 1) } else { ("", 2) };
         script.push_str(&format!(
-            "echo '=== {name} (verbs tests on rxe0)'\ntimeout 1200 {} --ignored --test-threads=2 2>&1 | tee \"$VM_OUT/{name}.log\"\n",
+            "echo '=== {name} (verbs tests on rxe0)'\n{env}timeout 1200 {} --ignored --test-threads={threads} 2>&1 | tee \"$VM_OUT/{name}.log\"\n",
             quote(&exe.to_string_lossy())
         ));
     }
     script.push_str(TRANSFERS);
+    script.push_str(GPU_EXAMPLE);
     script.push_str("exit 0\n");
     let opts = VmOptions { timeout: Duration::from_secs(1800), keep: true, ..VmOptions::default() };
     let guest = vm::run_script(&kernel, &root(), &script, &opts)?;
@@ -212,6 +258,11 @@ pub fn run() -> Result<i32> {
     }
     let transfers = transfer_results(&guest.dir);
     let verified = transfers.iter().filter(|(_, ok)| *ok).count();
+    let gpu_log = fs::read_to_string(guest.dir.join("gpu-example.log")).unwrap_or_default();
+    let gpu_verified = gpu_log.matches("verified: all").count();
+    if gpu_verified != 2 || !gpu_log.contains("gpu_to_gpu exit 0") {
+        failures.push(format!("the GPU example verified {gpu_verified} of 2 transfers"));
+    }
     for (op, ok) in &transfers {
         if !ok {
             failures.push(format!("transfer --op {op} did not verify"));
@@ -235,11 +286,12 @@ pub fn run() -> Result<i32> {
 
     println!("\n== summary");
     println!(
-        "tier 1, this machine: {} passed, {} failed, {} ignored (the verbs tests, run in tier 2)",
+        "tier 1, this machine: {} passed, {} failed, {} ignored (the verbs and CUDA tests, run in tiers 1b and 2)",
         host.passed, host.failed, host.ignored
     );
+    println!("tier 1b, CUDA stand-in: {} passed, {} failed", cuda.passed, cuda.failed);
     println!(
-        "tier 2, rxe0 in the guest: {} passed, {} failed verbs tests; {verified} of 3 transfers of 256 MiB verified",
+        "tier 2, rxe0 in the guest: {} passed, {} failed verbs tests; {verified} of 3 transfers of 256 MiB verified; GPU example {gpu_verified} of 2 verified",
         verbs.passed, verbs.failed
     );
     for f in &failures {
@@ -248,12 +300,21 @@ pub fn run() -> Result<i32> {
     let _ = std::io::stdout().flush();
     // Failures that are not counted tests (lints, builds, a guest that died,
     // too few verbs tests) count one each.
-    let counted = u64::from(host.failed > 0) + u64::from(verbs.failed > 0) + (transfers.len() - verified) as u64;
+    let counted = u64::from(host.failed > 0)
+        + u64::from(cuda.failed > 0)
+        + u64::from(verbs.failed > 0)
+        + (transfers.len() - verified) as u64
+        + u64::from(gpu_verified != 2);
     let other = (failures.len() as u64).saturating_sub(counted);
     println!(
         "total: {} passed, {} failed",
-        host.passed + verbs.passed + verified as u64,
-        host.failed + verbs.failed + (3 - verified.min(3)) as u64 + other
+        host.passed + cuda.passed + verbs.passed + verified as u64 + gpu_verified.min(2) as u64,
+        host.failed
+            + cuda.failed
+            + verbs.failed
+            + (3 - verified.min(3)) as u64
+            + (2 - gpu_verified.min(2)) as u64
+            + other
     );
     Ok(if failures.is_empty() { 0 } else { 1 })
 }

@@ -1,0 +1,61 @@
+#!/bin/bash
+# gpu-rdma GPU check: one prepared run on a machine with an NVIDIA GPU.
+# Built by `cargo xtask gpu-check` (binaries + the rdma-core libraries they
+# link, no Rust toolchain needed here). Prints a short report; writes it to
+# $OUT/report.txt when OUT is set.
+HERE=$(cd "$(dirname "$0")" && pwd)
+export LD_LIBRARY_PATH="$HERE/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+OUT=${OUT:-$HERE/out}
+mkdir -p "$OUT"
+REPORT=$OUT/report.txt
+: > "$REPORT"
+say() { echo "$*" | tee -a "$REPORT"; }
+section() { echo; say "== $*"; }
+fails=0
+
+section "machine"
+say "host: $(uname -srm)"
+if command -v nvidia-smi >/dev/null; then
+  nvidia-smi -L 2>&1 | tee -a "$REPORT"
+  nvidia-smi --query-gpu=driver_version,name,pci.bus_id,memory.total --format=csv,noheader 2>&1 | tee -a "$REPORT"
+  nvidia-smi topo -m > "$OUT/nvidia-smi-topo.txt" 2>&1 && say "nvidia-smi topo -m saved to nvidia-smi-topo.txt"
+else
+  say "nvidia-smi: not found"
+fi
+say "kernel modules: $(grep -oE '^(nvidia[a-z_]*|nv_peer_mem|ib_core|mlx5_ib|rdma_rxe)' /proc/modules | tr '\n' ' ')"
+say "open kernel module: $(grep -q 'Open Kernel Module' /proc/driver/nvidia/version 2>/dev/null && echo yes || echo no/unknown)"
+
+section "gpu-rdma gpu --bandwidth (attributes, memory paths, host<->device copy bandwidth)"
+"$HERE/bin/gpu-rdma" gpu --bandwidth 2>&1 | tee -a "$REPORT" || fails=$((fails + 1))
+
+section "CUDA layer tests: allocation and alignment, SYNC_MEMOPS, dma-buf export, copies, streams"
+"$HERE/bin/cuda-tests" --ignored --test-threads=1 > "$OUT/cuda-tests.log" 2>&1
+rc=$?
+grep -E '^test |test result' "$OUT/cuda-tests.log" | tee -a "$REPORT"
+[ $rc = 0 ] || { fails=$((fails + 1)); tail -40 "$OUT/cuda-tests.log"; }
+
+section "staged pipeline between two GPU buffers"
+# The machine has no RDMA NIC. Soft-RoCE, where the kernel has it, gives a
+# real verbs transport; no IPv4 address is assigned (link-local GID only).
+rxe=""
+if modprobe rdma_rxe 2>/dev/null && ip link add gpurdma0 type dummy 2>/dev/null && ip link set gpurdma0 up \
+   && sleep 1 && rdma link add rxe_gpu type rxe netdev gpurdma0 2>/dev/null; then
+  rxe=rxe_gpu
+  export RDMAV_DRIVERS=rxe
+fi
+if [ -n "$rxe" ]; then
+  say "soft-RoCE device $rxe up"
+  GPU_RDMA_DEVICE=$rxe "$HERE/bin/gpu_to_gpu" --path staged --bytes 256MiB 2>&1 | tee -a "$REPORT" || fails=$((fails + 1))
+  GPU_RDMA_DEVICE=$rxe "$HERE/bin/gpu_to_gpu" --compare --bytes 256MiB 2>&1 | tee -a "$REPORT" || fails=$((fails + 1))
+  # The staged tests only: soft-RoCE cannot pin GPU pages for the direct paths.
+  GPU_RDMA_TEST_DEVICE=$rxe "$HERE/bin/verbs-gpu-tests" --ignored --test-threads=1 staged --skip direct > "$OUT/verbs-gpu.log" 2>&1 \
+    || fails=$((fails + 1))
+  grep -E '^test |test result' "$OUT/verbs-gpu.log" | tee -a "$REPORT"
+else
+  say "no RDMA transport on this machine (no NIC, and soft-RoCE could not be loaded): the staged pipeline between"
+  say "two GPU buffers needs a transport; the TCP transport (its own issue) will carry it. Not run."
+fi
+
+section "summary"
+say "gpu-check: $fails step(s) failed"
+[ $fails = 0 ]
