@@ -203,6 +203,15 @@ fn check(bytes: &[u8]) -> bool {
 
 type Outcome = (bool, Option<(MemPath, f64)>);
 
+fn report_rx(len: usize, took: Duration) {
+    println!(
+        "receiver: {} visible on the GPU {:.3} s after connecting = {:.3} GB/s",
+        format_bytes(len as u64),
+        took.as_secs_f64(),
+        len as f64 / took.as_secs_f64() / 1e9
+    );
+}
+
 fn receive(
     domain: &Domain,
     device: &Result<CudaDevice, String>,
@@ -220,9 +229,11 @@ fn receive(
         Buf::Gpu(region) => {
             let target = domain.expose(region, Access::REMOTE_WRITE, TAG)?;
             let conn = listener.accept_timeout(&opts.clone().advertise(&target), timeout)?;
+            let t0 = Instant::now();
             // The completion includes making the data visible on the GPU
             // (a flush on a direct path, the copy in on the staged path).
             conn.recv_write(&target).wait()?;
+            report_rx(len, t0.elapsed());
             let mut back = vec![0u8; len];
             target.cuda().copy_to_host(0, &mut back)?;
             check(&back)
@@ -230,7 +241,9 @@ fn receive(
         Buf::Host(region) => {
             let target = domain.expose(region, Access::REMOTE_WRITE, TAG)?;
             let conn = listener.accept_timeout(&opts.clone().advertise(&target), timeout)?;
+            let t0 = Instant::now();
             conn.recv_imm().wait()?;
+            report_rx(len, t0.elapsed());
             let mut back = vec![0u8; len];
             target.read_at(0, &mut back)?;
             check(&back)
