@@ -95,11 +95,12 @@ fn run(args: &Args) -> gpu_rdma::Result<bool> {
     if let Err(why) = &device {
         println!("gpu_to_gpu: no GPU ({why}); using host memory instead");
     }
-    let mut config = DomainConfig::from_env()?;
-    if let Some(d) = &args.device {
-        config = config.device(d.clone());
-    }
-    let domain = Domain::with_config(&config)?;
+    let domain = match (&args.device, &device) {
+        (Some(d), _) => Domain::with_config(&DomainConfig::from_env()?.device(d.clone()))?,
+        // The RDMA device nearest the GPU, as `gpu-rdma topo` ranks them.
+        (None, Ok(_)) => Domain::open_near_gpu(args.gpu)?,
+        (None, Err(_)) => Domain::open()?,
+    };
     let len = (usize::try_from(args.bytes).unwrap_or(usize::MAX)).div_ceil(PAGE).max(1) * PAGE;
     let timeout = Duration::from_secs(args.timeout);
     let opts = ConnectOptions::default().handshake_timeout(timeout).op_timeout(timeout);

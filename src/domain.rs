@@ -208,6 +208,27 @@ impl Domain {
         Ok(domain)
     }
 
+    /// Opens the RDMA device nearest CUDA device `ordinal` (by the doctor's
+    /// ranking: nearest PCIe link, then the same NUMA node, then the fastest
+    /// port), else as [`Domain::open`]. Logs which, and why.
+    ///
+    /// # Errors
+    /// As [`Domain::with_config`].
+    pub fn open_near_gpu(ordinal: usize) -> Result<Self> {
+        let mut config = DomainConfig::from_env()?;
+        if config.device.is_none() {
+            match crate::topology::nic_for_gpu(ordinal) {
+                Ok(Some(nic)) => {
+                    tracing::info!("GPU {ordinal}: using {nic}, the nearest RDMA device");
+                    config.device = Some(nic);
+                }
+                Ok(None) => tracing::info!("GPU {ordinal}: no RDMA device found near it; using the first active one"),
+                Err(e) => tracing::info!("GPU {ordinal}: cannot place it ({e}); using the first active RDMA device"),
+            }
+        }
+        Domain::with_config(&config)
+    }
+
     pub(crate) fn id(&self) -> u64 {
         self.inner.id
     }

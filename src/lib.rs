@@ -177,6 +177,17 @@
 //! nvidia_peermem not loaded`; the first registration per GPU logs it, and
 //! `gpu-rdma gpu` prints what each GPU would get.
 //!
+//! ### Is the fast path really active?
+//!
+//! GPUDirect RDMA fails silently: a missing module, a GPU and NIC on
+//! different PCIe switches, or no dma-buf support, and transfers quietly
+//! take the slow path. `gpu-rdma doctor` (and [`topology::doctor`], the same
+//! report as data) checks the driver support, the RDMA devices, the GPU x
+//! NIC PCIe distance (from sysfs, cross-checked with `nvidia-smi topo -m`),
+//! ACS, the IOMMU, BAR1 and link speeds, and gives a verdict per GPU with
+//! the fix for each failed check. [`Domain::open_near_gpu`] opens the NIC
+//! nearest a GPU by the same ranking.
+//!
 //! ### Ordering and visibility on the GPU
 //!
 //! - Before the NIC reads GPU memory (a send or write from it), the CUDA
@@ -226,6 +237,7 @@ pub mod memory;
 // Used by the transports; without `verbs` none is compiled in yet.
 #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
 mod ops;
+pub mod topology;
 #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
 mod transport;
 pub mod units;

@@ -2,6 +2,12 @@
 //!
 //! - `gpu-rdma devices`: RDMA devices, ports, state, MTU, link layer and
 //!   GIDs, like `ibv_devinfo`, plus the GID gpu-rdma would choose and why.
+//! - `gpu-rdma gpu`: GPUs, their GPUDirect attributes, the memory path each
+//!   would get; `--bandwidth` measures host<->device copies.
+//! - `gpu-rdma doctor`: is GPUDirect RDMA really usable, and if not, why and
+//!   how to fix it. Exit 0: usable for every GPU asked about; 1: not; 2:
+//!   could not tell.
+//! - `gpu-rdma topo`: the GPU x NIC matrix and the best NIC per GPU.
 
 use std::process::ExitCode;
 
@@ -14,8 +20,47 @@ struct Cli {
     command: Cmd,
 }
 
+/// Where the doctor and topo read the machine from.
+#[derive(clap::Args, Debug, Clone)]
+struct Sources {
+    /// Read sysfs from DIR instead of /sys (a recorded tree).
+    #[arg(long, value_name = "DIR", default_value = "/sys")]
+    sysfs_root: std::path::PathBuf,
+    /// Read procfs from DIR instead of /proc.
+    #[arg(long, value_name = "DIR", default_value = "/proc")]
+    proc_root: std::path::PathBuf,
+    /// Use this `nvidia-smi topo -m` output instead of running nvidia-smi.
+    #[arg(long, value_name = "FILE")]
+    nvidia_smi_topo: Option<std::path::PathBuf>,
+    /// Only this GPU (GPUn in PCI order).
+    #[arg(long)]
+    gpu: Option<usize>,
+    /// The farthest GPU-NIC link GPUDirect RDMA is used at: PIX, PXB, PHB,
+    /// NODE or SYS (default GPU_RDMA_GDR_LEVEL, else PXB, like NCCL).
+    #[arg(long)]
+    gdr_level: Option<String>,
+    /// Print one JSON document.
+    #[arg(long)]
+    json: bool,
+}
+
 #[derive(Subcommand, Debug)]
 enum Cmd {
+    /// Is GPUDirect RDMA really usable here? Checks, the GPU x NIC matrix,
+    /// and a verdict per GPU with reasons and fixes.
+    Doctor {
+        #[command(flatten)]
+        sources: Sources,
+        /// Bytes of GPU memory that will be registered (for the BAR1 check;
+        /// default: the GPU's memory when CUDA is present).
+        #[arg(long, value_parser = |s: &str| gpu_rdma::units::parse_bytes(s).map_err(|e| e.to_string()))]
+        bytes: Option<u64>,
+    },
+    /// The GPU x NIC matrix (nvidia-smi's legend) and the best NIC per GPU.
+    Topo {
+        #[command(flatten)]
+        sources: Sources,
+    },
     /// List RDMA devices, their ports and GID tables (like ibv_devinfo).
     Devices {
         /// Only this device.
@@ -46,6 +91,8 @@ fn main() -> ExitCode {
     match cli.command {
         Cmd::Devices { device } => devices(device.as_deref()),
         Cmd::Gpu { gpu, bandwidth, bytes } => gpu_cmd(gpu, bandwidth, bytes as usize),
+        Cmd::Doctor { sources, bytes } => doctor(&sources, bytes, false),
+        Cmd::Topo { sources } => doctor(&sources, None, true),
     }
 }
 
@@ -159,8 +206,9 @@ fn devices(_only: Option<&str>) -> ExitCode {
 #[cfg(feature = "cuda")]
 fn gpu_cmd(only: Option<usize>, bandwidth: bool, bytes: usize) -> ExitCode {
     use gpu_rdma::cuda::{CudaBuffer, CudaDevice, PinnedHost, driver};
-    use gpu_rdma::memory::gpu::{detect_caps, peermem_marker};
+    use gpu_rdma::memory::gpu::detect_caps;
     use gpu_rdma::memory::path::{PathPolicy, plan};
+    use gpu_rdma::topology::peermem_marker;
     use std::time::Instant;
 
     let info = match driver() {
@@ -258,4 +306,112 @@ fn gpu_cmd(only: Option<usize>, bandwidth: bool, bytes: usize) -> ExitCode {
 fn gpu_cmd(_only: Option<usize>, _bandwidth: bool, _bytes: usize) -> ExitCode {
     println!("gpu-rdma was built without the `cuda` feature: it cannot look at GPUs");
     ExitCode::from(1)
+}
+
+fn doctor(sources: &Sources, bytes: Option<u64>, topo_only: bool) -> ExitCode {
+    use gpu_rdma::topology::{Inputs, LinkClass, Status, doctor, gdr_level_from_env};
+
+    let level = match &sources.gdr_level {
+        Some(l) => match LinkClass::parse(l) {
+            Some(c) => c,
+            None => {
+                eprintln!("--gdr-level {l}: expected PIX, PXB, PHB, NODE or SYS");
+                return ExitCode::from(2);
+            }
+        },
+        None => match gdr_level_from_env() {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("{e}");
+                return ExitCode::from(2);
+            }
+        },
+    };
+    // Probing (CUDA, nvidia-smi, lspci, a registration) only on the live system.
+    let live = sources.sysfs_root == std::path::Path::new("/sys") && sources.proc_root == std::path::Path::new("/proc");
+    let mut inputs = Inputs::gather(&sources.sysfs_root, &sources.proc_root, sources.nvidia_smi_topo.as_deref(), live);
+    inputs.register_bytes = bytes;
+    let report = doctor(&inputs, level, sources.gpu);
+
+    if sources.json {
+        let json = if topo_only {
+            serde_json::to_string_pretty(&report.topo())
+        } else {
+            serde_json::to_string_pretty(&report)
+        };
+        match json {
+            Ok(j) => println!("{j}"),
+            Err(e) => {
+                eprintln!("{e}");
+                return ExitCode::from(2);
+            }
+        }
+    } else {
+        if !topo_only {
+            println!("gpu-rdma doctor: is GPUDirect RDMA usable? (used up to {level}; --gdr-level changes it)\n");
+            for c in &report.checks {
+                println!("  [{:<4}] {}: {}", c.status, c.name, c.detail);
+                if let (Some(fix), Status::Warn | Status::Fail) = (&c.fix, c.status) {
+                    println!("           fix: {fix}");
+                }
+            }
+            println!();
+        }
+        if report.gpus.is_empty() || report.nics.is_empty() {
+            println!(
+                "GPU x NIC matrix: nothing to show ({} GPU(s), {} RDMA NIC(s) on PCI)",
+                report.gpus.len(),
+                report.nics.len()
+            );
+        } else {
+            println!("GPU x NIC matrix (from {}):", report.links_source);
+            let width = report.nics.iter().map(|n| n.len()).max().unwrap_or(4).max(4) + 2;
+            print!("{:8}", "");
+            for n in &report.nics {
+                print!("{n:<width$}");
+            }
+            println!();
+            for g in &report.gpus {
+                print!("{g:8}");
+                for n in &report.nics {
+                    let l = report.links.iter().find(|l| &l.gpu == g && &l.nic == n).map_or("?", |l| l.link.name());
+                    print!("{l:<width$}");
+                }
+                println!();
+            }
+            println!("\nLegend:\n");
+            for c in LinkClass::ALL.iter().rev() {
+                println!("  {:<4} = {}", c.name(), c.legend());
+            }
+        }
+        println!();
+        for v in &report.verdicts {
+            let link = v.link.map_or(String::new(), |l| format!(" ({l})"));
+            let nic = v.best_nic.as_deref().unwrap_or("none");
+            if topo_only {
+                println!("{}: best NIC {nic}{link}", v.gpu);
+            } else if v.usable {
+                println!("{}: best NIC {nic}{link}: GPUDirect RDMA usable", v.gpu);
+            } else {
+                println!("{}: best NIC {nic}{link}: GPUDirect RDMA NOT usable", v.gpu);
+                for (r, f) in v.reasons.iter().zip(&v.fixes) {
+                    println!("    - {r}\n      fix: {f}");
+                }
+            }
+        }
+        if !topo_only {
+            println!(
+                "\n{}",
+                match report.exit_code {
+                    0 => "verdict: the fast path is usable for every GPU asked about",
+                    1 => "verdict: the fast path is NOT usable for every GPU asked about (see above)",
+                    _ => "verdict: could not tell: no GPU to judge on this machine",
+                }
+            );
+        }
+    }
+    if topo_only {
+        return ExitCode::from(if report.gpus.is_empty() { 2 } else { 0 });
+    }
+    ExitCode::from(report.exit_code as u8)
 }

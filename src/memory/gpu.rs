@@ -4,35 +4,14 @@
 use std::os::fd::AsFd;
 use std::path::Path;
 
+use crate::topology::{kernel_at_least, peermem_marker};
+
 use super::path::{self, MemPath, PathCaps, PathPolicy, PathReport};
 use super::{Access, Memory};
 use crate::cuda::{CudaBuffer, PinnedHost, driver};
 use crate::domain::Domain;
 use crate::error::Result;
 use crate::transport::Registration;
-
-/// The places where a loaded nvidia-peermem (or the legacy nv_peer_mem)
-/// shows up, relative to the sysfs root.
-pub const PEERMEM_MARKERS: [&str; 4] = [
-    "module/nvidia_peermem",
-    "kernel/mm/memory_peers/nv_mem/version",
-    "kernel/mm/memory_peers/nv_mem_nc/version",
-    "module/nv_peer_mem",
-];
-
-/// Which peermem marker exists under `sysfs_root` (normally `/sys`).
-pub fn peermem_marker(sysfs_root: &Path) -> Option<&'static str> {
-    PEERMEM_MARKERS.into_iter().find(|m| sysfs_root.join(m).exists())
-}
-
-/// Whether a kernel release (`6.1.0-57-amd64`) is at least `major.minor`.
-pub fn kernel_at_least(release: &str, major: u32, minor: u32) -> bool {
-    let mut nums = release.split(|c: char| !c.is_ascii_digit()).filter(|s| !s.is_empty()).map(|s| s.parse::<u32>());
-    match (nums.next(), nums.next()) {
-        (Some(Ok(a)), Some(Ok(b))) => (a, b) >= (major, minor),
-        _ => false,
-    }
-}
 
 /// What this machine offers `device` for each memory path.
 pub fn detect_caps(device: &crate::cuda::CudaDevice) -> PathCaps {
@@ -101,35 +80,5 @@ fn log_once(domain: &Domain, ordinal: usize, report: &PathReport) {
             tracing::warn!("GPU {ordinal} memory path: {line}");
         }
         logged.push((ordinal, line));
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn kernel_versions_compare() {
-        assert!(kernel_at_least("6.1.0-57-amd64", 5, 12));
-        assert!(kernel_at_least("5.12.0", 5, 12));
-        assert!(!kernel_at_least("5.11.22-generic", 5, 12));
-        assert!(!kernel_at_least("4.19.0", 5, 12));
-        assert!(!kernel_at_least("garbage", 5, 12));
-    }
-
-    #[test]
-    fn peermem_is_found_by_any_of_its_markers() {
-        let root = std::env::temp_dir().join(format!("gpu-rdma-sysfs-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&root);
-        std::fs::create_dir_all(&root).unwrap();
-        assert_eq!(peermem_marker(&root), None);
-        for m in PEERMEM_MARKERS {
-            let p = root.join(m);
-            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
-            std::fs::write(&p, "1.0").unwrap();
-            assert_eq!(peermem_marker(&root), Some(PEERMEM_MARKERS[0]).filter(|_| m == PEERMEM_MARKERS[0]).or(Some(m)));
-            std::fs::remove_file(&p).unwrap();
-        }
-        std::fs::remove_dir_all(&root).unwrap();
     }
 }

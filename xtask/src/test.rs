@@ -182,6 +182,33 @@ fn cuda_stub_dir() -> Result<PathBuf> {
     Ok(dir)
 }
 
+const DOCTOR: &str = r#"
+# The doctor where there is an RDMA device (rxe0) and no GPU.
+target/release/gpu-rdma doctor > "$VM_OUT/doctor.txt" 2>&1; echo $? > "$VM_OUT/doctor.rc"
+target/release/gpu-rdma doctor --json > "$VM_OUT/doctor.json" 2>/dev/null
+echo "=== gpu-rdma doctor (exit $(cat "$VM_OUT/doctor.rc"))"; sed 's/^/  /' "$VM_OUT/doctor.txt"
+"#;
+
+/// Whether the guest's doctor run said the right things: rxe0 found and
+/// active, no GPU, exit 2, JSON that parses and agrees.
+fn doctor_ok(dir: &Path) -> std::result::Result<(), String> {
+    let text = fs::read_to_string(dir.join("doctor.txt")).map_err(|e| e.to_string())?;
+    let rc = fs::read_to_string(dir.join("doctor.rc")).unwrap_or_default();
+    let json: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(dir.join("doctor.json")).map_err(|e| e.to_string())?)
+            .map_err(|e| format!("doctor --json does not parse: {e}"))?;
+    if rc.trim() != "2" || json["exit_code"] != 2 {
+        return Err(format!("exit {} (JSON {}), expected 2: no GPU to judge", rc.trim(), json["exit_code"]));
+    }
+    let rxe_ok = json["checks"]
+        .as_array()
+        .is_some_and(|c| c.iter().any(|c| c["name"] == "RDMA device rxe0" && c["status"] == "ok"));
+    if !rxe_ok || !text.contains("rxe0") || !text.contains("no NVIDIA GPU found") {
+        return Err("the doctor did not report rxe0 active and no GPU".into());
+    }
+    Ok(())
+}
+
 const GPU_EXAMPLE: &str = r#"
 # The GPU example with the CUDA stand-in: direct path, then staged, verified.
 LD_LIBRARY_PATH="$STUB" target/release/examples/gpu_to_gpu --bytes 32MiB --compare > "$VM_OUT/gpu-example.log" 2>&1
@@ -234,6 +261,7 @@ pub fn run() -> Result<i32> {
     }
     script.push_str(TRANSFERS);
     script.push_str(GPU_EXAMPLE);
+    script.push_str(DOCTOR);
     script.push_str("exit 0\n");
     let opts = VmOptions { timeout: Duration::from_secs(1800), keep: true, ..VmOptions::default() };
     let guest = vm::run_script(&kernel, &root(), &script, &opts)?;
@@ -258,6 +286,10 @@ pub fn run() -> Result<i32> {
     }
     let transfers = transfer_results(&guest.dir);
     let verified = transfers.iter().filter(|(_, ok)| *ok).count();
+    let doctor = doctor_ok(&guest.dir);
+    if let Err(e) = &doctor {
+        failures.push(format!("gpu-rdma doctor in the guest: {e}"));
+    }
     let gpu_log = fs::read_to_string(guest.dir.join("gpu-example.log")).unwrap_or_default();
     let gpu_verified = gpu_log.matches("verified: all").count();
     if gpu_verified != 2 || !gpu_log.contains("gpu_to_gpu exit 0") {
@@ -291,8 +323,10 @@ pub fn run() -> Result<i32> {
     );
     println!("tier 1b, CUDA stand-in: {} passed, {} failed", cuda.passed, cuda.failed);
     println!(
-        "tier 2, rxe0 in the guest: {} passed, {} failed verbs tests; {verified} of 3 transfers of 256 MiB verified; GPU example {gpu_verified} of 2 verified",
-        verbs.passed, verbs.failed
+        "tier 2, rxe0 in the guest: {} passed, {} failed verbs tests; {verified} of 3 transfers of 256 MiB verified; GPU example {gpu_verified} of 2 verified; doctor {}",
+        verbs.passed,
+        verbs.failed,
+        if doctor.is_ok() { "right (rxe0 active, no GPU, exit 2, JSON parses)" } else { "wrong" }
     );
     for f in &failures {
         println!("FAILED: {f}");
@@ -304,16 +338,23 @@ pub fn run() -> Result<i32> {
         + u64::from(cuda.failed > 0)
         + u64::from(verbs.failed > 0)
         + (transfers.len() - verified) as u64
-        + u64::from(gpu_verified != 2);
+        + u64::from(gpu_verified != 2)
+        + u64::from(doctor.is_err());
     let other = (failures.len() as u64).saturating_sub(counted);
     println!(
         "total: {} passed, {} failed",
-        host.passed + cuda.passed + verbs.passed + verified as u64 + gpu_verified.min(2) as u64,
+        host.passed
+            + cuda.passed
+            + verbs.passed
+            + verified as u64
+            + gpu_verified.min(2) as u64
+            + u64::from(doctor.is_ok()),
         host.failed
             + cuda.failed
             + verbs.failed
             + (3 - verified.min(3)) as u64
             + (2 - gpu_verified.min(2)) as u64
+            + u64::from(doctor.is_err())
             + other
     );
     Ok(if failures.is_empty() { 0 } else { 1 })
