@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 use crate::memory::LocalParts;
 use crate::memory::{Exposed, LocalBuffer, LocalSlice, Memory, RemoteRegion, RemoteSlice};
 use crate::ops::OpId;
-use crate::transport::{self, ConnTransport, Posted, RemoteOp, WorkItem};
+use crate::transport::{self, ConnTransport, Posted, RemoteOp, TransportPolicy, WorkItem};
 
 /// How to set a connection up, and how long to wait for things.
 #[derive(Clone, Debug)]
@@ -55,6 +55,9 @@ pub struct ConnectOptions {
     pub max_handshake_payload: u32,
     /// Staged GPU memory: bytes per chunk of a write or read (default 4 MiB).
     pub staging_chunk: usize,
+    /// The transport for this connection (default: the domain's, whose
+    /// default is `GPU_RDMA_TRANSPORT`, else auto).
+    pub transport: TransportPolicy,
     /// Staged GPU memory: chunks in flight per operation (default 4, at least 2).
     pub staging_depth: usize,
 }
@@ -77,6 +80,7 @@ impl Default for ConnectOptions {
             spin: Duration::from_micros(50),
             max_handshake_payload: crate::bootstrap::DEFAULT_MAX_PAYLOAD,
             staging_chunk: 4 << 20,
+            transport: TransportPolicy::Auto,
             staging_depth: 4,
         }
     }
@@ -115,6 +119,12 @@ impl ConnectOptions {
         self
     }
 
+    /// Sets the transport for this connection.
+    pub fn transport(mut self, transport: TransportPolicy) -> Self {
+        self.transport = transport;
+        self
+    }
+
     /// Sets how long to busy-poll before sleeping.
     pub fn spin(mut self, t: Duration) -> Self {
         self.spin = t;
@@ -126,8 +136,10 @@ impl ConnectOptions {
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ConnectionInfo {
-    /// `verbs`.
+    /// `verbs` or `tcp`.
     pub transport: &'static str,
+    /// Why that transport, in plain words.
+    pub transport_reason: String,
     /// The peer's handshake address.
     pub peer_addr: Option<SocketAddr>,
     /// Our queue pair number.
@@ -257,7 +269,9 @@ impl Connection {
             );
         };
         let device = cuda.device().clone();
-        if parts.path == Some(MemPath::Staged) {
+        // The TCP transport reaches only host memory: GPU memory goes through
+        // the staging pipeline whatever path it is registered by.
+        if parts.path == Some(MemPath::Staged) || self.shared.transport.is_tcp() {
             let staged = match op {
                 None => StagedOp::Recv,
                 Some(RemoteOp::Send) => StagedOp::Send { imm: None },

@@ -11,13 +11,18 @@ use crate::connection::{ConnectOptions, Connection};
 use crate::error::{Error, Result};
 use crate::memory::path::PathPolicy;
 use crate::memory::{Access, Exposed, HostMemory, Memory, MemoryKind, Region};
-use crate::transport::{self, Backend};
+use crate::transport::{self, Backend, TransportPolicy};
 
 /// Where to find the device. [`DomainConfig::from_env`] reads
-/// `GPU_RDMA_DEVICE`, `GPU_RDMA_PORT` and `GPU_RDMA_GID_INDEX`.
+/// `GPU_RDMA_DEVICE`, `GPU_RDMA_PORT`, `GPU_RDMA_GID_INDEX` and
+/// `GPU_RDMA_TRANSPORT`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct DomainConfig {
+    /// Verbs, TCP, or the best that exists (default): with `Auto` a
+    /// machine without a usable RDMA device gets a TCP-only domain, and says
+    /// why in [`DomainInfo::fallback`].
+    pub transport: TransportPolicy,
     /// The device by name (`mlx5_0`, `rxe0`); `None`: the first with an active port.
     pub device: Option<String>,
     /// The port; `None`: the device's first active port.
@@ -43,7 +48,12 @@ impl DomainConfig {
         let port = parse("GPU_RDMA_PORT")?
             .map(|p| u8::try_from(p).map_err(|_| Error::InvalidArgument(format!("GPU_RDMA_PORT={p} is too large"))))
             .transpose()?;
-        Ok(DomainConfig { device: var("GPU_RDMA_DEVICE"), port, gid_index: parse("GPU_RDMA_GID_INDEX")? })
+        Ok(DomainConfig {
+            transport: TransportPolicy::from_env()?,
+            device: var("GPU_RDMA_DEVICE"),
+            port,
+            gid_index: parse("GPU_RDMA_GID_INDEX")?,
+        })
     }
 
     /// Uses the device called `name`.
@@ -55,6 +65,12 @@ impl DomainConfig {
     /// Uses port `port`.
     pub fn port(mut self, port: u8) -> Self {
         self.port = Some(port);
+        self
+    }
+
+    /// Uses `transport`.
+    pub fn transport(mut self, transport: TransportPolicy) -> Self {
+        self.transport = transport;
         self
     }
 
@@ -137,8 +153,11 @@ pub(crate) struct DomainInner {
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct DomainInfo {
-    /// `verbs`.
+    /// `verbs` (connections use verbs when the peer can, else TCP) or
+    /// `tcp` (no usable RDMA device, or TCP asked for).
     pub transport: &'static str,
+    /// Why this domain has no verbs device, when it has none.
+    pub fallback: Option<String>,
     /// Device name.
     pub device: String,
     /// Port number.
@@ -155,8 +174,27 @@ pub struct DomainInfo {
     pub gid_reason: String,
 }
 
+impl DomainInfo {
+    pub(crate) fn tcp(reason: String) -> DomainInfo {
+        DomainInfo {
+            transport: "tcp",
+            fallback: Some(reason),
+            device: String::new(),
+            port: 0,
+            link_layer: String::new(),
+            mtu: 0,
+            gid_index: 0,
+            gid: String::new(),
+            gid_reason: String::new(),
+        }
+    }
+}
+
 impl fmt::Display for DomainInfo {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(why) = &self.fallback {
+            return write!(f, "tcp ({why})");
+        }
         write!(
             f,
             "{} on {} port {} ({}, MTU {}, GID index {} {}: {})",
@@ -176,11 +214,12 @@ static NEXT_DOMAIN_ID: AtomicU64 = AtomicU64::new(1);
 
 impl Domain {
     /// Opens the device named by the environment (see [`DomainConfig::from_env`]),
-    /// else the first device with an active port.
+    /// else the first device with an active port; on a machine without a
+    /// usable RDMA device, a TCP-only domain that says why
+    /// ([`DomainInfo::fallback`]).
     ///
     /// # Errors
-    /// [`Error::NoDevice`] when the machine has no usable RDMA device, with
-    /// the reason; see [`Domain::with_config`].
+    /// See [`Domain::with_config`].
     pub fn open() -> Result<Self> {
         Domain::with_config(&DomainConfig::from_env()?)
     }
@@ -188,9 +227,11 @@ impl Domain {
     /// Opens the device `config` names.
     ///
     /// # Errors
-    /// [`Error::NoDevice`], [`Error::DeviceNotFound`], [`Error::NoActivePort`],
-    /// [`Error::NoGid`], [`Error::Verbs`], or [`Error::FeatureDisabled`] when
-    /// built without the `verbs` feature.
+    /// With a device named, or [`TransportPolicy::Verbs`]: [`Error::DeviceNotFound`],
+    /// [`Error::NoDevice`],
+    /// [`Error::NoActivePort`], [`Error::NoGid`] or [`Error::Verbs`] instead
+    /// of falling back to TCP, or [`Error::FeatureDisabled`] when built
+    /// without the `verbs` feature.
     pub fn with_config(config: &DomainConfig) -> Result<Self> {
         let backend = transport::open_backend(config)?;
         let domain = Domain {
@@ -364,18 +405,33 @@ impl Domain {
             mr_access |= Access::LOCAL_WRITE;
         }
         #[cfg(feature = "cuda")]
-        if let (Some(buf), Some(path)) = (region.memory().cuda_buffer(), region.memory_path()) {
-            return match crate::memory::gpu::register_remote(self, buf, mr_access, path) {
-                Ok(reg) => Ok(Exposed::from_parts(reg, region, remote, tag, self.live(Counter::Exposed))),
-                Err(error) => Err(BufError { error, buffer: region }),
-            };
-        }
-        // SAFETY: the Exposed value owns `region` (and so its memory) and drops
-        // this second registration before the region; see `Exposed`'s Drop.
-        match unsafe { self.inner.backend.register(region.memory().as_ptr(), region.len(), mr_access) } {
-            Ok(reg) => Ok(Exposed::from_parts(reg, region, remote, tag, self.live(Counter::Exposed))),
-            Err(error) => Err(BufError { error, buffer: region }),
-        }
+        let gpu = region.memory().cuda_buffer().zip(region.memory_path());
+        #[cfg(not(feature = "cuda"))]
+        let gpu: Option<((), ())> = None;
+        let reg = match gpu {
+            #[cfg(feature = "cuda")]
+            Some((buf, path)) => crate::memory::gpu::register_remote(self, buf, mr_access, path),
+            #[cfg(not(feature = "cuda"))]
+            Some(_) => unreachable!(),
+            // SAFETY: the Exposed value owns `region` (and so its memory) and drops
+            // this second registration before the region; see `Exposed`'s Drop.
+            None => unsafe { self.inner.backend.register(region.memory().as_ptr(), region.len(), mr_access) },
+        };
+        let reg = match reg {
+            Ok(reg) => reg,
+            Err(error) => return Err(BufError { error, buffer: region }),
+        };
+        // The TCP transport serves memory the CPU can reach: host memory, or a
+        // staged region's host mirror (not GPU memory on a direct path).
+        let cpu_view = match (gpu.is_some(), reg.mirror()) {
+            (_, Some((addr, len))) => Some((addr, len as u64)),
+            (false, None) => Some((region.memory().as_ptr() as u64, region.len() as u64)),
+            (true, None) => None,
+        };
+        // SAFETY: the exposure handle is dropped (revoked, waiting for transfers
+        // in progress) before the registration and the region it serves.
+        let tcp = cpu_view.map(|(addr, len)| unsafe { self.inner.backend.tcp.expose(addr, len, remote, reg.rkey()) });
+        Ok(Exposed::from_parts(reg, region, remote, tag, self.live(Counter::Exposed), tcp))
     }
 
     /// Listens for connections on `addr` (TCP, for the handshake).

@@ -7,8 +7,9 @@
 //! It has the verbs core (devices, memory registration, reliable-connected
 //! queue pairs, the out-of-band handshake, the safe [`Connection`]) and CUDA
 //! memory through three paths (dma-buf, nvidia-peermem, staged through
-//! pinned host memory) behind the same calls. Path diagnostics and a TCP
-//! fallback plug into the same types.
+//! pinned host memory) behind the same calls, diagnostics that say whether
+//! GPUDirect RDMA is really active ([`topology`], `gpu-rdma doctor`), and a
+//! TCP transport with the same semantics for machines without RDMA.
 //!
 //! ## Quick start
 //!
@@ -125,6 +126,43 @@
 //! on bad input, and everything that waits for a peer has a timeout
 //! ([`ConnectOptions::handshake_timeout`], [`ConnectOptions::op_timeout`]).
 //!
+//! ## Transports: verbs, or TCP with the same semantics
+//!
+//! Each connection picks its transport in the handshake: verbs (an RC queue
+//! pair) when both ends have an active RDMA port that can reach the other's
+//! (same link layer; same subnet on InfiniBand), else TCP over the
+//! handshake's own stream. [`TransportPolicy`] forces one, in code
+//! ([`DomainConfig::transport`], [`ConnectOptions::transport`]) or with
+//! `GPU_RDMA_TRANSPORT=auto|verbs|tcp`; asking for verbs where either end
+//! has none is an error naming the end and the reason. The choice and why
+//! are in [`ConnectionInfo::transport`] and
+//! [`ConnectionInfo::transport_reason`], and logged once per connection.
+//! On a machine without RDMA, [`Domain::open`] gives a TCP-only domain
+//! ([`DomainInfo::transport`] says so, [`DomainInfo::fallback`] why).
+//!
+//! The TCP transport keeps the verbs contract, and the connection test
+//! suite runs unchanged on both:
+//!
+//! - send/receive keeps message boundaries; each send consumes the next
+//!   posted receive; a send larger than that receive fails on both sides,
+//!   and a send with no receive posted waits the receiver-not-ready budget
+//!   ([`ConnectOptions::rnr_retry`](ConnectOptions#structfield.rnr_retry)), then fails as on verbs;
+//! - write, write with immediate and read are carried out at the target by
+//!   the connection's receiving thread, against the target domain's table
+//!   of exposed regions: the key, the bounds and the access right are
+//!   checked first, and a violation is a remote-access completion error at
+//!   the initiator with the target's memory untouched; an immediate arrives
+//!   as a receive completion, as on verbs;
+//! - an operation completes when the peer acknowledged it (a write: the
+//!   data is in the peer's memory), in posting order, as on RC; an error
+//!   completion breaks the connection on both ends, as an RC queue pair in
+//!   the error state does;
+//! - payloads go from and into registered memory with `sendmsg`/`recv`, no
+//!   user-space copy; several operations may be in flight.
+//!
+//! GPU memory over TCP takes the staged path (pinned host buffers, copies
+//! pipelined with the network): there is no NIC to register it with.
+//!
 //! ## Failure semantics
 //!
 //! | error | what happened | the connection | what to do |
@@ -149,12 +187,14 @@
 //!
 //! ## System requirements
 //!
-//! - Linux with rdma-core (libibverbs); an RDMA device: InfiniBand or RoCE
-//!   (ConnectX), or soft-RoCE (`rdma_rxe`) for development.
-//! - Enough locked-memory allowance for registered buffers (`ulimit -l`).
-//! - On a machine without an RDMA device every call returns
-//!   [`Error::NoDevice`] with the reason (for example a kernel without
-//!   InfiniBand support); `cargo xtask vm` runs programs in a soft-RoCE VM.
+//! - Linux. For verbs: rdma-core (libibverbs) and an RDMA device:
+//!   InfiniBand or RoCE (ConnectX), or soft-RoCE (`rdma_rxe`) for
+//!   development; enough locked-memory allowance for registered buffers
+//!   (`ulimit -l`).
+//! - Without an RDMA device, connections run over TCP and say why
+//!   (for example a kernel without InfiniBand support); forcing verbs there
+//!   is [`Error::NoDevice`] with that reason. `cargo xtask vm` runs
+//!   programs in a soft-RoCE VM.
 //!
 //! ## Which memory path will I get?
 //!
@@ -222,8 +262,8 @@
 //! ## Environment
 //!
 //! `GPU_RDMA_DEVICE`, `GPU_RDMA_PORT`, `GPU_RDMA_GID_INDEX` choose the
-//! device, port and GID ([`DomainConfig::from_env`]); `GPU_RDMA_MEM_PATH`
-//! the GPU memory path; `GPU_RDMA_LOG` sets the log filter of the tools
+//! device, port and GID ([`DomainConfig::from_env`]); `GPU_RDMA_TRANSPORT`
+//! the transport; `GPU_RDMA_MEM_PATH` the GPU memory path; `GPU_RDMA_LOG` sets the log filter of the tools
 //! (`tracing` directives).
 
 #![warn(missing_docs)]
@@ -234,11 +274,8 @@ mod connection;
 mod domain;
 mod error;
 pub mod memory;
-// Used by the transports; without `verbs` none is compiled in yet.
-#[cfg_attr(not(feature = "verbs"), allow(dead_code))]
 mod ops;
 pub mod topology;
-#[cfg_attr(not(feature = "verbs"), allow(dead_code))]
 mod transport;
 pub mod units;
 #[cfg(feature = "verbs")]
@@ -252,6 +289,7 @@ pub use memory::{
     Access, Exposed, HostMemory, LocalBuffer, LocalSlice, Memory, MemoryKind, Region, RemoteRegion, RemoteSlice,
     Shared, WithdrawError,
 };
+pub use transport::TransportPolicy;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 #[cfg(feature = "cuda")]

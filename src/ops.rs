@@ -121,6 +121,7 @@ impl OpTable {
     }
 
     /// Forgets an operation that could not be posted at all.
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
     pub(crate) fn abort(&mut self, id: OpId) {
         if let Some(e) = self.entry(id) {
             if matches!(e.slot, Slot::Busy { .. }) {

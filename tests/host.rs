@@ -5,15 +5,31 @@
 
 use std::process::Command;
 
-use gpu_rdma::{Domain, DomainConfig, Error};
+use gpu_rdma::{Domain, DomainConfig, Error, TransportPolicy};
 
 fn has_rdma_devices() -> bool {
     std::fs::read_dir("/sys/class/infiniband").is_ok_and(|mut d| d.next().is_some())
 }
 
 #[test]
-fn opening_a_domain_without_a_device_is_a_typed_error_with_the_reason() {
-    match Domain::open() {
+fn without_a_device_a_domain_falls_back_to_tcp_and_says_why() {
+    let d = Domain::open().expect("a domain opens on any machine");
+    let info = d.info();
+    if has_rdma_devices() {
+        return;
+    }
+    assert_eq!(info.transport, "tcp");
+    let reason = info.fallback.clone().expect("the fallback says why");
+    assert!(
+        reason.contains("no RDMA support") || reason.contains("no RDMA devices") || reason.contains("verbs"),
+        "the reason should say what is missing: {reason}"
+    );
+    assert!(info.to_string().starts_with("tcp ("), "{info}");
+}
+
+#[test]
+fn asking_for_verbs_without_a_device_is_a_typed_error_with_the_reason() {
+    match Domain::with_config(&DomainConfig::default().transport(TransportPolicy::Verbs)) {
         Ok(d) => assert!(has_rdma_devices(), "opened {d:?} with no device in sysfs"),
         Err(Error::NoDevice { reason }) => {
             assert!(!has_rdma_devices(), "a device exists but: {reason}");
@@ -23,12 +39,14 @@ fn opening_a_domain_without_a_device_is_a_typed_error_with_the_reason() {
             );
             assert!(reason.contains("rdma_rxe") || reason.contains("mlx5"), "and what to do: {reason}");
         }
+        Err(Error::FeatureDisabled { .. }) => {}
         Err(other) => panic!("expected NoDevice, got {other:?}"),
     }
 }
 
 #[test]
 fn asking_for_a_device_by_name_never_panics() {
+    // A device named that does not exist is an error, not a fallback.
     let err = Domain::with_config(&DomainConfig::default().device("mlx5_99")).unwrap_err();
     assert!(matches!(err, Error::NoDevice { .. } | Error::DeviceNotFound { .. }), "{err:?}");
 }

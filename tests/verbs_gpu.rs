@@ -17,7 +17,7 @@ use gpu_rdma::cuda::{CudaBuffer, CudaDevice};
 use gpu_rdma::memory::path::{MemPath, Outcome, PathPolicy};
 use gpu_rdma::{Access, ConnectOptions, Connection, Domain, Error, Exposed, LocalBuffer, Pending, Region, Shared};
 
-use common::{domain, first_difference, opts, pair_on, pattern};
+use common::{first_difference, opts, pair_on, pattern, verbs_domain as domain};
 
 macro_rules! gpu_test {
     ($(#[$m:meta])* fn $name:ident() $body:block) => {

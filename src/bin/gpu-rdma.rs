@@ -255,7 +255,11 @@ fn gpu_cmd(only: Option<usize>, bandwidth: bool, bytes: usize) -> ExitCode {
             a.dma_buf_supported as u8, a.gpu_direct_rdma_supported as u8, a.flush_writes_options, a.writes_ordering
         );
         println!("\tafter remote writes: {:?}", dev.flush_policy());
-        let p = plan(&detect_caps(&dev), PathPolicy::Auto);
+        #[cfg(feature = "verbs")]
+        let rdma = gpu_rdma::verbs::DeviceList::new().is_ok_and(|l| !l.is_empty());
+        #[cfg(not(feature = "verbs"))]
+        let rdma = false;
+        let p = plan(&gpu_rdma::memory::path::PathCaps { rdma, ..detect_caps(&dev) }, PathPolicy::Auto);
         println!("\tmemory paths to try: {}", p.order.iter().map(|m| m.name()).collect::<Vec<_>>().join(", "));
         for (m, why) in &p.skipped {
             println!("\t  {m}: {why}");

@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 
 pub use wire::{
-    CAP_VERBS, DEFAULT_MAX_PAYLOAD, FrameKind, HEADER_LEN, Hello, MAGIC, REGION_LEN, VERSION, VerbsEndpoint,
-    decode_frame, decode_region, encode_frame, encode_region,
+    CAP_TCP, CAP_VERBS, DEFAULT_MAX_PAYLOAD, FrameKind, HEADER_LEN, Hello, MAGIC, REGION_LEN, TcpEndpoint, VERSION,
+    VerbsEndpoint, decode_frame, decode_region, encode_frame, encode_region,
 };
 
 use crate::error::{BootstrapError, Error, Result};

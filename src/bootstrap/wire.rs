@@ -5,7 +5,7 @@
 //! ```text
 //! offset size field
 //!      0    4 magic        "GRDM" (0x4752444d), big-endian
-//!      4    2 version      protocol version (this crate: 1)
+//!      4    2 version      protocol version (this crate: 2)
 //!      6    1 kind         1 hello, 2 ready, 3 bye, 4 reject
 //!      7    1 flags        0
 //!      8    4 length       payload bytes, at most the receiver's limit
@@ -17,10 +17,18 @@
 //! A hello's payload:
 //!
 //! ```text
-//!  caps u64                              bit 0: verbs endpoint follows
+//!  caps u64                              bit 0: a verbs endpoint follows
+//!                                        bit 1: a TCP endpoint follows
 //!  [verbs endpoint, 36 bytes, if caps bit 0]
 //!     qp_num u32, psn u32, max_msg_sz u32, lid u16, mtu u8 (ibv_mtu),
 //!     link_layer u8, responder_resources u8, 3 reserved bytes, gid [16]
+//!  [TCP endpoint, 8 bytes, if caps bit 1]
+//!     rnr_retry u8, min_rnr_timer u8, 2 reserved bytes, max_message u32
+//!
+//! An end offers what it can and may use: verbs when it has an active RDMA
+//! port (and TCP was not asked for), TCP unless verbs only was asked for.
+//! Both ends then choose the same way: verbs when both offer it on one
+//! fabric, else TCP when both offer it, else the handshake fails.
 //!  region count u32
 //!  regions, 32 bytes each: tag u64, addr u64, len u64, rkey u32, access u32
 //!  (trailing bytes, reserved for later extensions of version 1, are ignored)
@@ -36,7 +44,7 @@ use crate::memory::{Access, RemoteRegion};
 /// "GRDM".
 pub const MAGIC: u32 = 0x4752_444d;
 /// The protocol version this crate speaks.
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
 /// Bytes in a frame header.
 pub const HEADER_LEN: usize = 16;
 /// Bytes in an encoded region descriptor.
@@ -48,6 +56,8 @@ pub const MAX_REASON: usize = 1024;
 
 /// Capability bit: the hello carries a verbs endpoint.
 pub const CAP_VERBS: u64 = 1;
+/// Capability bit: the hello carries a TCP endpoint.
+pub const CAP_TCP: u64 = 2;
 
 /// What a frame carries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -196,13 +206,30 @@ pub struct VerbsEndpoint {
     pub gid: [u8; 16],
 }
 
+/// The TCP part of a hello: how this side runs the TCP transport.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TcpEndpoint {
+    /// Receiver-not-ready retries this side's sends allow (7: forever).
+    pub rnr_retry: u8,
+    /// This side's receiver-not-ready timer code (how long a peer's send
+    /// waits per retry for a receive to be posted here).
+    pub min_rnr_timer: u8,
+    /// The largest message this side accepts.
+    pub max_message: u32,
+}
+
+/// Bytes in an encoded TCP endpoint.
+pub const TCP_LEN: usize = 8;
+
 /// The first message each side sends.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Hello {
-    /// Capability bits.
+    /// Capability bits (the endpoint bits are set from the fields below).
     pub caps: u64,
     /// The verbs endpoint, when this side offers verbs.
     pub verbs: Option<VerbsEndpoint>,
+    /// The TCP endpoint, when this side offers TCP.
+    pub tcp: Option<TcpEndpoint>,
     /// The regions this side exposes to the peer.
     pub regions: Vec<RemoteRegion>,
 }
@@ -217,7 +244,13 @@ impl Hello {
     /// Encodes the payload.
     pub fn encode(&self) -> Bytes {
         let mut out = BytesMut::with_capacity(8 + VERBS_LEN + 4 + self.regions.len() * REGION_LEN);
-        let caps = if self.verbs.is_some() { self.caps | CAP_VERBS } else { self.caps & !CAP_VERBS };
+        let mut caps = self.caps & !(CAP_VERBS | CAP_TCP);
+        if self.verbs.is_some() {
+            caps |= CAP_VERBS;
+        }
+        if self.tcp.is_some() {
+            caps |= CAP_TCP;
+        }
         out.put_u64(caps);
         if let Some(v) = &self.verbs {
             out.put_u32(v.qp_num);
@@ -229,6 +262,12 @@ impl Hello {
             out.put_u8(v.responder_resources);
             out.put_slice(&[0; 3]);
             out.put_slice(&v.gid);
+        }
+        if let Some(t) = &self.tcp {
+            out.put_u8(t.rnr_retry);
+            out.put_u8(t.min_rnr_timer);
+            out.put_u16(0);
+            out.put_u32(t.max_message);
         }
         out.put_u32(self.regions.len() as u32);
         for r in &self.regions {
@@ -278,6 +317,24 @@ impl Hello {
         } else {
             None
         };
+        let tcp = if caps & CAP_TCP != 0 {
+            if p.remaining() < TCP_LEN {
+                return Err(short("TCP endpoint"));
+            }
+            let rnr_retry = p.get_u8();
+            let min_rnr_timer = p.get_u8();
+            p.advance(2);
+            let max_message = p.get_u32();
+            if rnr_retry > 7 || min_rnr_timer > 31 {
+                return Err(bad(format!("RNR retry {rnr_retry} or timer {min_rnr_timer} out of range")));
+            }
+            if max_message == 0 {
+                return Err(bad("maximum message size 0".into()));
+            }
+            Some(TcpEndpoint { rnr_retry, min_rnr_timer, max_message })
+        } else {
+            None
+        };
         let count = p.try_get_u32().map_err(|_| short("region count"))?;
         if count > MAX_REGIONS {
             return Err(bad(format!("{count} regions, the limit is {MAX_REGIONS}")));
@@ -290,7 +347,7 @@ impl Hello {
             regions.push(decode_region(&p[..REGION_LEN])?);
             p.advance(REGION_LEN);
         }
-        Ok(Hello { caps, verbs, regions })
+        Ok(Hello { caps, verbs, tcp, regions })
     }
 }
 
@@ -348,7 +405,7 @@ mod tests {
 
     fn hello() -> Hello {
         Hello {
-            caps: CAP_VERBS,
+            caps: CAP_VERBS | CAP_TCP,
             verbs: Some(VerbsEndpoint {
                 qp_num: 0x11,
                 psn: 0xabcdef,
@@ -359,6 +416,7 @@ mod tests {
                 responder_resources: 16,
                 gid: [0xfe, 0x80, 0, 0, 0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8],
             }),
+            tcp: Some(TcpEndpoint { rnr_retry: 7, min_rnr_timer: 12, max_message: 1 << 30 }),
             regions: vec![
                 RemoteRegion {
                     tag: 1,
@@ -379,7 +437,7 @@ mod tests {
         let (kind, payload, used) = decode_frame(&frame, DEFAULT_MAX_PAYLOAD).unwrap();
         assert_eq!((kind, used), (FrameKind::Hello, frame.len()));
         assert_eq!(Hello::decode(&payload).unwrap(), h);
-        let no_verbs = Hello { caps: 0, verbs: None, regions: vec![] };
+        let no_verbs = Hello { caps: 0, verbs: None, tcp: None, regions: vec![] };
         assert_eq!(Hello::decode(&no_verbs.encode()).unwrap(), no_verbs);
     }
 
@@ -391,7 +449,7 @@ mod tests {
         assert!(matches!(decode_frame(&f, 64), Err(BootstrapError::BadMagic { .. })));
         let mut f = frame.to_vec();
         f[5] = 9;
-        assert!(matches!(decode_frame(&f, 64), Err(BootstrapError::VersionMismatch { ours: 1, theirs: 9 })));
+        assert!(matches!(decode_frame(&f, 64), Err(BootstrapError::VersionMismatch { ours: VERSION, theirs: 9 })));
         let mut f = frame.to_vec();
         f[6] = 77;
         assert!(matches!(decode_frame(&f, 64), Err(BootstrapError::Malformed { .. })));
@@ -424,7 +482,7 @@ mod tests {
         assert!(Hello::decode(&h.encode()).is_err());
         let mut payload = hello().encode().to_vec();
         // Announce more regions than follow.
-        let at = 8 + VERBS_LEN;
+        let at = 8 + VERBS_LEN + TCP_LEN;
         payload[at..at + 4].copy_from_slice(&1000u32.to_be_bytes());
         assert!(Hello::decode(&payload).is_err());
         payload[at..at + 4].copy_from_slice(&u32::MAX.to_be_bytes());

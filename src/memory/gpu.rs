@@ -24,6 +24,7 @@ pub fn detect_caps(device: &crate::cuda::CudaDevice) -> PathCaps {
         device_dmabuf: attrs.dma_buf_supported,
         peermem_loaded: peermem_marker(Path::new("/sys")).is_some(),
         device_gdr: attrs.gpu_direct_rdma_supported,
+        rdma: true,
     }
 }
 
@@ -51,7 +52,7 @@ pub(crate) fn register(
     access: Access,
     policy: PathPolicy,
 ) -> Result<(Registration, PathReport)> {
-    let caps = detect_caps(buf.device());
+    let caps = PathCaps { rdma: domain.inner.backend.has_verbs(), ..detect_caps(buf.device()) };
     let plan = path::plan(&caps, policy);
     for w in &plan.warnings {
         tracing::warn!("GPU {}: {w}", buf.device().ordinal());

@@ -115,11 +115,22 @@ pub struct PathCaps {
     pub peermem_loaded: bool,
     /// `CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED` is set.
     pub device_gdr: bool,
+    /// The domain has an RDMA device (the direct paths register GPU memory
+    /// with a NIC; without one only staging is left).
+    pub rdma: bool,
 }
+
+/// Why neither direct path can work where there is no NIC; the other
+/// blockers do not matter then.
+const NO_RDMA: &str =
+    "this domain has no RDMA device to register GPU memory with (over TCP, GPU memory is staged through host memory)";
 
 impl PathCaps {
     /// Why dma-buf cannot work, if it cannot.
     pub fn dmabuf_blockers(&self) -> Vec<&'static str> {
+        if !self.rdma {
+            return vec![NO_RDMA];
+        }
         let mut why = Vec::new();
         if !self.device_dmabuf {
             why.push("dma-buf not supported by this driver (the GPU does not report DMA_BUF_SUPPORTED: the open kernel module is needed)");
@@ -138,6 +149,9 @@ impl PathCaps {
 
     /// Why nvidia-peermem cannot work, if it cannot.
     pub fn peermem_blockers(&self) -> Vec<&'static str> {
+        if !self.rdma {
+            return vec![NO_RDMA];
+        }
         let mut why = Vec::new();
         if !self.peermem_loaded {
             why.push("nvidia_peermem not loaded");
@@ -244,15 +258,15 @@ impl fmt::Display for PathReport {
             }
             return Ok(());
         }
-        let losers: Vec<String> = self
-            .outcomes
-            .iter()
-            .take_while(|(p, _)| *p != self.chosen)
-            .filter_map(|(_, o)| match o {
-                Outcome::Skipped(r) | Outcome::Failed(r) => Some(r.clone()),
-                Outcome::Chosen => None,
-            })
-            .collect();
+        let mut losers: Vec<&str> = Vec::new();
+        for (_, o) in self.outcomes.iter().take_while(|(p, _)| *p != self.chosen) {
+            if let Outcome::Skipped(r) | Outcome::Failed(r) = o {
+                // Both direct paths can fail for the same reason: say it once.
+                if !losers.contains(&r.as_str()) {
+                    losers.push(r);
+                }
+            }
+        }
         if !losers.is_empty() {
             write!(f, ": {}", losers.join(" and "))?;
         } else if self.chosen.is_direct() {
@@ -319,13 +333,14 @@ mod tests {
             device_dmabuf: bits & 8 != 0,
             peermem_loaded: bits & 16 != 0,
             device_gdr: bits & 32 != 0,
+            rdma: bits & 64 != 0,
         }
     }
 
-    const DMABUF_BITS: u8 = 0b001111;
-    const PEERMEM_BITS: u8 = 0b110000;
+    const DMABUF_BITS: u8 = 0b100_1111;
+    const PEERMEM_BITS: u8 = 0b111_0000;
 
-    /// Every combination of the six capabilities, under every policy.
+    /// Every combination of the seven capabilities, under every policy.
     #[test]
     fn every_capability_combination_plans_as_specified() {
         let policies = [
@@ -335,7 +350,7 @@ mod tests {
             PathPolicy::Force(MemPath::Staged),
         ];
         let mut cases = 0;
-        for bits in 0u8..64 {
+        for bits in 0u8..128 {
             let c = caps(bits);
             let dmabuf_ok = bits & DMABUF_BITS == DMABUF_BITS;
             let peermem_ok = bits & PEERMEM_BITS == PEERMEM_BITS;
@@ -367,14 +382,14 @@ mod tests {
                                 MemPath::Staged => panic!("staged is never skipped under auto"),
                             }
                         }
-                        if !c.peermem_loaded {
+                        if !c.peermem_loaded && c.rdma {
                             assert!(
                                 p.skipped
                                     .iter()
                                     .any(|(q, w)| *q == MemPath::PeerMem && w.contains("nvidia_peermem not loaded"))
                             );
                         }
-                        if !c.device_dmabuf {
+                        if !c.device_dmabuf && c.rdma {
                             assert!(
                                 p.skipped
                                     .iter()
@@ -394,12 +409,12 @@ mod tests {
                 }
             }
         }
-        assert_eq!(cases, 256);
+        assert_eq!(cases, 512);
     }
 
     #[test]
     fn the_report_says_why_in_plain_words() {
-        let p = plan(&caps(0b000011), PathPolicy::Auto);
+        let p = plan(&caps(0b100_0011), PathPolicy::Auto);
         let (_, report) = attempt(&p, PathPolicy::Auto, |path| match path {
             MemPath::Staged => Ok(()),
             _ => unreachable!(),
@@ -413,7 +428,7 @@ mod tests {
 
     #[test]
     fn a_refused_dmabuf_falls_back_with_the_reason() {
-        let all = caps(0b111111);
+        let all = caps(0b111_1111);
         let p = plan(&all, PathPolicy::Auto);
         let refusal = || Error::NotSupported {
             op: "ibv_reg_dmabuf_mr",
@@ -432,7 +447,7 @@ mod tests {
         let err = attempt(&p, PathPolicy::Force(MemPath::DmaBuf), |_| Err::<(), _>(refusal())).unwrap_err();
         assert!(err.is_not_supported());
         // Forced and working: said plainly.
-        let p = plan(&caps(0), PathPolicy::Force(MemPath::PeerMem));
+        let p = plan(&caps(0b100_0000), PathPolicy::Force(MemPath::PeerMem));
         let (_, report) = attempt(&p, PathPolicy::Force(MemPath::PeerMem), |_| Ok(())).unwrap();
         assert!(report.forced);
         let text = report.to_string();

@@ -11,6 +11,7 @@ use super::{Access, HostMemory, Memory, MemoryKind, RemoteRegion};
 use crate::domain::{Domain, Live};
 use crate::error::{Error, Result};
 use crate::transport::Registration;
+use crate::transport::tcp::TcpExposure;
 
 /// Memory registered with a [`Domain`], for local use in operations:
 /// the source of sends and writes, the destination of receives and reads.
@@ -32,8 +33,6 @@ pub struct Region<M: Memory = HostMemory> {
     _live: Live,
 }
 
-// Without the `verbs` feature `Registration` is uninhabited: no region can exist.
-#[cfg_attr(not(feature = "verbs"), allow(unreachable_code))]
 impl<M: Memory> Drop for Region<M> {
     fn drop(&mut self) {
         // SAFETY: both fields are taken exactly once, here, and never used again.
@@ -121,7 +120,6 @@ impl<M: Memory> Region<M> {
         &self.domain
     }
 
-    #[cfg_attr(not(feature = "verbs"), allow(unreachable_code))]
     /// Deregisters and gives the memory back.
     ///
     /// # Errors
@@ -185,8 +183,10 @@ impl<M: Memory + fmt::Debug> fmt::Debug for Region<M> {
 /// The state behind [`Shared`] and [`Exposed`]: a region, possibly a second
 /// registration with remote rights, and a lock for CPU-side copies.
 struct SharedInner<M: Memory> {
-    // Dropped by hand: revoke the remote key first, then the region (or leak
-    // the region if revoking failed).
+    // Dropped by hand: stop serving TCP peers (waiting for transfers in
+    // progress), revoke the remote key, then the region (or leak the region
+    // if revoking failed).
+    tcp: Option<TcpExposure>,
     remote: ManuallyDrop<Option<Registration>>,
     region: ManuallyDrop<Region<M>>,
     access: Access,
@@ -198,6 +198,7 @@ struct SharedInner<M: Memory> {
 
 impl<M: Memory> Drop for SharedInner<M> {
     fn drop(&mut self) {
+        drop(self.tcp.take());
         // SAFETY: both fields are taken exactly once, here, and never used again.
         let (remote, region) = unsafe { (ManuallyDrop::take(&mut self.remote), ManuallyDrop::take(&mut self.region)) };
         match remote {
@@ -214,6 +215,7 @@ impl<M: Memory> SharedInner<M> {
         // SAFETY: `inner` is never used again and its Drop does not run; every
         // field is taken or dropped exactly once here.
         let (remote, region) = unsafe {
+            std::ptr::drop_in_place(&mut inner.tcp);
             std::ptr::drop_in_place(&mut inner.cpu);
             std::ptr::drop_in_place(&mut inner._live);
             (ManuallyDrop::take(&mut inner.remote), ManuallyDrop::take(&mut inner.region))
@@ -403,6 +405,7 @@ impl<M: Memory> Region<M> {
     pub fn share(self) -> Shared<M> {
         Shared {
             inner: Arc::new(SharedInner {
+                tcp: None,
                 remote: ManuallyDrop::new(None),
                 region: ManuallyDrop::new(self),
                 access: Access::empty(),
@@ -507,9 +510,17 @@ impl<M: Memory> fmt::Display for WithdrawError<M> {
 impl<M: Memory + fmt::Debug> std::error::Error for WithdrawError<M> {}
 
 impl<M: Memory> Exposed<M> {
-    pub(crate) fn from_parts(remote: Registration, region: Region<M>, access: Access, tag: u64, live: Live) -> Self {
+    pub(crate) fn from_parts(
+        remote: Registration,
+        region: Region<M>,
+        access: Access,
+        tag: u64,
+        live: Live,
+        tcp: Option<TcpExposure>,
+    ) -> Self {
         Exposed {
             inner: Arc::new(SharedInner {
+                tcp,
                 remote: ManuallyDrop::new(Some(remote)),
                 region: ManuallyDrop::new(region),
                 access,
@@ -530,7 +541,7 @@ impl<M: Memory> Exposed<M> {
             tag: self.inner.tag,
             addr: self.remote().mirror().map_or(self.inner.region.addr(), |(addr, _)| addr),
             len: self.inner.region.len() as u64,
-            rkey: self.remote().rkey(),
+            rkey: self.rkey(),
             access: self.inner.access,
         }
     }
@@ -542,7 +553,9 @@ impl<M: Memory> Exposed<M> {
 
     /// The remote key.
     pub fn rkey(&self) -> u32 {
-        self.remote().rkey()
+        // The verbs key where there is one; the TCP transport serves the
+        // region under the same key, so one descriptor works on both.
+        self.remote().rkey().or(self.inner.tcp.as_ref().map(TcpExposure::key)).unwrap_or(0)
     }
 
     /// The tag it was exposed with.

@@ -1,28 +1,81 @@
-//! Transports behind [`crate::Domain`] and [`crate::Connection`], dispatched
-//! through enums so the fast path stays static. Today: verbs (RC queue
-//! pairs). Each enum has an uninhabited `Never` variant so that the crate
-//! still builds, and every match stays exhaustive, without the `verbs`
-//! feature.
+//! Transports behind [`crate::Domain`] and [`crate::Connection`]: verbs (RC
+//! queue pairs) when both ends have an RDMA port, else TCP with the same
+//! semantics. The transport is chosen per connection in the handshake
+//! ([`choose`]) and dispatched through an enum, so the fast path stays
+//! static.
 
-use std::convert::Infallible;
+use std::fmt;
 use std::net::TcpStream;
+use std::str::FromStr;
 use std::time::Instant;
 
+use crate::bootstrap::{self, Deadline, Hello};
 use crate::completion::{Completion, Opcode};
-use crate::connection::ConnectOptions;
+use crate::connection::{ConnectOptions, ConnectionInfo};
 use crate::domain::{Domain, DomainConfig, DomainInfo};
-use crate::error::{Error, Result};
+use crate::error::{BootstrapError, Error, Result};
 use crate::memory::{Access, LocalParts, RemoteRegion, RemoteSlice};
 use crate::ops::OpId;
 
+pub(crate) mod tcp;
 #[cfg(feature = "verbs")]
 pub(crate) mod verbs;
+
+/// Which transport to use.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum TransportPolicy {
+    /// Verbs when both ends have an RDMA port that can reach the other,
+    /// else TCP.
+    #[default]
+    Auto,
+    /// Verbs only: no RDMA on either end is an error.
+    Verbs,
+    /// TCP only, even where RDMA exists.
+    Tcp,
+}
+
+impl FromStr for TransportPolicy {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "" | "auto" => Ok(TransportPolicy::Auto),
+            "verbs" | "rdma" | "ib" => Ok(TransportPolicy::Verbs),
+            "tcp" | "socket" | "sockets" => Ok(TransportPolicy::Tcp),
+            other => Err(Error::InvalidArgument(format!("transport `{other}`: expected auto, verbs or tcp"))),
+        }
+    }
+}
+
+impl TransportPolicy {
+    /// `GPU_RDMA_TRANSPORT=auto|verbs|tcp`, default auto.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for another value.
+    pub fn from_env() -> Result<Self> {
+        match std::env::var("GPU_RDMA_TRANSPORT") {
+            Ok(v) => v.parse().map_err(|e| Error::InvalidArgument(format!("GPU_RDMA_TRANSPORT: {e}"))),
+            Err(_) => Ok(TransportPolicy::Auto),
+        }
+    }
+}
+
+impl fmt::Display for TransportPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            TransportPolicy::Auto => "auto",
+            TransportPolicy::Verbs => "verbs",
+            TransportPolicy::Tcp => "tcp",
+        })
+    }
+}
 
 /// A memory registration.
 pub(crate) enum Registration {
     /// Host memory, or GPU memory on a direct path (dma-buf, nvidia-peermem).
     #[cfg(feature = "verbs")]
     Verbs(crate::verbs::MemoryRegion),
+    /// Host memory in a domain without verbs: nothing to register.
+    Plain,
     /// GPU memory on the staged path: nothing is registered; operations go
     /// through the domain's pinned, registered staging buffers.
     #[cfg(feature = "cuda")]
@@ -36,8 +89,9 @@ pub(crate) enum Registration {
         mr: crate::verbs::MemoryRegion,
         mem: crate::cuda::PinnedHost,
     },
-    #[allow(dead_code)]
-    Never(Infallible),
+    /// A staged region's mirror in a domain without verbs.
+    #[cfg(feature = "cuda")]
+    PlainMirror { mem: crate::cuda::PinnedHost },
 }
 
 impl Registration {
@@ -45,32 +99,33 @@ impl Registration {
         match self {
             #[cfg(feature = "verbs")]
             Registration::Verbs(mr) => mr.lkey(),
-            #[cfg(feature = "cuda")]
-            Registration::Staged => 0,
             #[cfg(all(feature = "verbs", feature = "cuda"))]
             Registration::Mirror { mr, .. } => mr.lkey(),
-            Registration::Never(n) => match *n {},
+            _ => 0,
         }
     }
 
-    pub(crate) fn rkey(&self) -> u32 {
+    /// The verbs remote key, when there is one.
+    pub(crate) fn rkey(&self) -> Option<u32> {
         match self {
             #[cfg(feature = "verbs")]
-            Registration::Verbs(mr) => mr.rkey(),
-            #[cfg(feature = "cuda")]
-            Registration::Staged => 0,
+            Registration::Verbs(mr) => Some(mr.rkey()),
             #[cfg(all(feature = "verbs", feature = "cuda"))]
-            Registration::Mirror { mr, .. } => mr.rkey(),
-            Registration::Never(n) => match *n {},
+            Registration::Mirror { mr, .. } => Some(mr.rkey()),
+            _ => None,
         }
     }
 
     /// Where peers address it, when that is not the registered memory
     /// itself (a staged region's host mirror).
     pub(crate) fn mirror(&self) -> Option<(u64, usize)> {
+        #[cfg(feature = "cuda")]
+        use crate::memory::Memory;
         match self {
             #[cfg(all(feature = "verbs", feature = "cuda"))]
-            Registration::Mirror { mr, .. } => Some((mr.addr(), mr.len())),
+            Registration::Mirror { mem, .. } => Some((mem.as_ptr() as u64, mem.len())),
+            #[cfg(feature = "cuda")]
+            Registration::PlainMirror { mem } => Some((mem.as_ptr() as u64, mem.len())),
             _ => None,
         }
     }
@@ -80,6 +135,7 @@ impl Registration {
         match self {
             #[cfg(feature = "verbs")]
             Registration::Verbs(mr) => mr.deregister(),
+            Registration::Plain => Ok(()),
             #[cfg(feature = "cuda")]
             Registration::Staged => Ok(()),
             #[cfg(all(feature = "verbs", feature = "cuda"))]
@@ -90,38 +146,71 @@ impl Registration {
                     Err(e)
                 }
             },
-            Registration::Never(n) => match n {},
+            #[cfg(feature = "cuda")]
+            Registration::PlainMirror { mem } => {
+                drop(mem);
+                Ok(())
+            }
         }
     }
 }
 
-/// A domain's transport resources.
-pub(crate) enum Backend {
+/// A domain's transport resources: a verbs device when one is usable, and
+/// the TCP transport's table of exposed regions, always.
+pub(crate) struct Backend {
     #[cfg(feature = "verbs")]
-    Verbs(verbs::VerbsDomain),
-    #[allow(dead_code)]
-    Never(Infallible),
+    pub(crate) verbs: Option<verbs::VerbsDomain>,
+    pub(crate) tcp: tcp::TcpDomain,
+    /// Why this domain has no verbs device.
+    pub(crate) no_verbs: Option<String>,
+    pub(crate) policy: TransportPolicy,
 }
 
 pub(crate) fn open_backend(config: &DomainConfig) -> Result<Backend> {
+    let tcp = tcp::TcpDomain::new();
+    let policy = config.transport;
     #[cfg(feature = "verbs")]
     {
-        Ok(Backend::Verbs(verbs::VerbsDomain::open(config)?))
+        let (v, no_verbs) = match policy {
+            TransportPolicy::Tcp => (None, Some("TCP was asked for (GPU_RDMA_TRANSPORT=tcp, or in code)".to_owned())),
+            TransportPolicy::Verbs => (Some(verbs::VerbsDomain::open(config)?), None),
+            TransportPolicy::Auto => match verbs::VerbsDomain::open(config) {
+                Ok(v) => (Some(v), None),
+                // A device asked for by name is not replaced by TCP behind the caller's back.
+                Err(e) if config.device.is_some() => return Err(e),
+                Err(e) => (None, Some(e.to_string())),
+            },
+        };
+        Ok(Backend { verbs: v, tcp, no_verbs, policy })
     }
     #[cfg(not(feature = "verbs"))]
     {
-        let _ = config;
-        Err(Error::FeatureDisabled { feature: "verbs" })
+        if policy == TransportPolicy::Verbs {
+            return Err(Error::FeatureDisabled { feature: "verbs" });
+        }
+        Ok(Backend { tcp, no_verbs: Some("gpu-rdma was built without the `verbs` feature".into()), policy })
     }
 }
 
 impl Backend {
-    pub(crate) fn info(&self) -> DomainInfo {
-        match self {
-            #[cfg(feature = "verbs")]
-            Backend::Verbs(v) => v.info(),
-            Backend::Never(n) => match *n {},
+    /// Whether connections from this domain can use verbs.
+    pub(crate) fn has_verbs(&self) -> bool {
+        #[cfg(feature = "verbs")]
+        {
+            self.verbs.is_some()
         }
+        #[cfg(not(feature = "verbs"))]
+        {
+            false
+        }
+    }
+
+    pub(crate) fn info(&self) -> DomainInfo {
+        #[cfg(feature = "verbs")]
+        if let Some(v) = &self.verbs {
+            return v.info();
+        }
+        DomainInfo::tcp(self.no_verbs.clone().unwrap_or_default())
     }
 
     /// Registers `len` bytes of the dma-buf `fd` at `offset`, addressed as `iova`.
@@ -138,29 +227,28 @@ impl Backend {
         iova: u64,
         access: Access,
     ) -> Result<Registration> {
-        match self {
-            #[cfg(feature = "verbs")]
+        #[cfg(feature = "verbs")]
+        if let Some(v) = &self.verbs {
             // SAFETY: forwarded contract.
-            Backend::Verbs(v) => unsafe { v.register_dmabuf(fd, offset, len, iova, access) },
-            Backend::Never(n) => {
-                let _ = (fd, offset, len, iova, access);
-                match *n {}
-            }
+            return unsafe { v.register_dmabuf(fd, offset, len, iova, access) };
         }
+        let _ = (fd, offset, len, iova, access);
+        Err(Error::NotSupported {
+            op: "ibv_reg_dmabuf_mr (no RDMA device in this domain)",
+            source: std::io::Error::from_raw_os_error(libc::EOPNOTSUPP),
+        })
     }
 
     /// Registers a staged region's host mirror with `access`; the
     /// registration owns the mirror.
     #[cfg(feature = "cuda")]
     pub(crate) fn register_mirror(&self, mem: crate::cuda::PinnedHost, access: Access) -> Result<Registration> {
-        match self {
-            #[cfg(feature = "verbs")]
-            Backend::Verbs(v) => v.register_mirror(mem, access),
-            Backend::Never(n) => {
-                let _ = (mem, access);
-                match *n {}
-            }
+        #[cfg(feature = "verbs")]
+        if let Some(v) = &self.verbs {
+            return v.register_mirror(mem, access);
         }
+        let _ = access;
+        Ok(Registration::PlainMirror { mem })
     }
 
     /// Registers `len` bytes at `ptr`.
@@ -169,15 +257,13 @@ impl Backend {
     /// The memory must stay allocated and in place until the returned
     /// registration is deregistered.
     pub(crate) unsafe fn register(&self, ptr: *mut u8, len: usize, access: Access) -> Result<Registration> {
-        match self {
-            #[cfg(feature = "verbs")]
+        #[cfg(feature = "verbs")]
+        if let Some(v) = &self.verbs {
             // SAFETY: forwarded contract.
-            Backend::Verbs(v) => unsafe { v.register(ptr, len, access) },
-            Backend::Never(n) => {
-                let _ = (ptr, len, access);
-                match *n {}
-            }
+            return unsafe { v.register(ptr, len, access) };
         }
+        let _ = (ptr, len, access);
+        Ok(Registration::Plain)
     }
 }
 
@@ -223,25 +309,69 @@ pub(crate) enum Posted {
     /// Refused before anything reached the device: the buffer is free.
     Refused(Error),
     /// Part of it reached the device and the connection broke: the buffer
-    /// must stay with the connection until it is torn down.
+    /// must stay with the connection until it is torn down (verbs only).
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
     Stuck(OpId, Error),
 }
 
 /// A connection's transport state.
-// The other variant is uninhabited: there is no size difference to box away.
-#[allow(clippy::large_enum_variant)]
 pub(crate) enum ConnTransport {
     #[cfg(feature = "verbs")]
-    Verbs(verbs::VerbsConn),
-    #[allow(dead_code)]
-    Never(Infallible),
+    Verbs(Box<verbs::VerbsConn>),
+    Tcp(tcp::TcpConn),
 }
 
 /// Fixed facts about an established connection.
 pub(crate) struct Established {
     pub transport: ConnTransport,
     pub peer_regions: Vec<RemoteRegion>,
-    pub info: crate::connection::ConnectionInfo,
+    pub info: ConnectionInfo,
+}
+
+/// Which transport a connection uses, and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Choice {
+    pub verbs: bool,
+    pub reason: String,
+}
+
+/// The choice both ends make from the two hellos (the same on both sides).
+pub(crate) fn choose(mine: &Hello, theirs: &Hello, my_reason_no_verbs: Option<&str>) -> Result<Choice> {
+    let (mv, tv) = (mine.verbs.is_some(), theirs.verbs.is_some());
+    let (mt, tt) = (mine.tcp.is_some(), theirs.tcp.is_some());
+    if mv && tv {
+        let (a, b) = (mine.verbs.as_ref().map(|v| v.link_layer), theirs.verbs.as_ref().map(|v| v.link_layer));
+        let ib = |v: &Hello| v.verbs.as_ref().is_some_and(|e| e.link_layer == 1);
+        let same_subnet = !(ib(mine) && ib(theirs))
+            || mine.verbs.as_ref().map(|e| &e.gid[..8]) == theirs.verbs.as_ref().map(|e| &e.gid[..8]);
+        if a == b && same_subnet {
+            return Ok(Choice { verbs: true, reason: "both ends have an active RDMA port on the same fabric".into() });
+        }
+        let why = if a != b {
+            "the two RDMA ports are on different link layers"
+        } else {
+            "the two InfiniBand ports are on different subnets"
+        };
+        if mt && tt {
+            return Ok(Choice { verbs: false, reason: format!("{why}: they cannot reach each other") });
+        }
+        return Err(BootstrapError::Incompatible(format!("{why}, and TCP was not allowed")).into());
+    }
+    if mt && tt {
+        let reason = match (mv, tv) {
+            (false, _) => my_reason_no_verbs.unwrap_or("this side offers no verbs").to_owned(),
+            (true, false) => "the peer has no RDMA device (or asked for TCP)".to_owned(),
+            (true, true) => unreachable!(),
+        };
+        return Ok(Choice { verbs: false, reason });
+    }
+    Err(BootstrapError::Incompatible(match (mv, tv, mt, tt) {
+        (true, false, false, _) => "verbs only was asked for here, and the peer has no RDMA device".to_owned(),
+        (false, true, _, false) => "the peer asked for verbs only, and this side has no RDMA device".to_owned(),
+        (false, _, false, _) | (_, false, _, false) => "neither verbs nor TCP is common to both ends".to_owned(),
+        _ => "no transport is common to both ends".to_owned(),
+    })
+    .into())
 }
 
 pub(crate) fn establish(
@@ -250,14 +380,68 @@ pub(crate) fn establish(
     opts: &ConnectOptions,
     is_server: bool,
 ) -> Result<Established> {
-    match &domain.inner.backend {
-        #[cfg(feature = "verbs")]
-        Backend::Verbs(v) => verbs::VerbsConn::establish(domain, v, stream, opts, is_server),
-        Backend::Never(n) => {
-            let _ = (stream, opts, is_server);
-            match *n {}
-        }
+    let deadline = Deadline::after(opts.handshake_timeout, "the handshake");
+    stream.set_nodelay(true)?;
+    let backend = &domain.inner.backend;
+    let policy = match opts.transport {
+        TransportPolicy::Auto => backend.policy,
+        p => p,
+    };
+    if policy == TransportPolicy::Verbs && !backend.has_verbs() {
+        return Err(Error::NoDevice {
+            reason: format!(
+                "verbs was asked for, but {}",
+                backend.no_verbs.as_deref().unwrap_or("this domain has no RDMA device")
+            ),
+        });
     }
+
+    #[cfg(feature = "verbs")]
+    let prepared = match (&backend.verbs, policy) {
+        (Some(v), TransportPolicy::Auto | TransportPolicy::Verbs) => Some(verbs::Prepared::new(v, opts)?),
+        _ => None,
+    };
+    let hello = Hello {
+        caps: 0,
+        #[cfg(feature = "verbs")]
+        verbs: prepared.as_ref().map(|p| p.endpoint()),
+        #[cfg(not(feature = "verbs"))]
+        verbs: None,
+        tcp: (policy != TransportPolicy::Verbs).then_some(bootstrap::TcpEndpoint {
+            rnr_retry: opts.rnr_retry,
+            min_rnr_timer: opts.min_rnr_timer,
+            max_message: tcp::MAX_MESSAGE,
+        }),
+        regions: opts.advertise.clone(),
+    };
+    let peer = bootstrap::exchange_hello(&stream, &hello, deadline, opts.max_handshake_payload)?;
+    let no_verbs_reason = match policy {
+        TransportPolicy::Tcp => Some("TCP was asked for on this side".to_owned()),
+        _ => backend.no_verbs.as_deref().map(|r| format!("this side has no RDMA: {r}")),
+    };
+    let choice = match choose(&hello, &peer, no_verbs_reason.as_deref()) {
+        Ok(c) => c,
+        Err(e) => {
+            bootstrap::send_reject(&stream, &e.to_string());
+            return Err(e);
+        }
+    };
+    tracing::info!(
+        "connection to {}: {} ({})",
+        stream.peer_addr().map_or("?".into(), |a| a.to_string()),
+        if choice.verbs { "verbs" } else { "tcp" },
+        choice.reason
+    );
+    #[cfg(feature = "verbs")]
+    if choice.verbs {
+        let (Some(p), Some(theirs)) = (prepared, peer.verbs) else { unreachable!("verbs chosen with both endpoints") };
+        let (conn, mut info) = p.finish(domain, stream, &theirs, opts, deadline)?;
+        info.transport_reason = choice.reason;
+        return Ok(Established { transport: ConnTransport::Verbs(Box::new(conn)), peer_regions: peer.regions, info });
+    }
+    let theirs = peer.tcp.ok_or_else(|| Error::from(BootstrapError::Incompatible("the peer offers no TCP".into())))?;
+    let (conn, info) = tcp::TcpConn::establish(domain, stream, &theirs, opts, deadline, choice.reason, is_server)?;
+    Ok(Established { transport: ConnTransport::Tcp(conn), peer_regions: peer.regions, info })
 }
 
 macro_rules! dispatch {
@@ -265,16 +449,17 @@ macro_rules! dispatch {
         match $self {
             #[cfg(feature = "verbs")]
             ConnTransport::Verbs($t) => $e,
-            ConnTransport::Never(n) => match *n {},
+            ConnTransport::Tcp($t) => $e,
         }
     };
 }
 
-// Without the `verbs` feature these enums are uninhabited (no transport is
-// compiled in), so arguments go unused and code after a value of them is
-// unreachable; the functions still have to exist.
-#[cfg_attr(not(feature = "verbs"), allow(unused_variables, unreachable_code))]
 impl ConnTransport {
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn is_tcp(&self) -> bool {
+        matches!(self, ConnTransport::Tcp(_))
+    }
+
     pub(crate) fn post_send(&self, items: &[WorkItem], deadline: Instant) -> Posted {
         dispatch!(self, t => t.post_send(items, deadline))
     }
@@ -325,5 +510,58 @@ impl ConnTransport {
 
     pub(crate) fn stats(&self) -> (usize, usize) {
         dispatch!(self, t => t.stats())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bootstrap::{TcpEndpoint, VerbsEndpoint};
+
+    fn hello(verbs: Option<u8>, tcp: bool) -> Hello {
+        Hello {
+            caps: 0,
+            verbs: verbs.map(|ll| VerbsEndpoint {
+                qp_num: 1,
+                psn: 1,
+                max_msg_sz: 1 << 20,
+                lid: 1,
+                mtu: 3,
+                link_layer: ll,
+                responder_resources: 1,
+                gid: [0xfe, 0x80, 0, 0, 0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8],
+            }),
+            tcp: tcp.then_some(TcpEndpoint { rnr_retry: 7, min_rnr_timer: 12, max_message: 1 << 30 }),
+            regions: vec![],
+        }
+    }
+
+    #[test]
+    fn the_choice_is_verbs_when_both_can_else_tcp_else_an_error() {
+        let c = choose(&hello(Some(2), true), &hello(Some(2), true), None).unwrap();
+        assert!(c.verbs, "{c:?}");
+        let c = choose(&hello(None, true), &hello(Some(2), true), Some("no RDMA device: ENOSYS")).unwrap();
+        assert!(!c.verbs && c.reason.contains("ENOSYS"), "{c:?}");
+        let c = choose(&hello(Some(2), true), &hello(None, true), None).unwrap();
+        assert!(!c.verbs && c.reason.contains("peer has no RDMA"), "{c:?}");
+        let c = choose(&hello(Some(1), true), &hello(Some(2), true), None).unwrap();
+        assert!(!c.verbs && c.reason.contains("link layers"), "{c:?}");
+        let mut other_subnet = hello(Some(1), true);
+        other_subnet.verbs.as_mut().unwrap().gid[7] = 9;
+        assert!(!choose(&hello(Some(1), true), &other_subnet, None).unwrap().verbs);
+        assert!(choose(&hello(Some(2), false), &hello(None, true), None).is_err(), "verbs only vs no RDMA");
+        assert!(choose(&hello(None, true), &hello(Some(2), false), None).is_err());
+        // Both ends compute the same answer.
+        for (a, b) in [(hello(Some(2), true), hello(None, true)), (hello(Some(1), true), hello(Some(2), true))] {
+            assert_eq!(choose(&a, &b, None).unwrap().verbs, choose(&b, &a, None).unwrap().verbs);
+        }
+    }
+
+    #[test]
+    fn policies_parse() {
+        assert_eq!("auto".parse::<TransportPolicy>().unwrap(), TransportPolicy::Auto);
+        assert_eq!("TCP".parse::<TransportPolicy>().unwrap(), TransportPolicy::Tcp);
+        assert_eq!("verbs".parse::<TransportPolicy>().unwrap(), TransportPolicy::Verbs);
+        assert!("udp".parse::<TransportPolicy>().is_err());
     }
 }

@@ -8,12 +8,12 @@ use std::os::fd::AsFd;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::{ConnTransport, Established, Posted, Registration, RemoteOp, WorkItem};
-use crate::bootstrap::{self, CAP_VERBS, Deadline, Hello, VerbsEndpoint};
+use super::{Posted, Registration, RemoteOp, WorkItem};
+use crate::bootstrap::{self, Deadline, VerbsEndpoint};
 use crate::completion::{Completion, Opcode};
 use crate::connection::{ConnectOptions, ConnectionInfo};
 use crate::domain::{Domain, DomainConfig, DomainInfo};
-use crate::error::{BootstrapError, Error, Result};
+use crate::error::{Error, Result};
 use crate::memory::{Access, LocalParts};
 use crate::ops::{Held, OpId, OpTable, RawCompletion};
 use crate::verbs::{
@@ -54,6 +54,7 @@ impl VerbsDomain {
     pub(crate) fn info(&self) -> DomainInfo {
         DomainInfo {
             transport: "verbs",
+            fallback: None,
             device: self.ctx.name().to_owned(),
             port: self.port.port,
             link_layer: self.port.link_layer.to_string(),
@@ -128,7 +129,8 @@ struct State {
     /// the error state after a short grace, so completions already on their
     /// way are still reported.
     peer_gone: Option<Instant>,
-    wcs: [WorkCompletion; POLL_BATCH],
+    /// Poll buffer, reused (taken out while polling).
+    wcs: Vec<WorkCompletion>,
     sges: Vec<Sge>,
     scratch: Vec<(SendOp, usize, bool)>,
 }
@@ -148,18 +150,21 @@ pub(crate) struct VerbsConn {
 
 const PEER_GRACE: Duration = Duration::from_millis(50);
 
-impl VerbsConn {
-    pub(crate) fn establish(
-        domain: &Domain,
-        vd: &VerbsDomain,
-        stream: TcpStream,
-        opts: &ConnectOptions,
-        _is_server: bool,
-    ) -> Result<Established> {
-        let deadline = Deadline::after(opts.handshake_timeout, "the handshake");
-        stream.set_nodelay(true)?;
-        let peer_addr = stream.peer_addr().ok();
+/// A queue pair made and moved to INIT before the hellos are exchanged: its
+/// number goes into this side's hello.
+pub(crate) struct Prepared {
+    qp: QueuePair,
+    cq: CompletionQueue,
+    psn: u32,
+    responder_resources: u8,
+    port: PortAttr,
+    gid_index: u32,
+    gid: verbs::Gid,
+    max_init_rd_atom: u32,
+}
 
+impl Prepared {
+    pub(crate) fn new(vd: &VerbsDomain, opts: &ConnectOptions) -> Result<Self> {
         let channel = CompletionChannel::new(&vd.ctx)?;
         let cq = CompletionQueue::new(&vd.ctx, opts.send_queue_depth + opts.recv_queue_depth, Some(&channel))?;
         let mut qp = QueuePairBuilder::new(&vd.pd, &cq, &cq)
@@ -172,38 +177,48 @@ impl VerbsConn {
             })
             .build()?;
         qp.init(vd.port.port, Access::REMOTE_READ | Access::REMOTE_WRITE | Access::REMOTE_ATOMIC)?;
+        Ok(Prepared {
+            qp,
+            cq,
+            psn: random_psn(),
+            responder_resources: vd.device.max_qp_rd_atom.min(16) as u8,
+            port: vd.port,
+            gid_index: vd.gid.entry.index,
+            gid: vd.gid.entry.gid,
+            max_init_rd_atom: vd.device.max_qp_init_rd_atom,
+        })
+    }
 
-        let psn = random_psn();
-        let responder_resources = vd.device.max_qp_rd_atom.min(16) as u8;
-        let mine = VerbsEndpoint {
-            qp_num: qp.qp_num(),
-            psn,
-            max_msg_sz: vd.port.max_msg_sz,
-            lid: vd.port.lid,
-            mtu: vd.port.active_mtu.to_raw() as u8,
-            link_layer: vd.port.link_layer.to_raw(),
-            responder_resources,
-            gid: vd.gid.entry.gid.raw(),
-        };
-        let hello = Hello { caps: CAP_VERBS, verbs: Some(mine), regions: opts.advertise.clone() };
-        let peer = bootstrap::exchange_hello(&stream, &hello, deadline, opts.max_handshake_payload)?;
-
-        let reject = |reason: String| -> Error {
-            bootstrap::send_reject(&stream, &reason);
-            BootstrapError::Incompatible(reason).into()
-        };
-        let Some(theirs) = peer.verbs else {
-            return Err(reject("the peer offers no verbs endpoint".into()));
-        };
-        let their_ll = LinkLayer::from_raw(theirs.link_layer);
-        if their_ll != vd.port.link_layer {
-            return Err(reject(format!("link layers differ: {} here, {} at the peer", vd.port.link_layer, their_ll)));
+    /// This side's endpoint, for the hello.
+    pub(crate) fn endpoint(&self) -> VerbsEndpoint {
+        VerbsEndpoint {
+            qp_num: self.qp.qp_num(),
+            psn: self.psn,
+            max_msg_sz: self.port.max_msg_sz,
+            lid: self.port.lid,
+            mtu: self.port.active_mtu.to_raw() as u8,
+            link_layer: self.port.link_layer.to_raw(),
+            responder_resources: self.responder_resources,
+            gid: self.gid.raw(),
         }
+    }
+
+    /// Connects the queue pair to the peer's (RTR, RTS) and exchanges ready.
+    pub(crate) fn finish(
+        self,
+        domain: &Domain,
+        stream: TcpStream,
+        theirs: &VerbsEndpoint,
+        opts: &ConnectOptions,
+        deadline: Deadline,
+    ) -> Result<(VerbsConn, ConnectionInfo)> {
+        let Prepared { mut qp, cq, psn, responder_resources, port, gid_index, gid: _, max_init_rd_atom } = self;
+        let peer_addr = stream.peer_addr().ok();
         let their_mtu = Mtu::from_raw(u32::from(theirs.mtu)).unwrap_or(Mtu::Mtu256);
-        let path_mtu = vd.port.active_mtu.min(their_mtu);
-        let is_global = vd.port.link_layer != LinkLayer::InfiniBand;
+        let path_mtu = port.active_mtu.min(their_mtu);
+        let is_global = port.link_layer != LinkLayer::InfiniBand;
         let rtr = RtrAttr {
-            port: vd.port.port,
+            port: port.port,
             path_mtu,
             dest_qp_num: theirs.qp_num,
             rq_psn: theirs.psn,
@@ -212,9 +227,8 @@ impl VerbsConn {
             dest_lid: theirs.lid,
             dest_gid: verbs::Gid(theirs.gid),
             is_global,
-            sgid_index: u8::try_from(vd.gid.entry.index).map_err(|_| {
-                Error::InvalidArgument(format!("GID index {} does not fit sgid_index", vd.gid.entry.index))
-            })?,
+            sgid_index: u8::try_from(gid_index)
+                .map_err(|_| Error::InvalidArgument(format!("GID index {gid_index} does not fit sgid_index")))?,
             hop_limit: 64,
             traffic_class: opts.traffic_class,
             service_level: opts.service_level,
@@ -228,7 +242,7 @@ impl VerbsConn {
             timeout: opts.ack_timeout,
             retry_cnt: opts.retry_count,
             rnr_retry: opts.rnr_retry,
-            max_rd_atomic: (vd.device.max_qp_init_rd_atom.min(u32::from(theirs.responder_resources)).max(1)) as u8,
+            max_rd_atomic: (max_init_rd_atom.min(u32::from(theirs.responder_resources)).max(1)) as u8,
         };
         if let Err(e) = qp.ready_to_send(&rts) {
             bootstrap::send_reject(&stream, &e.to_string());
@@ -238,9 +252,10 @@ impl VerbsConn {
         stream.set_nonblocking(true)?;
 
         let caps = qp.caps();
-        let max_message = u64::from(vd.port.max_msg_sz.min(theirs.max_msg_sz)).max(1);
+        let max_message = u64::from(port.max_msg_sz.min(theirs.max_msg_sz)).max(1);
         let info = ConnectionInfo {
             transport: "verbs",
+            transport_reason: String::new(),
             peer_addr,
             local_qp_num: qp.qp_num(),
             remote_qp_num: theirs.qp_num,
@@ -259,7 +274,7 @@ impl VerbsConn {
                 recv_used: 0,
                 lost: None,
                 peer_gone: None,
-                wcs: [WorkCompletion::EMPTY; POLL_BATCH],
+                wcs: vec![WorkCompletion::EMPTY; POLL_BATCH],
                 sges: Vec::with_capacity(64),
                 scratch: Vec::with_capacity(64),
             }),
@@ -272,9 +287,11 @@ impl VerbsConn {
             max_inline: caps.max_inline_data,
             spin: opts.spin,
         };
-        Ok(Established { transport: ConnTransport::Verbs(conn), peer_regions: peer.regions, info })
+        Ok((conn, info))
     }
+}
 
+impl VerbsConn {
     fn lock(&self) -> MutexGuard<'_, State> {
         // A panic while holding the lock cannot leave the table half-updated in
         // a way that breaks memory safety; keep going.
@@ -283,8 +300,17 @@ impl VerbsConn {
 
     /// Polls the completion queue once and records what it finds.
     fn progress(&self, st: &mut State) -> Result<usize> {
-        let mut wcs = st.wcs;
-        let n = self.cq.poll(&mut wcs)?;
+        let mut wcs = std::mem::take(&mut st.wcs);
+        if wcs.len() < POLL_BATCH {
+            wcs.resize(POLL_BATCH, WorkCompletion::EMPTY);
+        }
+        let n = match self.cq.poll(&mut wcs) {
+            Ok(n) => n,
+            Err(e) => {
+                st.wcs = wcs;
+                return Err(e);
+            }
+        };
         for wc in &wcs[..n] {
             let raw = RawCompletion {
                 wr_id: wc.wr_id,

@@ -5,7 +5,25 @@ use std::net::SocketAddr;
 use std::thread;
 use std::time::Duration;
 
-use gpu_rdma::{ConnectOptions, Connection, Domain, DomainConfig};
+use gpu_rdma::{ConnectOptions, Connection, Domain, DomainConfig, TransportPolicy};
+
+/// Which transport a test of the connection suite runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// A TCP-only domain: runs anywhere.
+    Tcp,
+    /// The RDMA device named by `GPU_RDMA_TEST_DEVICE`.
+    Verbs,
+}
+
+impl Kind {
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Tcp => "tcp",
+            Kind::Verbs => "verbs",
+        }
+    }
+}
 
 /// The RDMA device the verbs tests run on, from `GPU_RDMA_TEST_DEVICE`.
 /// Verbs tests are `#[ignore]`d, so this runs only when asked for
@@ -16,8 +34,20 @@ pub fn device() -> String {
     })
 }
 
-pub fn domain() -> Domain {
-    Domain::with_config(&DomainConfig::default().device(device())).expect("open the test device")
+/// A domain on the RDMA test device.
+pub fn verbs_domain() -> Domain {
+    Domain::with_config(&DomainConfig::default().device(device()).transport(TransportPolicy::Verbs))
+        .expect("open the test device")
+}
+
+/// A domain for `kind`.
+pub fn domain(kind: Kind) -> Domain {
+    match kind {
+        Kind::Verbs => verbs_domain(),
+        Kind::Tcp => {
+            Domain::with_config(&DomainConfig::default().transport(TransportPolicy::Tcp)).expect("a TCP domain")
+        }
+    }
 }
 
 pub fn opts() -> ConnectOptions {

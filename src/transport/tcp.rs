@@ -1,0 +1,1285 @@
+//! The TCP transport: the semantics of a verbs reliable connection over the
+//! handshake's TCP stream, so the same code and tests run without RDMA.
+//!
+//! - Two threads per connection. The sender writes this side's messages
+//!   (sends, writes, read requests) and the control frames the receiver
+//!   asks for (acknowledgements, read responses), straight from registered
+//!   memory with `sendmsg`. The receiver reads frames and carries them out:
+//!   a send lands in the next posted receive, a write or read is checked
+//!   against the domain's table of exposed regions (key, bounds, access)
+//!   and done directly in that memory, a response lands in the waiting
+//!   read's buffer. The receiver never writes to the socket, so two busy
+//!   directions cannot deadlock.
+//! - Payloads travel in segments of at most 1 MiB, so control frames are
+//!   not stuck behind a large write.
+//! - An operation completes when the peer acknowledged it (a write: the
+//!   data is in the peer's memory), in posting order, as on RC. An error
+//!   (bad key, out of bounds, missing right, a send larger than the
+//!   receive, no receive within the receiver-not-ready budget) fails the
+//!   operation with the verbs status and breaks the connection on both
+//!   ends, as a queue pair in the error state does.
+//! - Only the thread that touches an operation's memory completes it, and
+//!   teardown joins both threads before anything still owned is released:
+//!   no memory is touched after its operation completed.
+
+use std::collections::{HashMap, VecDeque};
+use std::io;
+use std::net::TcpStream;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::{Posted, RemoteOp, WorkItem};
+use crate::bootstrap::{self, Deadline, TcpEndpoint};
+use crate::completion::{Completion, Opcode, WcStatus};
+use crate::connection::{ConnectOptions, ConnectionInfo};
+use crate::domain::Domain;
+use crate::error::{Error, Result};
+use crate::memory::{Access, LocalParts};
+use crate::ops::{Held, OpId, OpTable, RawCompletion};
+
+/// The largest message (send, or write with immediate) this side accepts.
+pub(crate) const MAX_MESSAGE: u32 = 1 << 30;
+/// Payload bytes per frame.
+const SEGMENT: usize = 1 << 20;
+/// Bytes moved per system call while a gate is held (see [`Entry::alive`]).
+const STEP: usize = 1 << 20;
+/// Socket buffer sizes asked for.
+const SOCKET_BUFFER: libc::c_int = 4 << 20;
+const HEADER: usize = 32;
+/// Inline sends copy at most this much into the request.
+const MAX_INLINE: u32 = 1024;
+
+// ---- the table of exposed regions, per domain ----
+
+type Table = Arc<RwLock<HashMap<u32, Arc<Entry>>>>;
+
+/// One exposed region, as the TCP transport serves it.
+pub(crate) struct Entry {
+    addr: u64,
+    len: u64,
+    access: Access,
+    /// `false` once revoked. Held for reading while a thread moves bytes
+    /// to or from the region; revoking takes it for writing, so after
+    /// revocation no thread touches the memory.
+    alive: RwLock<bool>,
+}
+
+/// A domain's exposed regions, by key.
+pub(crate) struct TcpDomain {
+    table: Table,
+    next: AtomicU32,
+}
+
+/// An exposure; dropping it revokes the key and waits until no transfer
+/// touches the region.
+pub(crate) struct TcpExposure {
+    table: Table,
+    key: u32,
+    entry: Arc<Entry>,
+}
+
+impl TcpDomain {
+    pub(crate) fn new() -> Self {
+        use std::hash::{BuildHasher, Hasher};
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u32(std::process::id());
+        TcpDomain { table: Arc::default(), next: AtomicU32::new(h.finish() as u32 | 1) }
+    }
+
+    /// Serves `len` bytes at `addr` to peers under `key` (a verbs remote
+    /// key, so one descriptor works on both transports), or a fresh key.
+    ///
+    /// # Safety
+    /// The memory must stay valid until the returned handle is dropped.
+    pub(crate) unsafe fn expose(&self, addr: u64, len: u64, access: Access, key: Option<u32>) -> TcpExposure {
+        let entry = Arc::new(Entry { addr, len, access, alive: RwLock::new(true) });
+        let mut table = self.table.write().unwrap_or_else(|e| e.into_inner());
+        let key = match key {
+            Some(k) => k,
+            None => loop {
+                let k = self.next.fetch_add(0x9e37_79b1, Ordering::Relaxed);
+                if k != 0 && !table.contains_key(&k) {
+                    break k;
+                }
+            },
+        };
+        table.insert(key, Arc::clone(&entry));
+        TcpExposure { table: Arc::clone(&self.table), key, entry }
+    }
+
+    fn lookup(table: &Table, key: u32) -> Option<Arc<Entry>> {
+        table.read().unwrap_or_else(|e| e.into_inner()).get(&key).cloned()
+    }
+}
+
+impl TcpExposure {
+    /// The key peers use.
+    pub(crate) fn key(&self) -> u32 {
+        self.key
+    }
+}
+
+impl Drop for TcpExposure {
+    fn drop(&mut self) {
+        {
+            let mut table = self.table.write().unwrap_or_else(|e| e.into_inner());
+            if table.get(&self.key).is_some_and(|e| Arc::ptr_eq(e, &self.entry)) {
+                table.remove(&self.key);
+            }
+        }
+        // Waits for any transfer in progress, then no thread starts another.
+        *self.entry.alive.write().unwrap_or_else(|e| e.into_inner()) = false;
+    }
+}
+
+impl Entry {
+    /// Whether `[addr, addr + len)` lies inside and `needed` is granted.
+    fn admits(&self, addr: u64, len: u64, needed: Access) -> bool {
+        self.access.contains(needed)
+            && addr >= self.addr
+            && addr.checked_add(len).is_some_and(|e| e <= self.addr + self.len)
+    }
+}
+
+// ---- frames ----
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+enum Op {
+    Send = 1,
+    Write = 2,
+    ReadReq = 3,
+    ReadResp = 4,
+    Ack = 5,
+    Bye = 6,
+}
+
+impl Op {
+    fn from_raw(b: u8) -> Option<Op> {
+        Some(match b {
+            1 => Op::Send,
+            2 => Op::Write,
+            3 => Op::ReadReq,
+            4 => Op::ReadResp,
+            5 => Op::Ack,
+            6 => Op::Bye,
+            _ => return None,
+        })
+    }
+}
+
+const FIRST: u8 = 1;
+const LAST: u8 = 2;
+const IMM: u8 = 4;
+
+/// A frame header: `op u8, flags u8, 2 reserved, seq u32, key u32, imm u32,
+/// addr u64, len u32, total u32`, little-endian. `addr` is the target
+/// address of a write segment or read request, the offset of a read
+/// response segment; `total` the whole message's length on its first
+/// segment, the status on an acknowledgement.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Header {
+    op: u8,
+    flags: u8,
+    seq: u32,
+    key: u32,
+    imm: u32,
+    addr: u64,
+    len: u32,
+    total: u32,
+}
+
+impl Header {
+    fn encode(&self) -> [u8; HEADER] {
+        let mut b = [0u8; HEADER];
+        b[0] = self.op;
+        b[1] = self.flags;
+        b[4..8].copy_from_slice(&self.seq.to_le_bytes());
+        b[8..12].copy_from_slice(&self.key.to_le_bytes());
+        b[12..16].copy_from_slice(&self.imm.to_le_bytes());
+        b[16..24].copy_from_slice(&self.addr.to_le_bytes());
+        b[24..28].copy_from_slice(&self.len.to_le_bytes());
+        b[28..32].copy_from_slice(&self.total.to_le_bytes());
+        b
+    }
+
+    fn decode(b: &[u8; HEADER]) -> Header {
+        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        Header {
+            op: b[0],
+            flags: b[1],
+            seq: u32_at(4),
+            key: u32_at(8),
+            imm: u32_at(12),
+            addr: u64::from_le_bytes(b[16..24].try_into().unwrap_or_default()),
+            len: u32_at(24),
+            total: u32_at(28),
+        }
+    }
+}
+
+// ---- raw socket I/O (no Rust references to memory the peer fills) ----
+
+fn wait_fd(fd: RawFd, events: i16) -> io::Result<()> {
+    let mut p = libc::pollfd { fd, events, revents: 0 };
+    loop {
+        // SAFETY: one valid pollfd.
+        let n = unsafe { libc::poll(&mut p, 1, -1) };
+        if n >= 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// Reads up to `len` bytes into `ptr` without blocking; 0 means EOF,
+/// `WouldBlock` nothing yet.
+///
+/// # Safety
+/// `ptr..ptr + len` must be valid for writes and not referenced by Rust code.
+unsafe fn recv_some(fd: RawFd, ptr: *mut u8, len: usize) -> io::Result<usize> {
+    loop {
+        // SAFETY: the caller guarantees the destination.
+        let n = unsafe { libc::recv(fd, ptr.cast(), len, libc::MSG_DONTWAIT) };
+        if n >= 0 {
+            return Ok(n as usize);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// Fills `ptr..ptr+len` from the socket. `gate` is held only while bytes
+/// move (never across a wait for the network); when it reports the target
+/// gone the rest is read and dropped. Returns `Ok(false)` on EOF.
+///
+/// # Safety
+/// While `gate` returns true, `ptr..ptr + len` must be valid for writes and
+/// not referenced by Rust code.
+unsafe fn recv_into(
+    fd: RawFd,
+    ptr: *mut u8,
+    len: usize,
+    gate: Option<&RwLock<bool>>,
+    scratch: &mut [u8],
+) -> io::Result<bool> {
+    let mut got = 0;
+    while got < len {
+        let want = (len - got).min(STEP);
+        let guard = gate.map(|g| g.read().unwrap_or_else(|e| e.into_inner()));
+        let n = if guard.as_ref().is_none_or(|alive| **alive) {
+            // SAFETY: inside the range the caller vouches for, while the gate holds.
+            unsafe { recv_some(fd, ptr.add(got), want) }
+        } else {
+            // The region was revoked: drop the bytes.
+            let k = want.min(scratch.len());
+            // SAFETY: `scratch` is our own buffer.
+            unsafe { recv_some(fd, scratch.as_mut_ptr(), k) }
+        };
+        drop(guard);
+        match n {
+            Ok(0) => return Ok(false),
+            Ok(n) => got += n,
+            // Nothing yet: wait for data without holding the gate.
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => wait_fd(fd, libc::POLLIN)?,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(true)
+}
+
+fn recv_buf(fd: RawFd, buf: &mut [u8]) -> io::Result<bool> {
+    let (ptr, len) = (buf.as_mut_ptr(), buf.len());
+    let mut scratch = [];
+    // SAFETY: `buf` is exclusively borrowed for the call.
+    unsafe { recv_into(fd, ptr, len, None, &mut scratch) }
+}
+
+fn discard(fd: RawFd, mut len: usize, scratch: &mut [u8]) -> io::Result<bool> {
+    while len > 0 {
+        let k = len.min(scratch.len());
+        if !recv_buf(fd, &mut scratch[..k])? {
+            return Ok(false);
+        }
+        len -= k;
+    }
+    Ok(true)
+}
+
+/// Sends a header and `len` bytes at `ptr`. `gate` is held only while bytes
+/// move; if it reports the source gone, `Ok(false)` is returned after the
+/// header and the bytes sent so far (the caller then breaks the connection).
+///
+/// # Safety
+/// While `gate` returns true, `ptr..ptr + len` must be valid for reads.
+unsafe fn send_frame(
+    fd: RawFd,
+    header: &Header,
+    ptr: *const u8,
+    len: usize,
+    gate: Option<&RwLock<bool>>,
+) -> io::Result<bool> {
+    let head = header.encode();
+    let mut head_sent = 0;
+    let mut sent = 0;
+    while head_sent < HEADER || sent < len {
+        let guard = gate.map(|g| g.read().unwrap_or_else(|e| e.into_inner()));
+        if guard.as_ref().is_some_and(|alive| !**alive) {
+            return Ok(false);
+        }
+        let mut iov = [
+            libc::iovec { iov_base: head[head_sent..].as_ptr() as *mut libc::c_void, iov_len: HEADER - head_sent },
+            // SAFETY: inside the range the caller vouches for, while the gate holds.
+            libc::iovec { iov_base: unsafe { ptr.add(sent) } as *mut libc::c_void, iov_len: (len - sent).min(STEP) },
+        ];
+        let (first, count) = if head_sent < HEADER { (0, 2) } else { (1, 1) };
+        // SAFETY: a zeroed msghdr is valid; the iovecs outlive the call.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = iov[first..].as_mut_ptr();
+        msg.msg_iovlen = count;
+        // SAFETY: valid socket, message and buffers; MSG_NOSIGNAL instead of SIGPIPE.
+        let n = unsafe { libc::sendmsg(fd, &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+        drop(guard);
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            match e.kind() {
+                // The socket is full: wait for room without holding the gate.
+                io::ErrorKind::WouldBlock => wait_fd(fd, libc::POLLOUT)?,
+                io::ErrorKind::Interrupted => {}
+                _ => return Err(e),
+            }
+            continue;
+        }
+        let mut n = n as usize;
+        if head_sent < HEADER {
+            let h = n.min(HEADER - head_sent);
+            head_sent += h;
+            n -= h;
+        }
+        sent += n;
+    }
+    Ok(true)
+}
+
+fn send_header(fd: RawFd, header: &Header) -> io::Result<()> {
+    // SAFETY: no payload.
+    unsafe { send_frame(fd, header, std::ptr::null(), 0, None) }.map(drop)
+}
+
+// ---- the connection ----
+
+enum OutKind {
+    Send { imm: Option<u32> },
+    Write { raddr: u64, key: u32, imm: Option<u32> },
+    ReadReq { raddr: u64, key: u32 },
+    Inline { data: Vec<u8>, imm: Option<u32> },
+}
+
+/// A message of this side's send queue.
+struct Out {
+    seq: u32,
+    wr_id: u64,
+    kind: OutKind,
+    addr: u64,
+    len: u64,
+}
+
+/// A frame the receiver asks the sender to send.
+enum Ctl {
+    Ack { seq: u32, status: u32 },
+    ReadResp { seq: u32, entry: Arc<Entry>, addr: u64, len: u64 },
+    Bye,
+}
+
+struct Recv {
+    wr_id: u64,
+    addr: u64,
+    len: u64,
+}
+
+struct ReadDst {
+    wr_id: u64,
+    addr: u64,
+    len: u64,
+}
+
+struct State {
+    table: OpTable,
+    lost: Option<String>,
+    stopping: bool,
+    next_seq: u32,
+    queue: VecDeque<Out>,
+    control: VecDeque<Ctl>,
+    /// Being sent or sent, waiting for the acknowledgement: seq -> work
+    /// request id. Entered before sending, since the acknowledgement may
+    /// arrive before the sender thread has returned from its last call.
+    awaiting: HashMap<u32, u64>,
+    /// The message the sender thread is writing now: its memory is in use,
+    /// so only the sender thread may fail it.
+    sending: Option<u32>,
+    /// Read requests queued or sent: seq -> destination.
+    reads: HashMap<u32, ReadDst>,
+    recvs: VecDeque<Recv>,
+    send_used: u32,
+    recv_used: u32,
+}
+
+struct Inner {
+    state: Mutex<State>,
+    cv: Condvar,
+    fd: RawFd,
+    table: Table,
+    domain_id: u64,
+    send_depth: u32,
+    recv_depth: u32,
+    max_message: u64,
+    /// How long a peer's send waits here for a receive; `None`: forever.
+    rnr_budget: Option<Duration>,
+}
+
+/// One connection's TCP transport.
+pub(crate) struct TcpConn {
+    inner: Arc<Inner>,
+    stream: TcpStream,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+/// The receiver-not-ready timer, per the InfiniBand encoding (code 0 is the longest).
+fn rnr_timer(code: u8) -> Duration {
+    const US: [u32; 32] = [
+        655_360, 10, 20, 30, 40, 60, 80, 120, 160, 240, 320, 480, 640, 960, 1_280, 1_920, 2_560, 3_840, 5_120, 7_680,
+        10_240, 15_360, 20_480, 30_720, 40_960, 61_440, 81_920, 122_880, 163_840, 245_760, 327_680, 491_520,
+    ];
+    Duration::from_micros(u64::from(US[usize::from(code.min(31))]))
+}
+
+fn raw(wr_id: u64, status: WcStatus) -> RawCompletion {
+    RawCompletion { wr_id, status, byte_len: 0, imm: None, qp_num: 0, vendor_err: 0, by_write_imm: false }
+}
+
+impl Inner {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Records a completion; frees the queue room it held. Wakes waiters.
+    fn complete(&self, st: &mut State, c: &RawCompletion) {
+        let (held, orphan) = st.table.complete(c, st.lost.as_deref());
+        st.send_used -= held.send_wrs.min(st.send_used);
+        st.recv_used -= held.recv_wrs.min(st.recv_used);
+        drop(orphan);
+        self.cv.notify_all();
+    }
+
+    /// The connection broke: say why, and fail what no thread is touching.
+    fn break_with(&self, st: &mut State, reason: String) {
+        if st.lost.is_none() {
+            tracing::info!("TCP connection lost: {reason}");
+            st.lost = Some(reason);
+        }
+        let queued: Vec<Out> = st.queue.drain(..).collect();
+        for o in queued {
+            st.reads.remove(&o.seq);
+            self.complete(st, &raw(o.wr_id, WcStatus::WrFlush));
+        }
+        let sending = st.sending;
+        let waiting: Vec<(u32, u64)> =
+            st.awaiting.iter().map(|(s, w)| (*s, *w)).filter(|(s, _)| Some(*s) != sending).collect();
+        for (seq, w) in waiting {
+            st.awaiting.remove(&seq);
+            self.complete(st, &raw(w, WcStatus::WrFlush));
+        }
+        self.cv.notify_all();
+    }
+}
+
+impl TcpConn {
+    pub(crate) fn establish(
+        domain: &Domain,
+        stream: TcpStream,
+        theirs: &TcpEndpoint,
+        opts: &ConnectOptions,
+        deadline: Deadline,
+        reason: String,
+        _is_server: bool,
+    ) -> Result<(TcpConn, ConnectionInfo)> {
+        bootstrap::exchange_ready(&stream, deadline)?;
+        stream.set_read_timeout(None)?;
+        stream.set_write_timeout(None)?;
+        stream.set_nonblocking(false)?;
+        for opt in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
+            // SAFETY: setsockopt on our socket with an int option value; a refusal
+            // only leaves the default size.
+            unsafe {
+                libc::setsockopt(
+                    stream.as_raw_fd(),
+                    libc::SOL_SOCKET,
+                    opt,
+                    (&SOCKET_BUFFER as *const libc::c_int).cast(),
+                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                )
+            };
+        }
+        let peer_addr = stream.peer_addr().ok();
+        let max_message = u64::from(MAX_MESSAGE.min(theirs.max_message));
+        let inner = Arc::new(Inner {
+            state: Mutex::new(State {
+                table: OpTable::new(),
+                lost: None,
+                stopping: false,
+                next_seq: 1,
+                queue: VecDeque::new(),
+                control: VecDeque::new(),
+                awaiting: HashMap::new(),
+                sending: None,
+                reads: HashMap::new(),
+                recvs: VecDeque::new(),
+                send_used: 0,
+                recv_used: 0,
+            }),
+            cv: Condvar::new(),
+            fd: stream.as_raw_fd(),
+            table: Arc::clone(&domain.inner.backend.tcp.table),
+            domain_id: domain.id(),
+            send_depth: opts.send_queue_depth.max(1),
+            recv_depth: opts.recv_queue_depth.max(1),
+            max_message,
+            // The peer's retry count, this side's timer, as on verbs.
+            rnr_budget: (theirs.rnr_retry < 7)
+                .then(|| rnr_timer(opts.min_rnr_timer) * (u32::from(theirs.rnr_retry) + 1)),
+        });
+        let sender = {
+            let inner = Arc::clone(&inner);
+            std::thread::Builder::new().name("gpu-rdma-tcp-tx".into()).spawn(move || sender(&inner))?
+        };
+        let receiver = {
+            let inner = Arc::clone(&inner);
+            std::thread::Builder::new().name("gpu-rdma-tcp-rx".into()).spawn(move || receiver(&inner))?
+        };
+        let info = ConnectionInfo {
+            transport: "tcp",
+            transport_reason: reason,
+            peer_addr,
+            local_qp_num: 0,
+            remote_qp_num: 0,
+            mtu: SEGMENT as u32,
+            max_message_size: max_message,
+            max_inline: MAX_INLINE,
+            send_queue_depth: inner.send_depth,
+            recv_queue_depth: inner.recv_depth,
+        };
+        Ok((TcpConn { inner, stream, threads: Mutex::new(vec![sender, receiver]) }, info))
+    }
+
+    fn check_local(&self, l: &LocalParts) -> Result<()> {
+        if l.domain != self.inner.domain_id {
+            return Err(Error::InvalidArgument(
+                "the buffer is registered with another domain than this connection's".into(),
+            ));
+        }
+        if l.path.is_some() {
+            return Err(Error::InvalidArgument("GPU memory goes over TCP through the staging pipeline".into()));
+        }
+        Ok(())
+    }
+
+    /// Turns work items into messages, checking each as verbs would.
+    fn plan(&self, items: &[WorkItem]) -> Result<Vec<(OutKind, u64, u64)>> {
+        let mut out = Vec::with_capacity(items.len());
+        for item in items {
+            let (addr, len) = match &item.local {
+                Some(l) => {
+                    self.check_local(l)?;
+                    (l.addr, l.len as u64)
+                }
+                None => (0, 0),
+            };
+            let needed = match item.op {
+                RemoteOp::Write(_) | RemoteOp::WriteWithImm(..) => Access::REMOTE_WRITE,
+                RemoteOp::Read(_) => Access::REMOTE_READ,
+                _ => Access::empty(),
+            };
+            let kind = match item.op {
+                RemoteOp::Send | RemoteOp::SendWithImm(_) | RemoteOp::WriteWithImm(..)
+                    if len > self.inner.max_message =>
+                {
+                    return Err(Error::MessageTooLarge { len, max: self.inner.max_message });
+                }
+                RemoteOp::Send => OutKind::Send { imm: None },
+                RemoteOp::SendWithImm(imm) => OutKind::Send { imm: Some(imm) },
+                RemoteOp::Write(r) | RemoteOp::WriteWithImm(r, _) | RemoteOp::Read(r) => {
+                    if !r.access().contains(needed) {
+                        return Err(Error::AccessDenied { needed, granted: r.access() });
+                    }
+                    if len != r.len() {
+                        return Err(Error::InvalidArgument(format!(
+                            "the local range has {len} bytes and the remote range {}",
+                            r.len()
+                        )));
+                    }
+                    match item.op {
+                        RemoteOp::Write(_) => OutKind::Write { raddr: r.addr(), key: r.rkey(), imm: None },
+                        RemoteOp::WriteWithImm(_, imm) => {
+                            OutKind::Write { raddr: r.addr(), key: r.rkey(), imm: Some(imm) }
+                        }
+                        _ => OutKind::ReadReq { raddr: r.addr(), key: r.rkey() },
+                    }
+                }
+            };
+            out.push((kind, addr, len));
+        }
+        Ok(out)
+    }
+
+    fn enqueue(&self, opcode: Opcode, msgs: Vec<(OutKind, u64, u64)>, deadline: Instant) -> Posted {
+        let n = msgs.len() as u32;
+        let bytes = msgs.iter().map(|m| m.2).sum();
+        let mut st = self.inner.lock();
+        loop {
+            if let Some(reason) = &st.lost {
+                return Posted::Refused(Error::ConnectionLost { reason: reason.clone() });
+            }
+            if st.send_used + n <= self.inner.send_depth {
+                break;
+            }
+            if n > self.inner.send_depth {
+                return Posted::Refused(Error::InvalidArgument(format!(
+                    "the operation needs {n} send-queue entries, the queue holds {}",
+                    self.inner.send_depth
+                )));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Posted::Refused(Error::QueueFull { queue: "send", depth: self.inner.send_depth });
+            }
+            st = self.inner.cv.wait_timeout(st, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        let id = st.table.start(opcode, Held { send_wrs: n, recv_wrs: 0 }, Some(bytes));
+        st.send_used += n;
+        let count = msgs.len();
+        for (i, (kind, addr, len)) in msgs.into_iter().enumerate() {
+            let seq = st.next_seq;
+            st.next_seq = st.next_seq.wrapping_add(1).max(1);
+            let wr_id = id.wr_id(i + 1 == count);
+            if let OutKind::ReadReq { .. } = kind {
+                st.reads.insert(seq, ReadDst { wr_id, addr, len });
+            }
+            st.queue.push_back(Out { seq, wr_id, kind, addr, len });
+        }
+        self.inner.cv.notify_all();
+        Posted::Ok(id)
+    }
+
+    pub(crate) fn post_send(&self, items: &[WorkItem], deadline: Instant) -> Posted {
+        let Some(last) = items.last() else {
+            return Posted::Refused(Error::InvalidArgument("nothing to post".into()));
+        };
+        match self.plan(items) {
+            Ok(msgs) => self.enqueue(last.op.opcode(), msgs, deadline),
+            Err(e) => Posted::Refused(e),
+        }
+    }
+
+    pub(crate) fn post_inline(&self, data: &[u8], imm: Option<u32>, deadline: Instant) -> Posted {
+        if data.len() as u64 > u64::from(MAX_INLINE) {
+            return Posted::Refused(Error::MessageTooLarge { len: data.len() as u64, max: u64::from(MAX_INLINE) });
+        }
+        let opcode = if imm.is_some() { Opcode::SendWithImm } else { Opcode::Send };
+        self.enqueue(opcode, vec![(OutKind::Inline { data: data.to_vec(), imm }, 0, data.len() as u64)], deadline)
+    }
+
+    pub(crate) fn post_recv(&self, local: Option<LocalParts>) -> Posted {
+        let (addr, len) = match &local {
+            Some(l) => {
+                if let Err(e) = self.check_local(l) {
+                    return Posted::Refused(e);
+                }
+                (l.addr, l.len as u64)
+            }
+            None => (0, 0),
+        };
+        let mut st = self.inner.lock();
+        if let Some(reason) = &st.lost {
+            return Posted::Refused(Error::ConnectionLost { reason: reason.clone() });
+        }
+        if st.recv_used >= self.inner.recv_depth {
+            return Posted::Refused(Error::QueueFull { queue: "receive", depth: self.inner.recv_depth });
+        }
+        let id = st.table.start(Opcode::Recv, Held { send_wrs: 0, recv_wrs: 1 }, None);
+        st.recv_used += 1;
+        st.recvs.push_back(Recv { wr_id: id.wr_id(true), addr, len });
+        self.inner.cv.notify_all();
+        Posted::Ok(id)
+    }
+
+    pub(crate) fn wait_done(&self, id: OpId, deadline: Instant, what: &'static str, timeout: Duration) -> Result<()> {
+        let mut st = self.inner.lock();
+        loop {
+            if st.table.is_done(id) {
+                return Ok(());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Error::Timeout { what, after: timeout });
+            }
+            st = self.inner.cv.wait_timeout(st, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+        }
+    }
+
+    pub(crate) fn poll_done(&self, id: OpId) -> Result<bool> {
+        Ok(self.inner.lock().table.is_done(id))
+    }
+
+    pub(crate) fn take(&self, id: OpId) -> Option<Result<Completion>> {
+        self.inner.lock().table.take(id)
+    }
+
+    pub(crate) fn orphan(&self, id: OpId, buffer: Box<dyn std::any::Any + Send>) {
+        let released = self.inner.lock().table.orphan(id, buffer);
+        drop(released);
+    }
+
+    pub(crate) fn progress_now(&self) -> Result<usize> {
+        // The transport's threads make progress by themselves.
+        Ok(0)
+    }
+
+    pub(crate) fn broken(&self) -> Option<String> {
+        self.inner.lock().lost.clone()
+    }
+
+    pub(crate) fn stats(&self) -> (usize, usize) {
+        let st = self.inner.lock();
+        (st.table.in_flight(), st.table.orphans())
+    }
+
+    /// Closes this side: says bye, stops both threads (waiting for them), and
+    /// fails what is left. After this no thread touches any buffer.
+    pub(crate) fn shutdown(&self, reason: &str) {
+        {
+            let mut st = self.inner.lock();
+            if st.lost.is_none() {
+                // After what is queued: acknowledgements of messages this side
+                // already completed must reach the peer first, as on RC.
+                st.control.push_back(Ctl::Bye);
+                let r = reason.to_owned();
+                self.inner.break_with(&mut st, r);
+            }
+            self.inner.cv.notify_all();
+            // Give the sender a moment to say bye before the socket closes.
+            let t0 = Instant::now();
+            while !st.control.is_empty() && t0.elapsed() < Duration::from_millis(200) {
+                st = self.inner.cv.wait_timeout(st, Duration::from_millis(10)).unwrap_or_else(|e| e.into_inner()).0;
+            }
+            st.stopping = true;
+            self.inner.cv.notify_all();
+        }
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        let threads: Vec<JoinHandle<()>> = self.threads.lock().unwrap_or_else(|e| e.into_inner()).drain(..).collect();
+        for t in threads {
+            if t.thread().id() != std::thread::current().id() {
+                let _ = t.join();
+            }
+        }
+        // Both threads are gone: fail whatever they left.
+        let mut st = self.inner.lock();
+        let recvs: Vec<Recv> = st.recvs.drain(..).collect();
+        for r in recvs {
+            self.inner.complete(&mut st, &raw(r.wr_id, WcStatus::WrFlush));
+        }
+        let reads: Vec<ReadDst> = st.reads.drain().map(|(_, r)| r).collect();
+        for r in reads {
+            self.inner.complete(&mut st, &raw(r.wr_id, WcStatus::WrFlush));
+        }
+        self.inner.break_with(&mut st, reason.to_owned());
+    }
+}
+
+impl Drop for TcpConn {
+    fn drop(&mut self) {
+        self.shutdown("the connection was dropped");
+        // Nothing touches buffers any more: release every orphan.
+        let orphans = self.inner.lock().table.take_orphans();
+        drop(orphans);
+    }
+}
+
+// ---- the sender thread ----
+
+enum Work {
+    Ctl(Ctl),
+    Out(Out),
+}
+
+fn sender(inner: &Inner) {
+    let fd = inner.fd;
+    loop {
+        let work = {
+            let mut st = inner.lock();
+            loop {
+                if let Some(c) = st.control.pop_front() {
+                    break Work::Ctl(c);
+                }
+                if st.stopping {
+                    return;
+                }
+                if st.lost.is_none() {
+                    if let Some(o) = st.queue.pop_front() {
+                        st.sending = Some(o.seq);
+                        if !matches!(o.kind, OutKind::ReadReq { .. }) {
+                            st.awaiting.insert(o.seq, o.wr_id);
+                        }
+                        break Work::Out(o);
+                    }
+                }
+                st = inner.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+            }
+        };
+        inner.cv.notify_all();
+        let outcome = match work {
+            Work::Ctl(Ctl::Ack { seq, status }) => {
+                send_header(fd, &Header { op: Op::Ack as u8, seq, total: status, ..Header::default() })
+            }
+            Work::Ctl(Ctl::Bye) => {
+                let _ = send_header(fd, &Header { op: Op::Bye as u8, ..Header::default() });
+                Ok(())
+            }
+            Work::Ctl(Ctl::ReadResp { seq, entry, addr, len }) => send_read_response(fd, seq, &entry, addr, len),
+            Work::Out(o) => {
+                let r = send_message(fd, &o);
+                let mut st = inner.lock();
+                st.sending = None;
+                // Not (all) sent, or the connection broke meanwhile (and its flush
+                // skipped this message): this thread owned it, so it fails it, unless
+                // the acknowledgement already completed it.
+                let failed = r.is_err() || st.lost.is_some();
+                if failed {
+                    let pending = st.awaiting.remove(&o.seq).is_some() || st.reads.remove(&o.seq).is_some();
+                    if pending {
+                        inner.complete(&mut st, &raw(o.wr_id, WcStatus::WrFlush));
+                    }
+                }
+                r
+            }
+        };
+        if let Err(e) = outcome {
+            let mut st = inner.lock();
+            inner.break_with(&mut st, format!("sending to the peer failed: {e}"));
+            // Keep serving the control queue until stopped (the frames fail fast).
+        }
+    }
+}
+
+fn send_message(fd: RawFd, o: &Out) -> io::Result<()> {
+    let (op, key, raddr, imm) = match &o.kind {
+        OutKind::Send { imm } | OutKind::Inline { imm, .. } => (Op::Send, 0, 0, *imm),
+        OutKind::Write { raddr, key, imm } => (Op::Write, *key, *raddr, *imm),
+        OutKind::ReadReq { raddr, key } => (Op::ReadReq, *key, *raddr, None),
+    };
+    let payload: Option<(*const u8, u64)> = match &o.kind {
+        OutKind::Inline { data, .. } => Some((data.as_ptr(), data.len() as u64)),
+        OutKind::ReadReq { .. } => None,
+        _ => Some((o.addr as *const u8, o.len)),
+    };
+    let total = u32::try_from(o.len).unwrap_or(u32::MAX);
+    let imm_flag = if imm.is_some() { IMM } else { 0 };
+    let Some((ptr, len)) = payload else {
+        let h = Header { op: op as u8, flags: FIRST | LAST, seq: o.seq, key, imm: 0, addr: raddr, len: 0, total };
+        return send_header(fd, &h);
+    };
+    let mut off = 0u64;
+    loop {
+        let n = (len - off).min(SEGMENT as u64);
+        let mut flags = imm_flag;
+        if off == 0 {
+            flags |= FIRST;
+        }
+        if off + n >= len {
+            flags |= LAST;
+        }
+        let h = Header {
+            op: op as u8,
+            flags,
+            seq: o.seq,
+            key,
+            imm: imm.unwrap_or(0),
+            addr: raddr + off,
+            len: n as u32,
+            total,
+        };
+        // SAFETY: the message's source is a registered buffer owned by its
+        // operation until this thread reports the operation complete, or an
+        // inline copy owned by `o`.
+        unsafe { send_frame(fd, &h, ptr.add(off as usize), n as usize, None)? };
+        off += n;
+        if off >= len {
+            return Ok(());
+        }
+    }
+}
+
+fn send_read_response(fd: RawFd, seq: u32, entry: &Entry, addr: u64, len: u64) -> io::Result<()> {
+    let mut off = 0u64;
+    loop {
+        let n = (len - off).min(SEGMENT as u64);
+        let last = off + n >= len;
+        let h = Header {
+            op: Op::ReadResp as u8,
+            flags: if last { LAST } else { 0 } | if off == 0 { FIRST } else { 0 },
+            seq,
+            addr: off,
+            len: n as u32,
+            ..Header::default()
+        };
+        // SAFETY: the range was checked against the exposure, whose memory stays
+        // valid while its gate says alive (revocation waits for the gate).
+        let whole = unsafe { send_frame(fd, &h, (addr + off) as *const u8, n as usize, Some(&entry.alive))? };
+        if !whole {
+            // Revoked mid-way: the frame is cut, the stream cannot be resynchronized.
+            return Err(io::Error::other("an exposed region was withdrawn during a read"));
+        }
+        off += n;
+        if last {
+            return Ok(());
+        }
+    }
+}
+
+// ---- the receiver thread ----
+
+fn receiver(inner: &Inner) {
+    let fd = inner.fd;
+    let mut scratch = vec![0u8; STEP];
+    let why = loop {
+        let mut head = [0u8; HEADER];
+        match recv_buf(fd, &mut head) {
+            Ok(true) => {}
+            Ok(false) => {
+                break "the peer closed the connection (its process exited or dropped the connection)".to_owned();
+            }
+            Err(e) => break format!("the connection to the peer failed: {e}"),
+        }
+        let h = Header::decode(&head);
+        let step = match Op::from_raw(h.op) {
+            Some(Op::Send) => on_message(inner, &h, None, &mut scratch),
+            Some(Op::Write) => on_write(inner, &h, &mut scratch),
+            Some(Op::ReadReq) => on_read_request(inner, &h),
+            Some(Op::ReadResp) => on_read_response(inner, &h, &mut scratch),
+            Some(Op::Ack) => on_ack(inner, &h),
+            Some(Op::Bye) => Err("the peer closed the connection (it said bye)".to_owned()),
+            None => Err(format!("a garbled frame (operation {}): the stream is out of step", h.op)),
+        };
+        if let Err(why) = step {
+            break why;
+        }
+    };
+    let mut st = inner.lock();
+    inner.break_with(&mut st, why);
+    // This thread owns receives and reads: fail them.
+    let recvs: Vec<Recv> = st.recvs.drain(..).collect();
+    for r in recvs {
+        inner.complete(&mut st, &raw(r.wr_id, WcStatus::WrFlush));
+    }
+    let reads: Vec<ReadDst> = st.reads.drain().map(|(_, r)| r).collect();
+    for r in reads {
+        inner.complete(&mut st, &raw(r.wr_id, WcStatus::WrFlush));
+    }
+}
+
+type Step = std::result::Result<(), String>;
+
+fn io_err(e: io::Error) -> String {
+    format!("the connection to the peer failed: {e}")
+}
+
+/// Reads the rest of the message the header `h` starts, dropping it.
+fn drain_message(fd: RawFd, h: &Header, scratch: &mut [u8]) -> Step {
+    let mut cur = *h;
+    loop {
+        if !discard(fd, cur.len as usize, scratch).map_err(io_err)? {
+            return Err("the peer closed the connection".into());
+        }
+        if cur.flags & LAST != 0 {
+            return Ok(());
+        }
+        let mut head = [0u8; HEADER];
+        if !recv_buf(fd, &mut head).map_err(io_err)? {
+            return Err("the peer closed the connection".into());
+        }
+        cur = Header::decode(&head);
+    }
+}
+
+/// Fails the connection after a request the peer made was refused: the
+/// peer gets `status`, this side breaks too (as a responder in error does).
+fn refuse(inner: &Inner, seq: u32, status: WcStatus, why: String) -> Step {
+    let mut st = inner.lock();
+    st.control.push_back(Ctl::Ack { seq, status: status.to_raw() });
+    inner.break_with(&mut st, why);
+    Ok(())
+}
+
+/// Takes the next posted receive, waiting up to the receiver-not-ready budget.
+fn next_recv(inner: &Inner) -> std::result::Result<Option<Recv>, String> {
+    let deadline = inner.rnr_budget.map(|b| Instant::now() + b);
+    let mut st = inner.lock();
+    loop {
+        if st.stopping {
+            return Err("the connection is closing".into());
+        }
+        if let Some(r) = st.recvs.pop_front() {
+            return Ok(Some(r));
+        }
+        match deadline {
+            Some(d) if Instant::now() >= d => return Ok(None),
+            Some(d) => st = inner.cv.wait_timeout(st, d - Instant::now()).unwrap_or_else(|e| e.into_inner()).0,
+            None => st = inner.cv.wait_timeout(st, Duration::from_millis(100)).unwrap_or_else(|e| e.into_inner()).0,
+        }
+    }
+}
+
+/// A send (or the receive a write with immediate consumes): lands in the
+/// next posted receive. `written` is the byte count of a write with
+/// immediate whose data already went to its target.
+fn on_message(inner: &Inner, h: &Header, written: Option<u32>, scratch: &mut [u8]) -> Step {
+    let fd = inner.fd;
+    let total = u64::from(written.unwrap_or(h.total));
+    let Some(recv) = next_recv(inner)? else {
+        if written.is_none() {
+            drain_message(fd, h, scratch)?;
+        }
+        return refuse(
+            inner,
+            h.seq,
+            WcStatus::RnrRetryExceeded,
+            "a peer's message found no posted receive in time".into(),
+        );
+    };
+    if written.is_none() && total > recv.len {
+        drain_message(fd, h, scratch)?;
+        let mut st = inner.lock();
+        inner.complete(&mut st, &RawCompletion { byte_len: h.total, ..raw(recv.wr_id, WcStatus::LocalLength) });
+        drop(st);
+        return refuse(
+            inner,
+            h.seq,
+            WcStatus::RemoteInvalidRequest,
+            format!("a message of {total} bytes arrived for a receive of {} bytes", recv.len),
+        );
+    }
+    if written.is_none() {
+        let mut cur = *h;
+        let mut off = 0u64;
+        loop {
+            let n = u64::from(cur.len);
+            if off + n > recv.len {
+                let mut st = inner.lock();
+                inner.complete(&mut st, &raw(recv.wr_id, WcStatus::LocalLength));
+                return Err("a message grew past its announced length".into());
+            }
+            // SAFETY: inside the receive's buffer (checked), which its operation owns
+            // until this thread completes it.
+            let ok = unsafe { recv_into(fd, (recv.addr + off) as *mut u8, n as usize, None, scratch) };
+            if !ok.map_err(io_err)? {
+                let mut st = inner.lock();
+                inner.complete(&mut st, &raw(recv.wr_id, WcStatus::WrFlush));
+                return Err("the peer closed the connection".into());
+            }
+            off += n;
+            if cur.flags & LAST != 0 {
+                break;
+            }
+            let mut head = [0u8; HEADER];
+            if !recv_buf(fd, &mut head).map_err(io_err)? {
+                let mut st = inner.lock();
+                inner.complete(&mut st, &raw(recv.wr_id, WcStatus::WrFlush));
+                return Err("the peer closed the connection".into());
+            }
+            cur = Header::decode(&head);
+        }
+    }
+    let mut st = inner.lock();
+    let c = RawCompletion {
+        byte_len: total as u32,
+        imm: (h.flags & IMM != 0).then_some(h.imm),
+        by_write_imm: written.is_some(),
+        ..raw(recv.wr_id, WcStatus::Success)
+    };
+    inner.complete(&mut st, &c);
+    st.control.push_back(Ctl::Ack { seq: h.seq, status: 0 });
+    inner.cv.notify_all();
+    Ok(())
+}
+
+fn on_write(inner: &Inner, h: &Header, scratch: &mut [u8]) -> Step {
+    let fd = inner.fd;
+    let total = u64::from(h.total);
+    let entry = TcpDomain::lookup(&inner.table, h.key);
+    let admitted = entry.as_ref().is_some_and(|e| e.admits(h.addr, total, Access::REMOTE_WRITE));
+    if !admitted {
+        drain_message(fd, h, scratch)?;
+        return refuse(
+            inner,
+            h.seq,
+            WcStatus::RemoteAccess,
+            format!(
+                "a peer's write to {:#x}+{total} with key {:#x} was refused (bad key, outside the region, or no write right)",
+                h.addr, h.key
+            ),
+        );
+    }
+    let entry = entry.expect("admitted");
+    let mut cur = *h;
+    loop {
+        let n = u64::from(cur.len);
+        if !entry.admits(cur.addr, n, Access::REMOTE_WRITE) {
+            drain_message(fd, &cur, scratch)?;
+            return refuse(inner, h.seq, WcStatus::RemoteAccess, "a write segment left its region".into());
+        }
+        // SAFETY: inside the exposed region (checked); its memory stays valid while
+        // the gate says alive, and revocation waits for the gate.
+        let ok = unsafe { recv_into(fd, cur.addr as *mut u8, n as usize, Some(&entry.alive), scratch) };
+        if !ok.map_err(io_err)? {
+            return Err("the peer closed the connection".into());
+        }
+        if cur.flags & LAST != 0 {
+            break;
+        }
+        let mut head = [0u8; HEADER];
+        if !recv_buf(fd, &mut head).map_err(io_err)? {
+            return Err("the peer closed the connection".into());
+        }
+        cur = Header::decode(&head);
+    }
+    if !*entry.alive.read().unwrap_or_else(|e| e.into_inner()) {
+        return refuse(inner, h.seq, WcStatus::RemoteAccess, "the region was withdrawn during a write".into());
+    }
+    if h.flags & IMM != 0 {
+        return on_message(inner, h, Some(h.total), scratch);
+    }
+    let mut st = inner.lock();
+    st.control.push_back(Ctl::Ack { seq: h.seq, status: 0 });
+    inner.cv.notify_all();
+    Ok(())
+}
+
+fn on_read_request(inner: &Inner, h: &Header) -> Step {
+    let total = u64::from(h.total);
+    match TcpDomain::lookup(&inner.table, h.key) {
+        Some(entry) if entry.admits(h.addr, total, Access::REMOTE_READ) => {
+            let mut st = inner.lock();
+            st.control.push_back(Ctl::ReadResp { seq: h.seq, entry, addr: h.addr, len: total });
+            inner.cv.notify_all();
+            Ok(())
+        }
+        _ => refuse(
+            inner,
+            h.seq,
+            WcStatus::RemoteAccess,
+            format!(
+                "a peer's read of {:#x}+{total} with key {:#x} was refused (bad key, outside the region, or no read right)",
+                h.addr, h.key
+            ),
+        ),
+    }
+}
+
+fn on_read_response(inner: &Inner, h: &Header, scratch: &mut [u8]) -> Step {
+    let fd = inner.fd;
+    let dst = inner.lock().reads.get(&h.seq).map(|d| (d.wr_id, d.addr, d.len));
+    let Some((wr_id, addr, len)) = dst else {
+        drain_message(fd, h, scratch)?;
+        return Err("a read response for no read".into());
+    };
+    let n = u64::from(h.len);
+    if h.addr.checked_add(n).is_none_or(|e| e > len) {
+        drain_message(fd, h, scratch)?;
+        return Err("a read response past its read's buffer".into());
+    }
+    // SAFETY: inside the read's destination (checked), owned by its operation
+    // until this thread completes it.
+    let ok = unsafe { recv_into(fd, (addr + h.addr) as *mut u8, n as usize, None, scratch) };
+    if !ok.map_err(io_err)? {
+        return Err("the peer closed the connection".into());
+    }
+    if h.flags & LAST != 0 {
+        let mut st = inner.lock();
+        st.reads.remove(&h.seq);
+        inner.complete(&mut st, &raw(wr_id, WcStatus::Success));
+    }
+    Ok(())
+}
+
+fn on_ack(inner: &Inner, h: &Header) -> Step {
+    let status = WcStatus::from_raw(h.total);
+    let mut st = inner.lock();
+    // A refused read is answered with an acknowledgement carrying the status.
+    let wr_id = st.awaiting.remove(&h.seq).or_else(|| st.reads.remove(&h.seq).map(|r| r.wr_id));
+    let Some(wr_id) = wr_id else {
+        return Ok(());
+    };
+    if !status.is_success() && st.lost.is_none() {
+        st.lost = Some(format!("the connection went to the error state after a request failed with {status}"));
+    }
+    inner.complete(&mut st, &raw(wr_id, status));
+    if !status.is_success() {
+        let why = st.lost.clone().unwrap_or_default();
+        inner.break_with(&mut st, why);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_round_trip() {
+        let h = Header {
+            op: 2,
+            flags: FIRST | LAST | IMM,
+            seq: 7,
+            key: 0xdead,
+            imm: 42,
+            addr: 0x7f00_1234_5678,
+            len: 4096,
+            total: 9000,
+        };
+        assert_eq!(Header::decode(&h.encode()), h);
+    }
+
+    #[test]
+    fn rnr_timer_codes_follow_the_encoding() {
+        assert_eq!(rnr_timer(1), Duration::from_micros(10));
+        assert_eq!(rnr_timer(12), Duration::from_micros(640));
+        assert_eq!(rnr_timer(31), Duration::from_micros(491_520));
+        assert_eq!(rnr_timer(0), Duration::from_micros(655_360));
+    }
+
+    #[test]
+    fn exposures_check_bounds_and_rights_and_revoke() {
+        let d = TcpDomain::new();
+        let mut mem = vec![0u8; 100];
+        // SAFETY: `mem` outlives the exposure.
+        let x = unsafe { d.expose(mem.as_mut_ptr() as u64, 100, Access::REMOTE_WRITE, None) };
+        let e = TcpDomain::lookup(&d.table, x.key()).unwrap();
+        let a = mem.as_ptr() as u64;
+        assert!(e.admits(a, 100, Access::REMOTE_WRITE));
+        assert!(!e.admits(a + 1, 100, Access::REMOTE_WRITE), "past the end");
+        assert!(!e.admits(a - 1, 10, Access::REMOTE_WRITE), "before the start");
+        assert!(!e.admits(a, 10, Access::REMOTE_READ), "no read right");
+        assert!(!e.admits(u64::MAX - 5, 10, Access::REMOTE_WRITE), "wraps");
+        let key = x.key();
+        drop(x);
+        assert!(TcpDomain::lookup(&d.table, key).is_none());
+        assert!(!*e.alive.read().unwrap());
+    }
+}

@@ -1,0 +1,90 @@
+//! GPU memory over the TCP transport: the staging pipeline between two
+//! GPU buffers with no RDMA device anywhere, verified byte for byte.
+//!
+//! Needs a CUDA driver: `cargo xtask test` runs these against the test-only
+//! CUDA stand-in on this machine; `cargo xtask gpu-check` on a GPU machine.
+//! `#[ignore]`d otherwise.
+
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use gpu_rdma::cuda::{CudaBuffer, CudaDevice};
+use gpu_rdma::memory::path::{MemPath, PathPolicy};
+use gpu_rdma::{Access, Domain, DomainConfig, LocalBuffer, Pending, Region, Shared, TransportPolicy};
+
+use common::{first_difference, opts, pair_on, pattern};
+
+macro_rules! gpu_tcp_test {
+    ($(#[$m:meta])* fn $name:ident() $body:block) => {
+        $(#[$m])*
+        #[test]
+        #[ignore = "cuda: needs a CUDA driver (the stand-in via cargo xtask test, or a GPU via cargo xtask gpu-check)"]
+        fn $name() $body
+    };
+}
+
+fn tcp_domain() -> Domain {
+    Domain::with_config(&DomainConfig::default().transport(TransportPolicy::Tcp)).unwrap()
+}
+
+fn gpu_region(d: &Domain, len: usize, data: Option<&[u8]>) -> Region<CudaBuffer> {
+    let buf = CudaBuffer::alloc(&CudaDevice::open(0).expect("a CUDA device"), len).unwrap();
+    if let Some(data) = data {
+        buf.copy_from_host(0, data).unwrap();
+    }
+    d.register_with_path(buf, Access::LOCAL_WRITE, PathPolicy::Auto).unwrap_or_else(|e| panic!("{}", e.error))
+}
+
+fn read_gpu(buf: &CudaBuffer, len: usize) -> Vec<u8> {
+    let mut out = vec![0u8; len];
+    buf.copy_to_host(0, &mut out).unwrap();
+    out
+}
+
+gpu_tcp_test! {
+    fn without_rdma_gpu_memory_is_staged_and_says_why() {
+        let d = tcp_domain();
+        let r = gpu_region(&d, 1 << 20, None);
+        let report = r.path_report().unwrap();
+        assert_eq!(report.chosen, MemPath::Staged);
+        assert!(report.to_string().contains("no RDMA device"), "{report}");
+    }
+}
+
+gpu_tcp_test! {
+    fn gpu_to_gpu_over_tcp_by_write_read_and_send() {
+        let (ds, dc) = (tcp_domain(), tcp_domain());
+        let len = 64 << 20;
+        let data = pattern(len, 21);
+        let target = ds.expose(gpu_region(&ds, len, None), Access::REMOTE_WRITE | Access::REMOTE_READ, 1).unwrap();
+        let (s, c) = pair_on(&ds, &dc, opts().staging(1 << 20, 4).advertise(&target), opts().staging(1 << 20, 4));
+        assert_eq!(c.info().transport, "tcp");
+        let remote = c.remote_region(1).unwrap();
+
+        let mut done = s.recv_write(&target);
+        let (_, src) = c.write(gpu_region(&dc, len, Some(&data)), &remote.whole()).finish().unwrap();
+        c.send_inline(&[], Some(1)).wait().unwrap();
+        done.wait().unwrap();
+        assert_eq!(first_difference(&read_gpu(target.cuda(), len), &data), None, "write");
+
+        target.publish().unwrap();
+        let (_, dst) = c.read(gpu_region(&dc, len, None), &remote.whole()).finish().unwrap();
+        assert_eq!(first_difference(&read_gpu(dst.memory(), len), &data), None, "read");
+
+        let chunk = 8 << 20;
+        let rx_buf: Shared<CudaBuffer> = gpu_region(&ds, len, None).share();
+        let tx_buf = src.share();
+        let mut rx: Vec<Pending<Shared<CudaBuffer>>> =
+            (0..len).step_by(chunk).map(|o| s.recv(rx_buf.clone().slice(o..o + chunk))).collect();
+        let mut tx: Vec<Pending<Shared<CudaBuffer>>> =
+            (0..len).step_by(chunk).map(|o| c.send(tx_buf.clone().slice(o..o + chunk))).collect();
+        for p in &mut tx {
+            p.wait().unwrap();
+        }
+        let got: usize = rx.iter_mut().map(|p| p.wait().unwrap().byte_len as usize).sum();
+        assert_eq!(got, len);
+        drop(rx);
+        assert_eq!(first_difference(&read_gpu(rx_buf.cuda(), len), &data), None, "send");
+    }
+}
