@@ -11,8 +11,10 @@
 //! ```
 //!
 //! `--path auto|dmabuf|peermem|staged` forces a memory path (as does
-//! `GPU_RDMA_MEM_PATH`). Without a GPU the buffers are host memory, and
-//! without an RDMA device there is nothing to move them over: it says which.
+//! `GPU_RDMA_MEM_PATH`). Without a GPU the buffers are host memory; without
+//! an RDMA device the connection runs over TCP and GPU memory is staged
+//! through host memory (`GPU_RDMA_TRANSPORT=tcp` forces that). Each side
+//! says which memory path and which transport it used, and why.
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
@@ -71,7 +73,7 @@ fn main() -> ExitCode {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::from(1),
         Err(Error::NoDevice { reason }) => {
-            println!("gpu_to_gpu: no RDMA device, so nothing to transfer over: {reason}");
+            println!("gpu_to_gpu: {reason}");
             ExitCode::from(2)
         }
         Err(e) => {
@@ -230,6 +232,7 @@ fn receive(
         Buf::Gpu(region) => {
             let target = domain.expose(region, Access::REMOTE_WRITE, TAG)?;
             let conn = listener.accept_timeout(&opts.clone().advertise(&target), timeout)?;
+            transport_line("receiver", &conn);
             let t0 = Instant::now();
             // The completion includes making the data visible on the GPU
             // (a flush on a direct path, the copy in on the staged path).
@@ -242,6 +245,7 @@ fn receive(
         Buf::Host(region) => {
             let target = domain.expose(region, Access::REMOTE_WRITE, TAG)?;
             let conn = listener.accept_timeout(&opts.clone().advertise(&target), timeout)?;
+            transport_line("receiver", &conn);
             let t0 = Instant::now();
             conn.recv_imm().wait()?;
             report_rx(len, t0.elapsed());
@@ -251,6 +255,11 @@ fn receive(
         }
     };
     Ok((ok, path.map(|p| (p, 0.0))))
+}
+
+fn transport_line(side: &str, conn: &Connection) {
+    let info = conn.info();
+    println!("{side}: over {} ({})", info.transport, info.transport_reason);
 }
 
 fn send(
@@ -274,6 +283,7 @@ fn send(
             other => break other?,
         }
     };
+    transport_line("sender", &conn);
     let remote = conn
         .remote_region(TAG)
         .ok_or_else(|| Error::InvalidArgument("the receiver advertised no GPU buffer".into()))?;

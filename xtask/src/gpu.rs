@@ -71,6 +71,7 @@ pub fn command(args: &[String]) -> Result<i32> {
     copy(&profile_dir.join("examples/gpu_to_gpu"), &dir.join("bin/gpu_to_gpu"))?;
     copy(&test_executable("cuda")?, &dir.join("bin/cuda-tests"))?;
     copy(&test_executable("verbs_gpu")?, &dir.join("bin/verbs-gpu-tests"))?;
+    copy(&test_executable("gpu_tcp")?, &dir.join("bin/gpu-tcp-tests"))?;
     for lib in LIBS {
         match find_lib(lib) {
             Some(p) => copy(&p, &dir.join("lib").join(lib))?,

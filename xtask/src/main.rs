@@ -8,8 +8,9 @@
 //!   paths and `rxe0` up; passes CMD's output and exit code through.
 //! - `test`: `cargo test` here, then the verbs tests and the transfer
 //!   example inside the guest on `rxe0`; prints both tiers' summaries.
-//! - `demo`: the transfer example in the guest: 256 MiB by write, read and
-//!   send, verified.
+//! - `demo`: the README's first command: the transfer example with no
+//!   arguments, here, on the best path this machine has; `demo --vm`: two
+//!   processes on rxe0 in the guest.
 //! - `gpu-check`: the GPU checks as one folder (binaries, the rdma-core
 //!   libraries they link, `run.sh`) for a GPU machine without Rust; runs
 //!   them when this machine has a GPU.
@@ -32,7 +33,8 @@ commands:
   vm [OPTS] -- CMD ...  run CMD as root in the soft-RoCE guest (rxe0 up)
                           --timeout SECS (default 900)  --mem SIZE (default 3G)  --keep
   test                  cargo test here, then the verbs tests and the transfer example on rxe0
-  demo                  the transfer example on rxe0: 256 MiB by write, read and send, verified
+  demo [--vm]           the transfer example with no arguments here: best path, write/read/send, verified;
+                          --vm: two processes on rxe0 in the guest, 256 MiB each way
   gpu-check [--run]     build the GPU checks into target/gpu-bundle (binaries, libraries, run.sh)
                           and run them when this machine has a GPU
 ";
@@ -43,7 +45,7 @@ fn main() -> ExitCode {
         Some("setup") => setup::setup().map(|_| 0),
         Some("vm") => vm::command(&args[1..]),
         Some("test") => test::run(),
-        Some("demo") => test::demo(),
+        Some("demo") => test::demo(&args[1..]),
         Some("gpu-check") => gpu::command(&args[1..]),
         Some("-h" | "--help" | "help") | None => {
             print!("{USAGE}");

@@ -9,9 +9,9 @@ use std::process::{Command, Stdio};
 
 use crate::{Result, cache_dir, output, privileged, run};
 
-/// Debian packages for building gpu-rdma (rdma-core headers, bindgen's
-/// libclang) and for the soft-RoCE VM (qemu, busybox, module tools, perftest).
-pub const PACKAGES: &[&str] = &[
+/// Debian packages for building gpu-rdma: rdma-core's headers and
+/// libraries, bindgen's libclang.
+pub const BUILD_PACKAGES: &[&str] = &[
     "build-essential",
     "pkg-config",
     "libclang-dev",
@@ -20,6 +20,10 @@ pub const PACKAGES: &[&str] = &[
     "librdmacm-dev",
     "rdma-core",
     "ibverbs-providers",
+];
+
+/// And for the soft-RoCE VM: qemu, busybox, module tools, perftest.
+const VM_PACKAGES: &[&str] = &[
     "ibverbs-utils",
     "perftest",
     "qemu-system-x86",
@@ -58,13 +62,15 @@ impl Kernel {
 }
 
 pub fn setup() -> Result<Kernel> {
-    ensure_packages(PACKAGES)?;
+    ensure_packages(BUILD_PACKAGES)?;
+    ensure_packages(VM_PACKAGES)?;
     let kernel = ensure_kernel()?;
     println!("xtask: setup done: kernel {} in {}", kernel.release, kernel.root.display());
     Ok(kernel)
 }
 
-fn ensure_packages(packages: &[&str]) -> Result<()> {
+/// Installs those of `packages` that are missing.
+pub fn ensure_packages(packages: &[&str]) -> Result<()> {
     let status = Command::new("dpkg-query")
         .args(["-W", "-f=${Package} ${db:Status-Status}\n"])
         .args(packages)

@@ -5,16 +5,21 @@
 //!    Then the CUDA layer's tests against the test-only CUDA stand-in
 //!    (`cuda-stub/`, exposed as `libcuda.so` in `target/cuda-stub/` and put
 //!    on `LD_LIBRARY_PATH` of those test processes only).
-//! 2. In the soft-RoCE guest: every test target named `verbs*` with
-//!    `--ignored` and `GPU_RDMA_TEST_DEVICE=rxe0` (the `*gpu*` ones with the
-//!    CUDA stand-in), then the transfer example moving 256 MiB by write, read
-//!    and send between two processes, and the GPU example, verified.
+//!    Then the README's first command, the transfer example with no
+//!    arguments: it must pick TCP here and verify write, read and send.
+//! 2. In the soft-RoCE guest: every test target named `verbs*`, and the
+//!    connection suite, with `--ignored` and `GPU_RDMA_TEST_DEVICE=rxe0`
+//!    (the `*gpu*` ones with the CUDA stand-in); the transfer example with
+//!    no arguments, which must pick verbs there; the transfer example moving
+//!    256 MiB by write, read and send between two processes, and the GPU
+//!    example, verified; the doctor.
 //!
 //! It fails when anything fails, when fewer than `GPU_RDMA_MIN_VERBS_TESTS`
 //! (default 20) verbs tests passed in the guest, or when a transfer did not
 //! verify.
 //!
-//! `cargo xtask demo` is tier 2's transfer part alone.
+//! `cargo xtask demo` is the README's first command: the transfer example
+//! with no arguments, here; `demo --vm` is tier 2's two-process transfers.
 
 use std::fs;
 use std::io::{BufRead, BufReader, Write};
@@ -85,8 +90,14 @@ fn run_tee(cmd: &mut Command) -> Result<(bool, String)> {
     Ok((status.success(), text))
 }
 
-/// The test executables of targets named `verbs*`, built for this machine.
-fn verbs_test_executables() -> Result<Vec<PathBuf>> {
+/// The test targets that run in the guest with `--ignored`: those named
+/// `verbs*`, and the connection suite (whose verbs half is ignored here).
+fn runs_in_guest(name: &str) -> bool {
+    name.starts_with("verbs") || name == "connection"
+}
+
+/// The test executables that run in the guest, built for this machine.
+fn guest_test_executables() -> Result<Vec<PathBuf>> {
     let out = cargo()
         .args(["test", "--no-run", "--message-format=json-render-diagnostics"])
         .stderr(Stdio::inherit())
@@ -107,13 +118,13 @@ fn verbs_test_executables() -> Result<Vec<PathBuf>> {
             continue;
         };
         let is_test = msg["target"]["kind"].as_array().is_some_and(|k| k.iter().any(|v| v == "test"));
-        if is_test && name.starts_with("verbs") {
+        if is_test && runs_in_guest(name) {
             exes.push(PathBuf::from(exe));
         }
     }
     exes.sort();
     if exes.is_empty() {
-        return Err("no test targets named verbs* were built".into());
+        return Err("no test targets for the guest were built".into());
     }
     Ok(exes)
 }
@@ -182,6 +193,31 @@ fn cuda_stub_dir() -> Result<PathBuf> {
     Ok(dir)
 }
 
+/// The transfer example with no arguments, both ends in one process: how
+/// many of write, read and send it verified, and whether it said it runs on
+/// `transport`.
+fn loopback_verified(log: &str, transport: &str) -> std::result::Result<usize, String> {
+    let path = format!("path: {transport} ");
+    if !log.lines().any(|l| l.starts_with(&path)) {
+        return Err(format!("the transfer example with no arguments did not pick {transport}"));
+    }
+    let verified = ["write: ", "read: ", "send: "]
+        .iter()
+        .filter(|op| log.lines().any(|l| l.starts_with(*op) && l.contains("GB/s") && l.ends_with("verified")))
+        .count();
+    if verified != 3 {
+        return Err(format!("the transfer example with no arguments verified {verified} of write, read and send"));
+    }
+    Ok(verified)
+}
+
+const LOOPBACK: &str = r#"
+# The transfer example with no arguments: it must pick verbs on rxe0.
+target/release/examples/transfer --bytes 64MiB > "$VM_OUT/loopback.log" 2>&1
+echo "transfer exit $?" >> "$VM_OUT/loopback.log"
+echo "=== transfer with no arguments (64 MiB)"; sed 's/^/  /' "$VM_OUT/loopback.log"
+"#;
+
 const DOCTOR: &str = r#"
 # The doctor where there is an RDMA device (rxe0) and no GPU.
 target/release/gpu-rdma doctor > "$VM_OUT/doctor.txt" 2>&1; echo $? > "$VM_OUT/doctor.rc"
@@ -237,16 +273,24 @@ pub fn run() -> Result<i32> {
     }
     println!("\n== tier 1b (this machine): the CUDA layer against the test-only CUDA stand-in");
     let stub = cuda_stub_dir()?;
-    let (cuda_ok, cuda_out) =
-        run_tee(cargo().args(["test", "--test", "cuda", "--", "--ignored"]).env("LD_LIBRARY_PATH", &stub))?;
+    let (cuda_ok, cuda_out) = run_tee(
+        cargo().args(["test", "--test", "cuda", "--test", "gpu_tcp", "--", "--ignored"]).env("LD_LIBRARY_PATH", &stub),
+    )?;
     let cuda = Tally::parse(&cuda_out);
-    if !cuda_ok || cuda.suites == 0 {
-        failures.push("the CUDA layer tests on the stand-in".into());
+    if !cuda_ok || cuda.suites != 2 {
+        failures.push("the CUDA layer and GPU-over-TCP tests on the stand-in".into());
+    }
+
+    println!("\n== tier 1c (this machine): the README's first command, the transfer example with no arguments");
+    build_release_tools()?;
+    let (_, here_out) = run_tee(Command::new(root().join("target/release/examples/transfer")).current_dir(root()))?;
+    let here = loopback_verified(&here_out, "tcp");
+    if let Err(e) = &here {
+        failures.push(format!("{e} on this machine"));
     }
 
     println!("\n== tier 2 (soft-RoCE guest, rxe0): verbs tests and the transfer example");
-    let exes = verbs_test_executables()?;
-    build_release_tools()?;
+    let exes = guest_test_executables()?;
     let mut script =
         format!("export GPU_RDMA_TEST_DEVICE=rxe0 RUST_BACKTRACE=1 STUB={}\n", quote(&stub.to_string_lossy()));
     script.push_str("target/release/gpu-rdma devices > \"$VM_OUT/devices.log\" 2>&1; cat \"$VM_OUT/devices.log\"\n");
@@ -259,6 +303,7 @@ pub fn run() -> Result<i32> {
             quote(&exe.to_string_lossy())
         ));
     }
+    script.push_str(LOOPBACK);
     script.push_str(TRANSFERS);
     script.push_str(GPU_EXAMPLE);
     script.push_str(DOCTOR);
@@ -286,6 +331,11 @@ pub fn run() -> Result<i32> {
     }
     let transfers = transfer_results(&guest.dir);
     let verified = transfers.iter().filter(|(_, ok)| *ok).count();
+    let loopback_log = fs::read_to_string(guest.dir.join("loopback.log")).unwrap_or_default();
+    let loopback = loopback_verified(&loopback_log, "verbs");
+    if let Err(e) = &loopback {
+        failures.push(format!("{e} on rxe0"));
+    }
     let doctor = doctor_ok(&guest.dir);
     if let Err(e) = &doctor {
         failures.push(format!("gpu-rdma doctor in the guest: {e}"));
@@ -323,9 +373,14 @@ pub fn run() -> Result<i32> {
     );
     println!("tier 1b, CUDA stand-in: {} passed, {} failed", cuda.passed, cuda.failed);
     println!(
-        "tier 2, rxe0 in the guest: {} passed, {} failed verbs tests; {verified} of 3 transfers of 256 MiB verified; GPU example {gpu_verified} of 2 verified; doctor {}",
+        "tier 1c, the transfer example with no arguments: {} of 3 verified over TCP",
+        here.as_ref().copied().unwrap_or(0)
+    );
+    println!(
+        "tier 2, rxe0 in the guest: {} passed, {} failed verbs tests; with no arguments {} of 3 verified over verbs; {verified} of 3 transfers of 256 MiB verified; GPU example {gpu_verified} of 2 verified; doctor {}",
         verbs.passed,
         verbs.failed,
+        loopback.as_ref().copied().unwrap_or(0),
         if doctor.is_ok() { "right (rxe0 active, no GPU, exit 2, JSON parses)" } else { "wrong" }
     );
     for f in &failures {
@@ -339,7 +394,9 @@ pub fn run() -> Result<i32> {
         + u64::from(verbs.failed > 0)
         + (transfers.len() - verified) as u64
         + u64::from(gpu_verified != 2)
-        + u64::from(doctor.is_err());
+        + u64::from(doctor.is_err())
+        + u64::from(here.is_err())
+        + u64::from(loopback.is_err());
     let other = (failures.len() as u64).saturating_sub(counted);
     println!(
         "total: {} passed, {} failed",
@@ -348,19 +405,40 @@ pub fn run() -> Result<i32> {
             + verbs.passed
             + verified as u64
             + gpu_verified.min(2) as u64
-            + u64::from(doctor.is_ok()),
+            + u64::from(doctor.is_ok())
+            + u64::from(here.is_ok())
+            + u64::from(loopback.is_ok()),
         host.failed
             + cuda.failed
             + verbs.failed
             + (3 - verified.min(3)) as u64
             + (2 - gpu_verified.min(2)) as u64
             + u64::from(doctor.is_err())
+            + u64::from(here.is_err())
+            + u64::from(loopback.is_err())
             + other
     );
     Ok(if failures.is_empty() { 0 } else { 1 })
 }
 
-pub fn demo() -> Result<i32> {
+/// The README's first command: the transfer example with no arguments, on
+/// this machine. With `--vm`: between two processes on rxe0 in the guest.
+pub fn demo(args: &[String]) -> Result<i32> {
+    match args {
+        [] => {
+            setup::ensure_packages(setup::BUILD_PACKAGES)?;
+            let status = cargo()
+                .args(["run", "--quiet", "--release", "--example", "transfer"])
+                .status()
+                .map_err(|e| format!("cannot run cargo: {e}"))?;
+            Ok(status.code().unwrap_or(1))
+        }
+        [vm] if vm == "--vm" => demo_vm(),
+        _ => Err(format!("demo takes no arguments, or --vm; got {args:?}")),
+    }
+}
+
+fn demo_vm() -> Result<i32> {
     let kernel = setup::setup()?;
     build_release_tools()?;
     println!("xtask: demo: the transfer example between two processes in the soft-RoCE guest");
@@ -389,5 +467,16 @@ mod tests {
                     noise\n   test result: FAILED. 24 passed; 1 failed; 0 ignored; 0 measured; 0 filtered out; finished in 1s\n";
         assert_eq!(Tally::parse(text), Tally { passed: 53, failed: 1, ignored: 3, suites: 2 });
         assert_eq!(Tally::parse("nothing"), Tally::default());
+    }
+
+    #[test]
+    fn judges_the_transfer_example_by_its_path_and_verified_lines() {
+        let good = "transfer: 64 MiB\npath: verbs (rxe0)\nwrite: 1 bytes in 1 s = 0.1 GB/s, verified\n\
+                    read: 1 bytes in 1 s = 0.1 GB/s, verified\nsend: 1 bytes in 1 s = 0.1 GB/s, verified\n";
+        assert_eq!(loopback_verified(good, "verbs"), Ok(3));
+        assert!(loopback_verified(good, "tcp").is_err());
+        let bad = good.replace("send: 1 bytes in 1 s = 0.1 GB/s, verified", "send: MISMATCH at offset 7");
+        assert!(loopback_verified(&bad, "verbs").unwrap_err().contains("2 of"));
+        assert!(runs_in_guest("verbs_gpu") && runs_in_guest("connection") && !runs_in_guest("gpu_tcp"));
     }
 }
