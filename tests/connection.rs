@@ -129,6 +129,29 @@ fn write_then_read_back_through_an_advertised_region(t: Kind) {
     assert_eq!(&back[..], &data[4096..8192]);
 }
 
+fn withdrawing_a_region_while_a_peer_writes_it_stops_the_writes(t: Kind) {
+    // Once withdraw returns, the memory is this side's again: a write still
+    // streaming in must not land in it (it fails at the peer instead, or
+    // finished before the withdrawal).
+    let d = domain(t);
+    let len = 64 << 20;
+    let target = d.expose(d.alloc(len).unwrap(), Access::REMOTE_WRITE, 3).unwrap();
+    let (_s, c) = pair_on(&d, &d, opts().advertise(&target), opts());
+    let remote = c.remote_region(3).unwrap();
+    let mut src = d.alloc(len).unwrap();
+    src.fill(0xab);
+    let mut w = c.write(src, &remote.whole());
+    thread::sleep(Duration::from_millis(2));
+    let mut back = target.withdraw().unwrap();
+    back.fill(0x55);
+    let outcome = w.wait_timeout(Duration::from_secs(120));
+    assert!(!matches!(outcome, Err(Error::Timeout { .. })), "the write neither finished nor failed");
+    thread::sleep(Duration::from_millis(50));
+    let stray = back.iter().position(|&b| b != 0x55);
+    assert_eq!(stray, None, "the peer's write reached withdrawn memory");
+    eprintln!("the write {}", if outcome.is_ok() { "finished before the withdrawal" } else { "was cut off" });
+}
+
 fn write_with_immediate_delivers_data_and_notification(t: Kind) {
     let d = domain(t);
     let target = d.expose(d.alloc(8192).unwrap(), Access::REMOTE_WRITE, 1).unwrap();
@@ -577,6 +600,7 @@ both!(
     send_with_immediate_and_inline_sends,
     write_then_read_back_through_an_advertised_region,
     write_with_immediate_delivers_data_and_notification,
+    withdrawing_a_region_while_a_peer_writes_it_stops_the_writes,
     writes_and_reads_larger_than_the_maximum_message_are_split,
     a_batch_posts_several_operations_and_returns_every_buffer,
     a_write_with_a_wrong_rkey_is_a_remote_access_error_and_changes_nothing,

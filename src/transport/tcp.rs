@@ -46,8 +46,9 @@ pub(crate) const MAX_MESSAGE: u32 = 1 << 30;
 const SEGMENT: usize = 1 << 20;
 /// Bytes moved per system call while a gate is held (see [`Entry::alive`]).
 const STEP: usize = 1 << 20;
-/// Socket buffer sizes asked for.
-const SOCKET_BUFFER: libc::c_int = 4 << 20;
+/// The longest one receive call blocks (the socket's receive timeout): the
+/// longest a withdrawal waits for a stalled peer's write.
+const RECV_WAIT: Duration = Duration::from_millis(10);
 const HEADER: usize = 32;
 /// Inline sends copy at most this much into the request.
 const MAX_INLINE: u32 = 1024;
@@ -238,15 +239,17 @@ fn wait_fd(fd: RawFd, events: i16) -> io::Result<()> {
     }
 }
 
-/// Reads up to `len` bytes into `ptr` without blocking; 0 means EOF,
-/// `WouldBlock` nothing yet.
+/// Reads `len` bytes into `ptr`, or fewer if [`RECV_WAIT`] passes first
+/// (`WouldBlock` when none came); 0 means EOF.
 ///
 /// # Safety
 /// `ptr..ptr + len` must be valid for writes and not referenced by Rust code.
 unsafe fn recv_some(fd: RawFd, ptr: *mut u8, len: usize) -> io::Result<usize> {
     loop {
-        // SAFETY: the caller guarantees the destination.
-        let n = unsafe { libc::recv(fd, ptr.cast(), len, libc::MSG_DONTWAIT) };
+        // SAFETY: the caller guarantees the destination. The socket's receive
+        // timeout (RECV_WAIT) bounds the wait; MSG_WAITALL lets one call take a
+        // whole segment as it streams in, rather than one call per packet.
+        let n = unsafe { libc::recv(fd, ptr.cast(), len, libc::MSG_WAITALL) };
         if n >= 0 {
             return Ok(n as usize);
         }
@@ -257,9 +260,10 @@ unsafe fn recv_some(fd: RawFd, ptr: *mut u8, len: usize) -> io::Result<usize> {
     }
 }
 
-/// Fills `ptr..ptr+len` from the socket. `gate` is held only while bytes
-/// move (never across a wait for the network); when it reports the target
-/// gone the rest is read and dropped. Returns `Ok(false)` on EOF.
+/// Fills `ptr..ptr+len` from the socket. `gate` is held while bytes move
+/// and across at most one [`RECV_WAIT`] for the network, so a withdrawal
+/// waits at most that long; when it reports the target gone the rest is
+/// read and dropped. Returns `Ok(false)` on EOF.
 ///
 /// # Safety
 /// While `gate` returns true, `ptr..ptr + len` must be valid for writes and
@@ -288,7 +292,7 @@ unsafe fn recv_into(
         match n {
             Ok(0) => return Ok(false),
             Ok(n) => got += n,
-            // Nothing yet: wait for data without holding the gate.
+            // Nothing for a while: wait for data without holding the gate.
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => wait_fd(fd, libc::POLLIN)?,
             Err(e) => return Err(e),
         }
@@ -434,7 +438,14 @@ struct State {
 
 struct Inner {
     state: Mutex<State>,
-    cv: Condvar,
+    /// The sender thread waits here: queued messages, control frames,
+    /// stopping.
+    work: Condvar,
+    /// Everyone else: completions, queue room, posted receives, a drained
+    /// control queue at shutdown, a lost connection. Two condition
+    /// variables, so a completion does not wake the sender thread and a
+    /// queued frame does not wake the waiters.
+    events: Condvar,
     fd: RawFd,
     table: Table,
     domain_id: u64,
@@ -476,7 +487,7 @@ impl Inner {
         st.send_used -= held.send_wrs.min(st.send_used);
         st.recv_used -= held.recv_wrs.min(st.recv_used);
         drop(orphan);
-        self.cv.notify_all();
+        self.events.notify_all();
     }
 
     /// The connection broke: say why, and fail what no thread is touching.
@@ -497,7 +508,8 @@ impl Inner {
             st.awaiting.remove(&seq);
             self.complete(st, &raw(w, WcStatus::WrFlush));
         }
-        self.cv.notify_all();
+        self.work.notify_all();
+        self.events.notify_all();
     }
 }
 
@@ -512,22 +524,11 @@ impl TcpConn {
         _is_server: bool,
     ) -> Result<(TcpConn, ConnectionInfo)> {
         bootstrap::exchange_ready(&stream, deadline)?;
-        stream.set_read_timeout(None)?;
+        stream.set_read_timeout(Some(RECV_WAIT))?;
         stream.set_write_timeout(None)?;
         stream.set_nonblocking(false)?;
-        for opt in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
-            // SAFETY: setsockopt on our socket with an int option value; a refusal
-            // only leaves the default size.
-            unsafe {
-                libc::setsockopt(
-                    stream.as_raw_fd(),
-                    libc::SOL_SOCKET,
-                    opt,
-                    (&SOCKET_BUFFER as *const libc::c_int).cast(),
-                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-                )
-            };
-        }
+        // Socket buffers stay with the kernel's autotuning: a fixed SO_RCVBUF
+        // turns it off and is capped by net.core.rmem_max (208 KiB by default).
         let peer_addr = stream.peer_addr().ok();
         let max_message = u64::from(MAX_MESSAGE.min(theirs.max_message));
         let inner = Arc::new(Inner {
@@ -545,7 +546,8 @@ impl TcpConn {
                 send_used: 0,
                 recv_used: 0,
             }),
-            cv: Condvar::new(),
+            work: Condvar::new(),
+            events: Condvar::new(),
             fd: stream.as_raw_fd(),
             table: Arc::clone(&domain.inner.backend.tcp.table),
             domain_id: domain.id(),
@@ -660,7 +662,7 @@ impl TcpConn {
             if now >= deadline {
                 return Posted::Refused(Error::QueueFull { queue: "send", depth: self.inner.send_depth });
             }
-            st = self.inner.cv.wait_timeout(st, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+            st = self.inner.events.wait_timeout(st, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
         }
         let id = st.table.start(opcode, Held { send_wrs: n, recv_wrs: 0 }, Some(bytes));
         st.send_used += n;
@@ -674,7 +676,7 @@ impl TcpConn {
             }
             st.queue.push_back(Out { seq, wr_id, kind, addr, len });
         }
-        self.inner.cv.notify_all();
+        self.inner.work.notify_one();
         Posted::Ok(id)
     }
 
@@ -716,7 +718,7 @@ impl TcpConn {
         let id = st.table.start(Opcode::Recv, Held { send_wrs: 0, recv_wrs: 1 }, None);
         st.recv_used += 1;
         st.recvs.push_back(Recv { wr_id: id.wr_id(true), addr, len });
-        self.inner.cv.notify_all();
+        self.inner.events.notify_all();
         Posted::Ok(id)
     }
 
@@ -730,7 +732,7 @@ impl TcpConn {
             if now >= deadline {
                 return Err(Error::Timeout { what, after: timeout });
             }
-            st = self.inner.cv.wait_timeout(st, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+            st = self.inner.events.wait_timeout(st, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
         }
     }
 
@@ -773,14 +775,15 @@ impl TcpConn {
                 let r = reason.to_owned();
                 self.inner.break_with(&mut st, r);
             }
-            self.inner.cv.notify_all();
+            self.inner.work.notify_all();
             // Give the sender a moment to say bye before the socket closes.
             let t0 = Instant::now();
             while !st.control.is_empty() && t0.elapsed() < Duration::from_millis(200) {
-                st = self.inner.cv.wait_timeout(st, Duration::from_millis(10)).unwrap_or_else(|e| e.into_inner()).0;
+                st = self.inner.events.wait_timeout(st, Duration::from_millis(10)).unwrap_or_else(|e| e.into_inner()).0;
             }
             st.stopping = true;
-            self.inner.cv.notify_all();
+            self.inner.work.notify_all();
+            self.inner.events.notify_all();
         }
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
         let threads: Vec<JoinHandle<()>> = self.threads.lock().unwrap_or_else(|e| e.into_inner()).drain(..).collect();
@@ -826,6 +829,10 @@ fn sender(inner: &Inner) {
             let mut st = inner.lock();
             loop {
                 if let Some(c) = st.control.pop_front() {
+                    if st.lost.is_some() {
+                        // Shutdown may be waiting for the control queue to drain.
+                        inner.events.notify_all();
+                    }
                     break Work::Ctl(c);
                 }
                 if st.stopping {
@@ -840,10 +847,9 @@ fn sender(inner: &Inner) {
                         break Work::Out(o);
                     }
                 }
-                st = inner.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+                st = inner.work.wait(st).unwrap_or_else(|e| e.into_inner());
             }
         };
-        inner.cv.notify_all();
         let outcome = match work {
             Work::Ctl(Ctl::Ack { seq, status }) => {
                 send_header(fd, &Header { op: Op::Ack as u8, seq, total: status, ..Header::default() })
@@ -1040,8 +1046,8 @@ fn next_recv(inner: &Inner) -> std::result::Result<Option<Recv>, String> {
         }
         match deadline {
             Some(d) if Instant::now() >= d => return Ok(None),
-            Some(d) => st = inner.cv.wait_timeout(st, d - Instant::now()).unwrap_or_else(|e| e.into_inner()).0,
-            None => st = inner.cv.wait_timeout(st, Duration::from_millis(100)).unwrap_or_else(|e| e.into_inner()).0,
+            Some(d) => st = inner.events.wait_timeout(st, d - Instant::now()).unwrap_or_else(|e| e.into_inner()).0,
+            None => st = inner.events.wait_timeout(st, Duration::from_millis(100)).unwrap_or_else(|e| e.into_inner()).0,
         }
     }
 }
@@ -1115,7 +1121,7 @@ fn on_message(inner: &Inner, h: &Header, written: Option<u32>, scratch: &mut [u8
     };
     inner.complete(&mut st, &c);
     st.control.push_back(Ctl::Ack { seq: h.seq, status: 0 });
-    inner.cv.notify_all();
+    inner.work.notify_one();
     Ok(())
 }
 
@@ -1167,7 +1173,7 @@ fn on_write(inner: &Inner, h: &Header, scratch: &mut [u8]) -> Step {
     }
     let mut st = inner.lock();
     st.control.push_back(Ctl::Ack { seq: h.seq, status: 0 });
-    inner.cv.notify_all();
+    inner.work.notify_one();
     Ok(())
 }
 
@@ -1177,7 +1183,7 @@ fn on_read_request(inner: &Inner, h: &Header) -> Step {
         Some(entry) if entry.admits(h.addr, total, Access::REMOTE_READ) => {
             let mut st = inner.lock();
             st.control.push_back(Ctl::ReadResp { seq: h.seq, entry, addr: h.addr, len: total });
-            inner.cv.notify_all();
+            inner.work.notify_one();
             Ok(())
         }
         _ => refuse(
