@@ -6,7 +6,7 @@
 use std::fmt;
 use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::completion::Completion;
 use crate::domain::{Counter, Domain, Live};
@@ -14,7 +14,7 @@ use crate::error::{Error, Result};
 #[cfg(feature = "cuda")]
 use crate::memory::LocalParts;
 use crate::memory::{Exposed, LocalBuffer, LocalSlice, Memory, RemoteRegion, RemoteSlice};
-use crate::ops::OpId;
+use crate::ops::{Due, OpId};
 use crate::transport::{self, ConnTransport, Posted, RemoteOp, TransportPolicy, WorkItem};
 
 /// How to set a connection up, and how long to wait for things.
@@ -222,8 +222,8 @@ impl Connection {
         self.shared.peer_regions.iter().find(|r| r.tag == tag).copied()
     }
 
-    fn deadline(&self) -> Instant {
-        Instant::now() + self.shared.op_timeout
+    fn deadline(&self) -> Due {
+        Due::after(self.shared.op_timeout)
     }
 
     fn post_items<B: Send + 'static>(&self, buf: B, items: Result<Vec<WorkItem>>) -> Pending<B> {
@@ -646,9 +646,9 @@ impl<B: Send + 'static> Pending<B> {
     /// As [`wait`](Self::wait).
     pub fn wait_timeout(&mut self, timeout: Duration) -> Result<Completion> {
         const WHAT: &str = "an operation to complete";
-        let deadline = Instant::now() + timeout;
+        let mut due = Due::after(timeout);
         if let Stage::InFlight(id) = self.stage {
-            self.shared.transport.wait(id, deadline, WHAT, timeout)?;
+            self.shared.transport.wait(id, &mut due, WHAT)?;
         }
         #[cfg(feature = "cuda")]
         while let Stage::Staged(p) = &self.stage {
@@ -657,14 +657,16 @@ impl<B: Send + 'static> Pending<B> {
             if !matches!(self.stage, Stage::Staged(_)) {
                 break;
             }
-            let now = Instant::now();
+            let now = std::time::Instant::now();
+            let deadline = due.at_from(now);
             if now >= deadline {
                 return Err(Error::Timeout { what: WHAT, after: timeout });
             }
             match waiting_on {
                 // Sleep on the network step, briefly: copies finish meanwhile too.
                 Some(id) => {
-                    match self.shared.transport.wait(id, deadline.min(now + Duration::from_millis(1)), WHAT, timeout) {
+                    let mut slice = Due::after(deadline.min(now + Duration::from_millis(1)) - now);
+                    match self.shared.transport.wait(id, &mut slice, WHAT) {
                         Ok(()) | Err(Error::Timeout { .. }) => {}
                         Err(e) => return Err(e),
                     }

@@ -268,6 +268,7 @@
 
 #![warn(missing_docs)]
 
+pub mod bench;
 pub mod bootstrap;
 mod completion;
 mod connection;

@@ -23,7 +23,7 @@ use crate::cuda::{CudaDevice, CudaEvent, CudaStream, PinnedHost, copy_dtoh_async
 use crate::domain::Domain;
 use crate::error::{Error, Result};
 use crate::memory::{Access, LocalParts, Memory, RemoteSlice};
-use crate::ops::OpId;
+use crate::ops::{Due, OpId};
 use crate::transport::{ConnTransport, Posted, Registration, RemoteOp, WorkItem};
 
 /// Smallest slot: one GPU page.
@@ -314,10 +314,9 @@ impl Pipeline {
         let last = off + n >= self.len;
         let op = self.remote_op(off, n, last);
         let parts = self.steps[step].slot.as_ref().map(|s| s.parts(n, self.domain.id()));
-        let deadline = std::time::Instant::now() + self.post_timeout;
         let posted = match self.op {
             StagedOp::Recv => t.post_recv(parts),
-            _ => t.post_send(&[WorkItem { local: parts, op }], deadline),
+            _ => t.post_send(&[WorkItem { local: parts, op }], Due::after(self.post_timeout)),
         };
         match posted {
             Posted::Ok(id) => self.steps[step].state = StepState::Net(id),

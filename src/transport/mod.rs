@@ -7,7 +7,6 @@
 use std::fmt;
 use std::net::TcpStream;
 use std::str::FromStr;
-use std::time::Instant;
 
 use crate::bootstrap::{self, Deadline, Hello};
 use crate::completion::{Completion, Opcode};
@@ -15,7 +14,7 @@ use crate::connection::{ConnectOptions, ConnectionInfo};
 use crate::domain::{Domain, DomainConfig, DomainInfo};
 use crate::error::{BootstrapError, Error, Result};
 use crate::memory::{Access, LocalParts, RemoteRegion, RemoteSlice};
-use crate::ops::OpId;
+use crate::ops::{Due, OpId};
 
 pub(crate) mod tcp;
 #[cfg(feature = "verbs")]
@@ -460,27 +459,21 @@ impl ConnTransport {
         matches!(self, ConnTransport::Tcp(_))
     }
 
-    pub(crate) fn post_send(&self, items: &[WorkItem], deadline: Instant) -> Posted {
-        dispatch!(self, t => t.post_send(items, deadline))
+    pub(crate) fn post_send(&self, items: &[WorkItem], due: Due) -> Posted {
+        dispatch!(self, t => t.post_send(items, due))
     }
 
     pub(crate) fn post_recv(&self, local: Option<LocalParts>) -> Posted {
         dispatch!(self, t => t.post_recv(local))
     }
 
-    pub(crate) fn post_inline(&self, data: &[u8], imm: Option<u32>, deadline: Instant) -> Posted {
-        dispatch!(self, t => t.post_inline(data, imm, deadline))
+    pub(crate) fn post_inline(&self, data: &[u8], imm: Option<u32>, due: Due) -> Posted {
+        dispatch!(self, t => t.post_inline(data, imm, due))
     }
 
     /// Drives progress until `id` is done or the deadline passes.
-    pub(crate) fn wait(
-        &self,
-        id: OpId,
-        deadline: Instant,
-        what: &'static str,
-        timeout: std::time::Duration,
-    ) -> Result<()> {
-        dispatch!(self, t => t.wait_done(id, deadline, what, timeout))
+    pub(crate) fn wait(&self, id: OpId, due: &mut Due, what: &'static str) -> Result<()> {
+        dispatch!(self, t => t.wait_done(id, due, what))
     }
 
     /// Polls once; whether `id` is done.

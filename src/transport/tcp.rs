@@ -38,7 +38,7 @@ use crate::connection::{ConnectOptions, ConnectionInfo};
 use crate::domain::Domain;
 use crate::error::{Error, Result};
 use crate::memory::{Access, LocalParts};
-use crate::ops::{Held, OpId, OpTable, RawCompletion};
+use crate::ops::{Due, Held, OpId, OpTable, RawCompletion};
 
 /// The largest message (send, or write with immediate) this side accepts.
 pub(crate) const MAX_MESSAGE: u32 = 1 << 30;
@@ -641,7 +641,7 @@ impl TcpConn {
         Ok(out)
     }
 
-    fn enqueue(&self, opcode: Opcode, msgs: Vec<(OutKind, u64, u64)>, deadline: Instant) -> Posted {
+    fn enqueue(&self, opcode: Opcode, msgs: Vec<(OutKind, u64, u64)>, mut due: Due) -> Posted {
         let n = msgs.len() as u32;
         let bytes = msgs.iter().map(|m| m.2).sum();
         let mut st = self.inner.lock();
@@ -659,6 +659,7 @@ impl TcpConn {
                 )));
             }
             let now = Instant::now();
+            let deadline = due.at_from(now);
             if now >= deadline {
                 return Posted::Refused(Error::QueueFull { queue: "send", depth: self.inner.send_depth });
             }
@@ -680,22 +681,22 @@ impl TcpConn {
         Posted::Ok(id)
     }
 
-    pub(crate) fn post_send(&self, items: &[WorkItem], deadline: Instant) -> Posted {
+    pub(crate) fn post_send(&self, items: &[WorkItem], due: Due) -> Posted {
         let Some(last) = items.last() else {
             return Posted::Refused(Error::InvalidArgument("nothing to post".into()));
         };
         match self.plan(items) {
-            Ok(msgs) => self.enqueue(last.op.opcode(), msgs, deadline),
+            Ok(msgs) => self.enqueue(last.op.opcode(), msgs, due),
             Err(e) => Posted::Refused(e),
         }
     }
 
-    pub(crate) fn post_inline(&self, data: &[u8], imm: Option<u32>, deadline: Instant) -> Posted {
+    pub(crate) fn post_inline(&self, data: &[u8], imm: Option<u32>, due: Due) -> Posted {
         if data.len() as u64 > u64::from(MAX_INLINE) {
             return Posted::Refused(Error::MessageTooLarge { len: data.len() as u64, max: u64::from(MAX_INLINE) });
         }
         let opcode = if imm.is_some() { Opcode::SendWithImm } else { Opcode::Send };
-        self.enqueue(opcode, vec![(OutKind::Inline { data: data.to_vec(), imm }, 0, data.len() as u64)], deadline)
+        self.enqueue(opcode, vec![(OutKind::Inline { data: data.to_vec(), imm }, 0, data.len() as u64)], due)
     }
 
     pub(crate) fn post_recv(&self, local: Option<LocalParts>) -> Posted {
@@ -722,15 +723,16 @@ impl TcpConn {
         Posted::Ok(id)
     }
 
-    pub(crate) fn wait_done(&self, id: OpId, deadline: Instant, what: &'static str, timeout: Duration) -> Result<()> {
+    pub(crate) fn wait_done(&self, id: OpId, due: &mut Due, what: &'static str) -> Result<()> {
         let mut st = self.inner.lock();
         loop {
             if st.table.is_done(id) {
                 return Ok(());
             }
             let now = Instant::now();
+            let deadline = due.at_from(now);
             if now >= deadline {
-                return Err(Error::Timeout { what, after: timeout });
+                return Err(Error::Timeout { what, after: due.timeout() });
             }
             st = self.inner.events.wait_timeout(st, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
         }

@@ -15,7 +15,7 @@ use crate::connection::{ConnectOptions, ConnectionInfo};
 use crate::domain::{Domain, DomainConfig, DomainInfo};
 use crate::error::{Error, Result};
 use crate::memory::{Access, LocalParts};
-use crate::ops::{Held, OpId, OpTable, RawCompletion};
+use crate::ops::{Due, Held, OpId, OpTable, RawCompletion};
 use crate::verbs::{
     self, CompletionChannel, CompletionQueue, Context, DeviceAttr, GidChoice, LinkLayer, MemoryRegion, Mtu, PortAttr,
     ProtectionDomain, QpCaps, QpState, QueuePair, QueuePairBuilder, RecvWr, RtrAttr, RtsAttr, SendOp, SendWr, Sge,
@@ -116,6 +116,8 @@ fn random_psn() -> u32 {
 }
 
 const POLL_BATCH: usize = 32;
+/// Completion-queue polls between clock reads while busy-polling.
+const SPINS_PER_CLOCK: u32 = 64;
 
 struct State {
     // Declared first: dropped (destroyed) before the table's orphaned buffers.
@@ -372,8 +374,11 @@ impl VerbsConn {
     }
 
     /// Waits, driving progress, until `ready` holds or the deadline passes.
-    fn wait_until(&self, deadline: Instant, mut ready: impl FnMut(&mut State) -> bool) -> Result<bool> {
-        let spin_until = Instant::now() + self.spin;
+    fn wait_until(&self, due: &mut Due, mut ready: impl FnMut(&mut State) -> bool) -> Result<bool> {
+        // Both fixed at the first clock read, not before: a wait that ends
+        // within SPINS_PER_CLOCK polls never reads the clock.
+        let mut spin_until: Option<Instant> = None;
+        let mut spins = 0u32;
         loop {
             {
                 let mut st = self.lock();
@@ -382,11 +387,20 @@ impl VerbsConn {
                     return Ok(true);
                 }
             }
+            // Reading the clock is not free everywhere (a system call and an
+            // emulated timer read on machines without a usable TSC): while
+            // spinning, look at it only every SPINS_PER_CLOCK polls.
+            spins = spins.wrapping_add(1);
+            if !self.spin.is_zero() && spins % SPINS_PER_CLOCK != 0 {
+                std::hint::spin_loop();
+                continue;
+            }
             let now = Instant::now();
+            let deadline = due.at_from(now);
             if now >= deadline {
                 return Ok(false);
             }
-            if now < spin_until {
+            if now < *spin_until.get_or_insert(now + self.spin) {
                 std::hint::spin_loop();
                 continue;
             }
@@ -408,11 +422,11 @@ impl VerbsConn {
         }
     }
 
-    pub(crate) fn wait_done(&self, id: OpId, deadline: Instant, what: &'static str, timeout: Duration) -> Result<()> {
-        if self.wait_until(deadline, |st| st.table.is_done(id))? {
+    pub(crate) fn wait_done(&self, id: OpId, due: &mut Due, what: &'static str) -> Result<()> {
+        if self.wait_until(due, |st| st.table.is_done(id))? {
             Ok(())
         } else {
-            Err(Error::Timeout { what, after: timeout })
+            Err(Error::Timeout { what, after: due.timeout() })
         }
     }
 
@@ -552,7 +566,7 @@ impl VerbsConn {
         Ok(())
     }
 
-    pub(crate) fn post_send(&self, items: &[WorkItem], deadline: Instant) -> Posted {
+    pub(crate) fn post_send(&self, items: &[WorkItem], mut due: Due) -> Posted {
         let Some(last) = items.last() else {
             return Posted::Refused(Error::InvalidArgument("nothing to post".into()));
         };
@@ -618,7 +632,7 @@ impl VerbsConn {
             st.sges = sges;
             drop(st);
             let room = |s: &mut State| s.send_used + n <= self.send_depth || s.lost.is_some();
-            match self.wait_until(deadline, room) {
+            match self.wait_until(&mut due, room) {
                 Ok(true) => st = self.lock(),
                 Ok(false) => {
                     return Posted::Refused(Error::QueueFull { queue: "send", depth: self.send_depth });
@@ -628,7 +642,7 @@ impl VerbsConn {
         }
     }
 
-    pub(crate) fn post_inline(&self, data: &[u8], imm: Option<u32>, deadline: Instant) -> Posted {
+    pub(crate) fn post_inline(&self, data: &[u8], imm: Option<u32>, mut due: Due) -> Posted {
         if data.len() as u64 > u64::from(self.max_inline) {
             return Posted::Refused(Error::MessageTooLarge { len: data.len() as u64, max: u64::from(self.max_inline) });
         }
@@ -665,7 +679,7 @@ impl VerbsConn {
                 };
             }
             drop(st);
-            match self.wait_until(deadline, |s| s.send_used < self.send_depth || s.lost.is_some()) {
+            match self.wait_until(&mut due, |s| s.send_used < self.send_depth || s.lost.is_some()) {
                 Ok(true) => st = self.lock(),
                 Ok(false) => {
                     return Posted::Refused(Error::QueueFull { queue: "send", depth: self.send_depth });

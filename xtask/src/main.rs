@@ -11,10 +11,13 @@
 //! - `demo`: the README's first command: the transfer example with no
 //!   arguments, here, on the best path this machine has; `demo --vm`: two
 //!   processes on rxe0 in the guest.
+//! - `compare`: perftest and `gpu-rdma bench` interleaved on rxe0 in the
+//!   guest; medians and ratios.
 //! - `gpu-check`: the GPU checks as one folder (binaries, the rdma-core
 //!   libraries they link, `run.sh`) for a GPU machine without Rust; runs
 //!   them when this machine has a GPU.
 
+mod compare;
 mod gpu;
 mod setup;
 mod test;
@@ -35,6 +38,7 @@ commands:
   test                  cargo test here, then the verbs tests and the transfer example on rxe0
   demo [--vm]           the transfer example with no arguments here: best path, write/read/send, verified;
                           --vm: two processes on rxe0 in the guest, 256 MiB each way
+  compare [--rounds N]  perftest and gpu-rdma bench interleaved on rxe0: bandwidth, latency, ratios
   gpu-check [--run]     build the GPU checks into target/gpu-bundle (binaries, libraries, run.sh)
                           and run them when this machine has a GPU
 ";
@@ -47,6 +51,7 @@ fn main() -> ExitCode {
         Some("test") => test::run(),
         Some("demo") => test::demo(&args[1..]),
         Some("gpu-check") => gpu::command(&args[1..]),
+        Some("compare") => compare::command(&args[1..]),
         Some("-h" | "--help" | "help") | None => {
             print!("{USAGE}");
             Ok(0)

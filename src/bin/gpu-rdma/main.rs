@@ -8,6 +8,10 @@
 //!   how to fix it. Exit 0: usable for every GPU asked about; 1: not; 2:
 //!   could not tell.
 //! - `gpu-rdma topo`: the GPU x NIC matrix and the best NIC per GPU.
+//! - `gpu-rdma bench`: perftest's bandwidth and latency tests and table,
+//!   on every transport and memory path.
+
+mod bench;
 
 use std::process::ExitCode;
 
@@ -46,6 +50,10 @@ struct Sources {
 
 #[derive(Subcommand, Debug)]
 enum Cmd {
+    /// perftest's tests (write-bw, read-bw, send-bw, write-lat, read-lat,
+    /// send-lat) with its flags and table. Server: no address; client: the
+    /// server's address.
+    Bench(bench::BenchArgs),
     /// Is GPUDirect RDMA really usable here? Checks, the GPU x NIC matrix,
     /// and a verdict per GPU with reasons and fixes.
     Doctor {
@@ -93,6 +101,7 @@ fn main() -> ExitCode {
         Cmd::Gpu { gpu, bandwidth, bytes } => gpu_cmd(gpu, bandwidth, bytes as usize),
         Cmd::Doctor { sources, bytes } => doctor(&sources, bytes, false),
         Cmd::Topo { sources } => doctor(&sources, None, true),
+        Cmd::Bench(args) => bench::run(&args),
     }
 }
 
