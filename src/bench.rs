@@ -782,7 +782,8 @@ pub fn serve<B: Landing>(
             // Passive: the client's operations need nothing from this side.
             let done = conn.recv_imm();
             ready(conn)?;
-            wait_done(done, timeout)
+            wait_done(done, timeout)?;
+            end_of_test::<B>(conn, VecDeque::new(), timeout)
         }
         Test::SendBw => {
             let depth = conn.info().recv_queue_depth.clamp(1, 512) as usize;
@@ -793,7 +794,9 @@ pub fn serve<B: Landing>(
                 let Some(mut p) = posted.pop_front() else { unreachable!("receives are always posted") };
                 let c = p.wait_timeout(timeout)?;
                 if c.imm == Some(DONE) {
-                    return Ok(());
+                    // The receives still posted would swallow what this
+                    // connection receives next: the client fills them.
+                    return end_of_test(conn, posted, timeout);
                 }
                 posted.push_back(conn.recv(local.clone().slice(..whole)));
             }
@@ -807,7 +810,8 @@ pub fn serve<B: Landing>(
                 let c = rx.wait_timeout(timeout)?;
                 if c.imm == Some(DONE) {
                     sent_inline.drain(timeout)?;
-                    return sent.drain(timeout);
+                    sent.drain(timeout)?;
+                    return end_of_test::<B>(conn, VecDeque::new(), timeout);
                 }
                 rx = conn.recv(local.clone().slice(..whole));
                 let n = c.byte_len as usize;
@@ -827,7 +831,10 @@ pub fn serve<B: Landing>(
             ready(conn)?;
             loop {
                 let c = rx.wait_timeout(timeout)?;
-                let Some(imm) = c.imm.filter(|i| *i != DONE) else { return sent.drain(timeout) };
+                let Some(imm) = c.imm.filter(|i| *i != DONE) else {
+                    sent.drain(timeout)?;
+                    return end_of_test::<B>(conn, VecDeque::new(), timeout);
+                };
                 rx = local.await_write(conn);
                 let n = imm as usize;
                 let rs = client.slice(0..n as u64)?;
@@ -837,12 +844,30 @@ pub fn serve<B: Landing>(
     }
 }
 
-/// Tells a [`serve`]ing peer that the test is over.
+/// Tells a [`serve`]ing peer that the test is over, and returns once it
+/// is: the server answers with the number of receives it still has posted
+/// and this side fills them, so that the connection carries nothing of the
+/// test into whatever runs on it next.
 ///
 /// # Errors
 /// A failed send or a timeout.
 pub fn finish(conn: &Connection, timeout: Duration) -> Result<()> {
-    conn.send_inline(&[], Some(DONE)).wait_timeout(timeout).map(drop)
+    let mut answer = conn.recv_imm();
+    conn.send_inline(&[], Some(DONE)).wait_timeout(timeout)?;
+    let left = answer.wait_timeout(timeout)?.imm.unwrap_or(0);
+    let mut fill = Trailing::new();
+    for _ in 0..left {
+        fill.push(conn.send_inline(&[], None), timeout)?;
+    }
+    fill.drain(timeout)
+}
+
+/// The server's end of [`finish`]: says how many receives `posted` holds
+/// and waits for the client to fill them.
+fn end_of_test<B: LocalBuffer>(conn: &Connection, mut posted: VecDeque<Pending<B>>, timeout: Duration) -> Result<()> {
+    let left = u32::try_from(posted.len()).map_err(|_| Error::InvalidArgument("too many receives posted".into()))?;
+    conn.send_inline(&[], Some(left)).wait_timeout(timeout)?;
+    posted.iter_mut().try_for_each(|p| p.wait_timeout(timeout).map(drop))
 }
 
 fn wait_done(mut p: Pending<()>, timeout: Duration) -> Result<()> {

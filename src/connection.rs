@@ -168,6 +168,9 @@ pub(crate) struct Shared {
     staging: (usize, usize),
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     domain: Domain,
+    /// Staged GPU operations in progress, moved along by every wait.
+    #[cfg(feature = "cuda")]
+    staged: crate::staging::StagedSet,
     _live: Live,
 }
 
@@ -202,6 +205,8 @@ impl Connection {
                 op_timeout: opts.op_timeout,
                 staging: (opts.staging_chunk, opts.staging_depth),
                 domain: domain.clone(),
+                #[cfg(feature = "cuda")]
+                staged: crate::staging::StagedSet::default(),
                 _live: domain.live(Counter::Connections),
             }),
         })
@@ -548,7 +553,7 @@ enum Stage {
     InFlight(OpId),
     /// A staged GPU operation: copies and network steps in flight.
     #[cfg(feature = "cuda")]
-    Staged(Box<crate::staging::Pipeline>),
+    Staged(Arc<std::sync::Mutex<crate::staging::Pipeline>>),
     /// Part of it reached the device and the connection broke: the buffer
     /// stays until the connection is torn down. The error is reported once.
     Stuck(OpId, Option<Box<Error>>),
@@ -577,7 +582,27 @@ impl<B: Send + 'static> Pending<B> {
 
     #[cfg(feature = "cuda")]
     fn staged(shared: &Arc<Shared>, pipeline: crate::staging::Pipeline, buf: B) -> Self {
-        Pending::with(shared, buf, Stage::Staged(Box::new(pipeline)))
+        let pipeline = Arc::new(std::sync::Mutex::new(pipeline));
+        shared.staged.add(&pipeline);
+        Pending::with(shared, buf, Stage::Staged(pipeline))
+    }
+
+    /// Moves the connection's staged operations along (see
+    /// [`StagedSet`](crate::staging::StagedSet)).
+    /// Returns whether a copy is still in flight.
+    fn progress_staged(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        return self.shared.staged.progress(&self.shared.transport);
+        #[cfg(not(feature = "cuda"))]
+        false
+    }
+
+    /// Whether a wait must also move staged operations along.
+    fn staged_in_progress(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        return !self.shared.staged.is_empty();
+        #[cfg(not(feature = "cuda"))]
+        false
     }
 
     /// Records a success, running the after-hook first.
@@ -598,12 +623,16 @@ impl<B: Send + 'static> Pending<B> {
             },
             #[cfg(feature = "cuda")]
             Stage::Staged(p) => {
-                if let Err(e) = p.advance(&self.shared.transport) {
+                let mut p = p.lock().unwrap_or_else(|e| e.into_inner());
+                if let Err(e) = p.advance_owned(&self.shared.transport) {
                     // A CUDA failure: wait for what is in flight, then report it.
                     p.abandon(&self.shared.transport);
+                    drop(p);
                     self.stage = Stage::Failed(Some(Box::new(e)));
                 } else if p.finished() {
-                    match p.outcome() {
+                    let outcome = p.outcome();
+                    drop(p);
+                    match outcome {
                         Ok(c) => self.succeed(c),
                         Err(e) => self.stage = Stage::Failed(Some(Box::new(e))),
                     }
@@ -648,11 +677,19 @@ impl<B: Send + 'static> Pending<B> {
         const WHAT: &str = "an operation to complete";
         let mut due = Due::after(timeout);
         if let Stage::InFlight(id) = self.stage {
-            self.shared.transport.wait(id, &mut due, WHAT)?;
+            if self.staged_in_progress() {
+                self.wait_moving_staged(id, &mut due, timeout)?;
+            } else {
+                self.shared.transport.wait(id, &mut due, WHAT)?;
+            }
         }
         #[cfg(feature = "cuda")]
         while let Stage::Staged(p) = &self.stage {
-            let waiting_on = p.waiting_on();
+            let (waiting_on, copying) = {
+                let p = p.lock().unwrap_or_else(|e| e.into_inner());
+                (p.waiting_on(), p.copying())
+            };
+            let copying = self.progress_staged() | copying;
             self.collect();
             if !matches!(self.stage, Stage::Staged(_)) {
                 break;
@@ -665,7 +702,7 @@ impl<B: Send + 'static> Pending<B> {
             match waiting_on {
                 // Sleep on the network step, briefly: copies finish meanwhile too.
                 Some(id) => {
-                    let mut slice = Due::after(deadline.min(now + Duration::from_millis(1)) - now);
+                    let mut slice = Due::after(deadline.min(now + staged_slice(copying)) - now);
                     match self.shared.transport.wait(id, &mut slice, WHAT) {
                         Ok(()) | Err(Error::Timeout { .. }) => {}
                         Err(e) => return Err(e),
@@ -677,11 +714,37 @@ impl<B: Send + 'static> Pending<B> {
         self.report().unwrap_or(Err(Error::Timeout { what: WHAT, after: timeout }))
     }
 
+    /// Waits for a posted request in short slices, moving the connection's
+    /// staged operations along in between.
+    fn wait_moving_staged(&self, id: OpId, due: &mut Due, timeout: Duration) -> Result<()> {
+        const WHAT: &str = "an operation to complete";
+        loop {
+            let copying = self.progress_staged();
+            if self.shared.transport.poll(id)? {
+                return Ok(());
+            }
+            let now = std::time::Instant::now();
+            let deadline = due.at_from(now);
+            if now >= deadline {
+                return Err(Error::Timeout { what: WHAT, after: timeout });
+            }
+            let mut slice = Due::after(deadline.min(now + staged_slice(copying)) - now);
+            match self.shared.transport.wait(id, &mut slice, WHAT) {
+                Ok(()) => return Ok(()),
+                Err(Error::Timeout { .. }) => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
     /// Checks once, without blocking: `Some` when finished.
     ///
     /// # Errors
     /// As [`wait`](Self::wait), without the timeout.
     pub fn poll(&mut self) -> Result<Option<Completion>> {
+        if self.staged_in_progress() {
+            self.progress_staged();
+        }
         if let Stage::InFlight(id) = self.stage {
             if !self.shared.transport.poll(id)? {
                 return Ok(None);
@@ -729,13 +792,20 @@ impl<B: Send + 'static> Pending<B> {
     }
 }
 
+/// How long a wait sleeps on the network before it looks at the staged
+/// operations again: briefly while a copy is in flight (no completion will
+/// wake it when the copy ends), else up to a millisecond.
+fn staged_slice(copying: bool) -> Duration {
+    if copying { Duration::from_micros(20) } else { Duration::from_millis(1) }
+}
+
 impl<B: Send + 'static> Drop for Pending<B> {
     fn drop(&mut self) {
         #[cfg(feature = "cuda")]
-        if let Stage::Staged(p) = &mut self.stage {
+        if let Stage::Staged(p) = &self.stage {
             // Copies are waited for; slots still on the network stay with the
             // connection. The GPU buffer is then free to go.
-            p.abandon(&self.shared.transport);
+            p.lock().unwrap_or_else(|e| e.into_inner()).abandon(&self.shared.transport);
         }
         if let Stage::InFlight(id) | Stage::Stuck(id, _) = self.stage {
             // Still tracked: the table keeps the buffer until the final completion

@@ -163,6 +163,13 @@
 //! GPU memory over TCP takes the staged path (pinned host buffers, copies
 //! pipelined with the network): there is no NIC to register it with.
 //!
+//! ## Measuring
+//!
+//! [`bench`] holds perftest's tests as library loops (bandwidth with many
+//! requests in flight in signalled chains, latency by ping-pong), the same
+//! ones behind `gpu-rdma bench` and the criterion benches, so a framework
+//! can measure its own connections the way perftest would.
+//!
 //! ## Failure semantics
 //!
 //! | error | what happened | the connection | what to do |

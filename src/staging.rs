@@ -13,10 +13,17 @@
 //!
 //! Up to `depth` chunks are in flight. The operation completes when the last
 //! copy into the GPU is done, so its completion means "visible to CUDA".
+//!
+//! There is no progress thread: a staged operation moves when its handle is
+//! waited on or polled, and when any other operation of its connection is
+//! ([`StagedSet`]), so a ping-pong that waits only for the reply still gets
+//! its send out. A handle dropped early cancels what had not reached the
+//! network yet.
 
 use std::collections::VecDeque;
 use std::mem::ManuallyDrop;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 
 use crate::completion::{Completion, Opcode, WcStatus};
 use crate::cuda::{CudaDevice, CudaEvent, CudaStream, PinnedHost, copy_dtoh_async, copy_htod_async};
@@ -199,6 +206,12 @@ pub(crate) struct Pipeline {
     moved: u64,
     last: Option<Completion>,
     error: Option<Error>,
+    /// A CUDA failure met while another handle moved this one along; its
+    /// owner reports it.
+    deferred: Option<Error>,
+    /// Its handle was dropped: nothing more may start (the GPU buffer may
+    /// be gone).
+    abandoned: bool,
     post_timeout: std::time::Duration,
 }
 
@@ -237,6 +250,8 @@ impl Pipeline {
             moved: 0,
             last: None,
             error: None,
+            deferred: None,
+            abandoned: false,
             post_timeout,
         })
     }
@@ -261,6 +276,12 @@ impl Pipeline {
             StepState::Net(id) => Some(id),
             _ => None,
         })
+    }
+
+    /// Whether a copy between the GPU and a slot is in flight: something
+    /// to look at again soon, which no network completion will signal.
+    pub(crate) fn copying(&self) -> bool {
+        self.steps.iter().any(|s| matches!(s.state, StepState::CopyOut(_) | StepState::CopyIn(_)))
     }
 
     /// The outcome, once finished.
@@ -335,9 +356,30 @@ impl Pipeline {
         }
     }
 
+    /// What its owner does: a CUDA failure met meanwhile, else
+    /// [`advance`](Self::advance).
+    pub(crate) fn advance_owned(&mut self, t: &ConnTransport) -> Result<()> {
+        match self.deferred.take() {
+            Some(e) => Err(e),
+            None => self.advance(t),
+        }
+    }
+
+    /// What another handle does for it: advance, keeping a failure for the owner.
+    fn advance_for_owner(&mut self, t: &ConnTransport) {
+        if self.deferred.is_none() && !self.abandoned && !self.finished() {
+            if let Err(e) = self.advance(t) {
+                self.deferred = Some(e);
+            }
+        }
+    }
+
     /// Starts chunks while there is room, moves each along as its copy or
     /// network step finishes. Never blocks.
     pub(crate) fn advance(&mut self, t: &ConnTransport) -> Result<()> {
+        if self.abandoned {
+            return Ok(());
+        }
         while self.error.is_none() && self.steps.len() < self.depth && self.has_more() {
             let n = if self.op.single() { self.len } else { (self.len - self.next).min(self.chunk) };
             let off = self.next;
@@ -439,6 +481,7 @@ impl Pipeline {
     /// GPU buffer may be freed), and leave slots still on the network with
     /// the connection until the device is done with them.
     pub(crate) fn abandon(&mut self, t: &ConnTransport) {
+        self.abandoned = true;
         if let Err(e) = self.stager.d2h.synchronize().and_then(|()| self.stager.h2d.synchronize()) {
             tracing::error!("synchronizing the staging streams: {e}");
         }
@@ -449,5 +492,60 @@ impl Pipeline {
                 }
             }
         }
+    }
+}
+
+/// The staged operations of one connection that are still in progress.
+///
+/// A pipeline advances when its own handle is waited on or polled, and also
+/// whenever any other operation of the connection is: a ping-pong posts a
+/// staged send and then waits for the reply, and nothing but that wait is
+/// running to copy the message out and post it.
+#[derive(Default)]
+pub(crate) struct StagedSet {
+    /// How many entries `list` holds, read without the lock.
+    live: AtomicUsize,
+    list: Mutex<Vec<Weak<Mutex<Pipeline>>>>,
+}
+
+impl StagedSet {
+    /// Tracks `p` until its handle drops it.
+    pub(crate) fn add(&self, p: &Arc<Mutex<Pipeline>>) {
+        let mut list = self.list.lock().unwrap_or_else(|e| e.into_inner());
+        list.retain(|w| w.strong_count() > 0);
+        list.push(Arc::downgrade(p));
+        self.live.store(list.len(), Ordering::Release);
+    }
+
+    /// Whether no staged operation may be in progress (the common case:
+    /// then waits need not come here).
+    pub(crate) fn is_empty(&self) -> bool {
+        self.live.load(Ordering::Acquire) == 0
+    }
+
+    /// Moves every staged operation of the connection along, except those
+    /// another thread is moving right now. Never blocks. Returns whether a
+    /// copy is still in flight (a reason to come back soon).
+    pub(crate) fn progress(&self, t: &ConnTransport) -> bool {
+        if self.is_empty() {
+            return false;
+        }
+        let live: Vec<Arc<Mutex<Pipeline>>> = {
+            let mut list = self.list.lock().unwrap_or_else(|e| e.into_inner());
+            list.retain(|w| w.strong_count() > 0);
+            self.live.store(list.len(), Ordering::Release);
+            list.iter().filter_map(Weak::upgrade).collect()
+        };
+        let mut copying = false;
+        for p in live {
+            match p.try_lock() {
+                Ok(mut p) => {
+                    p.advance_for_owner(t);
+                    copying |= !p.abandoned && p.copying();
+                }
+                Err(_) => copying = true,
+            }
+        }
+        copying
     }
 }

@@ -571,6 +571,64 @@ fn a_listener_survives_a_bad_peer_and_accepts_the_next(t: Kind) {
     assert_eq!(rx.wait().unwrap().byte_len, 2);
 }
 
+fn every_bench_test_runs_twice_on_one_connection_and_leaves_it_clean(t: Kind) {
+    use gpu_rdma::bench::{self, LocalMode, Params, Row, Test};
+    let d = domain(t);
+    let rights = Access::REMOTE_WRITE | Access::REMOTE_READ;
+    let server_mem = d.expose(d.alloc(8192).unwrap(), rights, 1).unwrap();
+    let client_mem = d.expose(d.alloc(8192).unwrap(), rights, 2).unwrap();
+    let (s, c) = pair_on(&d, &d, opts().advertise(&server_mem), opts().advertise(&client_mem));
+    let (at_server, at_client) = (s.remote_region(2).unwrap(), c.remote_region(1).unwrap());
+    let limit = Duration::from_secs(30);
+    for test in Test::ALL {
+        for round in 0..2 {
+            let params = Params { test, sizes: vec![4096], iters: 40, tx_depth: 16, cq_mod: 4 };
+            let (served, row) = thread::scope(|sc| {
+                let server = sc.spawn(|| {
+                    bench::serve(&s, test, &server_mem, LocalMode::HOST, Some(&at_server), limit, |_| Ok(()))
+                });
+                let row = if test.is_bw() {
+                    bench::bandwidth(&c, test, &client_mem, LocalMode::HOST, Some(&at_client), 4096, &params, limit)
+                        .map(Row::Bw)
+                } else {
+                    bench::latency(&c, test, &client_mem, LocalMode::HOST, Some(&at_client), 4096, &params, limit)
+                        .map(Row::Lat)
+                };
+                let row = row.and_then(|row| bench::finish(&c, limit).map(|()| row));
+                (server.join().expect("the serving thread"), row)
+            });
+            served.unwrap_or_else(|e| panic!("{test} round {round}: the server: {e}"));
+            match row.unwrap_or_else(|e| panic!("{test} round {round}: the client: {e}")) {
+                Row::Bw(r) => assert!(r.iterations == 40 && r.bw_average_mib_s > 0.0, "{test}: {r:?}"),
+                Row::Lat(r) => assert!(r.iterations == 40 && r.t_min > 0.0 && r.t_min <= r.t_max, "{test}: {r:?}"),
+            }
+        }
+    }
+    // Nothing of the tests is left posted: the next message lands in the
+    // next receive.
+    let mut rx = s.recv(d.alloc(64).unwrap());
+    c.send_inline(b"clean", None).wait_timeout(limit).unwrap();
+    let got = rx.wait_timeout(Duration::from_secs(5)).expect("a receive posted by a test swallowed the message");
+    assert_eq!(got.byte_len, 5);
+    assert_eq!(&rx.into_buffer().unwrap()[..5], b"clean");
+}
+
+fn the_bench_refuses_a_client_whose_flags_differ_from_the_servers(t: Kind) {
+    use gpu_rdma::bench::{self, LocalMode, Params, Test};
+    let d = domain(t);
+    let (s, c) = pair(&d);
+    let (server_buf, client_buf) = (d.alloc(4096).unwrap().share(), d.alloc(4096).unwrap().share());
+    let limit = Duration::from_secs(30);
+    let params = |iters| Params { test: Test::SendLat, sizes: vec![64], iters, tx_depth: 16, cq_mod: 4 };
+    let (server, client) = thread::scope(|sc| {
+        let server = sc.spawn(|| bench::run_server(&s, &params(100), &server_buf, LocalMode::HOST, None, limit));
+        let client = bench::run_client(&c, &params(200), &client_buf, LocalMode::HOST, None, limit, |_| {});
+        (server.join().expect("the serving thread"), client)
+    });
+    assert!(matches!(server, Err(Error::InvalidArgument(ref m)) if m.contains("flags")), "{server:?}");
+    assert!(matches!(client, Err(Error::InvalidArgument(ref m)) if m.contains("flags")), "{client:?}");
+}
+
 /// Each test of the suite, on each transport.
 macro_rules! both {
     ($($name:ident),* $(,)?) => {
@@ -621,6 +679,8 @@ both!(
     a_silent_peer_is_a_timeout_within_the_handshake_timeout,
     a_peer_of_another_version_or_without_verbs_is_refused,
     a_listener_survives_a_bad_peer_and_accepts_the_next,
+    every_bench_test_runs_twice_on_one_connection_and_leaves_it_clean,
+    the_bench_refuses_a_client_whose_flags_differ_from_the_servers,
 );
 
 #[test]

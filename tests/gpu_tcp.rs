@@ -88,3 +88,40 @@ gpu_tcp_test! {
         assert_eq!(first_difference(&read_gpu(rx_buf.cuda(), len), &data), None, "send");
     }
 }
+
+gpu_tcp_test! {
+    fn a_staged_send_reaches_the_peer_while_its_owner_waits_only_for_the_reply() {
+        // A ping-pong in GPU memory: each side posts its send and waits for
+        // the next receive, not for the send; waiting on the receive must
+        // move the staged send along (copy out, post).
+        let d = tcp_domain();
+        let (s, c) = pair_on(&d, &d, opts(), opts());
+        let msg = pattern(4096, 5);
+        let ping = gpu_region(&d, 4096, Some(&msg)).share();
+        let pong = gpu_region(&d, 4096, None).share();
+        let echo = gpu_region(&d, 4096, None).share();
+        let limit = std::time::Duration::from_secs(10);
+        std::thread::scope(|sc| {
+            let server = sc.spawn(|| -> gpu_rdma::Result<()> {
+                let mut sent = Vec::new();
+                for _ in 0..20 {
+                    let n = s.recv(echo.clone()).wait_timeout(limit)?.byte_len as usize;
+                    sent.push(s.send(echo.clone().slice(..n)));
+                }
+                sent.iter_mut().try_for_each(|p| p.wait_timeout(limit).map(drop))
+            });
+            let mut sent = Vec::new();
+            for round in 0..20 {
+                let mut rx = c.recv(pong.clone());
+                sent.push(c.send(ping.clone().slice(..4096)));
+                let got = rx.wait_timeout(limit).unwrap_or_else(|e| panic!("round {round}: no reply: {e}"));
+                assert_eq!(got.byte_len, 4096);
+            }
+            for p in &mut sent {
+                p.wait_timeout(limit).unwrap();
+            }
+            server.join().unwrap().expect("the echoing side");
+        });
+        assert_eq!(first_difference(&read_gpu(pong.cuda(), 4096), &msg), None);
+    }
+}

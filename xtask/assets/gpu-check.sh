@@ -55,6 +55,37 @@ fi
 "$HERE/bin/gpu-tcp-tests" --ignored --test-threads=1 > "$OUT/gpu-tcp.log" 2>&1 || fails=$((fails + 1))
 grep -E '^test |test result' "$OUT/gpu-tcp.log" | tee -a "$REPORT"
 
+section "gpu-rdma bench: --mem-path sweep over TCP (write-bw and read-bw, 1 MiB; send-lat, 4 KiB)"
+# Host memory against GPU memory staged through host memory, in perftest's
+# table. Direct paths need an RDMA NIC; forcing one here must be a clear error.
+sweep() { # transport, extra flags, test, size, iterations, mem-path
+  local log="$OUT/bench-$1-$3-$6.log"
+  "$HERE/bin/gpu-rdma" bench "$3" --transport "$1" $2 --mem-path "$6" -s "$4" -n "$5" --bind 127.0.0.1 -p 18530 > "$log.server" 2>&1 &
+  local sp=$!
+  sleep 1
+  timeout 300 "$HERE/bin/gpu-rdma" bench "$3" --transport "$1" $2 --mem-path "$6" -s "$4" -n "$5" -p 18530 127.0.0.1 > "$log" 2>&1
+  local rc=$?
+  wait $sp
+  echo "  $3 $6 (exit $rc): $(grep -E '^ path:' "$log" | head -n 1 | cut -c1-160)"
+  grep -A1 '#bytes' "$log" | tail -n 1 | sed 's/^/    /'
+  return $rc
+}
+for t in "write-bw 1MiB 500" "read-bw 1MiB 500" "send-lat 4096 1000"; do
+  set -- $t
+  for mp in host staged; do
+    row=$(sweep tcp "--gpu 0" "$1" "$2" "$3" "$mp" 2>&1) || fails=$((fails + 1))
+    say "$row"
+  done
+done
+for mp in dmabuf peermem; do
+  if sweep tcp "--gpu 0" write-bw 1MiB 100 "$mp" > "$OUT/sweep-$mp.txt" 2>&1; then
+    say "  --mem-path $mp over TCP: ran, but there is no NIC to register GPU memory with: FAILED"
+    fails=$((fails + 1))
+  else
+    say "  --mem-path $mp over TCP: refused, as it must be: $(grep -h 'gpu-rdma bench:' "$OUT"/bench-tcp-write-bw-$mp.log* | head -n 1 | cut -c1-200)"
+  fi
+done
+
 section "staged pipeline between two GPU buffers over soft-RoCE"
 # The machine has no RDMA NIC. Soft-RoCE, where the kernel has it, gives a
 # real verbs transport; no IPv4 address is assigned (link-local GID only).

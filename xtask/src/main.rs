@@ -11,12 +11,14 @@
 //! - `demo`: the README's first command: the transfer example with no
 //!   arguments, here, on the best path this machine has; `demo --vm`: two
 //!   processes on rxe0 in the guest.
+//! - `bench`: the criterion suite `benches/ops.rs` in the guest, on rxe0.
 //! - `compare`: perftest and `gpu-rdma bench` interleaved on rxe0 in the
 //!   guest; medians and ratios.
 //! - `gpu-check`: the GPU checks as one folder (binaries, the rdma-core
 //!   libraries they link, `run.sh`) for a GPU machine without Rust; runs
 //!   them when this machine has a GPU.
 
+mod bench;
 mod compare;
 mod gpu;
 mod setup;
@@ -38,6 +40,7 @@ commands:
   test                  cargo test here, then the verbs tests and the transfer example on rxe0
   demo [--vm]           the transfer example with no arguments here: best path, write/read/send, verified;
                           --vm: two processes on rxe0 in the guest, 256 MiB each way
+  bench                 the criterion suite benches/ops.rs on rxe0 in the guest (verbs and TCP)
   compare [--rounds N]  perftest and gpu-rdma bench interleaved on rxe0: bandwidth, latency, ratios
   gpu-check [--run]     build the GPU checks into target/gpu-bundle (binaries, libraries, run.sh)
                           and run them when this machine has a GPU
@@ -52,6 +55,7 @@ fn main() -> ExitCode {
         Some("demo") => test::demo(&args[1..]),
         Some("gpu-check") => gpu::command(&args[1..]),
         Some("compare") => compare::command(&args[1..]),
+        Some("bench") => bench::command(&args[1..]),
         Some("-h" | "--help" | "help") | None => {
             print!("{USAGE}");
             Ok(0)
