@@ -60,6 +60,9 @@ pub struct ConnectOptions {
     pub transport: TransportPolicy,
     /// Staged GPU memory: chunks in flight per operation (default 4, at least 2).
     pub staging_depth: usize,
+    /// A shared secret both sides must hold (default: none, or
+    /// `GPU_RDMA_SECRET` when set); see [`secret`](Self::secret).
+    pub secret: Option<crate::bootstrap::Secret>,
 }
 
 impl Default for ConnectOptions {
@@ -82,6 +85,7 @@ impl Default for ConnectOptions {
             staging_chunk: 4 << 20,
             transport: TransportPolicy::Auto,
             staging_depth: 4,
+            secret: crate::bootstrap::Secret::from_env(),
         }
     }
 }
@@ -90,6 +94,15 @@ impl ConnectOptions {
     /// Sends `region`'s descriptor to the peer in the handshake.
     pub fn advertise<M: Memory>(mut self, region: &Exposed<M>) -> Self {
         self.advertise.push(region.descriptor());
+        self
+    }
+
+    /// Requires the peer to prove that it holds `secret` before anything
+    /// else is exchanged (mutual challenge-response; the secret never
+    /// crosses the wire). A peer with another secret or none is refused,
+    /// and both sides get [`BootstrapError::Auth`](crate::BootstrapError::Auth).
+    pub fn secret(mut self, secret: crate::bootstrap::Secret) -> Self {
+        self.secret = Some(secret);
         self
     }
 
@@ -220,6 +233,20 @@ impl Connection {
     /// The regions the peer advertised in the handshake.
     pub fn remote_regions(&self) -> &[RemoteRegion] {
         &self.shared.peer_regions
+    }
+
+    /// Lets the peer reach `region` through this connection, after the
+    /// handshake; returns the descriptor to send it (in a message of your
+    /// own). Regions advertised in the handshake need no grant.
+    ///
+    /// On TCP a peer reaches only the regions advertised or granted on its
+    /// connection. On verbs a remote key is valid on every queue pair of the
+    /// domain's protection domain: to keep peers apart there, give each its
+    /// own [`Domain`] (one protection domain each).
+    pub fn grant<M: Memory>(&self, region: &Exposed<M>) -> RemoteRegion {
+        let d = region.descriptor();
+        self.shared.transport.grant(d.rkey);
+        d
     }
 
     /// The peer's region with `tag`.

@@ -299,6 +299,26 @@ pub enum BootstrapError {
     /// The peer's endpoint cannot be used with ours.
     #[error("incompatible peer: {0}")]
     Incompatible(String),
+    /// The shared-secret check failed; nothing else was exchanged.
+    #[error("authentication failed: {0}")]
+    Auth(AuthFailure),
+}
+
+/// Why the shared-secret check failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum AuthFailure {
+    /// The two sides hold different secrets.
+    #[error("the peer's shared secret differs from this side's ({})", if *.detected_here { "its proof did not verify here" } else { "it refused this side's proof" })]
+    SecretMismatch {
+        /// Whether this side found out (else the peer did and said so).
+        detected_here: bool,
+    },
+    /// This side requires a secret; the peer started without one.
+    #[error("this side requires a shared secret and the peer has none (set the same secret on both sides)")]
+    PeerHasNoSecret,
+    /// The peer requires a secret; this side has none.
+    #[error("the peer requires a shared secret and this side has none (ConnectOptions::secret, or GPU_RDMA_SECRET)")]
+    NoSecretHere,
 }
 
 /// `Result` with this crate's [`Error`].

@@ -165,7 +165,7 @@
 //!
 //! ## Measuring
 //!
-//! [`bench`] holds perftest's tests as library loops (bandwidth with many
+//! [`bench`](mod@bench) holds perftest's tests as library loops (bandwidth with many
 //! requests in flight in signalled chains, latency by ping-pong), the same
 //! ones behind `gpu-rdma bench` and the criterion benches, so a framework
 //! can measure its own connections the way perftest would.
@@ -179,7 +179,18 @@
 //! | [`Error::Completion`] | the device failed the operation | the queue pair is in the error state ([`Connection::broken`] says why) | connect again |
 //! | [`Error::ConnectionLost`] | the peer closed or died, or this side closed | broken | connect again |
 //! | [`Error::Bootstrap`], [`Error::Timeout`] from connect/accept | the handshake failed | never established; a listener stays usable | check the peer, retry |
+//! | [`BootstrapError::Auth`] | the shared secrets differ, or only one side has one (both sides get it; nothing but nonces and proofs was exchanged) | never established | give both sides the same [`ConnectOptions::secret`] (or `GPU_RDMA_SECRET`) |
 //! | [`Error::NoDevice`], [`Error::DeviceNotFound`], [`Error::NoActivePort`], [`Error::NoGid`] | no usable RDMA port | - | see the reason; `gpu-rdma devices` |
+//!
+//! ## Access control
+//!
+//! - Registration grants local access only; [`Domain::expose`] adds exactly
+//!   the remote rights asked for (no remote read or atomics unless asked).
+//! - [`Exposed::withdraw`] deregisters: a peer still using the old key gets
+//!   a remote-access error, never this memory or whatever reuses it.
+//! - [`ConnectOptions::secret`]: mutual challenge-response (HMAC-SHA256
+//!   over fresh nonces, role-bound, compared in constant time) before the
+//!   hello, so a peer without the secret never sees an endpoint or a key.
 //!
 //! ## Cargo features
 //!
@@ -292,7 +303,7 @@ pub mod verbs;
 pub use completion::{Completion, CompletionError, Opcode, WcStatus};
 pub use connection::{Batch, ConnectOptions, Connection, ConnectionInfo, Pending};
 pub use domain::{BufError, Domain, DomainConfig, DomainInfo, DomainStats, Listener};
-pub use error::{BootstrapError, Error, Result};
+pub use error::{AuthFailure, BootstrapError, Error, Result};
 pub use memory::{
     Access, Exposed, HostMemory, LocalBuffer, LocalSlice, Memory, MemoryKind, Region, RemoteRegion, RemoteSlice,
     Shared, WithdrawError,

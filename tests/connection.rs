@@ -19,10 +19,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use gpu_rdma::bootstrap::{self, FrameKind, Hello};
+use gpu_rdma::bootstrap::{self, FrameKind, Hello, Secret};
 use gpu_rdma::{
-    Access, BootstrapError, ConnectOptions, Domain, DomainConfig, DomainStats, Error, HostMemory, LocalBuffer, Memory,
-    Opcode, RemoteSlice, WcStatus,
+    Access, AuthFailure, BootstrapError, ConnectOptions, Domain, DomainConfig, DomainStats, Error, HostMemory,
+    LocalBuffer, Memory, Opcode, RemoteSlice, WcStatus,
 };
 
 use common::{Kind, device, domain, opts, pair, pair_on, pattern};
@@ -172,12 +172,14 @@ fn writes_and_reads_larger_than_the_maximum_message_are_split(t: Kind) {
     let max = c.info().max_message_size;
     let len = (max as usize * 2 + 12_345).min(40 << 20);
     let target = d.expose(d.alloc(len).unwrap(), Access::REMOTE_WRITE | Access::REMOTE_READ, 0).unwrap();
+    // Exposed after the handshake: granted to this connection's peer.
+    let remote = s.grant(&target);
     let data = pattern(len, 8);
-    c.write(filled(&d, &data), &target.descriptor().whole()).wait().unwrap();
+    c.write(filled(&d, &data), &remote.whole()).wait().unwrap();
     let mut check = vec![0u8; len];
     target.read_at(0, &mut check).unwrap();
     assert!(check == data, "split write corrupted data");
-    let (_, back) = c.read(d.alloc(len).unwrap(), &target.descriptor().whole()).finish().unwrap();
+    let (_, back) = c.read(d.alloc(len).unwrap(), &remote.whole()).finish().unwrap();
     assert!(back[..] == data[..], "split read corrupted data");
     // A single message cannot be split: a send that large is refused, buffer kept.
     if (len as u64) > max {
@@ -190,9 +192,9 @@ fn writes_and_reads_larger_than_the_maximum_message_are_split(t: Kind) {
 
 fn a_batch_posts_several_operations_and_returns_every_buffer(t: Kind) {
     let d = domain(t);
-    let (_s, c) = pair(&d);
+    let (s, c) = pair(&d);
     let target = d.expose(d.alloc(4 * 4096).unwrap(), Access::REMOTE_WRITE, 0).unwrap();
-    let remote = target.descriptor();
+    let remote = s.grant(&target);
     let mut batch = c.batch();
     for i in 0..4u64 {
         let data = pattern(4096, 100 + i);
@@ -213,6 +215,7 @@ fn victim(t: Kind, access: Access) -> (Domain, gpu_rdma::Exposed, gpu_rdma::Conn
     let original = pattern(64 * 1024, 9);
     let target = d.expose(filled(&d, &original), access, 0).unwrap();
     let (s, c) = pair(&d);
+    s.grant(&target);
     (d, target, s, c, original)
 }
 
@@ -220,6 +223,91 @@ fn assert_unchanged(target: &gpu_rdma::Exposed, original: &[u8]) {
     let mut now = vec![0u8; original.len()];
     target.read_at(0, &mut now).unwrap();
     assert!(now == original, "the peer's memory changed");
+}
+
+fn a_region_is_reachable_only_through_the_connection_it_was_advertised_on(t: Kind) {
+    // TCP enforces it per connection; verbs per protection domain, so the
+    // verbs recipe is one domain per peer (the next test).
+    assert_eq!(t, Kind::Tcp, "verbs scopes keys by protection domain, not by connection");
+    let d = domain(t);
+    let original = pattern(8192, 12);
+    let target = d.expose(filled(&d, &original), Access::REMOTE_WRITE | Access::REMOTE_READ, 3).unwrap();
+    let (_s1, c1) = pair_on(&d, &d, opts().advertise(&target), opts());
+    let seen_by_c1 = c1.remote_region(3).expect("advertised to c1");
+    // Another peer learns the descriptor some other way: still refused,
+    // memory intact (each on a fresh connection: the error breaks it).
+    for op in ["write", "read"] {
+        let (s2, c2) = pair(&d);
+        assert!(c2.remote_region(3).is_none());
+        let err = match op {
+            "write" => c2.write(filled(&d, &[0xee; 4096]), &seen_by_c1.slice(0..4096).unwrap()).wait(),
+            _ => c2.read(d.alloc(4096).unwrap(), &seen_by_c1.slice(0..4096).unwrap()).wait(),
+        }
+        .unwrap_err();
+        assert!(err.is_remote_access(), "{op}: {err}");
+        assert_unchanged(&target, &original);
+        drop(s2);
+    }
+    // Granted on c2's connection: now reachable through it too.
+    let (s3, c3) = pair(&d);
+    let granted = s3.grant(&target);
+    c3.write(filled(&d, &[0x5a; 4096]), &granted.slice(0..4096).unwrap()).wait().unwrap();
+    let mut now = vec![0u8; 4096];
+    target.read_at(0, &mut now).unwrap();
+    assert_eq!(now, vec![0x5a; 4096]);
+    drop((s3, c3));
+}
+
+fn peers_on_separate_domains_cannot_reach_each_others_regions(t: Kind) {
+    let (d1, d2) = (domain(t), domain(t));
+    let original = pattern(8192, 13);
+    let target = d1.expose(filled(&d1, &original), Access::REMOTE_WRITE, 4).unwrap();
+    let (_s1, c1) = pair_on(&d1, &d1, opts().advertise(&target), opts());
+    let (_s2, c2) = pair_on(&d2, &d2, opts(), opts());
+    let desc = c1.remote_region(4).unwrap();
+    let err = c2.write(filled(&d2, &[0xee; 4096]), &desc.slice(0..4096).unwrap()).wait().unwrap_err();
+    assert!(err.is_remote_access(), "{err}");
+    assert_unchanged(&target, &original);
+}
+
+fn a_withdrawn_regions_key_is_a_remote_access_error_never_stale_or_reused_memory(t: Kind) {
+    let d = domain(t);
+    let first = d.expose(filled(&d, &[1u8; 8192]), Access::REMOTE_WRITE | Access::REMOTE_READ, 6).unwrap();
+    let (s, c) = pair_on(&d, &d, opts().advertise(&first), opts());
+    let old = c.remote_region(6).unwrap();
+    c.write(filled(&d, &[2u8; 4096]), &old.slice(0..4096).unwrap()).wait().unwrap();
+    let region = first.withdraw().unwrap_or_else(|e| panic!("{e}"));
+    // The same memory exposed again, and other regions made meanwhile: the
+    // old key reaches none of them.
+    let again = d.expose(region, Access::REMOTE_WRITE | Access::REMOTE_READ, 6).unwrap();
+    let others: Vec<_> = (0..8).map(|i| d.expose(filled(&d, &[i; 8192]), Access::REMOTE_WRITE, 10).unwrap()).collect();
+    for r in std::iter::once(&again).chain(&others) {
+        s.grant(r);
+    }
+    let before: Vec<Vec<u8>> = std::iter::once(&again)
+        .chain(&others)
+        .map(|r| {
+            let mut v = vec![0u8; 8192];
+            r.read_at(0, &mut v).unwrap();
+            v
+        })
+        .collect();
+    let err = c.write(filled(&d, &[3u8; 4096]), &old.slice(0..4096).unwrap()).wait().unwrap_err();
+    assert!(err.is_remote_access(), "write with the old key: {err}");
+    // A remote-access error breaks a verbs queue pair: the read goes on a
+    // fresh connection (that may reach every region above).
+    let (s2, c2) = pair(&d);
+    for r in std::iter::once(&again).chain(&others) {
+        s2.grant(r);
+    }
+    let err = c2.read(d.alloc(4096).unwrap(), &old.slice(0..4096).unwrap()).wait().unwrap_err();
+    assert!(err.is_remote_access(), "read with the old key: {err}");
+    for (r, was) in std::iter::once(&again).chain(&others).zip(&before) {
+        let mut v = vec![0u8; 8192];
+        r.read_at(0, &mut v).unwrap();
+        assert!(&v == was, "memory behind a withdrawn key changed");
+    }
+    drop((s, s2));
 }
 
 fn a_write_with_a_wrong_rkey_is_a_remote_access_error_and_changes_nothing(t: Kind) {
@@ -571,6 +659,94 @@ fn a_listener_survives_a_bad_peer_and_accepts_the_next(t: Kind) {
     assert_eq!(rx.wait().unwrap().byte_len, 2);
 }
 
+/// The outcome of one handshake between a side holding `server` and one
+/// holding `client` (each `None` for no secret): (server, client).
+fn handshake_with(
+    d: &Domain,
+    server: Option<&str>,
+    client: Option<&str>,
+) -> (gpu_rdma::Result<gpu_rdma::Connection>, gpu_rdma::Result<gpu_rdma::Connection>) {
+    let with = |s: Option<&str>| match s {
+        Some(s) => quick().secret(Secret::new(s).unwrap()),
+        None => quick(),
+    };
+    let listener = d.listen("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server_opts = with(server);
+    let accepted = thread::spawn(move || listener.accept_timeout(&server_opts, Duration::from_secs(20)));
+    let connected = d.connect(addr, &with(client));
+    (accepted.join().unwrap(), connected)
+}
+
+fn a_shared_secret_admits_only_peers_that_know_it(t: Kind) {
+    let auth = |r: &gpu_rdma::Result<gpu_rdma::Connection>| match r {
+        Err(Error::Bootstrap(BootstrapError::Auth(f))) => Some(*f),
+        Ok(_) => None,
+        Err(e) => panic!("not an authentication error: {e}"),
+    };
+    let d = domain(t);
+    // The same secret: connected, and the connection works.
+    let (s, c) = handshake_with(&d, Some("open sesame"), Some("open sesame"));
+    let (s, c) = (s.expect("the same secret, accepted"), c.expect("the same secret, connected"));
+    let mut rx = s.recv(d.alloc(64).unwrap());
+    c.send_inline(b"in", None).wait().unwrap();
+    assert_eq!(rx.wait().unwrap().byte_len, 2);
+    // Another secret: refused on both sides, each saying so.
+    let (s, c) = handshake_with(&d, Some("open sesame"), Some("open sesame!"));
+    let (s, c) = (auth(&s), auth(&c));
+    assert!(matches!(s, Some(AuthFailure::SecretMismatch { .. })), "{s:?}");
+    assert!(matches!(c, Some(AuthFailure::SecretMismatch { .. })), "{c:?}");
+    assert!(
+        matches!(s, Some(AuthFailure::SecretMismatch { detected_here: true }))
+            || matches!(c, Some(AuthFailure::SecretMismatch { detected_here: true }))
+    );
+    // A secret on one side only: refused on both, each naming who lacks it.
+    let (s, c) = handshake_with(&d, Some("open sesame"), None);
+    assert_eq!((auth(&s), auth(&c)), (Some(AuthFailure::PeerHasNoSecret), Some(AuthFailure::NoSecretHere)));
+    let (s, c) = handshake_with(&d, None, Some("open sesame"));
+    assert_eq!((auth(&s), auth(&c)), (Some(AuthFailure::NoSecretHere), Some(AuthFailure::PeerHasNoSecret)));
+}
+
+fn the_secret_never_crosses_the_wire_and_a_peer_without_it_learns_nothing(t: Kind) {
+    // A fake server that plays the protocol up to the proof and keeps every
+    // byte the client sends.
+    let secret = "correct horse battery staple";
+    let (tx, rx) = std::sync::mpsc::channel();
+    let addr = fake_peer(move |mut s| {
+        let mut seen = Vec::new();
+        let mut buf = [0u8; 4096];
+        let _ = s.write_all(&bootstrap::encode_frame(FrameKind::Challenge, &[7u8; 32]));
+        let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+        while let Ok(n @ 1..) = s.read(&mut buf) {
+            seen.extend_from_slice(&buf[..n]);
+            if seen.len() >= 2 * (bootstrap::HEADER_LEN + 32) {
+                // Challenge and proof are in; refuse with a made-up proof.
+                let _ = s.write_all(&bootstrap::encode_frame(FrameKind::Proof, &[9u8; 32]));
+                let _ = s.read(&mut buf).map(|n| seen.extend_from_slice(&buf[..n]));
+                break;
+            }
+        }
+        let _ = tx.send(seen);
+    });
+    let d = domain(t);
+    let target = d.expose(d.alloc(4096).unwrap(), Access::REMOTE_WRITE, 5).unwrap();
+    let err = d.connect(addr, &quick().secret(Secret::new(secret).unwrap()).advertise(&target)).unwrap_err();
+    assert!(
+        matches!(err, Error::Bootstrap(BootstrapError::Auth(AuthFailure::SecretMismatch { detected_here: true }))),
+        "{err}"
+    );
+    let seen = rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    let h = bootstrap::HEADER_LEN;
+    assert!(seen.len() >= 2 * (h + 32), "{} bytes", seen.len());
+    assert!(!seen.windows(secret.len()).any(|w| w == secret.as_bytes()), "the secret crossed the wire");
+    // What it sent: its challenge, then a proof that answers ours and
+    // verifies under the secret, then a reject; never its hello (no rkey).
+    let (nonce, proof) = (&seen[h..h + 32], &seen[2 * h + 32..2 * h + 64]);
+    assert!(Secret::new(secret).unwrap().verify(false, &[7u8; 32], nonce, proof));
+    let hello = bootstrap::encode_frame(FrameKind::Hello, &[])[..7].to_vec();
+    assert!(!seen.windows(7).any(|w| w == hello), "a hello went to an unauthenticated peer");
+}
+
 fn every_bench_test_runs_twice_on_one_connection_and_leaves_it_clean(t: Kind) {
     use gpu_rdma::bench::{self, LocalMode, Params, Row, Test};
     let d = domain(t);
@@ -680,8 +856,17 @@ both!(
     a_peer_of_another_version_or_without_verbs_is_refused,
     a_listener_survives_a_bad_peer_and_accepts_the_next,
     every_bench_test_runs_twice_on_one_connection_and_leaves_it_clean,
+    a_shared_secret_admits_only_peers_that_know_it,
+    peers_on_separate_domains_cannot_reach_each_others_regions,
+    a_withdrawn_regions_key_is_a_remote_access_error_never_stale_or_reused_memory,
+    the_secret_never_crosses_the_wire_and_a_peer_without_it_learns_nothing,
     the_bench_refuses_a_client_whose_flags_differ_from_the_servers,
 );
+
+#[test]
+fn tcp_a_region_is_reachable_only_through_the_connection_it_was_advertised_on() {
+    a_region_is_reachable_only_through_the_connection_it_was_advertised_on(Kind::Tcp)
+}
 
 #[test]
 #[ignore = "verbs: needs an RDMA device: GPU_RDMA_TEST_DEVICE=<dev> and --ignored (cargo xtask test runs it on soft-RoCE)"]

@@ -6,6 +6,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod auth;
 pub mod wire;
 
 use std::io::{self, Read, Write};
@@ -14,12 +15,13 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
+pub use auth::{Secret, authenticate};
 pub use wire::{
     CAP_TCP, CAP_VERBS, DEFAULT_MAX_PAYLOAD, FrameKind, HEADER_LEN, Hello, MAGIC, REGION_LEN, TcpEndpoint, VERSION,
     VerbsEndpoint, decode_frame, decode_region, encode_frame, encode_region,
 };
 
-use crate::error::{BootstrapError, Error, Result};
+use crate::error::{AuthFailure, BootstrapError, Error, Result};
 
 /// A deadline and what to call it in a timeout error.
 #[derive(Clone, Copy, Debug)]
@@ -138,6 +140,10 @@ pub fn exchange_hello(stream: &TcpStream, mine: &Hello, deadline: Deadline, max_
     let (kind, payload) = read_frame(stream, deadline.for_("the peer's hello"), max_payload)?;
     match kind {
         FrameKind::Hello => Ok(Hello::decode(&payload)?),
+        FrameKind::Challenge => {
+            send_reject(stream, "this side has no shared secret");
+            Err(BootstrapError::Auth(AuthFailure::NoSecretHere).into())
+        }
         other => Err(unexpected("hello", other, &payload)),
     }
 }

@@ -44,7 +44,7 @@ use crate::memory::{Access, RemoteRegion};
 /// "GRDM".
 pub const MAGIC: u32 = 0x4752_444d;
 /// The protocol version this crate speaks.
-pub const VERSION: u16 = 2;
+pub const VERSION: u16 = 3;
 /// Bytes in a frame header.
 pub const HEADER_LEN: usize = 16;
 /// Bytes in an encoded region descriptor.
@@ -70,6 +70,12 @@ pub enum FrameKind {
     Bye = 3,
     /// "I refuse this connection", with a reason.
     Reject = 4,
+    /// A nonce the peer must prove knowledge of the shared secret against.
+    Challenge = 5,
+    /// The proof: an HMAC of the nonces under the shared secret.
+    Proof = 6,
+    /// "Your proof is good."
+    Accept = 7,
 }
 
 impl FrameKind {
@@ -79,6 +85,9 @@ impl FrameKind {
             2 => FrameKind::Ready,
             3 => FrameKind::Bye,
             4 => FrameKind::Reject,
+            5 => FrameKind::Challenge,
+            6 => FrameKind::Proof,
+            7 => FrameKind::Accept,
             _ => return None,
         })
     }
@@ -90,6 +99,9 @@ impl FrameKind {
             FrameKind::Ready => "ready",
             FrameKind::Bye => "bye",
             FrameKind::Reject => "reject",
+            FrameKind::Challenge => "challenge",
+            FrameKind::Proof => "proof",
+            FrameKind::Accept => "accept",
         }
     }
 }

@@ -381,6 +381,9 @@ pub(crate) fn establish(
 ) -> Result<Established> {
     let deadline = Deadline::after(opts.handshake_timeout, "the handshake");
     stream.set_nodelay(true)?;
+    if let Some(secret) = &opts.secret {
+        bootstrap::authenticate(&stream, secret, is_server, deadline)?;
+    }
     let backend = &domain.inner.backend;
     let policy = match opts.transport {
         TransportPolicy::Auto => backend.policy,
@@ -457,6 +460,17 @@ impl ConnTransport {
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn is_tcp(&self) -> bool {
         matches!(self, ConnTransport::Tcp(_))
+    }
+
+    /// Lets the peer use the region under `key` through this connection
+    /// (TCP; a verbs remote key is valid on every queue pair of its
+    /// protection domain).
+    pub(crate) fn grant(&self, key: u32) {
+        match self {
+            #[cfg(feature = "verbs")]
+            ConnTransport::Verbs(_) => {}
+            ConnTransport::Tcp(t) => t.grant(key),
+        }
     }
 
     pub(crate) fn post_send(&self, items: &[WorkItem], due: Due) -> Posted {

@@ -448,6 +448,10 @@ struct Inner {
     events: Condvar,
     fd: RawFd,
     table: Table,
+    /// The keys this connection's peer may use: those advertised on this
+    /// connection (in the handshake, or granted since). Another
+    /// connection's regions are not reachable through this one.
+    granted: RwLock<Vec<u32>>,
     domain_id: u64,
     send_depth: u32,
     recv_depth: u32,
@@ -479,6 +483,14 @@ fn raw(wr_id: u64, status: WcStatus) -> RawCompletion {
 impl Inner {
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The exposed region under `key`, if this connection's peer may use it.
+    fn lookup(&self, key: u32) -> Option<Arc<Entry>> {
+        if !self.granted.read().unwrap_or_else(|e| e.into_inner()).contains(&key) {
+            return None;
+        }
+        TcpDomain::lookup(&self.table, key)
     }
 
     /// Records a completion; frees the queue room it held. Wakes waiters.
@@ -514,6 +526,14 @@ impl Inner {
 }
 
 impl TcpConn {
+    /// Lets the peer use the region under `key` through this connection.
+    pub(crate) fn grant(&self, key: u32) {
+        let mut granted = self.inner.granted.write().unwrap_or_else(|e| e.into_inner());
+        if !granted.contains(&key) {
+            granted.push(key);
+        }
+    }
+
     pub(crate) fn establish(
         domain: &Domain,
         stream: TcpStream,
@@ -550,6 +570,7 @@ impl TcpConn {
             events: Condvar::new(),
             fd: stream.as_raw_fd(),
             table: Arc::clone(&domain.inner.backend.tcp.table),
+            granted: RwLock::new(opts.advertise.iter().map(|r| r.rkey).collect()),
             domain_id: domain.id(),
             send_depth: opts.send_queue_depth.max(1),
             recv_depth: opts.recv_queue_depth.max(1),
@@ -1130,7 +1151,7 @@ fn on_message(inner: &Inner, h: &Header, written: Option<u32>, scratch: &mut [u8
 fn on_write(inner: &Inner, h: &Header, scratch: &mut [u8]) -> Step {
     let fd = inner.fd;
     let total = u64::from(h.total);
-    let entry = TcpDomain::lookup(&inner.table, h.key);
+    let entry = inner.lookup(h.key);
     let admitted = entry.as_ref().is_some_and(|e| e.admits(h.addr, total, Access::REMOTE_WRITE));
     if !admitted {
         drain_message(fd, h, scratch)?;
@@ -1181,7 +1202,7 @@ fn on_write(inner: &Inner, h: &Header, scratch: &mut [u8]) -> Step {
 
 fn on_read_request(inner: &Inner, h: &Header) -> Step {
     let total = u64::from(h.total);
-    match TcpDomain::lookup(&inner.table, h.key) {
+    match inner.lookup(h.key) {
         Some(entry) if entry.admits(h.addr, total, Access::REMOTE_READ) => {
             let mut st = inner.lock();
             st.control.push_back(Ctl::ReadResp { seq: h.seq, entry, addr: h.addr, len: total });
