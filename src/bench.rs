@@ -693,17 +693,7 @@ pub fn run_client<B: LocalBuffer + Clone>(
             )));
         }
     }
-    // The parameters' digest goes as an immediate; the server answers with
-    // DONE when they match its own, anything else when they do not.
-    let mut verdict = conn.recv_imm();
-    conn.send_inline(&[], Some(params.digest())).wait_timeout(timeout)?;
-    let answer = verdict.wait_timeout(timeout)?;
-    if answer.imm != Some(DONE) {
-        return Err(Error::InvalidArgument(
-            "the server runs another test, other sizes or another iteration count: give both sides the same flags"
-                .into(),
-        ));
-    }
+    agree(conn, params, timeout)?;
     let mut rows = Vec::with_capacity(params.sizes.len());
     for &size in &params.sizes {
         let row = if params.test.is_bw() {
@@ -716,6 +706,28 @@ pub fn run_client<B: LocalBuffer + Clone>(
     }
     finish(conn, timeout)?;
     Ok(rows)
+}
+
+/// The client's half of the parameter check: returns once a [`run_server`]
+/// with the same `params` is serving (then the client's operations may
+/// start; [`finish`] ends the test).
+///
+/// # Errors
+/// [`Error::InvalidArgument`] when the server runs with other parameters;
+/// a failed operation or a timeout.
+pub fn agree(conn: &Connection, params: &Params, timeout: Duration) -> Result<()> {
+    // The parameters' digest goes as an immediate; the server answers with
+    // DONE when they match its own, anything else when they do not.
+    let mut verdict = conn.recv_imm();
+    conn.send_inline(&[], Some(params.digest())).wait_timeout(timeout)?;
+    let answer = verdict.wait_timeout(timeout)?;
+    if answer.imm != Some(DONE) {
+        return Err(Error::InvalidArgument(
+            "the server runs another test, other sizes or another iteration count: give both sides the same flags"
+                .into(),
+        ));
+    }
+    Ok(())
 }
 
 /// The server: checks the client's parameters against `params`, then

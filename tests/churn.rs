@@ -33,7 +33,12 @@ fn kernel_verbs_objects() -> Option<String> {
     out.status.success().then(|| {
         // "0: rxe0: pd 1 cq 2 qp 1 cm_id 0 mr 0 ctx 1 srq 0": keep the counts
         // of the device under test.
-        String::from_utf8_lossy(&out.stdout).lines().find(|l| l.contains(&common::device())).unwrap_or("").trim().to_owned()
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .find(|l| l.contains(&common::device()))
+            .unwrap_or("")
+            .trim()
+            .to_owned()
     })
 }
 
