@@ -177,7 +177,7 @@
 //! | [`Error::OutOfBounds`], [`Error::AccessDenied`], [`Error::MessageTooLarge`], [`Error::InvalidArgument`] | refused before posting | unchanged, usable | fix the request; the buffer comes back from [`Pending::into_buffer`] |
 //! | [`Error::Timeout`] from [`Pending::wait`] | nothing yet | unchanged | wait again, or drop the connection to abort |
 //! | [`Error::Completion`] | the device failed the operation | the queue pair is in the error state ([`Connection::broken`] says why) | connect again |
-//! | [`Error::ConnectionLost`] | the peer closed or died, or this side closed | broken | connect again |
+//! | [`Error::ConnectionLost`] | the peer closed or died, or this side closed: every pending operation gets it (a killed peer is seen within milliseconds on TCP, and through the handshake socket on verbs, before the transport's retries run out) | broken; the domain's other connections are unaffected | connect again (a restarted peer on the same address works) |
 //! | [`Error::Bootstrap`], [`Error::Timeout`] from connect/accept | the handshake failed | never established; a listener stays usable | check the peer, retry |
 //! | [`BootstrapError::Auth`] | the shared secrets differ, or only one side has one (both sides get it; nothing but nonces and proofs was exchanged) | never established | give both sides the same [`ConnectOptions::secret`] (or `GPU_RDMA_SECRET`) |
 //! | [`Error::NoDevice`], [`Error::DeviceNotFound`], [`Error::NoActivePort`], [`Error::NoGid`] | no usable RDMA port | - | see the reason; `gpu-rdma devices` |
@@ -188,6 +188,11 @@
 //!   the remote rights asked for (no remote read or atomics unless asked).
 //! - [`Exposed::withdraw`] deregisters: a peer still using the old key gets
 //!   a remote-access error, never this memory or whatever reuses it.
+//! - A region is reachable only through the connections it was advertised
+//!   on ([`ConnectOptions::advertise`]) or granted to
+//!   ([`Connection::grant`]) on TCP; on verbs a remote key is valid on
+//!   every queue pair of its protection domain, so peers that must not see
+//!   each other's regions get a [`Domain`] each (a protection domain each).
 //! - [`ConnectOptions::secret`]: mutual challenge-response (HMAC-SHA256
 //!   over fresh nonces, role-bound, compared in constant time) before the
 //!   hello, so a peer without the secret never sees an endpoint or a key.
