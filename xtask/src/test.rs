@@ -300,7 +300,7 @@ pub fn run() -> Result<i32> {
         // GPU tests: with the CUDA stand-in, one at a time (256 MiB buffers).
         let (env, threads) = if name.contains("gpu") { ("LD_LIBRARY_PATH=\"$STUB\" ", 1) } else { ("", 2) };
         script.push_str(&format!(
-            "echo '=== {name} (verbs tests on rxe0)'\n{env}timeout 1200 {} --ignored --test-threads={threads} 2>&1 | tee \"$VM_OUT/{name}.log\"\n",
+            "echo '=== {name} (--ignored tests in the guest, rxe0)'\n{env}timeout 1200 {} --ignored --test-threads={threads} 2>&1 | tee \"$VM_OUT/{name}.log\"\n",
             quote(&exe.to_string_lossy())
         ));
     }
