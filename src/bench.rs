@@ -611,22 +611,29 @@ pub fn latency<B: LocalBuffer + Clone>(
     let (mut sent_inline, mut sent) = (Trailing::new(), Trailing::new());
     match test {
         Test::SendLat => {
+            // Each send is looked at once the next one is posted, while its
+            // reply is on the way: off the path from a reply to the next send.
+            let (mut last_inline, mut last) = (None, None);
             for _ in 0..iters {
                 // Posted before the clock starts, and only as many as there are
                 // replies: a spare one would swallow the next size's first reply.
                 let mut rx = conn.recv(local.clone().slice(..size));
                 let t0 = clock.ticks();
                 if inline {
-                    let tx = conn.send_inline(&zeros, None);
-                    rx.wait_timeout(timeout)?;
-                    ticks.push(clock.ticks().wrapping_sub(t0));
-                    sent_inline.push(tx, timeout)?;
-                } else {
-                    let tx = conn.send(local.clone().slice(..size));
-                    rx.wait_timeout(timeout)?;
-                    ticks.push(clock.ticks().wrapping_sub(t0));
-                    sent.push(tx, timeout)?;
+                    if let Some(p) = last_inline.replace(conn.send_inline(&zeros, None)) {
+                        sent_inline.push(p, timeout)?;
+                    }
+                } else if let Some(p) = last.replace(conn.send(local.clone().slice(..size))) {
+                    sent.push(p, timeout)?;
                 }
+                rx.wait_timeout(timeout)?;
+                ticks.push(clock.ticks().wrapping_sub(t0));
+            }
+            if let Some(p) = last_inline {
+                sent_inline.push(p, timeout)?;
+            }
+            if let Some(p) = last {
+                sent.push(p, timeout)?;
             }
         }
         Test::WriteLat => {
@@ -816,21 +823,28 @@ pub fn serve<B: Landing>(
         Test::SendLat => {
             let zeros = vec![0u8; conn.info().max_inline as usize];
             let (mut sent_inline, mut sent) = (Trailing::new(), Trailing::new());
-            let mut rx = conn.recv(local.clone().slice(..whole));
+            // Two receives posted, so that the reply goes out first and the
+            // receive is replenished after it, off the path from a message to
+            // its reply.
+            let mut posted: VecDeque<Pending<B>> = (0..2).map(|_| conn.recv(local.clone().slice(..whole))).collect();
             ready(conn)?;
             loop {
+                let Some(mut rx) = posted.pop_front() else { unreachable!("receives are always posted") };
                 let c = rx.wait_timeout(timeout)?;
                 if c.imm == Some(DONE) {
                     sent_inline.drain(timeout)?;
                     sent.drain(timeout)?;
-                    return end_of_test::<B>(conn, VecDeque::new(), timeout);
+                    return end_of_test(conn, posted, timeout);
                 }
-                rx = conn.recv(local.clone().slice(..whole));
                 let n = c.byte_len as usize;
                 if mode.inline && n <= zeros.len() {
-                    sent_inline.push(conn.send_inline(&zeros[..n], None), timeout)?;
+                    let tx = conn.send_inline(&zeros[..n], None);
+                    posted.push_back(conn.recv(local.clone().slice(..whole)));
+                    sent_inline.push(tx, timeout)?;
                 } else {
-                    sent.push(conn.send(local.clone().slice(..n)), timeout)?;
+                    let tx = conn.send(local.clone().slice(..n));
+                    posted.push_back(conn.recv(local.clone().slice(..whole)));
+                    sent.push(tx, timeout)?;
                 }
             }
         }
