@@ -1074,14 +1074,19 @@ fn drain_message(fd: RawFd, h: &Header, scratch: &mut [u8]) -> Step {
         if cur.flags & LAST != 0 {
             return Ok(());
         }
-        let mut head = [0u8; HEADER];
-        if !recv_buf(fd, &mut head).map_err(io_err)? {
-            return Err("the peer closed the connection".into());
-        }
-        let next = Header::parse(&head)?;
-        next.continues(h)?;
-        cur = next;
+        cur = next_segment(fd, h)?;
     }
+}
+
+/// Reads the header of the next segment of the message `first` started.
+fn next_segment(fd: RawFd, first: &Header) -> std::result::Result<Header, String> {
+    let mut head = [0u8; HEADER];
+    if !recv_buf(fd, &mut head).map_err(io_err)? {
+        return Err("the peer closed the connection".into());
+    }
+    let next = Header::parse(&head)?;
+    next.continues(first)?;
+    Ok(next)
 }
 
 /// Fails the connection after a request the peer made was refused: the
@@ -1168,13 +1173,7 @@ fn on_message(inner: &Inner, h: &Header, written: Option<u32>, scratch: &mut [u8
             if cur.flags & LAST != 0 {
                 break;
             }
-            let mut head = [0u8; HEADER];
-            let next = match recv_buf(fd, &mut head) {
-                Ok(true) => Header::parse(&head).and_then(|next| next.continues(h).map(|()| next)),
-                Ok(false) => Err("the peer closed the connection".into()),
-                Err(e) => Err(io_err(e)),
-            };
-            match next {
+            match next_segment(fd, h) {
                 Ok(next) => cur = next,
                 Err(why) => {
                     // The receive was taken off the queue: this thread fails it.
@@ -1232,13 +1231,7 @@ fn on_write(inner: &Inner, h: &Header, scratch: &mut [u8]) -> Step {
         if cur.flags & LAST != 0 {
             break;
         }
-        let mut head = [0u8; HEADER];
-        if !recv_buf(fd, &mut head).map_err(io_err)? {
-            return Err("the peer closed the connection".into());
-        }
-        let next = Header::parse(&head)?;
-        next.continues(h)?;
-        cur = next;
+        cur = next_segment(fd, h)?;
     }
     if !*entry.alive.read().unwrap_or_else(|e| e.into_inner()) {
         return refuse(inner, h.seq, WcStatus::RemoteAccess, "the region was withdrawn during a write".into());
