@@ -611,22 +611,29 @@ pub fn latency<B: LocalBuffer + Clone>(
     let (mut sent_inline, mut sent) = (Trailing::new(), Trailing::new());
     match test {
         Test::SendLat => {
-            // Each send is looked at once the next one is posted, while its
-            // reply is on the way: off the path from a reply to the next send.
+            // The next receive is posted, and the previous send looked at,
+            // while the reply is on the way: off the path from a reply to the
+            // next send. Only as many receives as replies: a spare one would
+            // swallow the next size's first reply.
             let (mut last_inline, mut last) = (None, None);
-            for _ in 0..iters {
-                // Posted before the clock starts, and only as many as there are
-                // replies: a spare one would swallow the next size's first reply.
-                let mut rx = conn.recv(local.clone().slice(..size));
+            let mut rx = (iters > 0).then(|| conn.recv(local.clone().slice(..size)));
+            for i in 0..iters {
                 let t0 = clock.ticks();
                 if inline {
-                    if let Some(p) = last_inline.replace(conn.send_inline(&zeros, None)) {
+                    let tx = conn.send_inline(&zeros, None);
+                    if let Some(p) = last_inline.replace(tx) {
                         sent_inline.push(p, timeout)?;
                     }
-                } else if let Some(p) = last.replace(conn.send(local.clone().slice(..size))) {
-                    sent.push(p, timeout)?;
+                } else {
+                    let tx = conn.send(local.clone().slice(..size));
+                    if let Some(p) = last.replace(tx) {
+                        sent.push(p, timeout)?;
+                    }
                 }
-                rx.wait_timeout(timeout)?;
+                let next = (i + 1 < iters).then(|| conn.recv(local.clone().slice(..size)));
+                if let Some(mut r) = std::mem::replace(&mut rx, next) {
+                    r.wait_timeout(timeout)?;
+                }
                 ticks.push(clock.ticks().wrapping_sub(t0));
             }
             if let Some(p) = last_inline {
