@@ -299,6 +299,27 @@ impl RemoteOp {
             RemoteOp::Read(_) => Opcode::Read,
         }
     }
+
+    /// Checks the peer's range against a local range of `len` bytes, as the
+    /// device would: the right the operation needs was granted, and the two
+    /// ranges are the same length. Sends have no remote range.
+    pub(crate) fn check_remote(self, len: u64) -> Result<()> {
+        let (r, needed) = match self {
+            RemoteOp::Write(r) | RemoteOp::WriteWithImm(r, _) => (r, Access::REMOTE_WRITE),
+            RemoteOp::Read(r) => (r, Access::REMOTE_READ),
+            RemoteOp::Send | RemoteOp::SendWithImm(_) => return Ok(()),
+        };
+        if !r.access().contains(needed) {
+            return Err(Error::AccessDenied { needed, granted: r.access() });
+        }
+        if len != r.len() {
+            return Err(Error::InvalidArgument(format!(
+                "the local range has {len} bytes and the remote range {}",
+                r.len()
+            )));
+        }
+        Ok(())
+    }
 }
 
 /// How a post ended.

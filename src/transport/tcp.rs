@@ -653,11 +653,6 @@ impl TcpConn {
                 }
                 None => (0, 0),
             };
-            let needed = match item.op {
-                RemoteOp::Write(_) | RemoteOp::WriteWithImm(..) => Access::REMOTE_WRITE,
-                RemoteOp::Read(_) => Access::REMOTE_READ,
-                _ => Access::empty(),
-            };
             let kind = match item.op {
                 RemoteOp::Send | RemoteOp::SendWithImm(_) | RemoteOp::WriteWithImm(..)
                     if len > self.inner.max_message =>
@@ -667,15 +662,7 @@ impl TcpConn {
                 RemoteOp::Send => OutKind::Send { imm: None },
                 RemoteOp::SendWithImm(imm) => OutKind::Send { imm: Some(imm) },
                 RemoteOp::Write(r) | RemoteOp::WriteWithImm(r, _) | RemoteOp::Read(r) => {
-                    if !r.access().contains(needed) {
-                        return Err(Error::AccessDenied { needed, granted: r.access() });
-                    }
-                    if len != r.len() {
-                        return Err(Error::InvalidArgument(format!(
-                            "the local range has {len} bytes and the remote range {}",
-                            r.len()
-                        )));
-                    }
+                    item.op.check_remote(len)?;
                     match item.op {
                         RemoteOp::Write(_) => OutKind::Write { raddr: r.addr(), key: r.rkey(), imm: None },
                         RemoteOp::WriteWithImm(_, imm) => {

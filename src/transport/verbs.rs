@@ -508,22 +508,7 @@ impl VerbsConn {
                 }
                 None => (0, 0, 0),
             };
-            let (remote, needed) = match item.op {
-                RemoteOp::Write(r) | RemoteOp::WriteWithImm(r, _) => (Some(r), Access::REMOTE_WRITE),
-                RemoteOp::Read(r) => (Some(r), Access::REMOTE_READ),
-                RemoteOp::Send | RemoteOp::SendWithImm(_) => (None, Access::empty()),
-            };
-            if let Some(r) = remote {
-                if !r.access().contains(needed) {
-                    return Err(Error::AccessDenied { needed, granted: r.access() });
-                }
-                if len != r.len() {
-                    return Err(Error::InvalidArgument(format!(
-                        "the local range has {len} bytes and the remote range {}",
-                        r.len()
-                    )));
-                }
-            }
+            item.op.check_remote(len)?;
             let chunks = match item.op {
                 RemoteOp::Send | RemoteOp::SendWithImm(_) => {
                     if len > self.max_message {
