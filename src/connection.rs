@@ -701,7 +701,6 @@ impl<B: Send + 'static> Pending<B> {
     /// # Errors
     /// As [`wait`](Self::wait).
     pub fn wait_timeout(&mut self, timeout: Duration) -> Result<Completion> {
-        const WHAT: &str = "an operation to complete";
         let mut due = Due::after(timeout);
         if let Stage::InFlight(id) = self.stage {
             if self.staged_in_progress() {
@@ -721,22 +720,8 @@ impl<B: Send + 'static> Pending<B> {
             if !matches!(self.stage, Stage::Staged(_)) {
                 break;
             }
-            let now = std::time::Instant::now();
-            let deadline = due.at_from(now);
-            if now >= deadline {
-                return Err(Error::Timeout { what: WHAT, after: timeout });
-            }
-            match waiting_on {
-                // Sleep on the network step, briefly: copies finish meanwhile too.
-                Some(id) => {
-                    let mut slice = Due::after(deadline.min(now + staged_slice(copying)) - now);
-                    match self.shared.transport.wait(id, &mut slice, WHAT) {
-                        Ok(()) | Err(Error::Timeout { .. }) => {}
-                        Err(e) => return Err(e),
-                    }
-                }
-                None => std::thread::sleep(Duration::from_micros(20)),
-            }
+            // Sleep on the network step, briefly: copies finish meanwhile too.
+            self.nap(waiting_on, &mut due, timeout, copying)?;
         }
         self.report().unwrap_or(Err(Error::Timeout { what: WHAT, after: timeout }))
     }
@@ -744,23 +729,32 @@ impl<B: Send + 'static> Pending<B> {
     /// Waits for a posted request in short slices, moving the connection's
     /// staged operations along in between.
     fn wait_moving_staged(&self, id: OpId, due: &mut Due, timeout: Duration) -> Result<()> {
-        const WHAT: &str = "an operation to complete";
         loop {
             let copying = self.progress_staged();
-            if self.shared.transport.poll(id)? {
+            if self.shared.transport.poll(id)? || self.nap(Some(id), due, timeout, copying)? {
                 return Ok(());
             }
-            let now = std::time::Instant::now();
-            let deadline = due.at_from(now);
-            if now >= deadline {
-                return Err(Error::Timeout { what: WHAT, after: timeout });
-            }
-            let mut slice = Due::after(deadline.min(now + staged_slice(copying)) - now);
-            match self.shared.transport.wait(id, &mut slice, WHAT) {
-                Ok(()) => return Ok(()),
-                Err(Error::Timeout { .. }) => {}
-                Err(e) => return Err(e),
-            }
+        }
+    }
+
+    /// One short sleep of a wait that also moves staged operations: on
+    /// request `id` when there is one (returning whether it finished), for
+    /// a moment otherwise. [`Error::Timeout`] once `due` has passed.
+    fn nap(&self, id: Option<OpId>, due: &mut Due, timeout: Duration, copying: bool) -> Result<bool> {
+        let now = std::time::Instant::now();
+        let deadline = due.at_from(now);
+        if now >= deadline {
+            return Err(Error::Timeout { what: WHAT, after: timeout });
+        }
+        let Some(id) = id else {
+            std::thread::sleep(Duration::from_micros(20));
+            return Ok(false);
+        };
+        let mut slice = Due::after(deadline.min(now + staged_slice(copying)) - now);
+        match self.shared.transport.wait(id, &mut slice, WHAT) {
+            Ok(()) => Ok(true),
+            Err(Error::Timeout { .. }) => Ok(false),
+            Err(e) => Err(e),
         }
     }
 
@@ -818,6 +812,9 @@ impl<B: Send + 'static> Pending<B> {
         Ok((c, buf))
     }
 }
+
+/// What a wait on an operation is for, in its timeout error.
+const WHAT: &str = "an operation to complete";
 
 /// How long a wait sleeps on the network before it looks at the staged
 /// operations again: briefly while a copy is in flight (no completion will
