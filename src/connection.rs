@@ -26,7 +26,8 @@ pub struct ConnectOptions {
     /// How long [`Pending::wait`] waits, and posting waits for queue room
     /// (default 60 s).
     pub op_timeout: Duration,
-    /// Send-queue requests outstanding at most (default 128).
+    /// Send-queue requests outstanding at most (default 128; at most
+    /// [`MAX_TCP_QUEUE_DEPTH`](crate::bootstrap::MAX_TCP_QUEUE_DEPTH) on TCP).
     pub send_queue_depth: u32,
     /// Receives posted at most (default 128).
     pub recv_queue_depth: u32,
@@ -170,6 +171,13 @@ pub struct ConnectionInfo {
     pub send_queue_depth: u32,
     /// Receive queue depth granted.
     pub recv_queue_depth: u32,
+    /// The most memory, in bytes, this side's transport holds for the
+    /// connection whatever the peer sends or fails to read (TCP: the
+    /// receive buffer, replies queued for the peer's outstanding requests,
+    /// this side's own queues, the two threads' stacks in use). `None` on
+    /// verbs, where the NIC keeps that state. See the crate docs, "Failure
+    /// semantics".
+    pub memory_bound: Option<u64>,
 }
 
 pub(crate) struct Shared {

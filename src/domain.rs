@@ -431,6 +431,10 @@ impl Domain {
         // SAFETY: the exposure handle is dropped (revoked, waiting for transfers
         // in progress) before the registration and the region it serves.
         let tcp = cpu_view.map(|(addr, len)| unsafe { self.inner.backend.tcp.expose(addr, len, remote, reg.rkey()) });
+        let tcp = match tcp.transpose() {
+            Ok(tcp) => tcp,
+            Err(error) => return Err(BufError { error, buffer: region }),
+        };
         Ok(Exposed::from_parts(reg, region, remote, tag, self.live(Counter::Exposed), tcp))
     }
 
@@ -439,7 +443,7 @@ impl Domain {
     /// # Errors
     /// [`Error::Io`] when the address cannot be bound.
     pub fn listen(&self, addr: impl ToSocketAddrs) -> Result<Listener> {
-        Ok(Listener { domain: self.clone(), tcp: TcpListener::bind(addr)? })
+        Listener::new(self.clone(), TcpListener::bind(addr)?)
     }
 
     /// Connects to a listener at `addr`, with `opts`.
@@ -509,14 +513,58 @@ impl<T> From<BufError<T>> for Error {
     }
 }
 
+/// The most handshakes a [`Listener`] runs at once. Past it, the oldest
+/// one still running is cut off (its socket shut) to make room, so a flood
+/// of silent peers cannot keep a legitimate client out.
+pub const MAX_CONCURRENT_HANDSHAKES: usize = 128;
+
 /// Accepts connections for a [`Domain`].
-#[derive(Debug)]
+///
+/// Handshakes run concurrently, each on its own short-lived thread and
+/// bounded by its [`ConnectOptions::handshake_timeout`], at most
+/// [`MAX_CONCURRENT_HANDSHAKES`] at once: a slow, silent or half-sent peer
+/// never delays another. Dropping the listener cuts off the handshakes
+/// still running; connections it already returned are not affected.
 pub struct Listener {
     domain: Domain,
     tcp: TcpListener,
+    handshakes: Arc<Handshakes>,
+    /// Read end of the wake-up pair: a finished handshake writes a byte.
+    wake: std::os::unix::net::UnixStream,
+}
+
+/// Handshakes in progress and finished, shared with their threads.
+struct Handshakes {
+    state: std::sync::Mutex<HandshakeState>,
+    /// Write end of the wake-up pair.
+    wake: std::os::unix::net::UnixStream,
+}
+
+#[derive(Default)]
+struct HandshakeState {
+    next_id: u64,
+    /// Running: id, and a handle on the socket to cut the handshake off.
+    running: std::collections::VecDeque<(u64, TcpStream)>,
+    /// Finished and not yet returned by an accept call.
+    finished: std::collections::VecDeque<Result<Connection>>,
+}
+
+impl Handshakes {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HandshakeState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 impl Listener {
+    fn new(domain: Domain, tcp: TcpListener) -> Result<Listener> {
+        tcp.set_nonblocking(true)?;
+        let (wake, wake_tx) = std::os::unix::net::UnixStream::pair()?;
+        wake.set_nonblocking(true)?;
+        wake_tx.set_nonblocking(true)?;
+        let handshakes = Arc::new(Handshakes { state: Default::default(), wake: wake_tx });
+        Ok(Listener { domain, tcp, handshakes, wake })
+    }
+
     /// The address it listens on (useful after binding port 0).
     ///
     /// # Errors
@@ -525,45 +573,144 @@ impl Listener {
         Ok(self.tcp.local_addr()?)
     }
 
-    /// Waits for the next peer, however long, then runs the handshake
-    /// (bounded by `opts.handshake_timeout`).
+    /// Waits, however long, until a handshake finishes, and returns it: the
+    /// connection, or why that peer failed. Peers that arrive meanwhile are
+    /// handshaken concurrently with `opts` (a handshake keeps the options
+    /// of the call during which its peer arrived); one that finishes while
+    /// no call waits is kept for the next call.
     ///
     /// # Errors
-    /// As [`Domain::connect`]. A peer that fails the handshake is an error of
-    /// this call; the listener stays usable.
+    /// As [`Domain::connect`], for the peer whose handshake failed; the
+    /// listener stays usable. [`Error::Io`] when accepting fails.
     pub fn accept(&self, opts: &ConnectOptions) -> Result<Connection> {
-        let (stream, _) = self.tcp.accept()?;
-        Connection::establish(&self.domain, stream, opts, true)
+        self.accept_until(opts, None)
     }
 
-    /// Like [`accept`](Self::accept), but gives up after `timeout` without a peer.
+    /// Like [`accept`](Self::accept), but gives up after `timeout` without
+    /// a finished handshake.
     ///
     /// # Errors
     /// [`Error::Timeout`], or as [`Listener::accept`].
     pub fn accept_timeout(&self, opts: &ConnectOptions, timeout: Duration) -> Result<Connection> {
-        let deadline = Instant::now() + timeout;
-        self.tcp.set_nonblocking(true)?;
-        let accepted = loop {
-            match self.tcp.accept() {
-                Ok((stream, _)) => break Ok(stream),
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    if Instant::now() >= deadline {
-                        break Err(Error::Timeout { what: "a peer to connect", after: timeout });
-                    }
-                    std::thread::sleep(Duration::from_millis(2));
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => break Err(e.into()),
+        self.accept_until(opts, Some((Instant::now() + timeout, timeout)))
+    }
+
+    fn accept_until(&self, opts: &ConnectOptions, deadline: Option<(Instant, Duration)>) -> Result<Connection> {
+        loop {
+            if let Some(done) = self.handshakes.lock().finished.pop_front() {
+                return done;
             }
-        };
-        self.tcp.set_nonblocking(false)?;
-        let stream = accepted?;
+            // Start a handshake for every peer waiting in the backlog.
+            loop {
+                match self.tcp.accept() {
+                    Ok((stream, _)) => self.start(stream, opts)?,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    // A peer that reset before it was accepted is not this listener's failure.
+                    Err(e) if e.kind() == std::io::ErrorKind::ConnectionAborted => {}
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            if let Some(done) = self.handshakes.lock().finished.pop_front() {
+                return done;
+            }
+            let wait = match deadline {
+                Some((at, after)) => {
+                    let now = Instant::now();
+                    if now >= at {
+                        return Err(Error::Timeout { what: "a peer to connect", after });
+                    }
+                    at - now
+                }
+                None => Duration::from_secs(1),
+            };
+            self.wait(wait)?;
+        }
+    }
+
+    /// Sleeps until a peer arrives, a handshake finishes, or `wait` passes.
+    fn wait(&self, wait: Duration) -> Result<()> {
+        use std::os::fd::AsRawFd;
+        let mut fds = [
+            libc::pollfd { fd: self.tcp.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+            libc::pollfd { fd: self.wake.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+        ];
+        let ms = wait.as_millis().clamp(1, 1000) as libc::c_int;
+        // SAFETY: two valid pollfds owned by this frame; both descriptors are
+        // open for as long as `self` is borrowed.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                return Err(e.into());
+            }
+        }
+        if fds[1].revents != 0 {
+            let mut sink = [0u8; 64];
+            while matches!(std::io::Read::read(&mut &self.wake, &mut sink), Ok(n) if n > 0) {}
+        }
+        Ok(())
+    }
+
+    /// Runs the handshake with `stream` on its own thread.
+    fn start(&self, stream: TcpStream, opts: &ConnectOptions) -> Result<()> {
         stream.set_nonblocking(false)?;
-        Connection::establish(&self.domain, stream, opts, true)
+        let cut = stream.try_clone()?;
+        let id = {
+            let mut st = self.handshakes.lock();
+            while st.running.len() >= MAX_CONCURRENT_HANDSHAKES {
+                if let Some((_, oldest)) = st.running.pop_front() {
+                    tracing::warn!(
+                        "{MAX_CONCURRENT_HANDSHAKES} handshakes running: cutting off the oldest ({:?})",
+                        oldest.peer_addr().ok()
+                    );
+                    let _ = oldest.shutdown(std::net::Shutdown::Both);
+                }
+            }
+            st.next_id += 1;
+            let id = st.next_id;
+            st.running.push_back((id, cut));
+            id
+        };
+        let (domain, opts, shared) = (self.domain.clone(), opts.clone(), Arc::clone(&self.handshakes));
+        let spawned = std::thread::Builder::new().name("gpu-rdma-handshake".into()).spawn(move || {
+            let done = Connection::establish(&domain, stream, &opts, true);
+            let mut st = shared.lock();
+            st.running.retain(|(i, _)| *i != id);
+            st.finished.push_back(done);
+            drop(st);
+            let _ = std::io::Write::write(&mut &shared.wake, &[1]);
+        });
+        if let Err(e) = spawned {
+            self.handshakes.lock().running.retain(|(i, _)| *i != id);
+            return Err(e.into());
+        }
+        Ok(())
     }
 
     /// The domain it accepts for.
     pub fn domain(&self) -> &Domain {
         &self.domain
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        // Cut off the handshakes still running: their threads end at once
+        // and drop what they made.
+        for (_, s) in self.handshakes.lock().running.drain(..) {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+impl fmt::Debug for Listener {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let st = self.handshakes.lock();
+        f.debug_struct("Listener")
+            .field("local_addr", &self.tcp.local_addr().ok())
+            .field("handshakes_running", &st.running.len())
+            .field("handshakes_finished", &st.finished.len())
+            .finish_non_exhaustive()
     }
 }

@@ -182,6 +182,40 @@
 //! | [`BootstrapError::Auth`] | the shared secrets differ, or only one side has one (both sides get it; nothing but nonces and proofs was exchanged) | never established | give both sides the same [`ConnectOptions::secret`] (or `GPU_RDMA_SECRET`) |
 //! | [`Error::NoDevice`], [`Error::DeviceNotFound`], [`Error::NoActivePort`], [`Error::NoGid`] | no usable RDMA port | - | see the reason; `gpu-rdma devices` |
 //!
+//! What a peer can and cannot do to this side, whatever bytes it sends:
+//!
+//! - **A broken connection stops.** After the first error on a connection
+//!   (a request of the peer refused: bad key, out of bounds, missing right,
+//!   a send larger than the receive, no receive within the
+//!   receiver-not-ready budget; or an error the peer reports; or a garbled
+//!   frame) this side carries out nothing more from that peer: no later
+//!   write lands, no later read is served. On TCP the refusal is the last
+//!   reply the peer gets; the connection is then shut (the peer sees the end
+//!   of the stream within milliseconds, or after 0.5 s at most if it does
+//!   not read) and both transport threads end, though the [`Connection`]
+//!   lives until dropped. On verbs the queue pair is in the error state, as
+//!   the NIC puts it.
+//! - **A dead peer is seen**, also while its message waits for a receive
+//!   here with the receiver-not-ready budget at "infinite" (`rnr_retry` 7):
+//!   on TCP the socket is watched every 5 ms meanwhile; on verbs the
+//!   handshake socket's closure breaks the connection. Dropping the
+//!   connection ends any such wait at once.
+//! - **Memory per connection is bounded.** On TCP a peer may have at most
+//!   its announced send-queue depth of requests awaiting replies (at most
+//!   [`bootstrap::MAX_TCP_QUEUE_DEPTH`]); one that sends more, or stops
+//!   reading its acknowledgements until that many queue up, breaks its
+//!   connection instead of growing this side's memory.
+//!   [`ConnectionInfo::memory_bound`] states the bound in bytes: the 1 MiB
+//!   receive buffer, the two threads' stacks, the replies
+//!   queued for the peer (tens of bytes each), and this side's own queues;
+//!   about 1.4 MiB with default depths, 5.5 MiB with the deepest peer.
+//!   Other connections of the domain are unaffected.
+//! - **Handshakes are concurrent.** [`Listener`] runs each handshake on its
+//!   own thread, bounded by [`ConnectOptions::handshake_timeout`], up to
+//!   [`MAX_CONCURRENT_HANDSHAKES`] at once (past that the oldest is cut
+//!   off): silent or half-sent peers, with or without a secret, never
+//!   delay another client.
+//!
 //! ## Access control
 //!
 //! - Registration grants local access only; [`Domain::expose`] adds exactly
@@ -193,6 +227,8 @@
 //!   ([`Connection::grant`]) on TCP; on verbs a remote key is valid on
 //!   every queue pair of its protection domain, so peers that must not see
 //!   each other's regions get a [`Domain`] each (a protection domain each).
+//! - Remote keys do not predict each other: verbs keys are the NIC's, and
+//!   a TCP-only domain draws each key from the operating system's CSPRNG.
 //! - [`ConnectOptions::secret`]: mutual challenge-response (HMAC-SHA256
 //!   over fresh nonces, role-bound, compared in constant time) before the
 //!   hello, so a peer without the secret never sees an endpoint or a key.
@@ -307,7 +343,7 @@ pub mod verbs;
 
 pub use completion::{Completion, CompletionError, Opcode, WcStatus};
 pub use connection::{Batch, ConnectOptions, Connection, ConnectionInfo, Pending};
-pub use domain::{BufError, Domain, DomainConfig, DomainInfo, DomainStats, Listener};
+pub use domain::{BufError, Domain, DomainConfig, DomainInfo, DomainStats, Listener, MAX_CONCURRENT_HANDSHAKES};
 pub use error::{AuthFailure, BootstrapError, Error, Result};
 pub use memory::{
     Access, Exposed, HostMemory, LocalBuffer, LocalSlice, Memory, MemoryKind, Region, RemoteRegion, RemoteSlice,

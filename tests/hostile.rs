@@ -199,7 +199,7 @@ fn hellos(rng: &mut Rng) -> Vec<Hello> {
         responder_resources: 16,
         gid: [0xfe; 16],
     };
-    let tcp = TcpEndpoint { rnr_retry: 7, min_rnr_timer: 12, max_message: 1 << 30 };
+    let tcp = TcpEndpoint { rnr_retry: 7, min_rnr_timer: 12, max_message: 1 << 30, send_depth: 128 };
     (0..8)
         .map(|i| Hello {
             caps: [CAP_VERBS | CAP_TCP, CAP_TCP, CAP_VERBS, 0][i % 4],
@@ -382,7 +382,7 @@ fn hostile_peer(listener: &TcpListener, frames: &[Vec<u8>]) -> usize {
     let hello = Hello {
         caps: CAP_TCP,
         verbs: None,
-        tcp: Some(TcpEndpoint { rnr_retry: 0, min_rnr_timer: 1, max_message: 1 << 30 }),
+        tcp: Some(TcpEndpoint { rnr_retry: 0, min_rnr_timer: 1, max_message: 1 << 30, send_depth: 128 }),
         regions: vec![],
     };
     if bootstrap::exchange_hello(&s, &hello, deadline, 1 << 20).is_err()

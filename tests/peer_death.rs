@@ -165,3 +165,65 @@ fn tcp_a_killed_peer_fails_every_pending_operation_and_nothing_else() {
 fn verbs_a_killed_peer_fails_every_pending_operation_and_nothing_else() {
     peer_death(Kind::Verbs);
 }
+
+/// A peer process connects (the `gpu-rdma bench` client, whose first
+/// message is a send) to a listener that never posts a receive, with the
+/// receiver-not-ready budget at "infinite" (`rnr_retry` 7, the default):
+/// its send waits here. Then it is SIGKILLed. This side must see the death
+/// within a second (on TCP, while its receiver waits for a receive; on
+/// verbs, through the handshake socket), and the domain's other connection
+/// keeps working.
+fn death_during_an_unmatched_send(t: Kind) {
+    let d = domain(t);
+    let (bystander_s, bystander_c) = pair(&d);
+    let listener = d.listen("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let mut cmd = Command::new(PEER);
+    cmd.args(["bench", "send-lat", "127.0.0.1", "-s", "64", "-n", "10", "--timeout", "60"])
+        .args(["-p", &port.to_string(), "--transport", t.name()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    if t == Kind::Verbs {
+        cmd.args(["-d", &common::device()]);
+    }
+    let mut peer = Peer(cmd.spawn().expect("start the peer process"));
+    let opts = ConnectOptions::default().op_timeout(OP_TIMEOUT).handshake_timeout(Duration::from_secs(20));
+    let conn = listener.accept_timeout(&opts, Duration::from_secs(20)).expect("the peer connects");
+    // Its first message arrives and waits: no receive is posted here.
+    thread::sleep(Duration::from_millis(300));
+    assert!(conn.broken().is_none(), "broken before the peer died: {:?}", conn.broken());
+    peer.0.kill().expect("SIGKILL the peer");
+    let killed = Instant::now();
+    let mut seen = None;
+    while killed.elapsed() < Duration::from_secs(5) {
+        if conn.broken().is_some() {
+            seen = Some(killed.elapsed());
+            break;
+        }
+        thread::sleep(Duration::from_millis(1));
+    }
+    println!(
+        "{}: a peer killed while its send waited for a receive was seen after {seen:?}: {:?}",
+        t.name(),
+        conn.broken()
+    );
+    assert!(seen.is_some_and(|s| s < Duration::from_secs(1)), "the death was seen after {seen:?}");
+    // A receive posted now fails at once: the connection is gone.
+    let e = conn.recv(d.alloc(64).unwrap()).wait().unwrap_err();
+    assert!(matches!(e, Error::ConnectionLost { .. } | Error::Completion(_)), "{e}");
+    // The other connection of this domain still works.
+    let mut rx = bystander_s.recv(d.alloc(64).unwrap());
+    bystander_c.send_inline(b"still here", None).wait().unwrap();
+    assert_eq!(rx.wait().unwrap().byte_len, 10);
+}
+
+#[test]
+fn tcp_a_peer_killed_while_its_send_waits_for_a_receive_is_seen() {
+    death_during_an_unmatched_send(Kind::Tcp);
+}
+
+#[test]
+#[ignore = "verbs: needs an RDMA device: GPU_RDMA_TEST_DEVICE=<dev> and --ignored (cargo xtask test runs it on soft-RoCE)"]
+fn verbs_a_peer_killed_while_its_send_waits_for_a_receive_is_seen() {
+    death_during_an_unmatched_send(Kind::Verbs);
+}

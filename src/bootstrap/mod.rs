@@ -17,8 +17,8 @@ use bytes::Bytes;
 
 pub use auth::{Secret, authenticate};
 pub use wire::{
-    CAP_TCP, CAP_VERBS, DEFAULT_MAX_PAYLOAD, FrameKind, HEADER_LEN, Hello, MAGIC, REGION_LEN, TcpEndpoint, VERSION,
-    VerbsEndpoint, decode_frame, decode_region, encode_frame, encode_region,
+    CAP_TCP, CAP_VERBS, DEFAULT_MAX_PAYLOAD, FrameKind, HEADER_LEN, Hello, MAGIC, MAX_TCP_QUEUE_DEPTH, REGION_LEN,
+    TcpEndpoint, VERSION, VerbsEndpoint, decode_frame, decode_region, encode_frame, encode_region,
 };
 
 use crate::error::{AuthFailure, BootstrapError, Error, Result};

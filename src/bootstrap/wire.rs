@@ -5,8 +5,9 @@
 //! ```text
 //! offset size field
 //!      0    4 magic        "GRDM" (0x4752444d), big-endian
-//!      4    2 version      protocol version (this crate: 2)
-//!      6    1 kind         1 hello, 2 ready, 3 bye, 4 reject
+//!      4    2 version      protocol version (this crate: 4)
+//!      6    1 kind         1 hello, 2 ready, 3 bye, 4 reject, 5 challenge,
+//!                          6 proof, 7 accept
 //!      7    1 flags        0
 //!      8    4 length       payload bytes, at most the receiver's limit
 //!     12    4 crc32        CRC-32 (IEEE) of the payload
@@ -22,8 +23,10 @@
 //!  [verbs endpoint, 36 bytes, if caps bit 0]
 //!     qp_num u32, psn u32, max_msg_sz u32, lid u16, mtu u8 (ibv_mtu),
 //!     link_layer u8, responder_resources u8, 3 reserved bytes, gid [16]
-//!  [TCP endpoint, 8 bytes, if caps bit 1]
-//!     rnr_retry u8, min_rnr_timer u8, 2 reserved bytes, max_message u32
+//!  [TCP endpoint, 12 bytes, if caps bit 1]
+//!     rnr_retry u8, min_rnr_timer u8, 2 reserved bytes, max_message u32,
+//!     send_depth u32 (1..=MAX_TCP_QUEUE_DEPTH: the requests this side
+//!     keeps outstanding at most; the peer buffers no more replies than that)
 //!
 //! An end offers what it can and may use: verbs when it has an active RDMA
 //! port (and TCP was not asked for), TCP unless verbs only was asked for.
@@ -43,8 +46,9 @@ use crate::memory::{Access, RemoteRegion};
 
 /// "GRDM".
 pub const MAGIC: u32 = 0x4752_444d;
-/// The protocol version this crate speaks.
-pub const VERSION: u16 = 3;
+/// The protocol version this crate speaks (4: the TCP endpoint announces
+/// its send-queue depth).
+pub const VERSION: u16 = 4;
 /// Bytes in a frame header.
 pub const HEADER_LEN: usize = 16;
 /// Bytes in an encoded region descriptor.
@@ -228,10 +232,19 @@ pub struct TcpEndpoint {
     pub min_rnr_timer: u8,
     /// The largest message this side accepts.
     pub max_message: u32,
+    /// The requests (sends, writes, reads) this side keeps outstanding at
+    /// most: its send-queue depth, 1..=[`MAX_TCP_QUEUE_DEPTH`]. The peer
+    /// queues at most this many replies for it, and breaks the connection
+    /// if it is sent more.
+    pub send_depth: u32,
 }
 
 /// Bytes in an encoded TCP endpoint.
-pub const TCP_LEN: usize = 8;
+pub const TCP_LEN: usize = 12;
+
+/// The deepest send queue a TCP endpoint may announce (and the TCP
+/// transport's limit on [`ConnectOptions::send_queue_depth`](crate::ConnectOptions)).
+pub const MAX_TCP_QUEUE_DEPTH: u32 = 1 << 16;
 
 /// The first message each side sends.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -280,6 +293,7 @@ impl Hello {
             out.put_u8(t.min_rnr_timer);
             out.put_u16(0);
             out.put_u32(t.max_message);
+            out.put_u32(t.send_depth);
         }
         out.put_u32(self.regions.len() as u32);
         for r in &self.regions {
@@ -337,13 +351,17 @@ impl Hello {
             let min_rnr_timer = p.get_u8();
             p.advance(2);
             let max_message = p.get_u32();
+            let send_depth = p.get_u32();
+            if !(1..=MAX_TCP_QUEUE_DEPTH).contains(&send_depth) {
+                return Err(bad(format!("send-queue depth {send_depth} is not 1..={MAX_TCP_QUEUE_DEPTH}")));
+            }
             if rnr_retry > 7 || min_rnr_timer > 31 {
                 return Err(bad(format!("RNR retry {rnr_retry} or timer {min_rnr_timer} out of range")));
             }
             if max_message == 0 {
                 return Err(bad("maximum message size 0".into()));
             }
-            Some(TcpEndpoint { rnr_retry, min_rnr_timer, max_message })
+            Some(TcpEndpoint { rnr_retry, min_rnr_timer, max_message, send_depth })
         } else {
             None
         };
@@ -428,7 +446,7 @@ mod tests {
                 responder_resources: 16,
                 gid: [0xfe, 0x80, 0, 0, 0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8],
             }),
-            tcp: Some(TcpEndpoint { rnr_retry: 7, min_rnr_timer: 12, max_message: 1 << 30 }),
+            tcp: Some(TcpEndpoint { rnr_retry: 7, min_rnr_timer: 12, max_message: 1 << 30, send_depth: 128 }),
             regions: vec![
                 RemoteRegion {
                     tag: 1,
@@ -492,6 +510,11 @@ mod tests {
         let mut h = hello();
         h.verbs.as_mut().unwrap().qp_num = 0;
         assert!(Hello::decode(&h.encode()).is_err());
+        for depth in [0, MAX_TCP_QUEUE_DEPTH + 1, u32::MAX] {
+            let mut h = hello();
+            h.tcp.as_mut().unwrap().send_depth = depth;
+            assert!(matches!(Hello::decode(&h.encode()), Err(BootstrapError::Malformed { .. })), "depth {depth}");
+        }
         let mut payload = hello().encode().to_vec();
         // Announce more regions than follow.
         let at = 8 + VERBS_LEN + TCP_LEN;

@@ -434,6 +434,7 @@ pub(crate) fn establish(
             rnr_retry: opts.rnr_retry,
             min_rnr_timer: opts.min_rnr_timer,
             max_message: tcp::MAX_MESSAGE,
+            send_depth: tcp::send_depth(opts),
         }),
         regions: opts.advertise.clone(),
     };
@@ -559,7 +560,7 @@ mod tests {
                 responder_resources: 1,
                 gid: [0xfe, 0x80, 0, 0, 0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8],
             }),
-            tcp: tcp.then_some(TcpEndpoint { rnr_retry: 7, min_rnr_timer: 12, max_message: 1 << 30 }),
+            tcp: tcp.then_some(TcpEndpoint { rnr_retry: 7, min_rnr_timer: 12, max_message: 1 << 30, send_depth: 128 }),
             regions: vec![],
         }
     }

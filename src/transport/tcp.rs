@@ -18,6 +18,19 @@
 //!   receive, no receive within the receiver-not-ready budget) fails the
 //!   operation with the verbs status and breaks the connection on both
 //!   ends, as a queue pair in the error state does.
+//! - After the first error (a refused request either way, a lost peer, a
+//!   garbled frame) the receiver carries out nothing more from the peer;
+//!   the sender delivers the replies already queued (the refusal among
+//!   them) and hangs up, or is cut off after [`LINGER`] if the peer does
+//!   not read. Both threads then end; the socket closes when the
+//!   connection is dropped.
+//! - A peer's message waiting for a receive does not stop the receiver
+//!   from watching the socket: a peer that dies meanwhile is seen within
+//!   [`WATCH`].
+//! - Everything held for the peer is bounded: at most the peer's announced
+//!   send-queue depth of replies is queued (a peer that exceeds it, by
+//!   sending more or by not reading its acknowledgements, breaks the
+//!   connection); see [`memory_bound`].
 //! - Only the thread that touches an operation's memory completes it, and
 //!   teardown joins both threads before anything still owned is released:
 //!   no memory is touched after its operation completed.
@@ -26,13 +39,13 @@ use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::net::TcpStream;
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::{Posted, RemoteOp, WorkItem};
-use crate::bootstrap::{self, Deadline, TcpEndpoint};
+use crate::bootstrap::{self, Deadline, MAX_TCP_QUEUE_DEPTH, TcpEndpoint};
 use crate::completion::{Completion, Opcode, WcStatus};
 use crate::connection::{ConnectOptions, ConnectionInfo};
 use crate::domain::Domain;
@@ -52,6 +65,34 @@ const RECV_WAIT: Duration = Duration::from_millis(10);
 const HEADER: usize = 32;
 /// Inline sends copy at most this much into the request.
 const MAX_INLINE: u32 = 1024;
+/// After the connection broke, how long the sender may take to deliver the
+/// replies already queued (a refusal) before the socket is shut under it.
+const LINGER: Duration = Duration::from_millis(500);
+/// While a peer's message waits for a receive, how often the receiver
+/// looks whether the peer is still there.
+const WATCH: Duration = Duration::from_millis(5);
+
+/// The send-queue depth a TCP connection uses (and announces) for `opts`.
+pub(crate) fn send_depth(opts: &ConnectOptions) -> u32 {
+    opts.send_queue_depth.clamp(1, MAX_TCP_QUEUE_DEPTH)
+}
+
+/// The most memory one TCP connection holds, whatever its peer does: the
+/// receive scratch buffer, the two threads' stacks in use, replies queued
+/// for the peer's outstanding requests (`peer_depth` at most; a queue's
+/// capacity may double), and this side's own queues (an inline copy of up
+/// to [`MAX_INLINE`] bytes per send entry, bookkeeping per entry).
+pub(crate) fn memory_bound(peer_depth: u32, send_depth: u32, recv_depth: u32) -> u64 {
+    const STACKS: u64 = 2 * 64 * 1024;
+    const PER_SEND: u64 = MAX_INLINE as u64 + 256;
+    const PER_RECV: u64 = 128;
+    let reply = std::mem::size_of::<Ctl>() as u64;
+    STEP as u64
+        + STACKS
+        + 2 * u64::from(peer_depth) * reply
+        + 2 * u64::from(send_depth) * PER_SEND
+        + 2 * u64::from(recv_depth) * PER_RECV
+}
 
 // ---- the table of exposed regions, per domain ----
 
@@ -71,7 +112,6 @@ pub(crate) struct Entry {
 /// A domain's exposed regions, by key.
 pub(crate) struct TcpDomain {
     table: Table,
-    next: AtomicU32,
 }
 
 /// An exposure; dropping it revokes the key and waits until no transfer
@@ -84,36 +124,45 @@ pub(crate) struct TcpExposure {
 
 impl TcpDomain {
     pub(crate) fn new() -> Self {
-        use std::hash::{BuildHasher, Hasher};
-        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-        h.write_u32(std::process::id());
-        TcpDomain { table: Arc::default(), next: AtomicU32::new(h.finish() as u32 | 1) }
+        TcpDomain { table: Arc::default() }
     }
 
     /// Serves `len` bytes at `addr` to peers under `key` (a verbs remote
-    /// key, so one descriptor works on both transports), or a fresh key.
+    /// key, so one descriptor works on both transports), or a fresh key
+    /// drawn from the operating system's CSPRNG, so that no key predicts
+    /// another (as a NIC's rkeys do not).
+    ///
+    /// # Errors
+    /// [`Error::Io`] when the system's random source fails.
     ///
     /// # Safety
     /// The memory must stay valid until the returned handle is dropped.
-    pub(crate) unsafe fn expose(&self, addr: u64, len: u64, access: Access, key: Option<u32>) -> TcpExposure {
+    pub(crate) unsafe fn expose(&self, addr: u64, len: u64, access: Access, key: Option<u32>) -> Result<TcpExposure> {
         let entry = Arc::new(Entry { addr, len, access, alive: RwLock::new(true) });
         let mut table = self.table.write().unwrap_or_else(|e| e.into_inner());
         let key = match key {
             Some(k) => k,
             None => loop {
-                let k = self.next.fetch_add(0x9e37_79b1, Ordering::Relaxed);
+                let k = random_key()?;
                 if k != 0 && !table.contains_key(&k) {
                     break k;
                 }
             },
         };
         table.insert(key, Arc::clone(&entry));
-        TcpExposure { table: Arc::clone(&self.table), key, entry }
+        Ok(TcpExposure { table: Arc::clone(&self.table), key, entry })
     }
 
     fn lookup(table: &Table, key: u32) -> Option<Arc<Entry>> {
         table.read().unwrap_or_else(|e| e.into_inner()).get(&key).cloned()
     }
+}
+
+/// A key from the operating system's CSPRNG.
+fn random_key() -> Result<u32> {
+    let mut b = [0u8; 4];
+    getrandom::fill(&mut b).map_err(|e| Error::Io(io::Error::other(format!("the system's random source: {e}"))))?;
+    Ok(u32::from_ne_bytes(b))
 }
 
 impl TcpExposure {
@@ -462,6 +511,8 @@ struct State {
     recvs: VecDeque<Recv>,
     send_used: u32,
     recv_used: u32,
+    /// The sender thread has ended (after the connection broke or stopped).
+    sender_done: bool,
 }
 
 struct Inner {
@@ -475,6 +526,9 @@ struct Inner {
     /// queued frame does not wake the waiters.
     events: Condvar,
     fd: RawFd,
+    /// Set with `lost`: read without the lock by the receiver before each
+    /// frame, so nothing more from the peer is carried out once broken.
+    dead: AtomicBool,
     table: Table,
     /// The keys this connection's peer may use: those advertised on this
     /// connection (in the handshake, or granted since). Another
@@ -483,8 +537,12 @@ struct Inner {
     domain_id: u64,
     send_depth: u32,
     recv_depth: u32,
+    /// The peer's send-queue depth: the most replies (acknowledgements, read
+    /// responses) its outstanding requests can need.
+    peer_depth: usize,
     max_message: u64,
-    /// How long a peer's send waits here for a receive; `None`: forever.
+    /// How long a peer's send waits here for a receive; `None`: forever
+    /// (or until the peer is gone, or this side closes).
     rnr_budget: Option<Duration>,
 }
 
@@ -536,6 +594,7 @@ impl Inner {
             tracing::info!("TCP connection lost: {reason}");
             st.lost = Some(reason);
         }
+        self.dead.store(true, Ordering::Release);
         let queued: Vec<Out> = st.queue.drain(..).collect();
         for o in queued {
             st.reads.remove(&o.seq);
@@ -550,6 +609,45 @@ impl Inner {
         }
         self.work.notify_all();
         self.events.notify_all();
+    }
+}
+
+impl Inner {
+    /// Queues a reply to one of the peer's requests for the sender. A peer
+    /// keeps at most its send-queue depth of requests outstanding, so more
+    /// queued replies than that means it ignores its depth or does not read
+    /// what it is sent: the connection breaks rather than buffering more.
+    fn reply(&self, st: &mut State, ctl: Ctl) -> Step {
+        if st.control.len() >= self.peer_depth {
+            let why = format!(
+                "the peer has more than {} requests awaiting replies (its send-queue depth): \
+                 it does not read its acknowledgements, or ignores its depth",
+                self.peer_depth
+            );
+            self.break_with(st, why.clone());
+            return Err(why);
+        }
+        st.control.push_back(ctl);
+        self.work.notify_one();
+        Ok(())
+    }
+
+    /// Shuts the socket both ways: the peer sees the end of the stream, and
+    /// a thread blocked on it wakes.
+    fn hang_up(&self) {
+        // SAFETY: `fd` is the connection's socket, open until the `TcpConn`
+        // owning it is dropped, which joins both threads first. shutdown(2)
+        // neither closes nor reuses the descriptor.
+        unsafe { libc::shutdown(self.fd, libc::SHUT_RDWR) };
+    }
+
+    /// Whether the peer closed its end or the connection failed (without
+    /// reading anything).
+    fn peer_gone(&self) -> bool {
+        let mut p = libc::pollfd { fd: self.fd, events: libc::POLLRDHUP, revents: 0 };
+        // SAFETY: one valid pollfd; a zero timeout never blocks.
+        let n = unsafe { libc::poll(&mut p, 1, 0) };
+        n > 0 && p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
     }
 }
 
@@ -593,15 +691,18 @@ impl TcpConn {
                 recvs: VecDeque::new(),
                 send_used: 0,
                 recv_used: 0,
+                sender_done: false,
             }),
             work: Condvar::new(),
             events: Condvar::new(),
             fd: stream.as_raw_fd(),
+            dead: AtomicBool::new(false),
             table: Arc::clone(&domain.inner.backend.tcp.table),
             granted: RwLock::new(opts.advertise.iter().map(|r| r.rkey).collect()),
             domain_id: domain.id(),
-            send_depth: opts.send_queue_depth.max(1),
+            send_depth: send_depth(opts),
             recv_depth: opts.recv_queue_depth.max(1),
+            peer_depth: theirs.send_depth.clamp(1, MAX_TCP_QUEUE_DEPTH) as usize,
             max_message,
             // The peer's retry count, this side's timer, as on verbs.
             rnr_budget: (theirs.rnr_retry < 7)
@@ -626,6 +727,7 @@ impl TcpConn {
             max_inline: MAX_INLINE,
             send_queue_depth: inner.send_depth,
             recv_queue_depth: inner.recv_depth,
+            memory_bound: Some(memory_bound(inner.peer_depth as u32, inner.send_depth, inner.recv_depth)),
         };
         Ok((TcpConn { inner, stream, threads: Mutex::new(vec![sender, receiver]) }, info))
     }
@@ -816,7 +918,7 @@ impl TcpConn {
             self.inner.work.notify_all();
             // Give the sender a moment to say bye before the socket closes.
             let t0 = Instant::now();
-            while !st.control.is_empty() && t0.elapsed() < Duration::from_millis(200) {
+            while !st.control.is_empty() && !st.sender_done && t0.elapsed() < Duration::from_millis(200) {
                 st = self.inner.events.wait_timeout(st, Duration::from_millis(10)).unwrap_or_else(|e| e.into_inner()).0;
             }
             st.stopping = true;
@@ -873,17 +975,22 @@ fn sender(inner: &Inner) {
                     }
                     break Work::Ctl(c);
                 }
-                if st.stopping {
+                if st.stopping || st.lost.is_some() {
+                    // Broken or closing, and every queued reply went out (or
+                    // failed): hang up, so the peer sees the end at once and
+                    // the receiver stops reading.
+                    st.sender_done = true;
+                    inner.events.notify_all();
+                    drop(st);
+                    inner.hang_up();
                     return;
                 }
-                if st.lost.is_none() {
-                    if let Some(o) = st.queue.pop_front() {
-                        st.sending = Some(o.seq);
-                        if !matches!(o.kind, OutKind::ReadReq { .. }) {
-                            st.awaiting.insert(o.seq, o.wr_id);
-                        }
-                        break Work::Out(o);
+                if let Some(o) = st.queue.pop_front() {
+                    st.sending = Some(o.seq);
+                    if !matches!(o.kind, OutKind::ReadReq { .. }) {
+                        st.awaiting.insert(o.seq, o.wr_id);
                     }
+                    break Work::Out(o);
                 }
                 st = inner.work.wait(st).unwrap_or_else(|e| e.into_inner());
             }
@@ -1003,6 +1110,11 @@ fn receiver(inner: &Inner) {
     let fd = inner.fd;
     let mut scratch = vec![0u8; STEP];
     let why = loop {
+        if inner.dead.load(Ordering::Acquire) {
+            // Broken (by this thread, the sender, or this side closing):
+            // nothing more from the peer is carried out.
+            break inner.lock().lost.clone().unwrap_or_default();
+        }
         let mut head = [0u8; HEADER];
         match recv_buf(fd, &mut head) {
             Ok(true) => {}
@@ -1043,6 +1155,20 @@ fn receiver(inner: &Inner) {
     for r in reads {
         inner.complete(&mut st, &raw(r.wr_id, WcStatus::WrFlush));
     }
+    // The sender delivers the replies already queued (a refusal), then hangs
+    // up. A peer that does not read gets LINGER for that, then the socket is
+    // shut under the sender, which ends it: a broken connection holds no
+    // thread.
+    let until = Instant::now() + LINGER;
+    while !st.sender_done {
+        let now = Instant::now();
+        if now >= until {
+            break;
+        }
+        st = inner.events.wait_timeout(st, until - now).unwrap_or_else(|e| e.into_inner()).0;
+    }
+    drop(st);
+    inner.hang_up();
 }
 
 type Step = std::result::Result<(), String>;
@@ -1077,29 +1203,40 @@ fn next_segment(fd: RawFd, first: &Header) -> std::result::Result<Header, String
 }
 
 /// Fails the connection after a request the peer made was refused: the
-/// peer gets `status`, this side breaks too (as a responder in error does).
+/// peer gets `status` (the last reply it gets), this side breaks too, as a
+/// responder in the error state does, and the receiver stops: nothing the
+/// peer sent after the refused request is carried out.
 fn refuse(inner: &Inner, seq: u32, status: WcStatus, why: String) -> Step {
     let mut st = inner.lock();
     st.control.push_back(Ctl::Ack { seq, status: status.to_raw() });
-    inner.break_with(&mut st, why);
-    Ok(())
+    inner.work.notify_one();
+    inner.break_with(&mut st, why.clone());
+    Err(why)
 }
 
-/// Takes the next posted receive, waiting up to the receiver-not-ready budget.
+/// Takes the next posted receive, waiting up to the receiver-not-ready
+/// budget (forever when it is "infinite"). Meanwhile the socket is watched
+/// every [`WATCH`]: a peer that closed or died ends the wait, as does this
+/// side closing.
 fn next_recv(inner: &Inner) -> std::result::Result<Option<Recv>, String> {
     let deadline = inner.rnr_budget.map(|b| Instant::now() + b);
     let mut st = inner.lock();
     loop {
-        if st.stopping {
-            return Err("the connection is closing".into());
+        if st.stopping || st.lost.is_some() {
+            return Err(st.lost.clone().unwrap_or_else(|| "the connection is closing".into()));
         }
         if let Some(r) = st.recvs.pop_front() {
             return Ok(Some(r));
         }
-        match deadline {
-            Some(d) if Instant::now() >= d => return Ok(None),
-            Some(d) => st = inner.events.wait_timeout(st, d - Instant::now()).unwrap_or_else(|e| e.into_inner()).0,
-            None => st = inner.events.wait_timeout(st, Duration::from_millis(100)).unwrap_or_else(|e| e.into_inner()).0,
+        let now = Instant::now();
+        let slice = match deadline {
+            Some(d) if now >= d => return Ok(None),
+            Some(d) => (d - now).min(WATCH),
+            None => WATCH,
+        };
+        st = inner.events.wait_timeout(st, slice).unwrap_or_else(|e| e.into_inner()).0;
+        if st.recvs.is_empty() && inner.peer_gone() {
+            return Err("the peer closed the connection while its message waited for a receive".into());
         }
     }
 }
@@ -1179,9 +1316,7 @@ fn on_message(inner: &Inner, h: &Header, written: Option<u32>, scratch: &mut [u8
         ..raw(recv.wr_id, WcStatus::Success)
     };
     inner.complete(&mut st, &c);
-    st.control.push_back(Ctl::Ack { seq: h.seq, status: 0 });
-    inner.work.notify_one();
-    Ok(())
+    inner.reply(&mut st, Ctl::Ack { seq: h.seq, status: 0 })
 }
 
 fn on_write(inner: &Inner, h: &Header, scratch: &mut [u8]) -> Step {
@@ -1227,9 +1362,7 @@ fn on_write(inner: &Inner, h: &Header, scratch: &mut [u8]) -> Step {
         return on_message(inner, h, Some(h.total), scratch);
     }
     let mut st = inner.lock();
-    st.control.push_back(Ctl::Ack { seq: h.seq, status: 0 });
-    inner.work.notify_one();
-    Ok(())
+    inner.reply(&mut st, Ctl::Ack { seq: h.seq, status: 0 })
 }
 
 fn on_read_request(inner: &Inner, h: &Header) -> Step {
@@ -1237,9 +1370,7 @@ fn on_read_request(inner: &Inner, h: &Header) -> Step {
     match inner.lookup(h.key) {
         Some(entry) if entry.admits(h.addr, total, Access::REMOTE_READ) => {
             let mut st = inner.lock();
-            st.control.push_back(Ctl::ReadResp { seq: h.seq, entry, addr: h.addr, len: total });
-            inner.work.notify_one();
-            Ok(())
+            inner.reply(&mut st, Ctl::ReadResp { seq: h.seq, entry, addr: h.addr, len: total })
         }
         _ => refuse(
             inner,
@@ -1293,7 +1424,9 @@ fn on_ack(inner: &Inner, h: &Header) -> Step {
     inner.complete(&mut st, &raw(wr_id, status));
     if !status.is_success() {
         let why = st.lost.clone().unwrap_or_default();
-        inner.break_with(&mut st, why);
+        inner.break_with(&mut st, why.clone());
+        // The peer broke the connection: nothing more from it is carried out.
+        return Err(why);
     }
     Ok(())
 }
@@ -1371,7 +1504,7 @@ mod tests {
         let d = TcpDomain::new();
         let mut mem = vec![0u8; 100];
         // SAFETY: `mem` outlives the exposure.
-        let x = unsafe { d.expose(mem.as_mut_ptr() as u64, 100, Access::REMOTE_WRITE, None) };
+        let x = unsafe { d.expose(mem.as_mut_ptr() as u64, 100, Access::REMOTE_WRITE, None) }.unwrap();
         let e = TcpDomain::lookup(&d.table, x.key()).unwrap();
         let a = mem.as_ptr() as u64;
         assert!(e.admits(a, 100, Access::REMOTE_WRITE));

@@ -266,6 +266,7 @@ impl Prepared {
             max_inline: caps.max_inline_data,
             send_queue_depth: caps.max_send_wr,
             recv_queue_depth: caps.max_recv_wr,
+            memory_bound: None,
         };
         tracing::debug!(?info, "verbs connection established");
         let conn = VerbsConn {

@@ -1,0 +1,529 @@
+//! Hostile peers against the TCP transport, from raw sockets: the peer
+//! plays the handshake with the crate's own codec, then writes transport
+//! frames by hand, as an attacker would.
+//!
+//! 1. After the first refused request the target carries out nothing more
+//!    from that peer, and tears the connection down promptly.
+//! 2. A peer that dies while its message waits for a receive is seen within
+//!    a second (the receiver keeps watching the socket), even with the
+//!    receiver-not-ready budget at "infinite".
+//! 3. A peer that never reads its acknowledgements cannot make this side
+//!    buffer without bound: resident memory stays within the documented
+//!    per-connection bound, and the victim's other connections work.
+//! 4. Silent and half-sent handshakes do not delay other clients: the
+//!    listener runs handshakes concurrently, each with its deadline.
+//! 5. Region keys on a TCP-only domain are not predictable from each other.
+//!
+//! These tests count threads, descriptors and resident memory of this
+//! process, so they run one at a time (a lock), and each measures against
+//! a baseline taken after the previous one has cleaned up.
+
+mod common;
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use gpu_rdma::bootstrap::{self, CAP_TCP, Deadline, Hello, Secret, TcpEndpoint};
+use gpu_rdma::{Access, ConnectOptions, Connection, Domain, DomainConfig, Exposed, RemoteRegion, TransportPolicy};
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn tcp_domain() -> Domain {
+    Domain::with_config(&DomainConfig::default().transport(TransportPolicy::Tcp)).expect("a TCP domain")
+}
+
+// ---- what this process holds ----
+
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0)
+}
+
+/// Threads of this process whose name starts with `prefix`.
+fn threads_named(prefix: &str) -> usize {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return 0 };
+    tasks
+        .filter_map(|t| t.ok())
+        .filter(|t| std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.starts_with(prefix)))
+        .count()
+}
+
+fn transport_threads() -> usize {
+    threads_named("gpu-rdma-tcp")
+}
+
+fn resident_bytes() -> u64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    let pages: u64 = statm.split_whitespace().nth(1).and_then(|p| p.parse().ok()).unwrap_or(0);
+    pages * 4096
+}
+
+/// Waits until `f` holds, up to `limit`; returns how long it took, or `None`.
+fn within(limit: Duration, mut f: impl FnMut() -> bool) -> Option<Duration> {
+    let t0 = Instant::now();
+    loop {
+        if f() {
+            return Some(t0.elapsed());
+        }
+        if t0.elapsed() >= limit {
+            return None;
+        }
+        thread::sleep(Duration::from_millis(2));
+    }
+}
+
+// ---- the hostile peer's tools ----
+
+const SEND: u8 = 1;
+const WRITE: u8 = 2;
+const READ_REQ: u8 = 3;
+const READ_RESP: u8 = 4;
+const ACK: u8 = 5;
+const FIRST: u8 = 1;
+const LAST: u8 = 2;
+const IMM: u8 = 4;
+const HEADER: usize = 32;
+
+/// The transport's frame header, as documented in `transport/tcp.rs`:
+/// `op u8, flags u8, 2 reserved, seq u32, key u32, imm u32, addr u64,
+/// len u32, total u32`, little-endian; then `len` payload bytes.
+#[allow(clippy::too_many_arguments)]
+fn frame(op: u8, flags: u8, seq: u32, key: u32, addr: u64, len: u32, total: u32, out: &mut Vec<u8>) {
+    out.extend_from_slice(&[op, flags, 0, 0]);
+    out.extend_from_slice(&seq.to_le_bytes());
+    out.extend_from_slice(&key.to_le_bytes());
+    out.extend_from_slice(&7u32.to_le_bytes());
+    out.extend_from_slice(&addr.to_le_bytes());
+    out.extend_from_slice(&len.to_le_bytes());
+    out.extend_from_slice(&total.to_le_bytes());
+}
+
+fn endpoint(rnr_retry: u8, send_depth: u32) -> TcpEndpoint {
+    TcpEndpoint { rnr_retry, min_rnr_timer: 1, max_message: 1 << 30, send_depth }
+}
+
+/// Connects to `addr` and plays the handshake as a TCP-only client.
+/// Returns the socket and the victim's hello.
+fn hostile_client(addr: SocketAddr, tcp: TcpEndpoint) -> (TcpStream, Hello) {
+    let s = TcpStream::connect(addr).expect("connect to the victim");
+    let deadline = Deadline::after(Duration::from_secs(10), "the victim");
+    let mine = Hello { caps: CAP_TCP, verbs: None, tcp: Some(tcp), regions: vec![] };
+    let theirs = bootstrap::exchange_hello(&s, &mine, deadline, 1 << 20).expect("the victim's hello");
+    bootstrap::exchange_ready(&s, deadline).expect("the victim's ready");
+    (s, theirs)
+}
+
+/// A victim: a TCP domain exposing one 4 KiB region (write and read),
+/// accepting one connection that advertises it.
+struct Victim {
+    domain: Domain,
+    region: Exposed,
+    original: Vec<u8>,
+}
+
+impl Victim {
+    fn new() -> Victim {
+        let domain = tcp_domain();
+        let original = common::pattern(4096, 11);
+        let mut r = domain.alloc(4096).unwrap();
+        r.copy_from_slice(&original);
+        let region = domain.expose(r, Access::REMOTE_WRITE | Access::REMOTE_READ, 1).unwrap();
+        Victim { domain, region, original }
+    }
+
+    fn opts(&self) -> ConnectOptions {
+        ConnectOptions::default()
+            .advertise(&self.region)
+            .handshake_timeout(Duration::from_secs(10))
+            .op_timeout(Duration::from_secs(30))
+    }
+
+    /// Accepts the hostile client; returns the victim's connection, the
+    /// socket and the region's descriptor as the client saw it.
+    fn accept(&self, tcp: TcpEndpoint) -> (Connection, TcpStream, RemoteRegion) {
+        let listener = self.domain.listen("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let opts = self.opts();
+        let server = thread::spawn(move || listener.accept_timeout(&opts, Duration::from_secs(10)));
+        let (s, theirs) = hostile_client(addr, tcp);
+        let conn = server.join().unwrap().expect("the victim accepts");
+        let region = theirs.regions.first().copied().expect("the victim advertised its region");
+        (conn, s, region)
+    }
+
+    fn unchanged(&self) -> bool {
+        let mut now = vec![0u8; 4096];
+        self.region.read_at(0, &mut now).unwrap();
+        now == self.original
+    }
+}
+
+/// Everything the victim sends until it closes or `limit` passes: the
+/// frames (header fields op, seq, total), and whether the stream ended.
+fn read_replies(s: &TcpStream, limit: Duration) -> (Vec<(u8, u32, u32)>, bool) {
+    let deadline = Instant::now() + limit;
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let ended = loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            break false;
+        }
+        s.set_read_timeout(Some(left)).unwrap();
+        match (&*s).read(&mut chunk) {
+            Ok(0) => break true,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => break false,
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(_) => break true, // reset: ended too
+        }
+    };
+    let mut frames = Vec::new();
+    let mut at = 0;
+    while at + HEADER <= buf.len() {
+        let h = &buf[at..at + HEADER];
+        let u32_at = |i: usize| u32::from_le_bytes([h[i], h[i + 1], h[i + 2], h[i + 3]]);
+        frames.push((h[0], u32_at(4), u32_at(28)));
+        at += HEADER + u32_at(24) as usize;
+    }
+    (frames, ended)
+}
+
+// ---- 1. a refused request stops the connection ----
+
+#[test]
+fn after_a_refused_request_the_target_carries_out_nothing_more_and_hangs_up() {
+    let _serial = serial();
+    let victim = Victim::new();
+    let (conn, s, r) = victim.accept(endpoint(0, 128));
+    let mut out = Vec::new();
+    // A guessed key: refused.
+    frame(WRITE, FIRST | LAST, 1, r.rkey ^ 0x5a5a_5a5a, r.addr, 16, 16, &mut out);
+    out.extend_from_slice(&[0xee; 16]);
+    // Then a write into the advertised region, which must not land...
+    frame(WRITE, FIRST | LAST, 2, r.rkey, r.addr, 64, 64, &mut out);
+    out.extend_from_slice(&[0xee; 64]);
+    // ...a read of it, which must not be served...
+    frame(READ_REQ, FIRST | LAST, 3, r.rkey, r.addr, 0, 64, &mut out);
+    // ...and a thousand more key guesses, none of which may be answered.
+    for i in 0..1000u32 {
+        frame(WRITE, FIRST | LAST, 4 + i, r.rkey.wrapping_add(i + 1), r.addr, 0, 0, &mut out);
+    }
+    s.set_write_timeout(Some(Duration::from_secs(5))).unwrap();
+    let _ = (&s).write_all(&out); // the victim may hang up before taking all of it
+    let t0 = Instant::now();
+    let (replies, ended) = read_replies(&s, Duration::from_secs(3));
+    let took = t0.elapsed();
+    let shown: Vec<_> = replies.iter().take(4).collect();
+    println!("{} replies to the hostile stream, first {shown:?}; stream ended: {ended} after {took:?}", replies.len());
+
+    assert_eq!(replies.len(), 1, "exactly one reply (the refusal), got {} starting {shown:?}", replies.len());
+    let (op, seq, status) = replies[0];
+    assert_eq!((op, seq), (ACK, 1), "the refusal answers the first request");
+    assert_eq!(status, 10, "status IBV_WC_REM_ACCESS_ERR");
+    assert!(!replies.iter().any(|&(op, ..)| op == READ_RESP), "a read was served after the refusal");
+    assert!(ended, "the victim kept the connection open after the refusal ({took:?})");
+    assert!(victim.unchanged(), "a write landed after the refusal");
+    assert!(conn.broken().is_some(), "the victim's connection says it is broken");
+    // Both transport threads are gone, though the connection is not dropped yet.
+    let gone = within(Duration::from_secs(2), || transport_threads() == 0);
+    assert!(gone.is_some(), "{} transport threads still run after the refusal", transport_threads());
+    drop(conn);
+}
+
+#[test]
+fn a_refused_read_also_stops_the_connection() {
+    let _serial = serial();
+    let victim = Victim::new();
+    let (conn, s, r) = victim.accept(endpoint(0, 128));
+    let mut out = Vec::new();
+    // Out of bounds: refused.
+    frame(READ_REQ, FIRST | LAST, 1, r.rkey, r.addr + 4000, 0, 200, &mut out);
+    frame(WRITE, FIRST | LAST, 2, r.rkey, r.addr, 32, 32, &mut out);
+    out.extend_from_slice(&[0x11; 32]);
+    frame(READ_REQ, FIRST | LAST, 3, r.rkey, r.addr, 0, 64, &mut out);
+    s.set_write_timeout(Some(Duration::from_secs(5))).unwrap();
+    let _ = (&s).write_all(&out);
+    let (replies, ended) = read_replies(&s, Duration::from_secs(3));
+    assert_eq!(replies, vec![(ACK, 1, 10)], "only the refusal");
+    assert!(ended, "the victim hung up");
+    assert!(victim.unchanged());
+    assert!(conn.broken().is_some());
+}
+
+// ---- 2. a peer that dies while its message waits for a receive ----
+
+/// Writes the frames of a message left waiting for a receive.
+type Unmatched = fn(&RemoteRegion, &mut Vec<u8>);
+
+/// The victim sees the peer's death within a second, and its transport
+/// threads end, for each way of leaving a message unmatched.
+#[test]
+fn a_peer_that_dies_while_its_message_waits_for_a_receive_is_seen_promptly() {
+    let _serial = serial();
+    let victim = Victim::new();
+    let cases: [(&str, Unmatched); 3] = [
+        ("a send with no receive posted", |_, out| {
+            frame(SEND, FIRST | LAST, 1, 0, 0, 16, 16, out);
+            out.extend_from_slice(&[1; 16]);
+        }),
+        ("a truncated send with no receive posted", |_, out| {
+            // Announces 2 MiB, sends part of its first 1 MiB segment.
+            frame(SEND, FIRST, 1, 0, 0, 1 << 20, 2 << 20, out);
+            out.extend_from_slice(&[2; 1000]);
+        }),
+        ("a write with immediate with no receive posted", |r, out| {
+            frame(WRITE, FIRST | LAST | IMM, 1, r.rkey, r.addr, 8, 8, out);
+            out.extend_from_slice(&[3; 8]);
+        }),
+    ];
+    for (what, make) in cases {
+        let before = transport_threads();
+        // rnr_retry 7: the peer's message waits for a receive forever.
+        let (conn, s, r) = victim.accept(endpoint(7, 128));
+        let mut out = Vec::new();
+        make(&r, &mut out);
+        (&s).write_all(&out).unwrap();
+        thread::sleep(Duration::from_millis(100));
+        assert!(conn.broken().is_none(), "{what}: broken before the peer died");
+        // The peer dies: its socket closes.
+        drop(s);
+        let seen = within(Duration::from_secs(1), || conn.broken().is_some());
+        println!("{what}: the peer's death seen after {seen:?}: {:?}", conn.broken());
+        assert!(seen.is_some(), "{what}: the peer's death was not seen within 1 s");
+        let ended = within(Duration::from_secs(1), || transport_threads() <= before);
+        assert!(ended.is_some(), "{what}: the connection's threads still run");
+        drop(conn);
+    }
+}
+
+/// Dropping the connection ends an "infinite" wait for a receive at once.
+#[test]
+fn dropping_the_connection_ends_an_infinite_wait_for_a_receive() {
+    let _serial = serial();
+    let victim = Victim::new();
+    let before = transport_threads();
+    let (conn, s, _) = victim.accept(endpoint(7, 128));
+    let mut out = Vec::new();
+    frame(SEND, FIRST | LAST, 1, 0, 0, 16, 16, &mut out);
+    out.extend_from_slice(&[1; 16]);
+    (&s).write_all(&out).unwrap();
+    thread::sleep(Duration::from_millis(50));
+    let t0 = Instant::now();
+    drop(conn);
+    let took = t0.elapsed();
+    assert!(took < Duration::from_secs(1), "dropping took {took:?}");
+    assert!(transport_threads() <= before);
+    drop(s);
+}
+
+// ---- 3. unread acknowledgements ----
+
+/// A peer sends 4 M zero-byte writes and never reads a reply. The victim's
+/// resident memory stays within the documented per-connection bound
+/// (within 2x), and another connection of the same domain keeps working
+/// meanwhile.
+#[test]
+fn four_million_unread_acknowledgements_stay_within_the_per_connection_bound() {
+    const REQUESTS: usize = 4 << 20;
+    const PER_WRITE: usize = 1 << 15;
+    let _serial = serial();
+    let victim = Victim::new();
+    // A legitimate pair on the same domain, used while the flood runs.
+    let (good_server, good_client) = {
+        let listener = victim.domain.listen("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let opts = victim.opts();
+        let t = thread::spawn(move || listener.accept_timeout(&opts, Duration::from_secs(10)));
+        let c = victim.domain.connect(addr, &common::opts()).unwrap();
+        (t.join().unwrap().unwrap(), c)
+    };
+    let peer_depth = gpu_rdma::bootstrap::wire::MAX_TCP_QUEUE_DEPTH;
+    let rss0 = resident_bytes();
+    let (conn, s, r) = victim.accept(endpoint(0, peer_depth));
+    let bound = conn.info().memory_bound.expect("a TCP connection states its memory bound");
+    let mut out = Vec::with_capacity(PER_WRITE * HEADER);
+    let mut seq = 1u32;
+    let mut sent = 0usize;
+    let mut peak = rss0;
+    let mut good_ok = 0;
+    s.set_write_timeout(Some(Duration::from_secs(2))).unwrap();
+    let t0 = Instant::now();
+    while sent < REQUESTS {
+        out.clear();
+        for _ in 0..PER_WRITE {
+            frame(WRITE, FIRST | LAST, seq, r.rkey, r.addr, 0, 0, &mut out);
+            seq = seq.wrapping_add(1).max(1);
+        }
+        if (&s).write_all(&out).is_err() {
+            break; // the victim stopped reading or hung up
+        }
+        sent += PER_WRITE;
+        peak = peak.max(resident_bytes());
+        if sent % (PER_WRITE * 2) == 0 {
+            // The victim's other connection works meanwhile.
+            let remote = good_client.remote_region(1).unwrap();
+            let mut b = victim.domain.alloc(4096).unwrap();
+            b.copy_from_slice(&victim.original);
+            let (done, _) = good_client.write(b, &remote.whole()).finish().expect("the other connection writes");
+            assert_eq!(done.byte_len, 4096);
+            good_ok += 1;
+        }
+    }
+    let flood = t0.elapsed();
+    thread::sleep(Duration::from_millis(200));
+    peak = peak.max(resident_bytes());
+    let grew = peak.saturating_sub(rss0);
+    println!(
+        "unread acknowledgements: {sent} zero-byte writes sent in {flood:?}; resident memory grew {} KiB \
+         (bound {} KiB for a peer depth of {peer_depth}); victim broken: {:?}; other connection: {good_ok} writes",
+        grew >> 10,
+        bound >> 10,
+        conn.broken()
+    );
+    assert!(grew <= 2 * bound, "resident memory grew {grew} bytes, the bound is {bound}");
+    // The victim's other connection still works after the flood.
+    let remote = good_client.remote_region(1).unwrap();
+    let mut b = victim.domain.alloc(4096).unwrap();
+    b.copy_from_slice(&victim.original);
+    good_client.write(b, &remote.whole()).finish().expect("the other connection writes after the flood");
+    assert!(good_server.broken().is_none() && good_client.broken().is_none());
+    drop(s);
+    drop(conn);
+}
+
+// ---- 4. handshakes run concurrently ----
+
+/// 64 stalled handshakes (32 silent after connecting, 32 that sent half a
+/// frame header) do not keep a legitimate client out: it connects and
+/// transfers within a second. After the stalled peers leave, descriptors,
+/// threads and domain resources return to their baseline.
+fn stalled_handshakes_do_not_delay_a_legitimate_client(secret: Option<&str>) {
+    let victim = Victim::new();
+    let mut opts = victim.opts().handshake_timeout(Duration::from_secs(10));
+    let mut client_opts = common::opts().handshake_timeout(Duration::from_secs(5));
+    if let Some(s) = secret {
+        opts = opts.secret(Secret::new(s).unwrap());
+        client_opts = client_opts.secret(Secret::new(s).unwrap());
+    }
+    let (fds0, threads0, stats0, rss0) = (open_fds(), thread_count(), victim.domain.stats(), resident_bytes());
+    let listener = victim.domain.listen("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let server = {
+        let stop = Arc::clone(&stop);
+        thread::spawn(move || {
+            let mut accepted = Vec::new();
+            let mut failed = 0;
+            while !stop.load(Ordering::SeqCst) {
+                match listener.accept_timeout(&opts, Duration::from_millis(100)) {
+                    Ok(c) => accepted.push(c),
+                    Err(e) if e.is_timeout() => {}
+                    Err(_) => failed += 1,
+                }
+            }
+            (accepted, failed)
+        })
+    };
+    let stalled: Vec<TcpStream> = (0..64)
+        .map(|i| {
+            let s = TcpStream::connect(addr).unwrap();
+            if i % 2 == 1 {
+                // Half a frame header, then nothing.
+                (&s).write_all(&bootstrap::MAGIC.to_be_bytes()).unwrap();
+                (&s).write_all(&bootstrap::VERSION.to_be_bytes()).unwrap();
+            }
+            s
+        })
+        .collect();
+    thread::sleep(Duration::from_millis(100));
+    let t0 = Instant::now();
+    let conn = victim.domain.connect(addr, &client_opts).expect("the legitimate client connects");
+    let remote = conn.remote_region(1).unwrap();
+    let data = common::pattern(4096, 99);
+    let mut b = victim.domain.alloc(4096).unwrap();
+    b.copy_from_slice(&data);
+    conn.write(b, &remote.whole()).finish().expect("the legitimate client writes");
+    let took = t0.elapsed();
+    let mut now = vec![0u8; 4096];
+    victim.region.read_at(0, &mut now).unwrap();
+    println!("with 64 stalled handshakes (secret: {}): connected and wrote 4 KiB in {took:?}", secret.is_some());
+    assert!(now == data, "the write landed");
+    assert!(took < Duration::from_secs(1), "the legitimate client took {took:?}");
+    drop(conn);
+    drop(stalled);
+    // The stalled handshakes end as their peers leave; then everything is back.
+    thread::sleep(Duration::from_millis(300));
+    stop.store(true, Ordering::SeqCst);
+    let (accepted, failed) = server.join().unwrap();
+    assert_eq!(accepted.len(), 1, "one connection accepted");
+    assert_eq!(failed, 64, "each stalled handshake ends as an error of accept");
+    drop(accepted);
+    let back = within(Duration::from_secs(5), || {
+        open_fds() <= fds0 && thread_count() <= threads0 && victim.domain.stats() == stats0
+    });
+    let rss = resident_bytes();
+    println!(
+        "after: fds {} (baseline {fds0}), threads {} ({threads0}), stats {:?}, resident +{} KiB",
+        open_fds(),
+        thread_count(),
+        victim.domain.stats(),
+        rss.saturating_sub(rss0) >> 10
+    );
+    assert!(back.is_some(), "descriptors, threads or domain resources did not return to their baseline");
+    assert!(rss.saturating_sub(rss0) < 16 << 20, "resident memory grew {} KiB", rss.saturating_sub(rss0) >> 10);
+}
+
+/// This crate's threads (the test harness's own come and go).
+fn thread_count() -> usize {
+    threads_named("gpu-rdma")
+}
+
+#[test]
+fn stalled_handshakes_do_not_delay_a_legitimate_client_without_a_secret() {
+    let _serial = serial();
+    stalled_handshakes_do_not_delay_a_legitimate_client(None);
+}
+
+#[test]
+fn stalled_handshakes_do_not_delay_a_legitimate_client_with_a_secret() {
+    let _serial = serial();
+    stalled_handshakes_do_not_delay_a_legitimate_client(Some("the same secret on both sides"));
+}
+
+// ---- 5. keys ----
+
+/// On a TCP-only domain, no key predicts another: consecutive keys are not
+/// a fixed step apart, and the bits are balanced.
+#[test]
+fn tcp_region_keys_are_not_predictable_from_each_other() {
+    let _serial = serial();
+    let d = tcp_domain();
+    let mut keys = Vec::new();
+    let mut live = Vec::new();
+    for _ in 0..2000 {
+        let e = d.expose(d.alloc(64).unwrap(), Access::REMOTE_WRITE, 0).unwrap();
+        keys.push(e.rkey());
+        live.push(e);
+    }
+    let mut steps: Vec<u32> = keys.windows(2).map(|w| w[1].wrapping_sub(w[0])).collect();
+    steps.sort_unstable();
+    steps.dedup();
+    assert!(steps.len() > 1900, "only {} distinct steps between 2000 consecutive keys", steps.len());
+    for bit in 0..32 {
+        let set = keys.iter().filter(|k| *k >> bit & 1 == 1).count();
+        assert!((800..=1200).contains(&set), "bit {bit} is set in {set} of 2000 keys");
+    }
+    let mut unique = keys.clone();
+    unique.sort_unstable();
+    unique.dedup();
+    assert_eq!(unique.len(), keys.len(), "keys repeat");
+    assert!(!keys.contains(&0));
+}
