@@ -342,10 +342,13 @@ impl Connection {
                 Ok(p) => p,
                 Err(e) => return Pending::failed(&self.shared, local.into_inner(), e),
             };
+            // Outgoing: the copies out of the GPU wait for the producer fence.
+            // Incoming: the copies into it wait for the consumer fence (work
+            // still reading what they overwrite).
             let started = if matches!(staged, StagedOp::Send { .. } | StagedOp::Write { .. }) {
                 cuda.order_after_ready(pipeline.out_stream())
             } else {
-                Ok(())
+                cuda.order_after_ready(pipeline.in_stream())
             }
             .and_then(|()| pipeline.advance(&self.shared.transport));
             if let Err(e) = started {
@@ -355,18 +358,19 @@ impl Connection {
             }
             return Pending::staged(&self.shared, pipeline, local.into_inner());
         }
+        // Direct: the NIC touches the memory as soon as the request is posted,
+        // so the fence (producer for outgoing data, consumer for incoming) is
+        // waited for first, whatever the operation.
+        if let Err(e) = cuda.wait_ready() {
+            return Pending::failed(&self.shared, local.into_inner(), e);
+        }
         match op {
             Some(op @ RemoteOp::Read(_)) => {
                 let mut p = self.post_items(local.into_inner(), Ok(vec![WorkItem { local: Some(parts), op }]));
                 p.after = Some(Box::new(move || device.flush_remote_writes()));
                 p
             }
-            Some(op) => {
-                if let Err(e) = cuda.wait_ready() {
-                    return Pending::failed(&self.shared, local.into_inner(), e);
-                }
-                self.post_items(local.into_inner(), Ok(vec![WorkItem { local: Some(parts), op }]))
-            }
+            Some(op) => self.post_items(local.into_inner(), Ok(vec![WorkItem { local: Some(parts), op }])),
             None => {
                 let posted = self.shared.transport.post_recv(Some(parts));
                 let mut p = self.pending(local.into_inner(), posted);
@@ -544,10 +548,9 @@ impl<B: LocalBuffer> Batch<'_, B> {
                             "staged GPU buffers cannot be batched: post their operations one by one".into(),
                         ));
                     }
+                    cuda.wait_ready()?;
                     if op.reads_remote() {
                         flush.push(cuda.device().clone());
-                    } else {
-                        cuda.wait_ready()?;
                     }
                 }
                 Ok(WorkItem { local: Some(l), op: *op })

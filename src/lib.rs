@@ -290,9 +290,26 @@
 //! ### Ordering and visibility on the GPU
 //!
 //! - Before the NIC reads GPU memory (a send or write from it), the CUDA
-//!   work producing it must be complete: tell gpu-rdma which stream
-//!   produces it with [`cuda::CudaBuffer::ready_after`] (waited for on the
-//!   GPU where possible); without it, the context is synchronized.
+//!   work producing it must be complete; before it writes GPU memory (a
+//!   receive or read into it), the work still reading the old contents
+//!   must be. Call [`cuda::CudaBuffer::ready_after`] with that work's stream
+//!   before posting each such operation (it takes `&self`: call it through
+//!   `region.memory()` or `exposed.cuda()`): the operation waits for the
+//!   work queued up to that call (on the GPU for staged copies, on the CPU
+//!   before a direct post), and a later call records a later fence. Without
+//!   it the contents are taken as settled (after a synchronous copy or your
+//!   own synchronize); the crate never synchronizes the whole context,
+//!   which would wait for unrelated work and is illegal under graph capture.
+//! - GPU memory is never touched by the CPU through its device address:
+//!   small sends from it are posted by reference, never inline.
+//! - Any device pointer registers: `cuMemAlloc` memory (only 256-byte
+//!   alignment is assumed), a tensor at any offset inside a larger block,
+//!   VMM memory (`cuMemCreate`, [`cuda::CudaBuffer::from_raw`]; its
+//!   `IS_GPU_DIRECT_RDMA_CAPABLE` decides whether a direct path may be
+//!   tried). dma-buf exports round the range out to whole pages and
+//!   register it by offset, with the device address as the iova. GPU
+//!   registrations ask for PCIe relaxed ordering
+//!   (`GPU_RDMA_RELAXED_ORDERING=0` opts out).
 //! - After the NIC writes GPU memory (a receive or read into it), the
 //!   completion is reported only once the data is visible to CUDA work:
 //!   `cuFlushGPUDirectRDMAWrites` where the device's ordering attributes
@@ -322,7 +339,8 @@
 //!
 //! `GPU_RDMA_DEVICE`, `GPU_RDMA_PORT`, `GPU_RDMA_GID_INDEX` choose the
 //! device, port and GID ([`DomainConfig::from_env`]); `GPU_RDMA_TRANSPORT`
-//! the transport; `GPU_RDMA_MEM_PATH` the GPU memory path; `GPU_RDMA_LOG` sets the log filter of the tools
+//! the transport; `GPU_RDMA_MEM_PATH` the GPU memory path; `GPU_RDMA_RELAXED_ORDERING=0`
+//! turns off relaxed ordering for GPU registrations; `GPU_RDMA_LOG` sets the log filter of the tools
 //! (`tracing` directives).
 
 #![warn(missing_docs)]

@@ -256,6 +256,12 @@ impl Pipeline {
         })
     }
 
+    /// The host-to-device stream: GPU work still reading the destination is
+    /// ordered before it.
+    pub(crate) fn in_stream(&self) -> &CudaStream {
+        &self.stager.h2d
+    }
+
     /// The device-to-host stream: GPU work producing the data is ordered before it.
     pub(crate) fn out_stream(&self) -> &CudaStream {
         &self.stager.d2h

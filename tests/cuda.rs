@@ -6,7 +6,11 @@
 
 #![cfg(feature = "cuda")]
 
+mod common;
+
 use std::os::fd::AsRawFd;
+
+use common::gpu::{VmmBlock, is_stub, produce, produced};
 
 use gpu_rdma::cuda::{CudaBuffer, CudaDevice, CudaEvent, CudaStream, GPU_PAGE, PinnedHost, driver};
 use gpu_rdma::{Error, Memory, MemoryKind};
@@ -49,7 +53,8 @@ cuda_test! {
         let d = device();
         let b = CudaBuffer::alloc(&d, 1000).unwrap();
         assert_eq!(b.len(), GPU_PAGE);
-        assert_eq!(b.device_ptr() % GPU_PAGE as u64, 0, "aligned to a GPU page");
+        // cuMemAlloc promises 256-byte alignment, and nothing more.
+        assert_eq!(b.device_ptr() % 256, 0, "aligned to 256 bytes");
         assert!(b.sync_memops().unwrap(), "CU_POINTER_ATTRIBUTE_SYNC_MEMOPS");
         assert_eq!(b.kind(), MemoryKind::Cuda { ordinal: 0 });
         assert_eq!(CudaBuffer::alloc(&d, 3 * GPU_PAGE + 1).unwrap().len(), 4 * GPU_PAGE);
@@ -79,22 +84,33 @@ cuda_test! {
     fn dma_buf_export_gives_a_valid_descriptor_or_says_not_supported() {
         let d = device();
         let b = CudaBuffer::alloc(&d, 2 * GPU_PAGE).unwrap();
+        // SAFETY: sysconf has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64;
         match b.export_dmabuf(0, b.len()) {
-            Ok(fd) => {
+            Ok(dmabuf) => {
                 assert!(d.attrs().dma_buf_supported);
                 // SAFETY: fstat into a zeroed struct on a descriptor we own.
                 let mut st: libc::stat = unsafe { std::mem::zeroed() };
                 // SAFETY: as above.
-                assert_eq!(unsafe { libc::fstat(fd.as_raw_fd(), &mut st) }, 0, "a valid fd");
-                assert!(st.st_size as usize >= b.len() || st.st_size == 0, "size {}", st.st_size);
+                assert_eq!(unsafe { libc::fstat(dmabuf.fd.as_raw_fd(), &mut st) }, 0, "a valid fd");
+                assert_eq!(dmabuf.offset, b.device_ptr() % page, "the buffer starts where its pointer is");
+                assert_eq!(dmabuf.len as u64 % page, 0, "whole pages");
+                assert!(dmabuf.len as u64 >= dmabuf.offset + b.len() as u64);
+                // Any range works, however it is aligned: a sub-allocation at 512, 100 bytes in.
+                for (off, len) in [(512usize, 1000usize), (100, 4096), (4095, 2), (b.len() - 1, 1)] {
+                    let x = b.export_dmabuf(off, len).unwrap_or_else(|e| panic!("export {off}+{len}: {e}"));
+                    let start = b.device_ptr() + off as u64;
+                    assert_eq!(x.offset, start % page, "{off}+{len}");
+                    assert_eq!(x.len as u64, (start + len as u64).div_ceil(page) * page - start / page * page);
+                }
             }
             Err(e) => {
                 assert!(e.is_not_supported(), "{e}");
                 assert!(!d.attrs().dma_buf_supported, "the device says it supports dma-buf: {e}");
             }
         }
-        assert!(matches!(b.export_dmabuf(100, 4096), Err(Error::InvalidArgument(_))), "misaligned");
         assert!(matches!(b.export_dmabuf(0, 3 * GPU_PAGE), Err(Error::OutOfBounds { .. })));
+        assert!(matches!(b.export_dmabuf(0, 0), Err(Error::InvalidArgument(_))));
     }
 }
 
@@ -106,7 +122,7 @@ cuda_test! {
         ev.synchronize().unwrap();
         assert!(ev.is_done().unwrap());
         s.synchronize().unwrap();
-        let mut b = CudaBuffer::alloc(&d, GPU_PAGE).unwrap();
+        let b = CudaBuffer::alloc(&d, GPU_PAGE).unwrap();
         b.ready_after(&s).unwrap();
         let pinned = PinnedHost::new(&d, 3 * 4096).unwrap();
         assert_eq!(pinned.len(), 3 * 4096);
@@ -139,5 +155,125 @@ cuda_test! {
         // SAFETY: a null pointer is refused before anything uses it.
         let err = unsafe { CudaBuffer::from_raw(&d, 0, 16, Box::new(())) }.unwrap_err();
         assert!(matches!(err, Error::InvalidArgument(_)));
+    }
+}
+
+cuda_test! {
+    /// The class of bug the stand-in exists to catch: the CPU reading or
+    /// writing GPU memory through its device address (an inline post, a
+    /// slice over device memory) faults, as on a GPU. Checked in a child
+    /// process, which must die of SIGSEGV.
+    fn the_cpu_faults_on_a_device_pointer() {
+        if !is_stub() {
+            println!("skipped here: a real driver's device memory is not mapped for the CPU at all");
+            return;
+        }
+        let d = device();
+        let b = CudaBuffer::alloc(&d, 4096).unwrap();
+        b.copy_from_host(0, b"on the device").unwrap();
+        for write in [false, true] {
+            let p = b.device_ptr() as *mut u8;
+            // SAFETY: the child only touches the device pointer and exits; it
+            // calls nothing that is not async-signal-safe after fork.
+            let pid = unsafe { libc::fork() };
+            if pid == 0 {
+                // SAFETY: deliberately touches the device address: it must fault.
+                unsafe {
+                    if write {
+                        std::ptr::write_volatile(p, 1);
+                    } else {
+                        let _ = std::ptr::read_volatile(p);
+                    }
+                    libc::_exit(0)
+                }
+            }
+            let mut status = 0;
+            // SAFETY: waits for our own child.
+            assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+            assert!(
+                libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGSEGV,
+                "a CPU {} through a device pointer did not fault (status {status:#x})",
+                if write { "store" } else { "load" }
+            );
+        }
+        let mut back = [0u8; 13];
+        b.copy_to_host(0, &mut back).unwrap();
+        assert_eq!(&back, b"on the device", "the driver's own copies reach the memory");
+    }
+}
+
+cuda_test! {
+    /// Nothing may assume more than cuMemAlloc's 256-byte alignment: the
+    /// stand-in varies the offset, and registration, copies and dma-buf
+    /// export work wherever a buffer starts.
+    fn allocations_promise_256_byte_alignment_and_no_more() {
+        let d = device();
+        let bufs: Vec<CudaBuffer> = (0..16).map(|_| CudaBuffer::alloc(&d, 10_000).unwrap()).collect();
+        assert!(bufs.iter().all(|b| b.device_ptr() % 256 == 0));
+        if is_stub() {
+            let unaligned = bufs.iter().filter(|b| b.device_ptr() % 4096 != 0).count();
+            assert!(unaligned >= 8, "the stand-in varies offsets: {unaligned} of 16 not page-aligned");
+        }
+        for (i, b) in bufs.iter().enumerate() {
+            let data = pattern(b.len(), i as u8);
+            b.copy_from_host(0, &data).unwrap();
+            let mut back = vec![0u8; b.len()];
+            b.copy_to_host(0, &mut back).unwrap();
+            assert!(back == data, "buffer {i} at {:#x}", b.device_ptr());
+        }
+    }
+}
+
+cuda_test! {
+    /// VMM memory handed over by a framework (cuMemCreate + cuMemMap):
+    /// wrapping it works although the driver refuses SYNC_MEMOPS on it (the
+    /// context flag stands in), copies reach it, and the driver's
+    /// IS_GPU_DIRECT_RDMA_CAPABLE answer is kept.
+    fn vmm_memory_from_a_framework_is_usable() {
+        let d = device();
+        for gdr in [true, false] {
+            let block = std::sync::Arc::new(VmmBlock::new(&d, 3 << 20, gdr));
+            let keep = std::sync::Arc::clone(&block);
+            // SAFETY: the block stays mapped while `keep` lives inside the wrapper.
+            let buf = unsafe { CudaBuffer::from_raw(&d, block.ptr + 512, block.len - 512, Box::new(keep)) }
+                .unwrap_or_else(|e| panic!("wrapping VMM memory (gdr {gdr}): {e}"));
+            assert_eq!(buf.gdr_capable(), gdr);
+            if is_stub() {
+                assert!(!buf.sync_memops().unwrap(), "the driver refuses SYNC_MEMOPS on VMM memory");
+                assert_eq!(buf.sync_memops_by(), gpu_rdma::cuda::SyncMemops::Context);
+            }
+            let data = pattern(100_000, 9);
+            buf.copy_from_host(4096, &data).unwrap();
+            let mut back = vec![0u8; data.len()];
+            buf.copy_to_host(4096, &mut back).unwrap();
+            assert!(back == data);
+        }
+    }
+}
+
+cuda_test! {
+    /// A producer on a stream, fenced with ready_after through a shared
+    /// reference (as a registered region hands it out), is waited for; a
+    /// fence recorded later replaces the earlier one.
+    fn the_fence_is_per_operation_and_replaceable() {
+        if !is_stub() {
+            println!("skipped here: needs the stand-in's producer hook");
+            return;
+        }
+        let d = device();
+        let s = CudaStream::new(&d).unwrap();
+        let b = CudaBuffer::alloc(&d, 8192).unwrap();
+        let shared: &CudaBuffer = &b;
+        for seed in 1..=3u64 {
+            produce(&s, shared, 0, 8192, seed, 20_000);
+            shared.ready_after(&s).unwrap();
+            // The synchronous copy is not ordered after the non-blocking stream;
+            // the fence is: wait for it as an operation would.
+            let ev = gpu_rdma::cuda::CudaEvent::record(&s).unwrap();
+            ev.synchronize().unwrap();
+            let mut back = vec![0u8; 8192];
+            shared.copy_to_host(0, &mut back).unwrap();
+            assert!(back == produced(seed, 8192), "iteration {seed}");
+        }
     }
 }

@@ -11,7 +11,7 @@ mod common;
 
 use gpu_rdma::cuda::{CudaBuffer, CudaDevice};
 use gpu_rdma::memory::path::{MemPath, PathPolicy};
-use gpu_rdma::{Access, Domain, DomainConfig, LocalBuffer, Pending, Region, Shared, TransportPolicy};
+use gpu_rdma::{Access, Domain, DomainConfig, Error, LocalBuffer, Pending, Region, Shared, TransportPolicy};
 
 use common::{first_difference, opts, pair_on, pattern};
 
@@ -123,5 +123,38 @@ gpu_tcp_test! {
             server.join().unwrap().expect("the echoing side");
         });
         assert_eq!(first_difference(&read_gpu(pong.cuda(), 4096), &msg), None);
+    }
+}
+
+gpu_tcp_test! {
+    /// 1,000 iterations of "a producer kernel writes iteration i, then the
+    /// region is written to the peer", verified at the peer each time, over
+    /// TCP (GPU memory staged): each write waits for its own fence.
+    fn a_thousand_produced_iterations_each_reach_the_peer_over_tcp() {
+        if !common::gpu::is_stub() {
+            println!("skipped here: the producer is the CUDA stand-in's hook (gpu-check runs the GPU loop)");
+            return;
+        }
+        let d = tcp_domain();
+        let n = common::gpu::producer_loop(&d, &d, PathPolicy::Auto, 1000, 64 << 10);
+        println!("{n} produced iterations verified over TCP (staged)");
+    }
+}
+
+gpu_tcp_test! {
+    /// Forcing a direct path where the domain has no RDMA device is an
+    /// error that names the reason and gives the buffer back, never a
+    /// region with key 0.
+    fn forcing_a_direct_path_without_rdma_is_an_error() {
+        let d = tcp_domain();
+        let dev = gpu_rdma::cuda::CudaDevice::open(0).unwrap();
+        for path in [MemPath::PeerMem, MemPath::DmaBuf] {
+            let buf = gpu_rdma::cuda::CudaBuffer::alloc(&dev, 4096).unwrap();
+            let ptr = buf.device_ptr();
+            let e = d.register_with_path(buf, Access::LOCAL_WRITE, PathPolicy::Force(path)).unwrap_err();
+            assert!(matches!(e.error, Error::NoDevice { .. }), "{path}: {}", e.error);
+            assert!(e.error.to_string().contains(path.name()), "{}", e.error);
+            assert_eq!(e.buffer.device_ptr(), ptr, "the buffer comes back");
+        }
     }
 }

@@ -2,10 +2,11 @@
 //! the staged pipeline end to end, verified byte for byte.
 //!
 //! Needs an RDMA device and a CUDA driver. CI runs these in the soft-RoCE
-//! guest against the test-only CUDA stand-in (`cuda-stub/`, host memory
-//! behind "device" pointers), where the direct-path call (`ibv_reg_mr` on
-//! the device pointer) works because the pointer is host memory, and
-//! dma-buf is refused by rxe, as it must fall back. `#[ignore]`d otherwise.
+//! guest against the test-only CUDA stand-in (`cuda-stub/`), preloaded so
+//! that it also plays nvidia-peermem: device memory faults for the CPU,
+//! and `ibv_reg_mr` on a device pointer registers its pages for the NIC, as
+//! the kernel module makes it on a GPU machine. dma-buf is refused by rxe,
+//! as it must fall back. `#[ignore]`d otherwise.
 
 #![cfg(feature = "cuda")]
 
@@ -298,4 +299,132 @@ fn stub_flush_count() -> Option<u64> {
     // SAFETY: the stand-in defines it as `extern "C" fn() -> u64`.
     let f: extern "C" fn() -> u64 = unsafe { std::mem::transmute(sym) };
     Some(f())
+}
+
+gpu_test! {
+    /// A send of 8 bytes from GPU memory on a direct path: small enough to
+    /// go inline, which would make the CPU copy from the device pointer (a
+    /// fault on a GPU, and on the stand-in). It must be posted by
+    /// reference, and arrive intact.
+    fn a_small_send_from_direct_gpu_memory_is_not_inlined() {
+        let (ds, dc) = (domain(), domain());
+        let (s, c) = pair_on(&ds, &dc, opts(), opts());
+        assert!(c.info().max_inline >= 8, "the device inlines small sends: {:?}", c.info());
+        for len in [1usize, 8, 60] {
+            let data = pattern(len, len as u64);
+            let src = gpu_region(&dc, 1 << 16, Some(&data), PathPolicy::Force(MemPath::PeerMem));
+            let mut rx = s.recv(ds.alloc(64).unwrap());
+            c.send(src.slice(..len)).wait().unwrap_or_else(|e| panic!("{len}-byte GPU send: {e}"));
+            assert_eq!(rx.wait().unwrap().byte_len as usize, len);
+            let got = rx.into_buffer().unwrap();
+            assert_eq!(&got[..len], &data[..], "{len}-byte GPU send");
+        }
+    }
+}
+
+gpu_test! {
+    /// 1,000 iterations of "a producer kernel writes iteration i, then the
+    /// region is written to the peer", verified by the peer each time, on
+    /// the direct call path (the NIC reads GPU memory).
+    fn a_thousand_produced_iterations_reach_the_peer_on_the_direct_path() {
+        let (ds, dc) = (domain(), domain());
+        let n = common::gpu::producer_loop(&ds, &dc, PathPolicy::Force(MemPath::PeerMem), 1000, 64 << 10);
+        println!("{n} produced iterations verified on rxe0, peermem call path");
+    }
+}
+
+gpu_test! {
+    /// The same on the staged path (copies out of the GPU on a stream).
+    fn a_thousand_produced_iterations_reach_the_peer_on_the_staged_path() {
+        let (ds, dc) = (domain(), domain());
+        let n = common::gpu::producer_loop(&ds, &dc, PathPolicy::Force(MemPath::Staged), 1000, 64 << 10);
+        println!("{n} produced iterations verified on rxe0, staged path");
+    }
+}
+
+/// Registers `buf` with `path` in `d` and writes it to a fresh host region
+/// of the peer's, verified; or returns the registration error.
+fn register_and_write(d: &Domain, peer: &Domain, buf: CudaBuffer, path: MemPath) -> Result<(), Error> {
+    let len = buf.len();
+    let data = pattern(len, 5);
+    buf.copy_from_host(0, &data).unwrap();
+    let region = d.register_with_path(buf, Access::LOCAL_WRITE, PathPolicy::Force(path)).map_err(|e| e.error)?;
+    let target = peer.expose(peer.alloc(len).unwrap(), Access::REMOTE_WRITE, 9).unwrap();
+    let (_s, c) = pair_on(peer, d, opts().advertise(&target), staging_opts());
+    c.write(region, &c.remote_region(9).unwrap().whole()).finish()?;
+    let mut got = vec![0u8; len];
+    target.read_at(0, &mut got).unwrap();
+    assert_eq!(first_difference(&got, &data), None, "{path}: the bytes at the peer");
+    Ok(())
+}
+
+gpu_test! {
+    /// A tensor 512 bytes into a larger allocation (what framework
+    /// allocators hand out) registers and moves on every path that allows
+    /// it, and says why where not (rxe refuses dma-buf).
+    fn a_sub_allocation_at_offset_512_works_on_every_path_that_allows_it() {
+        let (d, peer) = (domain(), domain());
+        for path in MemPath::ALL {
+            let block = std::sync::Arc::new(CudaBuffer::alloc(&gpu(), 1 << 20).unwrap());
+            let keep = std::sync::Arc::clone(&block);
+            // SAFETY: `keep` holds the allocation for as long as the wrapper lives.
+            let tensor = unsafe { CudaBuffer::from_raw(&gpu(), block.device_ptr() + 512, 256 << 10, Box::new(keep)) }
+                .unwrap();
+            match (path, register_and_write(&d, &peer, tensor, path)) {
+                (MemPath::DmaBuf, Err(e)) => assert!(e.is_not_supported(), "rxe refuses dma-buf, typed: {e}"),
+                (_, Err(e)) => panic!("{path} at offset 512: {e}"),
+                (_, Ok(())) => println!("{path}: a tensor at offset 512 registered and moved, verified"),
+            }
+        }
+    }
+}
+
+gpu_test! {
+    /// VMM memory (cuMemCreate + cuMemMap), as PyTorch's expandable
+    /// segments hand it out: registered directly when made GPUDirect RDMA
+    /// capable; never directly when not (forced is an error, auto stages
+    /// it and says why).
+    fn vmm_memory_registers_where_the_driver_allows_it() {
+        let (d, peer) = (domain(), domain());
+        for gdr in [true, false] {
+            let wrap = |block: &std::sync::Arc<common::gpu::VmmBlock>| {
+                let keep = std::sync::Arc::clone(block);
+                // SAFETY: `keep` holds the mapping for as long as the wrapper lives.
+                unsafe { CudaBuffer::from_raw(&gpu(), block.ptr, 1 << 20, Box::new(keep)) }.unwrap()
+            };
+            let block = std::sync::Arc::new(common::gpu::VmmBlock::new(&gpu(), 2 << 20, gdr));
+            let direct = register_and_write(&d, &peer, wrap(&block), MemPath::PeerMem);
+            match (gdr, direct) {
+                (true, Ok(())) => {}
+                (false, Err(e)) => {
+                    assert!(e.is_not_supported() && e.to_string().contains("IS_GPU_DIRECT_RDMA_CAPABLE"), "{e}")
+                }
+                (gdr, other) => panic!("VMM memory, gdr {gdr}, forced peermem: {other:?}"),
+            }
+            let r = d.register_with_path(wrap(&block), Access::LOCAL_WRITE, PathPolicy::Auto).unwrap();
+            let report = r.path_report().unwrap().to_string();
+            if !gdr {
+                assert_eq!(r.memory_path(), Some(MemPath::Staged), "{report}");
+                assert!(report.contains("IS_GPU_DIRECT_RDMA_CAPABLE"), "{report}");
+            }
+            drop(r);
+            register_and_write(&d, &peer, wrap(&block), MemPath::Staged).unwrap();
+            println!("VMM memory, gdr {gdr}: auto chose {report}");
+        }
+    }
+}
+
+gpu_test! {
+    /// GPU registrations ask for PCIe relaxed ordering (an optional flag,
+    /// through ibv_reg_mr_iova2, which keeps it).
+    fn gpu_registrations_ask_for_relaxed_ordering() {
+        const RELAXED: u32 = 1 << 20; // IBV_ACCESS_RELAXED_ORDERING
+        let d = domain();
+        let (_, before) = common::gpu::last_device_registration();
+        let r = gpu_region(&d, 1 << 16, None, PathPolicy::Force(MemPath::PeerMem));
+        let (access, after) = common::gpu::last_device_registration();
+        assert_eq!(after, before + 1, "registered through the nvidia-peermem call path");
+        assert_ne!(access & RELAXED, 0, "access flags {access:#x}");
+        drop(r);
+    }
 }

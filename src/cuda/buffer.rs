@@ -11,9 +11,24 @@ use super::result::{check, driver};
 use crate::error::{Error, Result};
 use crate::memory::{HostMemory, Memory, MemoryKind};
 
-/// GPU page size: allocations are rounded up to it, since nvidia-peermem
-/// pins GPU memory in 64 KiB pages.
+/// GPU page size: [`CudaBuffer::alloc`] rounds lengths up to it, since
+/// nvidia-peermem pins GPU memory in 64 KiB pages. Addresses are another
+/// matter: `cuMemAlloc` promises 256-byte alignment and nothing more, and
+/// memory from a framework's allocator (a tensor inside a larger block)
+/// starts wherever it starts; nothing here assumes more.
 pub const GPU_PAGE: usize = 64 * 1024;
+
+/// A dma-buf exported for a device range: the descriptor covers whole host
+/// pages around the range, which starts `offset` bytes into it.
+#[derive(Debug)]
+pub struct DmaBuf {
+    /// The dma-buf descriptor.
+    pub fd: OwnedFd,
+    /// Where the requested range starts inside the dma-buf.
+    pub offset: u64,
+    /// The dma-buf's length (whole host pages).
+    pub len: usize,
+}
 
 /// A CUDA stream.
 pub struct CudaStream {
@@ -180,11 +195,41 @@ enum Owner {
     Foreign(#[allow(dead_code)] Box<dyn Any + Send + Sync>),
 }
 
+/// How synchronous memory operations on a buffer are ordered with RDMA
+/// (`SYNC_MEMOPS`: a `cuMemcpy` returns only once the bytes are where a
+/// NIC will see them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SyncMemops {
+    /// `CU_POINTER_ATTRIBUTE_SYNC_MEMOPS` is set on the pointer
+    /// (`cuMemAlloc` memory).
+    Pointer,
+    /// The pointer refuses the attribute (VMM memory: `cuMemCreate`, as
+    /// PyTorch's expandable segments and NCCL's allocator hand out), so the
+    /// context flag `CU_CTX_SYNC_MEMOPS` is set instead (CUDA 12.1+).
+    Context,
+    /// Neither could be set (VMM memory on a driver older than 12.1):
+    /// synchronous copies are not ordered with the NIC; fence with
+    /// [`CudaBuffer::ready_after`].
+    Unavailable,
+}
+
 /// RDMA-able device memory: allocated with `cuMemAlloc` (never from the
 /// stream-ordered pool, which nvidia-peermem cannot register), rounded up to
-/// whole 64 KiB GPU pages, with `CU_POINTER_ATTRIBUTE_SYNC_MEMOPS` set so
+/// whole 64 KiB GPU pages, with `SYNC_MEMOPS` set (see [`SyncMemops`]) so
 /// that copies and remote accesses are ordered. Register it with
 /// [`Domain::register`](crate::Domain::register) to use it in operations.
+///
+/// **Producer and consumer fences.** The NIC reads and writes this memory
+/// outside CUDA's streams. Before an operation reads it (send, write) the
+/// kernels producing the contents must be done; before one writes it
+/// (receive, read) the kernels still reading the old contents must be done.
+/// Call [`ready_after`](Self::ready_after) with the stream that runs that
+/// work before posting each such operation: the operation waits for the work
+/// queued on the stream up to that call (on the GPU for staged copies, on the
+/// CPU before a direct post), and never for anything else. Without it the
+/// crate assumes the contents are settled (after a synchronous copy or the
+/// caller's own synchronize); it never synchronizes the whole context, which
+/// would wait for unrelated work and is illegal during graph capture.
 ///
 /// Its copy methods take `&self`: device memory is not Rust memory, so a
 /// copy racing with the NIC (into a buffer a peer may write, say) can mix
@@ -194,7 +239,11 @@ pub struct CudaBuffer {
     ptr: sys::CUdeviceptr,
     len: usize,
     device: CudaDevice,
-    ready: Option<CudaEvent>,
+    /// The latest fence: operations posted from now on wait for it.
+    ready: std::sync::Mutex<Option<std::sync::Arc<CudaEvent>>>,
+    sync_memops: SyncMemops,
+    /// `CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE`.
+    gdr_capable: bool,
     owner: Owner,
 }
 
@@ -219,7 +268,16 @@ impl CudaBuffer {
         let mut ptr: sys::CUdeviceptr = 0;
         // SAFETY: valid out-pointer; the context is current; freed in Drop.
         check(unsafe { sys::cuMemAlloc_v2(&mut ptr, len) }, "cuMemAlloc")?;
-        let buf = CudaBuffer { ptr, len, device: device.clone(), ready: None, owner: Owner::Ours };
+        let buf = CudaBuffer {
+            ptr,
+            len,
+            device: device.clone(),
+            ready: Default::default(),
+            sync_memops: SyncMemops::Pointer,
+            gdr_capable: true,
+            owner: Owner::Ours,
+        };
+        // Our own cuMemAlloc memory takes the pointer attribute: failing is an error.
         buf.set_sync_memops()?;
         Ok(buf)
     }
@@ -227,6 +285,16 @@ impl CudaBuffer {
     /// Wraps device memory someone else owns (a framework's tensor) so it
     /// can be registered. `keep_alive` is held until this value is dropped;
     /// the memory is not freed here.
+    ///
+    /// Any device pointer works: `cuMemAlloc` memory, a sub-allocation at
+    /// any offset inside a larger block (as framework allocators hand out),
+    /// or VMM memory (`cuMemCreate` + `cuMemMap`). On VMM memory the
+    /// `SYNC_MEMOPS` pointer attribute is refused by the driver; the context
+    /// flag is used instead where the driver has it ([`SyncMemops`]). The
+    /// driver's `IS_GPU_DIRECT_RDMA_CAPABLE` answer is kept
+    /// ([`gdr_capable`](Self::gdr_capable)): memory made without
+    /// `gpuDirectRDMACapable` is never registered on a direct path, and the
+    /// path report says why.
     ///
     /// # Safety
     /// `ptr..ptr + len` must be device memory of `device`, allocated with
@@ -247,9 +315,95 @@ impl CudaBuffer {
         if ptr == 0 || len == 0 {
             return Err(Error::InvalidArgument("a foreign GPU buffer needs a non-null pointer and a length".into()));
         }
-        let buf = CudaBuffer { ptr, len, device: device.clone(), ready: None, owner: Owner::Foreign(keep_alive) };
-        buf.set_sync_memops()?;
+        let mut buf = CudaBuffer {
+            ptr,
+            len,
+            device: device.clone(),
+            ready: Default::default(),
+            sync_memops: SyncMemops::Pointer,
+            gdr_capable: true,
+            owner: Owner::Foreign(keep_alive),
+        };
+        buf.gdr_capable = buf.query_gdr_capable()?;
+        buf.sync_memops = match buf.set_sync_memops() {
+            Ok(()) => SyncMemops::Pointer,
+            // VMM memory refuses the pointer attribute.
+            Err(e @ Error::Cuda { .. }) => buf.set_context_sync_memops(&e)?,
+            Err(e) => return Err(e),
+        };
         Ok(buf)
+    }
+
+    /// The driver's `IS_GPU_DIRECT_RDMA_CAPABLE` for the pointer; a driver
+    /// too old for the attribute knows only `cuMemAlloc` memory, which is.
+    fn query_gdr_capable(&self) -> Result<bool> {
+        let _ctx = CtxGuard::enter(&self.device)?;
+        let mut v: u32 = 1;
+        // SAFETY: `v` is a valid out-pointer of the attribute's size (unsigned int).
+        let rc = unsafe {
+            sys::cuPointerGetAttribute(
+                (&mut v as *mut u32).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE,
+                self.ptr,
+            )
+        };
+        match rc {
+            sys::CUresult::CUDA_SUCCESS => Ok(v != 0),
+            // The pointer is unknown: not device memory of this driver.
+            sys::CUresult::CUDA_ERROR_INVALID_VALUE if self.query_memory_type().is_err() => {
+                check(rc, "cuPointerGetAttribute(IS_GPU_DIRECT_RDMA_CAPABLE)").map(|()| false)
+            }
+            _ => Ok(true),
+        }
+    }
+
+    fn query_memory_type(&self) -> Result<u32> {
+        let mut v: u32 = 0;
+        check(
+            // SAFETY: `v` is a valid out-pointer of the attribute's size; the context is current.
+            unsafe {
+                sys::cuPointerGetAttribute(
+                    (&mut v as *mut u32).cast(),
+                    sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                    self.ptr,
+                )
+            },
+            "cuPointerGetAttribute(MEMORY_TYPE)",
+        )?;
+        Ok(v)
+    }
+
+    /// The context-wide `CU_CTX_SYNC_MEMOPS`, for memory that refuses the
+    /// pointer attribute; `Unavailable` (with a warning) where the driver
+    /// predates `cuCtxSetFlags`.
+    fn set_context_sync_memops(&self, refused: &Error) -> Result<SyncMemops> {
+        if !driver()?.has_ctx_flags {
+            tracing::warn!(
+                "GPU memory at {:#x}: SYNC_MEMOPS refused ({refused}) and the driver has no cuCtxSetFlags \
+                 (CUDA 12.1+): fence each operation with ready_after",
+                self.ptr
+            );
+            return Ok(SyncMemops::Unavailable);
+        }
+        let _ctx = CtxGuard::enter(&self.device)?;
+        check(
+            // SAFETY: the device's primary context is current; the flag takes no pointers.
+            unsafe { sys::cuCtxSetFlags(sys::CUctx_flags::CU_CTX_SYNC_MEMOPS as u32) },
+            "cuCtxSetFlags(CU_CTX_SYNC_MEMOPS)",
+        )?;
+        Ok(SyncMemops::Context)
+    }
+
+    /// How synchronous memory operations are ordered with RDMA for it.
+    pub fn sync_memops_by(&self) -> SyncMemops {
+        self.sync_memops
+    }
+
+    /// Whether the driver says a NIC may reach this memory directly
+    /// (`IS_GPU_DIRECT_RDMA_CAPABLE`; always for `cuMemAlloc` memory, for
+    /// VMM memory only when made with `gpuDirectRDMACapable`).
+    pub fn gdr_capable(&self) -> bool {
+        self.gdr_capable
     }
 
     fn set_sync_memops(&self) -> Result<()> {
@@ -268,7 +422,9 @@ impl CudaBuffer {
         )
     }
 
-    /// Whether `CU_POINTER_ATTRIBUTE_SYNC_MEMOPS` is set, as the driver reports it.
+    /// Whether `CU_POINTER_ATTRIBUTE_SYNC_MEMOPS` is set on the pointer, as
+    /// the driver reports it (see [`sync_memops_by`](Self::sync_memops_by)
+    /// for memory where the context flag stands in).
     ///
     /// # Errors
     /// [`Error::Cuda`].
@@ -309,31 +465,40 @@ impl CudaBuffer {
         &self.device
     }
 
-    /// Declares that the buffer's contents are produced by work on `stream`:
-    /// before the NIC reads it, or a staging copy starts, that work is waited
-    /// for (on the GPU where possible). Without this, the whole context is
-    /// synchronized first (`cuCtxSynchronize`), which is correct but slower.
+    /// The fence for the operations posted from now on: they wait for the
+    /// work queued on `stream` up to this call (a kernel producing the data
+    /// a send or write reads, or still reading the memory a receive or read
+    /// will overwrite). Call it before each such operation: each records a
+    /// new event, and an operation waits for the latest one recorded before
+    /// it was posted. Takes `&self`, so it works through a registered
+    /// [`Region`](crate::Region) or an [`Exposed`](crate::Exposed) region.
     ///
     /// # Errors
     /// [`Error::Cuda`].
-    pub fn ready_after(&mut self, stream: &CudaStream) -> Result<()> {
-        self.ready = Some(CudaEvent::record(stream)?);
+    pub fn ready_after(&self, stream: &CudaStream) -> Result<()> {
+        let ev = std::sync::Arc::new(CudaEvent::record(stream)?);
+        *self.ready.lock().unwrap_or_else(|e| e.into_inner()) = Some(ev);
         Ok(())
     }
 
-    /// Waits (on the CPU) for the work that produces the contents.
+    /// The current fence, if any.
+    pub(crate) fn fence(&self) -> Option<std::sync::Arc<CudaEvent>> {
+        self.ready.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Waits (on the CPU) for the latest fence; nothing without one.
     pub(crate) fn wait_ready(&self) -> Result<()> {
-        match &self.ready {
+        match self.fence() {
             Some(ev) => ev.synchronize(),
-            None => self.device.synchronize(),
+            None => Ok(()),
         }
     }
 
-    /// Makes `stream` wait (on the GPU) for the work that produces the contents.
+    /// Makes `stream` wait (on the GPU) for the latest fence; nothing without one.
     pub(crate) fn order_after_ready(&self, stream: &CudaStream) -> Result<()> {
-        match &self.ready {
-            Some(ev) => stream.wait_event(ev),
-            None => self.device.synchronize(),
+        match self.fence() {
+            Some(ev) => stream.wait_event(&ev),
+            None => Ok(()),
         }
     }
 
@@ -430,22 +595,28 @@ impl CudaBuffer {
         check(unsafe { sys::cuCtxSynchronize() }, "cuCtxSynchronize")
     }
 
-    /// Exports `len` bytes at `offset` as a dma-buf file descriptor
-    /// (`cuMemGetHandleForAddressRange`). Offset and length must be
-    /// multiples of the host page size.
+    /// Exports the `len` bytes at `offset` as a dma-buf
+    /// (`cuMemGetHandleForAddressRange`). The driver exports whole host
+    /// pages, so the exported range is the requested one with its start
+    /// rounded down and its end rounded up to the page (as perftest, UCX and
+    /// NCCL do); [`DmaBuf::offset`] says where the requested bytes begin.
+    /// Any pointer works: a sub-allocation at offset 512 as well.
     ///
     /// # Errors
-    /// [`Error::Cuda`] (`CUDA_ERROR_NOT_SUPPORTED` when the driver or GPU
-    /// cannot, which [`Error::is_not_supported`] tells), or
+    /// [`Error::OutOfBounds`] past the buffer; [`Error::InvalidArgument`]
+    /// for zero bytes; [`Error::Cuda`] (`CUDA_ERROR_NOT_SUPPORTED` when the
+    /// driver or GPU cannot, which [`Error::is_not_supported`] tells), or
     /// [`Error::CudaUnavailable`] when the driver predates the call.
-    pub fn export_dmabuf(&self, offset: usize, len: usize) -> Result<OwnedFd> {
+    pub fn export_dmabuf(&self, offset: usize, len: usize) -> Result<DmaBuf> {
         self.check_range(offset, len)?;
-        let page = host_page_size();
-        if offset % page != 0 || len % page != 0 {
-            return Err(Error::InvalidArgument(format!(
-                "dma-buf ranges must be page-aligned: offset {offset}, length {len}, page {page}"
-            )));
+        if len == 0 {
+            return Err(Error::InvalidArgument("cannot export zero bytes as a dma-buf".into()));
         }
+        let page = host_page_size() as u64;
+        let start = self.ptr + offset as u64;
+        let first = start / page * page;
+        let end = (start + len as u64).div_ceil(page) * page;
+        let export_len = (end - first) as usize;
         if !driver()?.has_dmabuf_export {
             return Err(Error::CudaUnavailable {
                 reason: "the driver has no cuMemGetHandleForAddressRange (CUDA 11.7+ is needed for dma-buf)".into(),
@@ -459,8 +630,8 @@ impl CudaBuffer {
             unsafe {
                 sys::cuMemGetHandleForAddressRange(
                     (&mut fd as *mut libc::c_int).cast(),
-                    self.ptr + offset as u64,
-                    len,
+                    first,
+                    export_len,
                     sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
                     0,
                 )
@@ -471,7 +642,8 @@ impl CudaBuffer {
             return Err(Error::InvalidArgument("the driver returned no dma-buf descriptor".into()));
         }
         // SAFETY: the driver returned a new descriptor that nothing else owns.
-        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(DmaBuf { fd, offset: start - first, len: export_len })
     }
 }
 
@@ -483,7 +655,7 @@ fn host_page_size() -> usize {
 
 impl Drop for CudaBuffer {
     fn drop(&mut self) {
-        self.ready = None;
+        *self.ready.get_mut().unwrap_or_else(|e| e.into_inner()) = None;
         if let Owner::Ours = self.owner {
             let Ok(_ctx) = CtxGuard::enter(&self.device) else { return };
             // SAFETY: allocated by cuMemAlloc in `alloc` and freed once; a Region

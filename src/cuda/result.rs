@@ -61,7 +61,7 @@ const REQUIRED: &[&str] = &[
 ];
 
 /// Functions of newer drivers; each feature that needs one is off without it.
-const OPTIONAL: &[&str] = &["cuMemGetHandleForAddressRange", "cuFlushGPUDirectRDMAWrites"];
+const OPTIONAL: &[&str] = &["cuMemGetHandleForAddressRange", "cuFlushGPUDirectRDMAWrites", "cuCtxSetFlags"];
 
 /// What the driver probe found.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -74,6 +74,9 @@ pub struct DriverInfo {
     pub has_dmabuf_export: bool,
     /// Whether `cuFlushGPUDirectRDMAWrites` (CUDA 11.3+) exists.
     pub has_flush: bool,
+    /// Whether `cuCtxSetFlags` (CUDA 12.1+, the context-wide
+    /// `CU_CTX_SYNC_MEMOPS`) exists.
+    pub has_ctx_flags: bool,
 }
 
 impl DriverInfo {
@@ -135,6 +138,7 @@ fn init() -> std::result::Result<DriverInfo, String> {
         device_count: count as usize,
         has_dmabuf_export: has_symbol(OPTIONAL[0]),
         has_flush: has_symbol(OPTIONAL[1]),
+        has_ctx_flags: has_symbol(OPTIONAL[2]),
     };
     tracing::debug!(?info, "CUDA driver loaded");
     Ok(info)

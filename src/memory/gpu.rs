@@ -25,22 +25,54 @@ pub fn detect_caps(device: &crate::cuda::CudaDevice) -> PathCaps {
         peermem_loaded: peermem_marker(Path::new("/sys")).is_some(),
         device_gdr: attrs.gpu_direct_rdma_supported,
         rdma: true,
+        buffer_not_gdr_capable: false,
     }
+}
+
+/// Whether GPU registrations ask for PCIe relaxed ordering: yes, unless
+/// `GPU_RDMA_RELAXED_ORDERING=0` (the opt-out, for a platform where relaxed
+/// ordering misbehaves).
+pub fn relaxed_ordering() -> bool {
+    std::env::var("GPU_RDMA_RELAXED_ORDERING").map_or(true, |v| v.trim() != "0")
 }
 
 /// Registers `buf` by one path.
 fn register_by(domain: &Domain, buf: &CudaBuffer, access: Access, p: MemPath) -> Result<Registration> {
+    let backend = &domain.inner.backend;
+    if p.is_direct() && !backend.has_verbs() {
+        return Err(backend.no_nic_for_gpu(p.name()));
+    }
+    if p.is_direct() && !buf.gdr_capable() {
+        // Even when forced: the NIC must not be pointed at memory the driver
+        // says it cannot reach.
+        return Err(crate::error::Error::NotSupported {
+            op: "a direct path for GPU memory whose IS_GPU_DIRECT_RDMA_CAPABLE is 0 \
+                 (VMM memory made without gpuDirectRDMACapable)",
+            source: std::io::Error::from_raw_os_error(libc::EOPNOTSUPP),
+        });
+    }
     match p {
         MemPath::DmaBuf => {
-            let fd = buf.export_dmabuf(0, buf.len())?;
+            // Whole pages around the buffer, wherever it starts; the NIC
+            // addresses it by its device address (the iova).
+            let dmabuf = buf.export_dmabuf(0, buf.len())?;
             // SAFETY: the registration is owned by a Region (or Exposed) that also
             // owns `buf`, and deregisters before the buffer is freed. The fd is
-            // closed when `fd` drops, after registering, as the kernel allows.
-            unsafe { domain.inner.backend.register_dmabuf(fd.as_fd(), 0, buf.len(), buf.device_ptr(), access) }
+            // closed when `dmabuf` drops, after registering, as the kernel allows.
+            unsafe {
+                backend.register_dmabuf(
+                    dmabuf.fd.as_fd(),
+                    dmabuf.offset,
+                    buf.len(),
+                    buf.device_ptr(),
+                    access,
+                    relaxed_ordering(),
+                )
+            }
         }
         // SAFETY: as above; with nvidia-peermem loaded the kernel resolves the
         // device pointer to GPU pages, without it the call fails cleanly.
-        MemPath::PeerMem => unsafe { domain.inner.backend.register(buf.as_ptr(), buf.len(), access) },
+        MemPath::PeerMem => unsafe { backend.register_gpu(buf.as_ptr(), buf.len(), access, relaxed_ordering()) },
         MemPath::Staged => Ok(Registration::Staged),
     }
 }
@@ -52,7 +84,11 @@ pub(crate) fn register(
     access: Access,
     policy: PathPolicy,
 ) -> Result<(Registration, PathReport)> {
-    let caps = PathCaps { rdma: domain.inner.backend.has_verbs(), ..detect_caps(buf.device()) };
+    let caps = PathCaps {
+        rdma: domain.inner.backend.has_verbs(),
+        buffer_not_gdr_capable: !buf.gdr_capable(),
+        ..detect_caps(buf.device())
+    };
     let plan = path::plan(&caps, policy);
     for w in &plan.warnings {
         tracing::warn!("GPU {}: {w}", buf.device().ordinal());

@@ -118,7 +118,16 @@ pub struct PathCaps {
     /// The domain has an RDMA device (the direct paths register GPU memory
     /// with a NIC; without one only staging is left).
     pub rdma: bool,
+    /// The driver says this allocation is not GPUDirect RDMA capable
+    /// (`IS_GPU_DIRECT_RDMA_CAPABLE` 0: VMM memory made without
+    /// `gpuDirectRDMACapable`): no direct path may be tried.
+    pub buffer_not_gdr_capable: bool,
 }
+
+/// Why neither direct path may be tried for an allocation the driver says
+/// a NIC must not reach.
+const NOT_GDR_CAPABLE: &str = "the driver says this allocation is not GPUDirect RDMA capable \
+     (IS_GPU_DIRECT_RDMA_CAPABLE is 0: VMM memory made without gpuDirectRDMACapable)";
 
 /// Why neither direct path can work where there is no NIC; the other
 /// blockers do not matter then.
@@ -132,6 +141,9 @@ impl PathCaps {
             return vec![NO_RDMA];
         }
         let mut why = Vec::new();
+        if self.buffer_not_gdr_capable {
+            why.push(NOT_GDR_CAPABLE);
+        }
         if !self.device_dmabuf {
             why.push("dma-buf not supported by this driver (the GPU does not report DMA_BUF_SUPPORTED: the open kernel module is needed)");
         }
@@ -153,6 +165,9 @@ impl PathCaps {
             return vec![NO_RDMA];
         }
         let mut why = Vec::new();
+        if self.buffer_not_gdr_capable {
+            why.push(NOT_GDR_CAPABLE);
+        }
         if !self.peermem_loaded {
             why.push("nvidia_peermem not loaded");
         }
@@ -334,7 +349,20 @@ mod tests {
             peermem_loaded: bits & 16 != 0,
             device_gdr: bits & 32 != 0,
             rdma: bits & 64 != 0,
+            buffer_not_gdr_capable: false,
         }
+    }
+
+    #[test]
+    fn an_allocation_that_is_not_gdr_capable_is_staged_and_says_why() {
+        let c = PathCaps { buffer_not_gdr_capable: true, ..caps(0b111_1111) };
+        let plan = plan(&c, PathPolicy::Auto);
+        assert_eq!(plan.order, vec![MemPath::Staged]);
+        for (p, why) in &plan.skipped {
+            assert!(why.contains("IS_GPU_DIRECT_RDMA_CAPABLE"), "{p}: {why}");
+        }
+        let forced = super::plan(&c, PathPolicy::Force(MemPath::PeerMem));
+        assert!(forced.warnings[0].contains("not GPUDirect RDMA capable"), "{:?}", forced.warnings);
     }
 
     const DMABUF_BITS: u8 = 0b100_1111;

@@ -446,8 +446,8 @@ impl Exposed<crate::cuda::CudaBuffer> {
         self.inner.region.memory()
     }
 
-    /// Makes the GPU contents readable by peers: waits for the work that
-    /// produces them (see [`CudaBuffer::ready_after`](crate::cuda::CudaBuffer::ready_after)),
+    /// Makes the GPU contents readable by peers: waits for the latest fence
+    /// (see [`CudaBuffer::ready_after`](crate::cuda::CudaBuffer::ready_after)),
     /// and on the staged path copies them into the host mirror peers read.
     /// Call it before telling a peer to read.
     ///

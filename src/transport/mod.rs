@@ -225,13 +225,14 @@ impl Backend {
         len: usize,
         iova: u64,
         access: Access,
+        relaxed: bool,
     ) -> Result<Registration> {
         #[cfg(feature = "verbs")]
         if let Some(v) = &self.verbs {
             // SAFETY: forwarded contract.
-            return unsafe { v.register_dmabuf(fd, offset, len, iova, access) };
+            return unsafe { v.register_dmabuf(fd, offset, len, iova, access, relaxed) };
         }
-        let _ = (fd, offset, len, iova, access);
+        let _ = (fd, offset, len, iova, access, relaxed);
         Err(Error::NotSupported {
             op: "ibv_reg_dmabuf_mr (no RDMA device in this domain)",
             source: std::io::Error::from_raw_os_error(libc::EOPNOTSUPP),
@@ -259,10 +260,47 @@ impl Backend {
         #[cfg(feature = "verbs")]
         if let Some(v) = &self.verbs {
             // SAFETY: forwarded contract.
-            return unsafe { v.register(ptr, len, access) };
+            return unsafe { v.register(ptr, len, access, false) };
         }
         let _ = (ptr, len, access);
         Ok(Registration::Plain)
+    }
+
+    /// Registers GPU memory at its device address with the NIC (the
+    /// nvidia-peermem path), with relaxed ordering when `relaxed`.
+    ///
+    /// # Errors
+    /// [`Error::NoDevice`] in a domain without verbs: there is no NIC to
+    /// register GPU memory with; else as the verbs registration.
+    ///
+    /// # Safety
+    /// As [`register`](Self::register), of the device allocation.
+    #[cfg(feature = "cuda")]
+    pub(crate) unsafe fn register_gpu(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        access: Access,
+        relaxed: bool,
+    ) -> Result<Registration> {
+        #[cfg(feature = "verbs")]
+        if let Some(v) = &self.verbs {
+            // SAFETY: forwarded contract.
+            return unsafe { v.register(ptr, len, access, relaxed) };
+        }
+        let _ = (ptr, len, access, relaxed);
+        Err(self.no_nic_for_gpu("peermem"))
+    }
+
+    /// Why a direct GPU path cannot be used in this domain.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn no_nic_for_gpu(&self, path: &str) -> Error {
+        Error::NoDevice {
+            reason: format!(
+                "the {path} path registers GPU memory with an RDMA device, and this domain has none ({}): use the staged path",
+                self.no_verbs.as_deref().unwrap_or("TCP only")
+            ),
+        }
     }
 }
 

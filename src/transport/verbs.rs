@@ -67,9 +67,15 @@ impl VerbsDomain {
 
     /// # Safety
     /// As [`MemoryRegion::register`].
-    pub(crate) unsafe fn register(&self, ptr: *mut u8, len: usize, access: Access) -> Result<Registration> {
+    pub(crate) unsafe fn register(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        access: Access,
+        relaxed: bool,
+    ) -> Result<Registration> {
         // SAFETY: forwarded contract.
-        Ok(Registration::Verbs(unsafe { MemoryRegion::register(&self.pd, ptr, len, access)? }))
+        Ok(Registration::Verbs(unsafe { MemoryRegion::register_with(&self.pd, ptr, len, access, relaxed)? }))
     }
 
     /// # Safety
@@ -82,15 +88,18 @@ impl VerbsDomain {
         len: usize,
         iova: u64,
         access: Access,
+        relaxed: bool,
     ) -> Result<Registration> {
         #[cfg(gpu_rdma_dmabuf_mr)]
         {
             // SAFETY: forwarded contract.
-            Ok(Registration::Verbs(unsafe { MemoryRegion::register_dmabuf(&self.pd, fd, offset, len, iova, access)? }))
+            Ok(Registration::Verbs(unsafe {
+                MemoryRegion::register_dmabuf(&self.pd, fd, offset, len, iova, access, relaxed)?
+            }))
         }
         #[cfg(not(gpu_rdma_dmabuf_mr))]
         {
-            let _ = (fd, offset, len, iova, access);
+            let _ = (fd, offset, len, iova, access, relaxed);
             Err(Error::NotSupported {
                 op: "ibv_reg_dmabuf_mr (absent from the rdma-core headers this crate was built with)",
                 source: std::io::Error::from_raw_os_error(libc::EOPNOTSUPP),
@@ -509,6 +518,10 @@ impl VerbsConn {
                 }
                 None => (0, 0, 0),
             };
+            // Inline data is copied by the CPU at post time (the provider
+            // memcpy's from the address): only host memory may go inline.
+            // GPU memory is never CPU-readable through its device address.
+            let cpu_readable = item.local.as_ref().is_none_or(|l| l.path.is_none());
             item.op.check_remote(len)?;
             let chunks = match item.op {
                 RemoteOp::Send | RemoteOp::SendWithImm(_) => {
@@ -538,7 +551,7 @@ impl VerbsConn {
                     }
                     RemoteOp::Read(r) => SendOp::Read { remote_addr: r.addr() + off, rkey: r.rkey() },
                 };
-                let inline = n > 0 && n <= u64::from(self.max_inline) && !op.writes_local();
+                let inline = cpu_readable && n > 0 && n <= u64::from(self.max_inline) && !op.writes_local();
                 if n > 0 {
                     scratch.push((op, sges.len(), inline));
                     sges.push(Sge::new(addr + off, n as u32, lkey));

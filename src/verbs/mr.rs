@@ -20,6 +20,8 @@ pub struct MemoryRegion {
     access: Access,
     // Keeps the protection domain (and the device) alive until after deregistration.
     pd: ProtectionDomain,
+    /// Where peers address it.
+    iova: u64,
 }
 
 // SAFETY: an ibv_mr is an immutable handle once registered; ibv_dereg_mr may be
@@ -56,7 +58,8 @@ fn check_access(access: Access) -> Result<()> {
 }
 
 impl MemoryRegion {
-    /// `ibv_reg_mr` over `len` bytes at `addr`.
+    /// `ibv_reg_mr` over `len` bytes at `addr` (through `ibv_reg_mr_iova2`,
+    /// addressed as `addr`).
     ///
     /// # Safety
     /// `addr..addr + len` must be memory that stays allocated, mapped and at
@@ -70,11 +73,36 @@ impl MemoryRegion {
     /// `EFAULT` for an address the kernel cannot pin), or
     /// [`Error::InvalidArgument`] for an access combination verbs refuses.
     pub unsafe fn register(pd: &ProtectionDomain, addr: *mut u8, len: usize, access: Access) -> Result<Self> {
+        // SAFETY: forwarded contract.
+        unsafe { Self::register_with(pd, addr, len, access, false) }
+    }
+
+    /// As [`register`](Self::register), asking for PCIe relaxed ordering
+    /// (`IBV_ACCESS_RELAXED_ORDERING`) when `relaxed`: an optional access
+    /// flag, so a device that cannot honour it registers without it. It is
+    /// passed through `ibv_reg_mr_iova2`, which keeps optional flags.
+    ///
+    /// # Safety
+    /// As [`register`](Self::register).
+    ///
+    /// # Errors
+    /// As [`register`](Self::register).
+    pub unsafe fn register_with(
+        pd: &ProtectionDomain,
+        addr: *mut u8,
+        len: usize,
+        access: Access,
+        relaxed: bool,
+    ) -> Result<Self> {
         check_access(access)?;
+        let mut bits = to_ibv_access(access) as u32;
+        if relaxed {
+            bits |= ffi::ibv_access_flags::IBV_ACCESS_RELAXED_ORDERING.0;
+        }
         // SAFETY: the caller guarantees the range stays valid; the PD is live.
-        let mr = unsafe { ffi::ibv_reg_mr(pd.as_raw(), addr.cast(), len, to_ibv_access(access)) };
+        let mr = unsafe { ffi::ibv_reg_mr_iova2(pd.as_raw(), addr.cast(), len, addr as u64, bits) };
         let mr = result::nonnull(mr, "ibv_reg_mr")?;
-        Ok(MemoryRegion { mr, access, pd: pd.clone() })
+        Ok(MemoryRegion { mr, access, pd: pd.clone(), iova: addr as u64 })
     }
 
     /// `ibv_reg_dmabuf_mr`: registers `len` bytes at `offset` of the dma-buf
@@ -95,15 +123,21 @@ impl MemoryRegion {
         len: usize,
         iova: u64,
         access: Access,
+        relaxed: bool,
     ) -> Result<Self> {
         use std::os::fd::AsRawFd;
         check_access(access)?;
+        let mut bits = to_ibv_access(access);
+        if relaxed {
+            bits |= ffi::ibv_access_flags::IBV_ACCESS_RELAXED_ORDERING.0 as libc::c_int;
+        }
         // SAFETY: valid PD and an fd the caller keeps open for this call; the
         // caller guarantees the memory's lifetime.
-        let mr =
-            unsafe { ffi::ibv_reg_dmabuf_mr(pd.as_raw(), offset, len, iova, fd.as_raw_fd(), to_ibv_access(access)) };
+        let mr = unsafe { ffi::ibv_reg_dmabuf_mr(pd.as_raw(), offset, len, iova, fd.as_raw_fd(), bits) };
         let mr = result::nonnull(mr, "ibv_reg_dmabuf_mr")?;
-        Ok(MemoryRegion { mr, access, pd: pd.clone() })
+        // libibverbs stores the dma-buf offset in `ibv_mr::addr`; peers and
+        // work requests address the region by its iova.
+        Ok(MemoryRegion { mr, access, pd: pd.clone(), iova })
     }
 
     fn raw(&self) -> &ffi::ibv_mr {
@@ -121,9 +155,11 @@ impl MemoryRegion {
         self.raw().rkey
     }
 
-    /// The registered start address.
+    /// The start address peers and work requests use: the registered
+    /// address, or for a dma-buf registration its iova (libibverbs reports
+    /// the dma-buf offset in `ibv_mr::addr` there).
     pub fn addr(&self) -> u64 {
-        self.raw().addr as u64
+        self.iova
     }
 
     /// The registered length.

@@ -5,6 +5,9 @@ use std::net::SocketAddr;
 use std::thread;
 use std::time::Duration;
 
+#[cfg(feature = "cuda")]
+pub mod gpu;
+
 use gpu_rdma::{ConnectOptions, Connection, Domain, DomainConfig, TransportPolicy};
 
 /// Which transport a test of the connection suite runs on.

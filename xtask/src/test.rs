@@ -248,7 +248,7 @@ fn doctor_ok(dir: &Path) -> std::result::Result<(), String> {
 
 const GPU_EXAMPLE: &str = r#"
 # The GPU example with the CUDA stand-in: direct path, then staged, verified.
-LD_LIBRARY_PATH="$STUB" target/release/examples/gpu_to_gpu --bytes 32MiB --compare > "$VM_OUT/gpu-example.log" 2>&1
+LD_LIBRARY_PATH="$STUB" LD_PRELOAD="$STUB/libcuda.so" target/release/examples/gpu_to_gpu --bytes 32MiB --compare > "$VM_OUT/gpu-example.log" 2>&1
 echo "gpu_to_gpu exit $?" >> "$VM_OUT/gpu-example.log"
 echo "=== gpu_to_gpu --compare (CUDA stand-in)"; sed 's/^/  /' "$VM_OUT/gpu-example.log"
 "#;
@@ -298,7 +298,12 @@ pub fn run() -> Result<i32> {
     for exe in &exes {
         let name = exe.file_name().unwrap_or_default().to_string_lossy();
         // GPU tests: with the CUDA stand-in, one at a time (256 MiB buffers).
-        let (env, threads) = if name.contains("gpu") { ("LD_LIBRARY_PATH=\"$STUB\" ", 1) } else { ("", 2) };
+        // Preloaded, the stand-in also plays nvidia-peermem (see cuda-stub/).
+        let (env, threads) = if name.contains("gpu") {
+            ("LD_LIBRARY_PATH=\"$STUB\" LD_PRELOAD=\"$STUB/libcuda.so\" ", 1)
+        } else {
+            ("", 2)
+        };
         script.push_str(&format!(
             "echo '=== {name} (--ignored tests in the guest, rxe0)'\n{env}timeout 1200 {} --ignored --test-threads={threads} 2>&1 | tee \"$VM_OUT/{name}.log\"\n",
             quote(&exe.to_string_lossy())

@@ -1,0 +1,230 @@
+//! GPU helpers for the tests: memory as a framework's allocator hands it
+//! out (a sub-allocation inside a larger block, VMM memory), and the CUDA
+//! stand-in's test hooks (absent on a real driver: `None`).
+
+use std::ffi::CStr;
+
+use gpu_rdma::cuda::{CudaBuffer, CudaDevice, CudaStream, sys};
+
+/// A symbol of the CUDA stand-in, when the loaded `libcuda.so` is the stand-in.
+pub fn stub_symbol(name: &CStr) -> Option<*mut libc::c_void> {
+    // SAFETY: looks up an already loaded library without loading anything.
+    let handle = unsafe { libc::dlopen(c"libcuda.so".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
+    if handle.is_null() {
+        return None;
+    }
+    // SAFETY: a valid handle and a NUL-terminated name.
+    let sym = unsafe { libc::dlsym(handle, name.as_ptr()) };
+    // SAFETY: drops the reference dlopen took; the library stays loaded (cudarc holds it).
+    unsafe { libc::dlclose(handle) };
+    (!sym.is_null()).then_some(sym)
+}
+
+/// Whether the CUDA driver in this process is the stand-in (loading the
+/// driver first: before that, no library is there to look at).
+pub fn is_stub() -> bool {
+    gpu_rdma::cuda::driver().expect("a CUDA driver (the stand-in, or a GPU's)");
+    stub_symbol(c"gpu_rdma_stub_produce").is_some()
+}
+
+/// The byte the stand-in's producer writes at offset `i` for `seed`.
+pub fn produced_byte(seed: u64, i: usize) -> u8 {
+    let x = (seed ^ (i as u64 / 8)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    (x >> ((i % 8) * 8)) as u8
+}
+
+/// What the producer writes into `len` bytes for `seed`.
+pub fn produced(seed: u64, len: usize) -> Vec<u8> {
+    (0..len).map(|i| produced_byte(seed, i)).collect()
+}
+
+/// Queues a "kernel" on `stream` that writes the pattern for `seed` into
+/// `buf` at `offset` after `delay_us`: a producer the operations must wait
+/// for. Stand-in only.
+pub fn produce(stream: &CudaStream, buf: &CudaBuffer, offset: usize, len: usize, seed: u64, delay_us: u32) {
+    type Produce = unsafe extern "C" fn(*mut libc::c_void, u64, usize, u64, u32) -> u32;
+    let sym = stub_symbol(c"gpu_rdma_stub_produce").expect("the CUDA stand-in's producer");
+    // SAFETY: the stand-in exports this function with this signature.
+    let f: Produce = unsafe { std::mem::transmute(sym) };
+    // The producer runs in the device's context, as a kernel launch would.
+    let _ctx = Ctx::enter(buf.device());
+    // SAFETY: a live stream, and a range inside a live buffer.
+    let rc = unsafe { f(stream.as_raw().cast(), buf.device_ptr() + offset as u64, len, seed, delay_us) };
+    assert_eq!(rc, 0, "gpu_rdma_stub_produce");
+}
+
+/// Sets a device attribute (`cuDeviceGetAttribute` numbering) in the
+/// stand-in, for devices opened from now on. Stand-in only.
+pub fn set_attribute(attr: u32, value: i32) {
+    let sym = stub_symbol(c"gpu_rdma_stub_set_attribute").expect("the CUDA stand-in");
+    // SAFETY: the stand-in exports this function with this signature.
+    let f: unsafe extern "C" fn(u32, i32) = unsafe { std::mem::transmute(sym) };
+    // SAFETY: plain values.
+    unsafe { f(attr, value) };
+}
+
+/// Every stand-in attribute back to its default.
+pub fn reset_attributes() {
+    if let Some(sym) = stub_symbol(c"gpu_rdma_stub_reset_attributes") {
+        // SAFETY: the stand-in exports this function with this signature.
+        let f: unsafe extern "C" fn() = unsafe { std::mem::transmute(sym) };
+        // SAFETY: no arguments.
+        unsafe { f() };
+    }
+}
+
+/// The device's primary context, current on this thread while alive.
+pub struct Ctx;
+
+impl Ctx {
+    pub fn enter(device: &CudaDevice) -> Ctx {
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: valid out-pointer and device ordinal; released in Drop.
+        let rc = unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, device.ordinal() as i32) };
+        assert_eq!(rc, sys::CUresult::CUDA_SUCCESS);
+        // SAFETY: a retained context.
+        assert_eq!(unsafe { sys::cuCtxPushCurrent_v2(ctx) }, sys::CUresult::CUDA_SUCCESS);
+        Ctx
+    }
+}
+
+impl Drop for Ctx {
+    fn drop(&mut self) {
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: pops what `enter` pushed on this thread.
+        unsafe { sys::cuCtxPopCurrent_v2(&mut ctx) };
+    }
+}
+
+/// VMM memory, as PyTorch's expandable segments and NCCL's allocator make
+/// it: `cuMemCreate` (with or without `gpuDirectRDMACapable`),
+/// `cuMemAddressReserve`, `cuMemMap`, `cuMemSetAccess`. Unmapped and
+/// released when dropped.
+pub struct VmmBlock {
+    pub ptr: u64,
+    pub len: usize,
+    handle: sys::CUmemGenericAllocationHandle,
+    device: CudaDevice,
+}
+
+// SAFETY: the block is a device allocation, usable from any thread with its context.
+unsafe impl Send for VmmBlock {}
+// SAFETY: as above; no interior state.
+unsafe impl Sync for VmmBlock {}
+
+impl VmmBlock {
+    pub fn new(device: &CudaDevice, min_len: usize, gdr: bool) -> VmmBlock {
+        let _ctx = Ctx::enter(device);
+        // SAFETY: zeroed is a valid CUmemAllocationProp to fill in.
+        let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+        prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        prop.location.id = device.ordinal() as i32;
+        prop.allocFlags.gpuDirectRDMACapable = u8::from(gdr);
+        let mut gran = 0usize;
+        // SAFETY: valid pointers.
+        let rc = unsafe {
+            sys::cuMemGetAllocationGranularity(
+                &mut gran,
+                &prop,
+                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+            )
+        };
+        assert_eq!(rc, sys::CUresult::CUDA_SUCCESS, "cuMemGetAllocationGranularity");
+        let len = min_len.div_ceil(gran) * gran;
+        let mut handle = 0;
+        // SAFETY: valid pointers; released in Drop.
+        let rc = unsafe { sys::cuMemCreate(&mut handle, len, &prop, 0) };
+        assert_eq!(rc, sys::CUresult::CUDA_SUCCESS, "cuMemCreate");
+        let mut ptr = 0;
+        // SAFETY: valid out-pointer; freed in Drop.
+        let rc = unsafe { sys::cuMemAddressReserve(&mut ptr, len, 0, 0, 0) };
+        assert_eq!(rc, sys::CUresult::CUDA_SUCCESS, "cuMemAddressReserve");
+        // SAFETY: a reserved range and a live handle of the same size.
+        let rc = unsafe { sys::cuMemMap(ptr, len, 0, handle, 0) };
+        assert_eq!(rc, sys::CUresult::CUDA_SUCCESS, "cuMemMap");
+        // SAFETY: zeroed is a valid CUmemAccessDesc to fill in.
+        let mut access: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+        access.location = prop.location;
+        access.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+        // SAFETY: one descriptor over the mapped range.
+        let rc = unsafe { sys::cuMemSetAccess(ptr, len, &access, 1) };
+        assert_eq!(rc, sys::CUresult::CUDA_SUCCESS, "cuMemSetAccess");
+        VmmBlock { ptr, len, handle, device: device.clone() }
+    }
+}
+
+impl Drop for VmmBlock {
+    fn drop(&mut self) {
+        let _ctx = Ctx::enter(&self.device);
+        // SAFETY: mapped, created and reserved in `new`; undone once, in order.
+        unsafe {
+            sys::cuMemUnmap(self.ptr, self.len);
+            sys::cuMemRelease(self.handle);
+            sys::cuMemAddressFree(self.ptr, self.len);
+        }
+    }
+}
+
+/// "A producer kernel writes iteration i into the GPU region, then the
+/// region is written to the peer", `iters` times, the peer verifying each
+/// iteration before the next starts. The source region is registered on
+/// `ds`/`dc`'s client side with `policy`; the target is host memory the
+/// server exposes. Each iteration's producer runs on a stream after a
+/// delay, so a write that does not wait for its own fence sends stale or
+/// half-written bytes. Returns how many iterations verified (all, or the
+/// test fails). Stand-in only (the producer is its hook).
+pub fn producer_loop(
+    ds: &gpu_rdma::Domain,
+    dc: &gpu_rdma::Domain,
+    policy: gpu_rdma::memory::path::PathPolicy,
+    iters: u64,
+    len: usize,
+) -> u64 {
+    use gpu_rdma::Access;
+    let target = ds.expose(ds.alloc(len).unwrap(), Access::REMOTE_WRITE, 7).unwrap();
+    let (s, c) = super::pair_on(ds, dc, super::opts().advertise(&target), super::opts().staging(len / 4, 4));
+    let device = CudaDevice::open(0).unwrap();
+    let stream = CudaStream::new(&device).unwrap();
+    let src = dc
+        .register_with_path(CudaBuffer::alloc(&device, len).unwrap(), Access::LOCAL_WRITE, policy)
+        .unwrap_or_else(|e| panic!("register with {policy:?}: {}", e.error));
+    let remote = c.remote_region(7).unwrap().whole();
+    let mut src = Some(src);
+    let mut got = vec![0u8; len];
+    for i in 0..iters {
+        let seed = 0x5eed_0000 + i;
+        let region = src.take().unwrap();
+        // The "kernel" lands 50-250 us after it is queued, varying.
+        produce(&stream, region.memory(), 0, len, seed, 50 + (i as u32 * 37) % 200);
+        region.memory().ready_after(&stream).unwrap();
+        let mut note = s.recv_imm();
+        let (_, back) = c
+            .write_with_imm(region, &remote, i as u32)
+            .finish()
+            .unwrap_or_else(|e| panic!("iteration {i}: write: {e}"));
+        src = Some(back);
+        assert_eq!(note.wait().unwrap().imm, Some(i as u32));
+        target.read_at(0, &mut got).unwrap();
+        if let Some(at) = super::first_difference(&got, &produced(seed, len)) {
+            panic!("iteration {i}: the peer got stale data at byte {at}: the write did not wait for its producer");
+        }
+        // Tell the writer the target may be overwritten.
+        let mut ok = c.recv_imm();
+        s.send_inline(&[], Some(i as u32)).wait().unwrap();
+        assert_eq!(ok.wait().unwrap().imm, Some(i as u32));
+    }
+    iters
+}
+
+/// The access flags of the last device-memory registration through the
+/// stand-in's nvidia-peermem role, and how many there were. Stand-in only.
+pub fn last_device_registration() -> (u32, u64) {
+    let sym = stub_symbol(c"gpu_rdma_stub_last_device_registration").expect("the CUDA stand-in");
+    // SAFETY: the stand-in exports this function with this signature.
+    let f: unsafe extern "C" fn(*mut u64) -> u32 = unsafe { std::mem::transmute(sym) };
+    let mut count = 0;
+    // SAFETY: a valid out-pointer.
+    let access = unsafe { f(&mut count) };
+    (access, count)
+}
