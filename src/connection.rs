@@ -418,10 +418,32 @@ impl Connection {
     /// staged path it copies the host mirror into GPU memory. A one-sided
     /// write into a staged GPU region reaches GPU memory only this way.
     #[cfg(feature = "cuda")]
+    ///
+    /// On the staged path this copies the whole region; when the peer wrote
+    /// only part of it, [`recv_write_range`](Self::recv_write_range) moves
+    /// just that.
     pub fn recv_write(&self, exposed: &Exposed<crate::cuda::CudaBuffer>) -> Pending<()> {
         let mut p = self.recv_imm();
         let target = exposed.clone();
         p.after = Some(Box::new(move || target.pull()));
+        p
+    }
+
+    /// [`recv_write`](Self::recv_write) for a peer's write into `range` of
+    /// `exposed`: on the staged path only that range is copied into GPU
+    /// memory (a 4 KiB write into a 1 GiB region moves 4 KiB), and the rest
+    /// of GPU memory, which the owner may have changed since, is left alone.
+    /// A range past the region fails the operation with
+    /// [`Error::OutOfBounds`].
+    #[cfg(feature = "cuda")]
+    pub fn recv_write_range(
+        &self,
+        exposed: &Exposed<crate::cuda::CudaBuffer>,
+        range: std::ops::Range<usize>,
+    ) -> Pending<()> {
+        let mut p = self.recv_imm();
+        let target = exposed.clone();
+        p.after = Some(Box::new(move || target.pull_range(range.clone())));
         p
     }
 

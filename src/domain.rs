@@ -147,6 +147,13 @@ pub(crate) struct DomainInner {
     /// GPU path reports already logged, so each is logged once.
     #[cfg(feature = "cuda")]
     pub(crate) logged_paths: std::sync::Mutex<Vec<(usize, String)>>,
+    /// Pinned staging bytes held (see [`Domain::staging_bytes`]).
+    #[cfg(feature = "cuda")]
+    pub(crate) staging_pinned: Arc<AtomicUsize>,
+    /// The PCIe link class between each GPU (by ordinal) and this domain's
+    /// NIC, when known: read once.
+    #[cfg(feature = "cuda")]
+    pub(crate) gdr_links: std::sync::Mutex<Vec<(usize, Option<crate::topology::LinkClass>)>>,
 }
 
 /// What a domain runs on, in plain words.
@@ -243,6 +250,10 @@ impl Domain {
                 stagers: Default::default(),
                 #[cfg(feature = "cuda")]
                 logged_paths: Default::default(),
+                #[cfg(feature = "cuda")]
+                staging_pinned: Arc::default(),
+                #[cfg(feature = "cuda")]
+                gdr_links: Default::default(),
             }),
         };
         tracing::info!("gpu-rdma domain: {}", domain.info());
@@ -292,6 +303,17 @@ impl Domain {
             exposed: c.exposed.load(Ordering::Acquire),
             connections: c.connections.load(Ordering::Acquire),
         }
+    }
+
+    /// Bytes of pinned host memory this domain holds for staging GPU
+    /// memory, in use and cached for reuse. Slots come in size classes
+    /// (powers of two up to 2 MiB, multiples of 2 MiB above: a 600 MiB
+    /// message pins 600 MiB, not 1 GiB); the cache keeps at most 64 MiB per
+    /// GPU, and a slot larger than a chunk (a whole large message's) is freed
+    /// when its operation is done.
+    #[cfg(feature = "cuda")]
+    pub fn staging_bytes(&self) -> usize {
+        self.inner.staging_pinned.load(Ordering::Acquire)
     }
 
     /// Allocates `len` zeroed bytes of page-aligned host memory and registers

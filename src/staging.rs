@@ -37,6 +37,17 @@ use crate::transport::{ConnTransport, Posted, Registration, RemoteOp, WorkItem};
 const MIN_SLOT: usize = 64 * 1024;
 /// Slots kept for reuse per GPU.
 const CACHE_SLOTS: usize = 16;
+/// Bytes of slots kept for reuse per GPU, at most.
+pub(crate) const CACHE_BYTES: usize = 64 << 20;
+/// Slot sizes: powers of two up to this, multiples of it above, so a slot
+/// wastes at most this much (a 600 MiB message pins 600 MiB, not 1 GiB).
+const SIZE_STEP: usize = 2 << 20;
+
+/// The size class a request of `len` bytes gets.
+pub(crate) fn slot_size(len: usize) -> usize {
+    let len = len.max(MIN_SLOT);
+    if len <= SIZE_STEP { len.next_power_of_two() } else { len.div_ceil(SIZE_STEP) * SIZE_STEP }
+}
 
 /// Per-GPU staging machinery of a domain: two streams and a cache of
 /// pinned, registered host buffers.
@@ -45,12 +56,16 @@ pub(crate) struct Stager {
     d2h: CudaStream,
     h2d: CudaStream,
     cache: Mutex<Vec<SlotMem>>,
+    /// Pinned bytes held, in use and cached (the domain's count, shared).
+    pinned: Arc<AtomicUsize>,
 }
 
 /// Pinned host memory and its registration; deregistered before it is freed.
 struct SlotMem {
     reg: ManuallyDrop<Registration>,
     mem: ManuallyDrop<PinnedHost>,
+    /// The pinned-bytes count this slot is part of.
+    pinned: Arc<AtomicUsize>,
 }
 
 // The registration is Send + Sync (its handle is), and so is PinnedHost.
@@ -58,6 +73,7 @@ impl Drop for SlotMem {
     fn drop(&mut self) {
         // SAFETY: both fields are taken exactly once, here.
         let (reg, mem) = unsafe { (ManuallyDrop::take(&mut self.reg), ManuallyDrop::take(&mut self.mem)) };
+        self.pinned.fetch_sub(mem.len(), Ordering::AcqRel);
         if let Err(e) = reg.deregister() {
             tracing::error!("staging buffer deregistration failed, leaking it: {e}");
             std::mem::forget(mem);
@@ -75,10 +91,13 @@ impl SlotMem {
     }
 }
 
-/// A slot on loan: goes back to its stager's cache when dropped.
+/// A slot on loan: goes back to its stager's cache when dropped, unless it
+/// is larger than a chunk (a whole large message's) or the cache is full:
+/// then it is freed.
 pub(crate) struct Slot {
     mem: Option<SlotMem>,
     home: Arc<Stager>,
+    keep: bool,
 }
 
 impl Slot {
@@ -95,8 +114,12 @@ impl Slot {
 impl Drop for Slot {
     fn drop(&mut self) {
         if let Some(mem) = self.mem.take() {
+            if !self.keep {
+                return; // freed (deregistered first) as `mem` drops
+            }
             let mut cache = self.home.cache.lock().unwrap_or_else(|e| e.into_inner());
-            if cache.len() < CACHE_SLOTS {
+            let cached: usize = cache.iter().map(SlotMem::size).sum();
+            if cache.len() < CACHE_SLOTS && cached + mem.size() <= CACHE_BYTES {
                 cache.push(mem);
             }
         }
@@ -115,14 +138,16 @@ impl Stager {
             d2h: CudaStream::new(device)?,
             h2d: CudaStream::new(device)?,
             cache: Mutex::new(Vec::new()),
+            pinned: Arc::clone(&domain.inner.staging_pinned),
         });
         all.push(Arc::clone(&s));
         Ok(s)
     }
 
-    /// A slot of at least `len` bytes, from the cache or new.
-    fn take(self: &Arc<Self>, domain: &Domain, len: usize) -> Result<Slot> {
-        let want = len.max(MIN_SLOT).next_power_of_two();
+    /// A slot of at least `len` bytes (its size class), from the cache or
+    /// new; kept for reuse when returned only if no larger than `chunk`.
+    fn take(self: &Arc<Self>, domain: &Domain, len: usize, chunk: usize) -> Result<Slot> {
+        let want = slot_size(len);
         let cached = {
             let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
             let best = (0..cache.len()).filter(|&i| cache[i].size() >= want).min_by_key(|&i| cache[i].size());
@@ -135,10 +160,12 @@ impl Stager {
                 // SAFETY: the registration and the memory travel together in
                 // SlotMem, which deregisters before it frees.
                 let reg = unsafe { domain.inner.backend.register(mem.as_ptr(), mem.len(), Access::LOCAL_WRITE)? };
-                SlotMem { reg: ManuallyDrop::new(reg), mem: ManuallyDrop::new(mem) }
+                self.pinned.fetch_add(mem.len(), Ordering::AcqRel);
+                SlotMem { reg: ManuallyDrop::new(reg), mem: ManuallyDrop::new(mem), pinned: Arc::clone(&self.pinned) }
             }
         };
-        Ok(Slot { mem: Some(mem), home: Arc::clone(self) })
+        let keep = mem.size() <= slot_size(chunk);
+        Ok(Slot { mem: Some(mem), home: Arc::clone(self), keep })
     }
 }
 
@@ -391,7 +418,7 @@ impl Pipeline {
             let off = self.next;
             self.next += n;
             self.started = true;
-            let slot = match self.stager.take(&self.domain, n) {
+            let slot = match self.stager.take(&self.domain, n, self.chunk) {
                 Ok(s) => s,
                 Err(e) => {
                     self.fail(e);

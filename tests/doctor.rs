@@ -184,6 +184,11 @@ fn nvidia_smi_layouts_parse_old_and_new() {
     let old = smi::parse(&fixture("nics-other-socket-old.txt")).unwrap();
     assert_eq!(old.nics, vec!["mlx5_0", "mlx5_1"]);
     assert!(old.links.values().all(|c| *c == LinkClass::Sys));
+    // Older nvidia-smi prints SOC where newer ones print SYS: the same class.
+    let soc = smi::parse(&fixture("nics-other-socket-soc.txt")).unwrap();
+    assert_eq!(soc.links, old.links, "SOC is SYS");
+    assert_eq!(soc.links.len(), 4);
+    assert_eq!(LinkClass::parse("soc"), Some(LinkClass::Sys));
     let none = smi::parse(&fixture("no-nic.txt")).unwrap();
     assert_eq!((none.gpus.len(), none.nics.len()), (2, 0));
 }
@@ -194,6 +199,7 @@ fn sysfs_agrees_with_nvidia_smi_pair_by_pair() {
         (dgx8(), "dgx8-nvlink.txt"),
         (dgx8(), "dgx8-mp.txt"),
         (nics_other_socket(), "nics-other-socket-old.txt"),
+        (nics_other_socket(), "nics-other-socket-soc.txt"),
         (workstation(), "workstation-phb.txt"),
     ] {
         let ours = sysfs_links(&tree);
@@ -389,4 +395,18 @@ fn doctor_on_this_machine_says_what_it_finds_and_never_panics() {
         assert!(text.contains("no NVIDIA GPU found"), "{text}");
         assert!(text.contains("could not tell"), "{text}");
     }
+}
+
+#[test]
+fn an_older_nvidia_smi_saying_soc_gets_the_sys_verdict() {
+    let tree = nics_other_socket();
+    let soc = doctor(&inputs(&tree, Some("nics-other-socket-soc.txt")), LinkClass::Pxb, None);
+    let sys = doctor(&inputs(&tree, Some("nics-other-socket-old.txt")), LinkClass::Pxb, None);
+    assert!(!soc.verdicts.is_empty());
+    for (a, b) in soc.verdicts.iter().zip(&sys.verdicts) {
+        assert_eq!(a.link, Some(LinkClass::Sys), "{a:?}");
+        assert_eq!((a.link, a.usable, &a.best_nic), (b.link, b.usable, &b.best_nic), "SOC and SYS alike");
+        assert!(!a.usable, "a path across CPU sockets is beyond the GDR level: {a:?}");
+    }
+    assert_eq!(soc.exit_code, sys.exit_code);
 }

@@ -158,3 +158,66 @@ gpu_tcp_test! {
         }
     }
 }
+
+gpu_tcp_test! {
+    /// Staging slots come in size classes capped near the request (a
+    /// 40 MiB message pins 42 MiB, not 64 MiB), and a slot larger than a
+    /// chunk is freed when its operation is done rather than cached.
+    fn a_large_staged_message_pins_its_size_class_and_frees_it_after() {
+        let d = tcp_domain();
+        let len = (40 << 20) + (64 << 10);
+        let class = 42 << 20;
+        let (s, c) = pair_on(&d, &d, opts(), opts().staging(4 << 20, 4));
+        let data = pattern(len, 3);
+        let before = d.staging_bytes();
+        let mut rx = s.recv(gpu_region(&d, len, None));
+        let mut tx = c.send(gpu_region(&d, len, Some(&data)));
+        // Both messages' slots are live now (a message is one slot each way).
+        let live = d.staging_bytes() - before;
+        tx.wait().unwrap();
+        assert_eq!(rx.wait().unwrap().byte_len as usize, len);
+        let got = rx.into_buffer().unwrap();
+        assert_eq!(first_difference(&read_gpu(got.memory(), len), &data), None);
+        drop((tx, got));
+        let after = d.staging_bytes();
+        println!("staging: {} MiB pinned for two {len}-byte messages; {} KiB held after", live >> 20, after >> 10);
+        assert!(live >= 2 * len, "both slots were live when measured: {live}");
+        assert!(live <= 2 * class, "pinned {live} bytes for two messages of {len}: more than their size class");
+        assert!(after < len, "the message-sized slots were freed: {after} bytes still pinned");
+    }
+}
+
+gpu_tcp_test! {
+    /// A peer's 4 KiB write into a staged 8 MiB region moves 4 KiB into GPU
+    /// memory: the owner's newer data elsewhere in the region survives
+    /// (a whole-region pull would overwrite it with the stale mirror).
+    fn a_peer_write_into_part_of_a_staged_region_moves_only_that_part() {
+        let d = tcp_domain();
+        let len = 8 << 20;
+        let at = 1 << 20;
+        let old = pattern(len, 1);
+        let exposed = d.expose(gpu_region(&d, len, Some(&old)), Access::REMOTE_WRITE, 4).unwrap();
+        exposed.publish().unwrap();
+        let (s, c) = pair_on(&d, &d, opts().advertise(&exposed), opts());
+        // The owner changes the start of its GPU memory after publishing.
+        let newer = pattern(4096, 2);
+        exposed.cuda().copy_from_host(0, &newer).unwrap();
+        // The peer writes 4 KiB at 1 MiB, with an immediate.
+        let mut note = s.recv_write_range(&exposed, at..at + 4096);
+        let data = pattern(4096, 3);
+        let mut src = d.alloc(4096).unwrap();
+        src.copy_from_slice(&data);
+        let remote = c.remote_region(4).unwrap().slice(at as u64..at as u64 + 4096).unwrap();
+        c.write_with_imm(src, &remote, 1).wait().unwrap();
+        assert_eq!(note.wait().unwrap().imm, Some(1));
+        let gpu = read_gpu(exposed.cuda(), len);
+        assert_eq!(&gpu[at..at + 4096], &data[..], "the peer's write reached GPU memory");
+        assert_eq!(&gpu[..4096], &newer[..], "the owner's newer data survived");
+        assert_eq!(first_difference(&gpu[4096..at], &old[4096..at]), None);
+        assert_eq!(first_difference(&gpu[at + 4096..], &old[at + 4096..]), None);
+        // A range past the region fails the receive, typed.
+        let mut bad = s.recv_write_range(&exposed, len - 10..len + 10);
+        c.send_inline(&[], Some(2)).wait().unwrap();
+        assert!(matches!(bad.wait(), Err(gpu_rdma::Error::OutOfBounds { .. })));
+    }
+}

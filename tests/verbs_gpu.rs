@@ -428,3 +428,41 @@ gpu_test! {
         drop(r);
     }
 }
+
+gpu_test! {
+    /// Every branch of the flush logic, with the device attributes the
+    /// stand-in is told to report: ordering by the owner (no flush needed),
+    /// a host flush (called once per incoming direct operation), and a
+    /// needed flush the driver lacks (auto stages instead and says so; a
+    /// forced direct path warns in its report).
+    fn the_flush_follows_the_device_attributes() {
+        use common::gpu::{reset_attributes, set_attribute};
+        use gpu_rdma::cuda::FlushPolicy;
+        const FLUSH_OPTIONS: u32 = 117;
+        const WRITES_ORDERING: u32 = 118;
+        let (ds, dc) = (domain(), domain());
+        let (s, c) = pair_on(&ds, &dc, opts(), opts());
+        let cases = [(1, 100, FlushPolicy::NotNeeded), (1, 0, FlushPolicy::Flush), (0, 0, FlushPolicy::Unavailable)];
+        for (options, ordering, want) in cases {
+            set_attribute(FLUSH_OPTIONS, options);
+            set_attribute(WRITES_ORDERING, ordering);
+            assert_eq!(gpu().flush_policy(), want);
+            let region = gpu_region(&ds, 1 << 16, None, PathPolicy::Force(MemPath::PeerMem));
+            let warned = region.path_report().unwrap().warnings.iter().any(|w| w.contains("flush"));
+            assert_eq!(warned, want == FlushPolicy::Unavailable, "{want:?}: {:?}", region.path_report());
+            let before = stub_flush_count().unwrap();
+            let mut rx = s.recv(region);
+            c.send_inline(b"flush?", None).wait().unwrap();
+            rx.wait().unwrap();
+            let flushes = stub_flush_count().unwrap() - before;
+            assert_eq!(flushes, u64::from(want == FlushPolicy::Flush), "{want:?}: {flushes} flushes");
+            if want == FlushPolicy::Unavailable {
+                let auto = gpu_region(&ds, 1 << 16, None, PathPolicy::Auto);
+                let report = auto.path_report().unwrap().to_string();
+                assert_eq!(auto.memory_path(), Some(MemPath::Staged), "{report}");
+                assert!(report.contains("need a flush"), "{report}");
+            }
+        }
+        reset_attributes();
+    }
+}

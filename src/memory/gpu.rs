@@ -26,6 +26,8 @@ pub fn detect_caps(device: &crate::cuda::CudaDevice) -> PathCaps {
         device_gdr: attrs.gpu_direct_rdma_supported,
         rdma: true,
         buffer_not_gdr_capable: false,
+        flush_unavailable: device.flush_policy() == crate::cuda::FlushPolicy::Unavailable,
+        beyond_gdr_level: None,
     }
 }
 
@@ -77,6 +79,32 @@ fn register_by(domain: &Domain, buf: &CudaBuffer, access: Access, p: MemPath) ->
     }
 }
 
+/// The GPU-NIC link class when it is beyond the GDR level
+/// (`GPU_RDMA_GDR_LEVEL`, default PXB), read from sysfs once per domain and
+/// GPU; `None` when within it or unknown (no such PCI devices: a soft-RoCE
+/// NIC, the CUDA stand-in).
+fn beyond_gdr_level(domain: &Domain, device: &crate::cuda::CudaDevice) -> Option<crate::topology::LinkClass> {
+    if !domain.inner.backend.has_verbs() {
+        return None;
+    }
+    let ordinal = device.ordinal();
+    let mut cache = domain.inner.gdr_links.lock().unwrap_or_else(|e| e.into_inner());
+    let link = match cache.iter().find(|(o, _)| *o == ordinal) {
+        Some((_, link)) => *link,
+        None => {
+            let nic = domain.info().device;
+            let link = crate::topology::link_between(device.pci_bus_id(), &nic);
+            cache.push((ordinal, link));
+            link
+        }
+    };
+    let level = crate::topology::gdr_level_from_env().unwrap_or_else(|e| {
+        tracing::warn!("{e}; using PXB");
+        crate::topology::LinkClass::Pxb
+    });
+    link.filter(|l| *l > level)
+}
+
 /// Registers `buf` for local use by the first path of the plan that works.
 pub(crate) fn register(
     domain: &Domain,
@@ -87,6 +115,7 @@ pub(crate) fn register(
     let caps = PathCaps {
         rdma: domain.inner.backend.has_verbs(),
         buffer_not_gdr_capable: !buf.gdr_capable(),
+        beyond_gdr_level: beyond_gdr_level(domain, buf.device()),
         ..detect_caps(buf.device())
     };
     let plan = path::plan(&caps, policy);

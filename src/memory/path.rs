@@ -122,6 +122,40 @@ pub struct PathCaps {
     /// (`IS_GPU_DIRECT_RDMA_CAPABLE` 0: VMM memory made without
     /// `gpuDirectRDMACapable`): no direct path may be tried.
     pub buffer_not_gdr_capable: bool,
+    /// Writes by the NIC into this GPU need a flush before CUDA work sees
+    /// them (`WRITES_ORDERING` below owner), and the driver offers none
+    /// (no `cuFlushGPUDirectRDMAWrites`, or no host flush option): incoming
+    /// data on a direct path could be read stale.
+    pub flush_unavailable: bool,
+    /// The GPU and the domain's NIC are further apart on PCIe than the
+    /// GDR level allows (`GPU_RDMA_GDR_LEVEL`, default PXB, as NCCL):
+    /// their link class, when known.
+    pub beyond_gdr_level: Option<crate::topology::LinkClass>,
+}
+
+const FLUSH_UNAVAILABLE: &str = "NIC writes into this GPU need a flush (WRITES_ORDERING below owner) that the driver \
+     does not offer (no cuFlushGPUDirectRDMAWrites host flush): incoming data could be read stale";
+
+/// Why a direct path is not used across `link` (beyond the GDR level).
+fn too_far(link: crate::topology::LinkClass) -> &'static str {
+    use crate::topology::LinkClass;
+    match link {
+        LinkClass::Pix | LinkClass::Pxb => {
+            "the GPU and the NIC are further apart than GPU_RDMA_GDR_LEVEL allows (a level below PXB was set)"
+        }
+        LinkClass::Phb => {
+            "the GPU and the NIC are PHB apart (the path crosses the CPU's host bridge), beyond the GDR level \
+             (GPU_RDMA_GDR_LEVEL, default PXB): staging through host memory is as fast and safer"
+        }
+        LinkClass::Node => {
+            "the GPU and the NIC are NODE apart (between host bridges of one NUMA node), beyond the GDR level \
+             (GPU_RDMA_GDR_LEVEL, default PXB): staging through host memory is as fast and safer"
+        }
+        LinkClass::Sys => {
+            "the GPU and the NIC are SYS apart (across CPU sockets), beyond the GDR level \
+             (GPU_RDMA_GDR_LEVEL, default PXB): staging through host memory is as fast and safer"
+        }
+    }
 }
 
 /// Why neither direct path may be tried for an allocation the driver says
@@ -135,15 +169,27 @@ const NO_RDMA: &str =
     "this domain has no RDMA device to register GPU memory with (over TCP, GPU memory is staged through host memory)";
 
 impl PathCaps {
+    /// What rules out both direct paths, whatever the driver offers.
+    fn direct_blockers(&self) -> Vec<&'static str> {
+        let mut why = Vec::new();
+        if self.buffer_not_gdr_capable {
+            why.push(NOT_GDR_CAPABLE);
+        }
+        if self.flush_unavailable {
+            why.push(FLUSH_UNAVAILABLE);
+        }
+        if let Some(link) = self.beyond_gdr_level {
+            why.push(too_far(link));
+        }
+        why
+    }
+
     /// Why dma-buf cannot work, if it cannot.
     pub fn dmabuf_blockers(&self) -> Vec<&'static str> {
         if !self.rdma {
             return vec![NO_RDMA];
         }
-        let mut why = Vec::new();
-        if self.buffer_not_gdr_capable {
-            why.push(NOT_GDR_CAPABLE);
-        }
+        let mut why = self.direct_blockers();
         if !self.device_dmabuf {
             why.push("dma-buf not supported by this driver (the GPU does not report DMA_BUF_SUPPORTED: the open kernel module is needed)");
         }
@@ -164,10 +210,7 @@ impl PathCaps {
         if !self.rdma {
             return vec![NO_RDMA];
         }
-        let mut why = Vec::new();
-        if self.buffer_not_gdr_capable {
-            why.push(NOT_GDR_CAPABLE);
-        }
+        let mut why = self.direct_blockers();
         if !self.peermem_loaded {
             why.push("nvidia_peermem not loaded");
         }
@@ -350,6 +393,28 @@ mod tests {
             device_gdr: bits & 32 != 0,
             rdma: bits & 64 != 0,
             buffer_not_gdr_capable: false,
+            flush_unavailable: false,
+            beyond_gdr_level: None,
+        }
+    }
+
+    #[test]
+    fn a_missing_flush_or_a_far_nic_stages_under_auto_and_warns_when_forced() {
+        use crate::topology::LinkClass;
+        let far = PathCaps { beyond_gdr_level: Some(LinkClass::Sys), ..caps(0b111_1111) };
+        let p = plan(&far, PathPolicy::Auto);
+        assert_eq!(p.order, vec![MemPath::Staged]);
+        assert!(p.skipped.iter().all(|(_, why)| why.contains("SYS apart")), "{:?}", p.skipped);
+        let forced = plan(&far, PathPolicy::Force(MemPath::DmaBuf));
+        assert_eq!(forced.order, vec![MemPath::DmaBuf]);
+        assert!(forced.warnings[0].contains("GDR level"), "{:?}", forced.warnings);
+        let noflush = PathCaps { flush_unavailable: true, ..caps(0b111_1111) };
+        let p = plan(&noflush, PathPolicy::Auto);
+        assert_eq!(p.order, vec![MemPath::Staged]);
+        assert!(p.skipped.iter().all(|(_, why)| why.contains("flush")), "{:?}", p.skipped);
+        for link in [LinkClass::Phb, LinkClass::Node] {
+            let p = plan(&PathCaps { beyond_gdr_level: Some(link), ..caps(0b111_1111) }, PathPolicy::Auto);
+            assert!(p.skipped[0].1.contains(&format!("{link} apart")), "{:?}", p.skipped);
         }
     }
 

@@ -453,16 +453,46 @@ impl Exposed<crate::cuda::CudaBuffer> {
     ///
     /// # Errors
     /// [`Error::Cuda`].
+    ///
+    /// This copies the whole region on the staged path; when only part of
+    /// it changed, [`publish_range`](Self::publish_range) moves just that.
     pub fn publish(&self) -> Result<()> {
+        self.publish_range(0..self.cuda().len())
+    }
+
+    /// [`publish`](Self::publish) for the bytes in `range` only: on the
+    /// staged path only they are copied into the mirror (the rest of the
+    /// mirror, which peers may be writing, is left alone).
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`] past the region; [`Error::Cuda`].
+    pub fn publish_range(&self, range: std::ops::Range<usize>) -> Result<()> {
         let buf = self.cuda();
+        let (off, len) = self.check_mirror_range(&range)?;
         buf.wait_ready()?;
-        if let Some((addr, len)) = self.remote().mirror() {
+        if let Some((addr, _)) = self.remote().mirror() {
             let _cpu = self.inner.cpu.lock().unwrap_or_else(|e| e.into_inner());
-            // SAFETY: the mirror is a live mapping of `len` bytes owned by the remote
-            // registration; no Rust reference to it exists (CPU copies are serialized).
-            unsafe { buf.copy_to_raw(0, addr as *mut u8, len.min(buf.len())) }?;
+            // SAFETY: `off..off + len` is inside the mirror, a live mapping owned by
+            // the remote registration (checked); no Rust reference to it exists
+            // (CPU copies are serialized).
+            unsafe { buf.copy_to_raw(off, (addr as usize + off) as *mut u8, len) }?;
         }
         Ok(())
+    }
+
+    /// `range` inside both the GPU buffer and its mirror, as (offset, length).
+    fn check_mirror_range(&self, range: &std::ops::Range<usize>) -> Result<(usize, usize)> {
+        let buf = self.cuda();
+        let limit = self.remote().mirror().map_or(buf.len(), |(_, len)| len.min(buf.len()));
+        if range.start > range.end || range.end > limit {
+            return Err(Error::OutOfBounds {
+                side: "local",
+                offset: range.start as u64,
+                len: range.end.saturating_sub(range.start) as u64,
+                region_len: limit as u64,
+            });
+        }
+        Ok((range.start, range.end - range.start))
     }
 
     /// Makes what peers wrote visible to CUDA work: on a direct path a flush
@@ -473,13 +503,32 @@ impl Exposed<crate::cuda::CudaBuffer> {
     ///
     /// # Errors
     /// [`Error::Cuda`].
+    ///
+    /// This copies the whole mirror on the staged path, over anything the
+    /// owner changed in GPU memory meanwhile; when peers wrote only part of
+    /// the region, [`pull_range`](Self::pull_range) (or
+    /// [`Connection::recv_write_range`](crate::Connection::recv_write_range))
+    /// moves just that, and leaves the rest of GPU memory alone.
     pub fn pull(&self) -> Result<()> {
+        self.pull_range(0..self.cuda().len())
+    }
+
+    /// [`pull`](Self::pull) for the bytes in `range` only: on the staged
+    /// path only they are copied from the mirror into GPU memory. The
+    /// copy into GPU memory waits for the latest fence (work still reading
+    /// the bytes it overwrites).
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`] past the region; [`Error::Cuda`].
+    pub fn pull_range(&self, range: std::ops::Range<usize>) -> Result<()> {
         let buf = self.cuda();
+        let (off, len) = self.check_mirror_range(&range)?;
         match self.remote().mirror() {
-            Some((addr, len)) => {
+            Some((addr, _)) => {
+                buf.wait_ready()?;
                 let _cpu = self.inner.cpu.lock().unwrap_or_else(|e| e.into_inner());
-                // SAFETY: as in publish, reading the mirror.
-                unsafe { buf.copy_from_raw(0, addr as *const u8, len.min(buf.len())) }
+                // SAFETY: as in publish_range, reading the mirror.
+                unsafe { buf.copy_from_raw(off, (addr as usize + off) as *const u8, len) }
             }
             None => buf.device().flush_remote_writes(),
         }

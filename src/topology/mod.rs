@@ -664,6 +664,17 @@ pub fn gdr_level_from_env() -> crate::Result<LinkClass> {
     }
 }
 
+/// The PCIe link class between the GPU at `gpu_pci` (`0000:17:00.0`) and
+/// the RDMA device `nic` (`mlx5_0`), from sysfs; `None` when either is not
+/// a PCI device this machine shows (soft-RoCE, a CUDA stand-in).
+pub fn link_between(gpu_pci: &str, nic: &str) -> Option<LinkClass> {
+    let inputs = Inputs::gather(Path::new("/sys"), Path::new("/proc"), None, false);
+    let gpus = pci::find_gpus(&inputs.sysfs);
+    let gpu = gpus.iter().find(|g| g.location.address.eq_ignore_ascii_case(gpu_pci))?;
+    let report = doctor(&inputs, LinkClass::Sys, None);
+    report.links.iter().find(|l| l.gpu == gpu.name && l.nic == nic).map(|l| l.link)
+}
+
 /// The RDMA device nearest CUDA device `ordinal` on this machine (by the
 /// doctor's ranking), or `None` when there is no GPU or no NIC to pair.
 ///

@@ -60,9 +60,15 @@ impl LinkClass {
         }
     }
 
-    /// Parses an abbreviation (`PIX`, `pxb`, ...).
+    /// Parses an abbreviation (`PIX`, `pxb`, ...). `SOC`, which older
+    /// nvidia-smi versions print where newer ones print `SYS` (the link
+    /// between CPU sockets), is `SYS`.
     pub fn parse(s: &str) -> Option<Self> {
-        LinkClass::ALL.into_iter().find(|c| c.name().eq_ignore_ascii_case(s.trim()))
+        let s = s.trim();
+        if s.eq_ignore_ascii_case("SOC") {
+            return Some(LinkClass::Sys);
+        }
+        LinkClass::ALL.into_iter().find(|c| c.name().eq_ignore_ascii_case(s))
     }
 }
 
