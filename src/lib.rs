@@ -269,8 +269,15 @@
 //! | `peermem` | the `nvidia_peermem` module loaded, GPU reports `GPU_DIRECT_RDMA_SUPPORTED` | reads/writes GPU memory | none |
 //! | `staged` | nothing | reads/writes pinned host buffers; CUDA copies on their own streams | a copy each way, pipelined |
 //!
-//! Both direct paths also need the GPU and the NIC close on PCIe (PIX or
-//! PXB) to be fast. [`Region::path_report`] says which path won and why
+//! Under `auto` a direct path is also left out, with the reason, when the
+//! GPU and the domain's NIC are further apart on PCIe than the GDR level
+//! (`GPU_RDMA_GDR_LEVEL`, default PXB, as NCCL: PHB, NODE and SYS cross the
+//! CPU, where staging is as fast and safer), when NIC writes into the GPU
+//! need a flush the driver does not offer (incoming data could be read
+//! stale), or when the driver says the allocation is not GPUDirect RDMA
+//! capable (VMM memory made without `gpuDirectRDMACapable`; never tried
+//! directly, even when forced). A forced path whose other requirements are
+//! missing is tried, and its report carries the warning. [`Region::path_report`] says which path won and why
 //! the others lost, in plain words, for example `staged: dma-buf refused
 //! (ibv_reg_dmabuf_mr is not supported by this device or driver) and
 //! nvidia_peermem not loaded`; the first registration per GPU logs it, and
@@ -339,7 +346,9 @@
 //!
 //! `GPU_RDMA_DEVICE`, `GPU_RDMA_PORT`, `GPU_RDMA_GID_INDEX` choose the
 //! device, port and GID ([`DomainConfig::from_env`]); `GPU_RDMA_TRANSPORT`
-//! the transport; `GPU_RDMA_MEM_PATH` the GPU memory path; `GPU_RDMA_RELAXED_ORDERING=0`
+//! the transport; `GPU_RDMA_MEM_PATH` the GPU memory path; `GPU_RDMA_GDR_LEVEL`
+//! (PIX, PXB, PHB, NODE or SYS; default PXB) how far apart on PCIe a GPU and
+//! the NIC may be for a direct path under `auto`; `GPU_RDMA_RELAXED_ORDERING=0`
 //! turns off relaxed ordering for GPU registrations; `GPU_RDMA_LOG` sets the log filter of the tools
 //! (`tracing` directives).
 

@@ -24,6 +24,9 @@ macro_rules! cuda_test {
     };
 }
 
+/// The dma-buf tests read the stand-in's record of the last export: one at a time.
+static EXPORTS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn device() -> CudaDevice {
     CudaDevice::open(0).expect("CUDA device 0 (is the stand-in on LD_LIBRARY_PATH?)")
 }
@@ -82,6 +85,7 @@ cuda_test! {
 
 cuda_test! {
     fn dma_buf_export_gives_a_valid_descriptor_or_says_not_supported() {
+        let _one = EXPORTS.lock().unwrap_or_else(|e| e.into_inner());
         let d = device();
         let b = CudaBuffer::alloc(&d, 2 * GPU_PAGE).unwrap();
         // SAFETY: sysconf has no preconditions.
@@ -256,10 +260,6 @@ cuda_test! {
     /// reference (as a registered region hands it out), is waited for; a
     /// fence recorded later replaces the earlier one.
     fn the_fence_is_per_operation_and_replaceable() {
-        if !is_stub() {
-            println!("skipped here: needs the stand-in's producer hook");
-            return;
-        }
         let d = device();
         let s = CudaStream::new(&d).unwrap();
         let b = CudaBuffer::alloc(&d, 8192).unwrap();
@@ -275,5 +275,35 @@ cuda_test! {
             shared.copy_to_host(0, &mut back).unwrap();
             assert!(back == produced(seed, 8192), "iteration {seed}");
         }
+    }
+}
+
+cuda_test! {
+    /// dma-buf exports ask for the PCIe mapping type on CUDA 12.8+ drivers
+    /// (so a Grace Hopper NIC goes through PCIe, as NCCL makes it), and fall
+    /// back to the plain export where the platform refuses the flag.
+    fn dma_buf_export_asks_for_the_pcie_mapping_and_falls_back() {
+        if !is_stub() {
+            println!("not counted here: needs the stand-in's record of the export flags");
+            return;
+        }
+        let _one = EXPORTS.lock().unwrap_or_else(|e| e.into_inner());
+        let last_flags = || {
+            let sym = common::gpu::stub_symbol(c"gpu_rdma_stub_last_export_flags").unwrap();
+            // SAFETY: the stand-in exports this function with this signature.
+            let f: unsafe extern "C" fn() -> u32 = unsafe { std::mem::transmute(sym) };
+            // SAFETY: no arguments.
+            unsafe { f() }
+        };
+        let d = device();
+        let b = CudaBuffer::alloc(&d, 8192).unwrap();
+        assert!(driver().unwrap().version >= 12080);
+        b.export_dmabuf(0, 8192).unwrap();
+        assert_eq!(last_flags(), 1, "CU_MEM_RANGE_FLAG_DMA_BUF_MAPPING_TYPE_PCIE");
+        common::gpu::set_attribute(0x7fff_0001, 1); // the platform refuses it
+        let x = b.export_dmabuf(512, 1000).unwrap();
+        assert_eq!(last_flags(), 0, "the plain export after the refusal");
+        assert_eq!(x.offset, (b.device_ptr() + 512) % 4096);
+        common::gpu::reset_attributes();
     }
 }

@@ -40,9 +40,10 @@
 //!   `IS_GPU_DIRECT_RDMA_CAPABLE` attribute is what `cuMemCreate` was asked
 //!   for (`allocFlags.gpuDirectRDMACapable`); copies before
 //!   `cuMemSetAccess` fail with `CUDA_ERROR_ILLEGAL_ADDRESS`.
-//! - **Asynchronous producers**: [`gpu_rdma_stub_produce`] queues, on a
-//!   stream, a "kernel" that writes a pattern into device memory some time
-//!   later, so a missing or stale fence shows up as wrong data.
+//! - **Asynchronous producers**: `cuMemsetD8Async`/`cuMemsetD32Async` run
+//!   on their stream's worker, and [`gpu_rdma_stub_produce`] queues a
+//!   "kernel" that fills device memory some time later, so a missing or
+//!   stale fence shows up as wrong data.
 //!   `cuCtxSynchronize` and `cuMemFree` wait for every stream, as on a GPU.
 //! - **dma-buf export** requires a page-aligned range, as the driver does.
 //! - **Device attributes chosen per test** ([`gpu_rdma_stub_set_attribute`];
@@ -141,6 +142,8 @@ struct State {
     ctx_flags: AtomicU32,
     /// Live streams (their boxes' addresses), for cuCtxSynchronize.
     streams: Mutex<Vec<usize>>,
+    /// The flags of the last successful dma-buf export.
+    last_export_flags: AtomicU32,
     /// The access flags of the last device-memory registration (peermem stand-in).
     last_device_access: AtomicU32,
     device_registrations: AtomicU64,
@@ -160,6 +163,7 @@ fn state() -> &'static State {
         attrs: Mutex::new(BTreeMap::new()),
         ctx_flags: AtomicU32::new(0),
         streams: Mutex::new(Vec::new()),
+        last_export_flags: AtomicU32::new(u32::MAX),
         last_device_access: AtomicU32::new(0),
         device_registrations: AtomicU64::new(0),
     })
@@ -258,8 +262,19 @@ fn new_memfd(len: usize) -> Option<i32> {
 // ---- streams: a worker thread each, running tasks in order ----
 
 enum Task {
-    Copy { dst: usize, src: usize, len: usize },
-    Produce { dst: usize, len: usize, seed: u64, delay: Duration },
+    Copy {
+        dst: usize,
+        src: usize,
+        len: usize,
+    },
+    /// Fills `len` bytes with `value` (little-endian, repeated), after `delay`.
+    Fill {
+        dst: usize,
+        len: usize,
+        value: u32,
+        width: usize,
+        delay: Duration,
+    },
     Signal(Arc<Event>),
     Wait(Arc<Event>),
 }
@@ -292,12 +307,6 @@ struct Stream {
     tx: Mutex<Sender<Task>>,
 }
 
-/// The byte a producer writes at offset `i` for `seed`.
-pub fn produced_byte(seed: u64, i: usize) -> u8 {
-    let x = (seed ^ (i as u64 / 8)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    (x >> ((i % 8) * 8)) as u8
-}
-
 fn worker(rx: Receiver<Task>) {
     for task in rx {
         match task {
@@ -307,12 +316,13 @@ fn worker(rx: Receiver<Task>) {
                 // ranges were translated to their aliases.
                 unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, len) };
             }
-            Task::Produce { dst, len, seed, delay } => {
+            Task::Fill { dst, len, value, width, delay } => {
                 thread::sleep(delay);
+                let bytes = value.to_le_bytes();
                 for i in 0..len {
                     // SAFETY: the alias of a live allocation (freeing waits for
                     // every stream first), `len` bytes checked at enqueue time.
-                    unsafe { *(dst as *mut u8).add(i) = produced_byte(seed, i) };
+                    unsafe { *(dst as *mut u8).add(i) = bytes[i % width] };
                 }
             }
             Task::Signal(ev) => ev.set(true),
@@ -908,10 +918,15 @@ pub unsafe extern "C" fn cuMemGetHandleForAddressRange(
     if let Err(e) = current() {
         return e;
     }
-    // DMA_BUF_FD only; flags 0 or the PCIe mapping type (CUDA 12.8+).
+    // DMA_BUF_FD only; flags 0 or the PCIe mapping type (CUDA 12.8+), which
+    // a test can make the "platform" refuse (attribute 0x7fff0001 set to 1).
     if kind != 1 || handle.is_null() || flags > 1 || size == 0 {
         return INVALID_VALUE;
     }
+    if flags == 1 && attribute(0x7fff_0001) == 1 {
+        return NOT_SUPPORTED;
+    }
+    state().last_export_flags.store(flags as u32, Ordering::Release);
     // The driver exports whole host pages only.
     let page = host_page() as u64;
     if !dptr.is_multiple_of(page) || !(size as u64).is_multiple_of(page) {
@@ -1268,31 +1283,50 @@ pub unsafe extern "C" fn gpu_rdma_stub_reset_attributes() {
     state().attrs.lock().unwrap().clear();
 }
 
-/// Test hook: a "kernel" on `stream` (null: the legacy stream) that, after
-/// `delay_us` microseconds, writes `len` bytes at `dptr`: byte `i` is
-/// [`produced_byte`]`(seed, i)`, that is the little-endian bytes of
-/// `(seed ^ (i / 8)) * 0x9e3779b97f4a7c15` (wrapping), byte `i % 8`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn gpu_rdma_stub_produce(
-    stream: *mut libc::c_void,
-    dptr: u64,
-    len: usize,
-    seed: u64,
-    delay_us: u32,
-) -> CUresult {
+/// Queues a fill on `stream` (null: the legacy stream), after `delay`.
+fn fill_async(dptr: u64, value: u32, width: usize, n: usize, stream: *mut libc::c_void, delay: Duration) -> CUresult {
     if let Err(e) = current() {
         return e;
     }
+    if !dptr.is_multiple_of(width as u64) {
+        return INVALID_VALUE;
+    }
+    let len = n * width;
     let dst = match device_alias(dptr, len) {
         Ok(a) => a,
         Err(e) => return e,
     };
-    let task = Task::Produce { dst, len, seed, delay: Duration::from_micros(u64::from(delay_us)) };
+    let task = Task::Fill { dst, len, value, width, delay };
     match stream_ref(stream) {
         Some(s) => s.push(task),
         None => legacy_stream().push(task),
     }
     SUCCESS
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemsetD8Async(dst: u64, value: u8, n: usize, stream: *mut libc::c_void) -> CUresult {
+    fill_async(dst, u32::from(value), 1, n, stream, Duration::ZERO)
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemsetD32Async(dst: u64, value: u32, n: usize, stream: *mut libc::c_void) -> CUresult {
+    fill_async(dst, value, 4, n, stream, Duration::ZERO)
+}
+
+/// Test hook: a slow "kernel" on `stream` (null: the legacy stream) that,
+/// after `delay_us` microseconds, fills `n` 32-bit words at `dptr` with
+/// `value`: `cuMemsetD32Async` that lands late, so a missing or stale
+/// producer fence shows up as wrong data.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpu_rdma_stub_produce(
+    stream: *mut libc::c_void,
+    dptr: u64,
+    n: usize,
+    value: u32,
+    delay_us: u32,
+) -> CUresult {
+    fill_async(dptr, value, 4, n, stream, Duration::from_micros(u64::from(delay_us)))
 }
 
 /// Test hook: the access flags of the last registration of device memory
@@ -1304,4 +1338,11 @@ pub unsafe extern "C" fn gpu_rdma_stub_last_device_registration(count: *mut u64)
         unsafe { *count = state().device_registrations.load(Ordering::Acquire) };
     }
     state().last_device_access.load(Ordering::Acquire)
+}
+
+/// Test hook: the flags of the last successful dma-buf export
+/// (`u32::MAX`: none yet).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpu_rdma_stub_last_export_flags() -> u32 {
+    state().last_export_flags.load(Ordering::Acquire)
 }

@@ -623,21 +623,35 @@ impl CudaBuffer {
             });
         }
         let _ctx = CtxGuard::enter(&self.device)?;
-        let mut fd: libc::c_int = -1;
-        check(
-            // SAFETY: `fd` is a valid out-pointer for the handle (an int for DMA_BUF_FD);
-            // the range is inside the allocation; the symbol exists (checked).
-            unsafe {
+        let export = |flags: u64| {
+            let mut fd: libc::c_int = -1;
+            // SAFETY: `fd` is a valid out-pointer for the handle (an int for
+            // DMA_BUF_FD); the page-rounded range lies in the allocation's
+            // pages; the symbol exists (checked).
+            let rc = unsafe {
                 sys::cuMemGetHandleForAddressRange(
                     (&mut fd as *mut libc::c_int).cast(),
                     first,
                     export_len,
                     sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
-                    0,
+                    flags,
                 )
-            },
-            "cuMemGetHandleForAddressRange",
-        )?;
+            };
+            (rc, fd)
+        };
+        // On platforms where the NIC can reach GPU memory by more than one path
+        // (Grace Hopper: C2C and PCIe), ask for the PCIe mapping, as NCCL does
+        // (CUDA 12.8+); a driver or platform that refuses the flag gets the
+        // plain export.
+        let pcie = sys::CUmemRangeFlags::CU_MEM_RANGE_FLAG_DMA_BUF_MAPPING_TYPE_PCIE as u64;
+        let (mut rc, mut fd) = if driver()?.version >= 12080 { export(pcie) } else { export(0) };
+        if driver()?.version >= 12080
+            && matches!(rc, sys::CUresult::CUDA_ERROR_INVALID_VALUE | sys::CUresult::CUDA_ERROR_NOT_SUPPORTED)
+        {
+            tracing::debug!("dma-buf export with the PCIe mapping type refused ({rc:?}); exporting without it");
+            (rc, fd) = export(0);
+        }
+        check(rc, "cuMemGetHandleForAddressRange")?;
         if fd < 0 {
             return Err(Error::InvalidArgument("the driver returned no dma-buf descriptor".into()));
         }

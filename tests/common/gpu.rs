@@ -27,30 +27,50 @@ pub fn is_stub() -> bool {
     stub_symbol(c"gpu_rdma_stub_produce").is_some()
 }
 
-/// The byte the stand-in's producer writes at offset `i` for `seed`.
-pub fn produced_byte(seed: u64, i: usize) -> u8 {
-    let x = (seed ^ (i as u64 / 8)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    (x >> ((i % 8) * 8)) as u8
+/// The 32-bit word a producer writes for `seed` (never zero, varies by seed).
+pub fn produced_word(seed: u64) -> u32 {
+    ((seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 32) as u32) | 1
 }
 
-/// What the producer writes into `len` bytes for `seed`.
+/// What the producer writes into `len` bytes for `seed`: its word,
+/// little-endian, repeated.
 pub fn produced(seed: u64, len: usize) -> Vec<u8> {
-    (0..len).map(|i| produced_byte(seed, i)).collect()
+    let w = produced_word(seed).to_le_bytes();
+    (0..len).map(|i| w[i % 4]).collect()
 }
 
-/// Queues a "kernel" on `stream` that writes the pattern for `seed` into
-/// `buf` at `offset` after `delay_us`: a producer the operations must wait
-/// for. Stand-in only.
+/// Queues a producer on `stream` that fills `len` bytes (a multiple of 4)
+/// of `buf` at `offset` with the pattern for `seed`, landing late: a write
+/// posted without waiting for its fence sends stale bytes. On the stand-in
+/// its hook lands after `delay_us`; on a GPU, asynchronous memsets (no
+/// compiled kernel needed) behind a large one on the same stream.
 pub fn produce(stream: &CudaStream, buf: &CudaBuffer, offset: usize, len: usize, seed: u64, delay_us: u32) {
-    type Produce = unsafe extern "C" fn(*mut libc::c_void, u64, usize, u64, u32) -> u32;
-    let sym = stub_symbol(c"gpu_rdma_stub_produce").expect("the CUDA stand-in's producer");
-    // SAFETY: the stand-in exports this function with this signature.
-    let f: Produce = unsafe { std::mem::transmute(sym) };
-    // The producer runs in the device's context, as a kernel launch would.
+    assert_eq!(len % 4, 0);
+    let dst = buf.device_ptr() + offset as u64;
+    let word = produced_word(seed);
     let _ctx = Ctx::enter(buf.device());
-    // SAFETY: a live stream, and a range inside a live buffer.
-    let rc = unsafe { f(stream.as_raw().cast(), buf.device_ptr() + offset as u64, len, seed, delay_us) };
-    assert_eq!(rc, 0, "gpu_rdma_stub_produce");
+    if let Some(sym) = stub_symbol(c"gpu_rdma_stub_produce") {
+        type Produce = unsafe extern "C" fn(*mut libc::c_void, u64, usize, u32, u32) -> u32;
+        // SAFETY: the stand-in exports this function with this signature.
+        let f: Produce = unsafe { std::mem::transmute(sym) };
+        // SAFETY: a live stream, and a range inside a live buffer.
+        let rc = unsafe { f(stream.as_raw().cast(), dst, len / 4, word, delay_us) };
+        assert_eq!(rc, 0, "gpu_rdma_stub_produce");
+        return;
+    }
+    // A real GPU: about 256 MiB of memset per 100 us of delay (HBM runs at
+    // TB/s), then the pattern, in stream order.
+    static DELAY: std::sync::OnceLock<CudaBuffer> = std::sync::OnceLock::new();
+    let delay = DELAY.get_or_init(|| CudaBuffer::alloc(buf.device(), 256 << 20).expect("the delay buffer"));
+    for _ in 0..=delay_us / 100 {
+        // SAFETY: the delay buffer is live for the process; the stream is live.
+        let rc = unsafe { sys::cuMemsetD8Async(delay.device_ptr(), 0x5a, delay.len(), stream.as_raw()) };
+        assert_eq!(rc, sys::CUresult::CUDA_SUCCESS, "cuMemsetD8Async");
+    }
+    // SAFETY: a range inside a live buffer, 4-byte aligned (device pointers
+    // are 256-byte aligned and offsets here are multiples of 4).
+    let rc = unsafe { sys::cuMemsetD32Async(dst, word, len / 4, stream.as_raw()) };
+    assert_eq!(rc, sys::CUresult::CUDA_SUCCESS, "cuMemsetD32Async");
 }
 
 /// Sets a device attribute (`cuDeviceGetAttribute` numbering) in the

@@ -4,7 +4,17 @@
 # link, no Rust toolchain needed here). Prints a short report; writes it to
 # $OUT/report.txt when OUT is set.
 HERE=$(cd "$(dirname "$0")" && pwd)
-export LD_LIBRARY_PATH="$HERE/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# The machine's own rdma-core when it has one (a bundled libibverbs can fail
+# to load a MOFED provider); the bundled copy only where there is none.
+if ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 '; then
+  VERBS_LIB="the machine's own ($(ldconfig -p | grep 'libibverbs.so.1 ' | head -n 1 | sed 's/.*=> //'))"
+else
+  export LD_LIBRARY_PATH="$HERE/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  VERBS_LIB="bundled ($HERE/lib)"
+fi
+# Tests that need the CUDA stand-in's hooks (CPU faults on device pointers,
+# chosen device attributes, the peermem stand-in's record): not run here.
+STUB_ONLY="--skip the_cpu_faults_on_a_device_pointer --skip dma_buf_export_asks_for_the_pcie_mapping_and_falls_back --skip the_flush_follows_the_device_attributes --skip gpu_registrations_ask_for_relaxed_ordering"
 OUT=${OUT:-$HERE/out}
 mkdir -p "$OUT"
 REPORT=$OUT/report.txt
@@ -24,12 +34,13 @@ else
 fi
 say "kernel modules: $(grep -oE '^(nvidia[a-z_]*|nv_peer_mem|ib_core|mlx5_ib|rdma_rxe)' /proc/modules | tr '\n' ' ')"
 say "open kernel module: $(grep -q 'Open Kernel Module' /proc/driver/nvidia/version 2>/dev/null && echo yes || echo no/unknown)"
+say "libibverbs: $VERBS_LIB"
 
 section "gpu-rdma gpu --bandwidth (attributes, memory paths, host<->device copy bandwidth)"
 "$HERE/bin/gpu-rdma" gpu --bandwidth 2>&1 | tee -a "$REPORT" || fails=$((fails + 1))
 
 section "CUDA layer tests: allocation and alignment, SYNC_MEMOPS, dma-buf export, copies, streams"
-"$HERE/bin/cuda-tests" --ignored --test-threads=1 > "$OUT/cuda-tests.log" 2>&1
+"$HERE/bin/cuda-tests" --ignored --test-threads=1 $STUB_ONLY > "$OUT/cuda-tests.log" 2>&1
 rc=$?
 grep -E '^test |test result' "$OUT/cuda-tests.log" | tee -a "$REPORT"
 [ $rc = 0 ] || { fails=$((fails + 1)); tail -40 "$OUT/cuda-tests.log"; }
@@ -85,6 +96,45 @@ for mp in dmabuf peermem; do
     say "  --mem-path $mp over TCP: refused, as it must be: $(grep -h 'gpu-rdma bench:' "$OUT"/bench-tcp-write-bw-$mp.log* | head -n 1 | cut -c1-200)"
   fi
 done
+
+section "RDMA NIC: GPUDirect RDMA on a real port"
+# A machine with an active port other than soft-RoCE (mlx5 and friends):
+# both direct paths forced, small and unaligned GPU buffers, VMM memory,
+# the flush, a producer loop checked by the receiver, GPU to GPU verified.
+nic=""
+for d in /sys/class/infiniband/*; do
+  [ -e "$d" ] || continue
+  n=$(basename "$d")
+  case $n in rxe*|siw*) continue ;; esac
+  for p in "$d"/ports/*; do
+    if grep -q ACTIVE "$p/state" 2>/dev/null; then nic=$n; break 2; fi
+  done
+done
+if [ -n "$nic" ]; then
+  say "active port on $nic ($(cat /sys/class/infiniband/$nic/ports/*/link_layer 2>/dev/null | head -n 1))"
+  "$HERE/bin/gpu-rdma" doctor > "$OUT/doctor.txt" 2>&1
+  sed -n '1,60p' "$OUT/doctor.txt" | tee -a "$REPORT"
+  for path in dmabuf peermem staged; do
+    if GPU_RDMA_DEVICE=$nic "$HERE/bin/gpu_to_gpu" --path $path --bytes 256MiB > "$OUT/nic-$path.log" 2>&1; then
+      say "GPU to GPU over $nic, $path path: $(grep -E 'verified|GB/s' "$OUT/nic-$path.log" | tail -n 2 | tr '\n' ' ')"
+    else
+      say "GPU to GPU over $nic, $path path: FAILED ($(tail -n 1 "$OUT/nic-$path.log"))"
+      fails=$((fails + 1))
+    fi
+  done
+  # Every verbs GPU test on the NIC: an 8-byte send from GPU memory on a direct
+  # path, a tensor at offset 512 on every path, VMM memory, the flush on
+  # receives, 1,000 produced iterations on the direct and staged paths.
+  GPU_RDMA_TEST_DEVICE=$nic "$HERE/bin/verbs-gpu-tests" --ignored --test-threads=1 $STUB_ONLY > "$OUT/nic-verbs-gpu.log" 2>&1 \
+    || fails=$((fails + 1))
+  grep -E '^test |test result' "$OUT/nic-verbs-gpu.log" | tee -a "$REPORT"
+  for mp in dmabuf peermem staged host; do
+    row=$(sweep verbs "--gpu 0 -d $nic" write-bw 1MiB 500 "$mp" 2>&1) || fails=$((fails + 1))
+    say "$row"
+  done
+else
+  say "no active RDMA port other than soft-RoCE: the real-NIC section is not run"
+fi
 
 section "staged pipeline between two GPU buffers over soft-RoCE"
 # The machine has no RDMA NIC. Soft-RoCE, where the kernel has it, gives a
