@@ -274,7 +274,8 @@
 //! (`GPU_RDMA_GDR_LEVEL`, default PXB, as NCCL: PHB, NODE and SYS cross the
 //! CPU, where staging is as fast and safer), when NIC writes into the GPU
 //! need a flush the driver does not offer (incoming data could be read
-//! stale), or when the driver says the allocation is not GPUDirect RDMA
+//! stale; memory registered without write rights, which only goes out,
+//! stays direct), or when the driver says the allocation is not GPUDirect RDMA
 //! capable (VMM memory made without `gpuDirectRDMACapable`; never tried
 //! directly, even when forced). A forced path whose other requirements are
 //! missing is tried, and its report carries the warning. [`Region::path_report`] says which path won and why

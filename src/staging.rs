@@ -254,14 +254,12 @@ impl Pipeline {
         post_timeout: std::time::Duration,
     ) -> Result<Self> {
         let stager = Stager::for_device(domain, device)?;
-        if let StagedOp::Write { remote, .. } | StagedOp::Read { remote } = op {
-            if remote.len() != local.len as u64 {
-                return Err(Error::InvalidArgument(format!(
-                    "the local range has {} bytes and the remote range {}",
-                    local.len,
-                    remote.len()
-                )));
-            }
+        // The same checks as a direct post (the right granted, the same
+        // length), before anything is copied.
+        match op {
+            StagedOp::Write { remote, .. } => RemoteOp::Write(remote).check_remote(local.len as u64)?,
+            StagedOp::Read { remote } => RemoteOp::Read(remote).check_remote(local.len as u64)?,
+            StagedOp::Send { .. } | StagedOp::Recv => {}
         }
         Ok(Pipeline {
             op,

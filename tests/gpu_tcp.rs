@@ -217,3 +217,21 @@ gpu_tcp_test! {
         assert!(matches!(bad.wait(), Err(gpu_rdma::Error::OutOfBounds { .. })));
     }
 }
+
+gpu_tcp_test! {
+    /// A staged write into a region the peer granted only reading is
+    /// refused before anything is copied, with the typed error, and the GPU
+    /// buffer comes back.
+    fn a_staged_write_without_the_right_is_refused_before_copying() {
+        let d = tcp_domain();
+        let target = d.expose(d.alloc(1 << 20).unwrap(), Access::REMOTE_READ, 6).unwrap();
+        let (_s, c) = pair_on(&d, &d, opts().advertise(&target), opts());
+        let src = gpu_region(&d, 1 << 20, Some(&pattern(1 << 20, 8)));
+        let ptr = src.memory().device_ptr();
+        let mut w = c.write(src, &c.remote_region(6).unwrap().whole());
+        let e = w.wait().unwrap_err();
+        assert!(matches!(e, Error::AccessDenied { .. }), "{e}");
+        assert_eq!(w.into_buffer().unwrap().memory().device_ptr(), ptr, "the buffer comes back");
+        assert!(c.broken().is_none(), "refused before posting: the connection is unchanged");
+    }
+}

@@ -461,6 +461,11 @@ gpu_test! {
                 let report = auto.path_report().unwrap().to_string();
                 assert_eq!(auto.memory_path(), Some(MemPath::Staged), "{report}");
                 assert!(report.contains("need a flush"), "{report}");
+                // Memory the NIC never writes (registered without write rights) needs no flush.
+                let buf = CudaBuffer::alloc(&gpu(), 1 << 16).unwrap();
+                let send_only = ds.register_with_path(buf, Access::empty(), PathPolicy::Auto).unwrap();
+                let report = send_only.path_report().unwrap().to_string();
+                assert!(!report.contains("need a flush"), "{report}");
             }
         }
         reset_attributes();

@@ -112,11 +112,15 @@ pub(crate) fn register(
     access: Access,
     policy: PathPolicy,
 ) -> Result<(Registration, PathReport)> {
+    let detected = detect_caps(buf.device());
     let caps = PathCaps {
         rdma: domain.inner.backend.has_verbs(),
         buffer_not_gdr_capable: !buf.gdr_capable(),
         beyond_gdr_level: beyond_gdr_level(domain, buf.device()),
-        ..detect_caps(buf.device())
+        // A missing flush matters only where the NIC may write: memory
+        // registered without write rights only ever goes out.
+        flush_unavailable: detected.flush_unavailable && access.intersects(Access::LOCAL_WRITE | Access::REMOTE_WRITE),
+        ..detected
     };
     let plan = path::plan(&caps, policy);
     for w in &plan.warnings {

@@ -698,7 +698,8 @@ impl VerbsConn {
             if let Err(e) = self.check_local(l) {
                 return Posted::Refused(e);
             }
-            if l.len as u64 > self.max_message.max(u64::from(u32::MAX)) {
+            // A receive's scatter entry holds at most u32::MAX bytes.
+            if l.len as u64 > u64::from(u32::MAX) {
                 return Posted::Refused(Error::MessageTooLarge { len: l.len as u64, max: u64::from(u32::MAX) });
             }
         }
