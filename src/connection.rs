@@ -266,9 +266,9 @@ impl Connection {
         Due::after(self.shared.op_timeout)
     }
 
-    fn post_items<B: Send + 'static>(&self, buf: B, items: Result<Vec<WorkItem>>) -> Pending<B> {
+    fn post_items<B: Send + 'static>(&self, buf: B, items: Result<&[WorkItem]>) -> Pending<B> {
         match items {
-            Ok(items) => self.pending(buf, self.shared.transport.post_send(&items, self.deadline())),
+            Ok(items) => self.pending(buf, self.shared.transport.post_send(items, self.deadline())),
             Err(e) => Pending::failed(&self.shared, buf, e),
         }
     }
@@ -290,7 +290,7 @@ impl Connection {
         if parts.path.is_some() {
             return self.gpu(local, parts, Some(op));
         }
-        self.post_items(local.into_inner(), Ok(vec![WorkItem { local: Some(parts), op }]))
+        self.post_items(local.into_inner(), Ok(&[WorkItem { local: Some(parts), op }]))
     }
 
     /// GPU memory: a direct path posts like host memory, after the data is
@@ -366,11 +366,11 @@ impl Connection {
         }
         match op {
             Some(op @ RemoteOp::Read(_)) => {
-                let mut p = self.post_items(local.into_inner(), Ok(vec![WorkItem { local: Some(parts), op }]));
+                let mut p = self.post_items(local.into_inner(), Ok(&[WorkItem { local: Some(parts), op }]));
                 p.after = Some(Box::new(move || device.flush_remote_writes()));
                 p
             }
-            Some(op) => self.post_items(local.into_inner(), Ok(vec![WorkItem { local: Some(parts), op }])),
+            Some(op) => self.post_items(local.into_inner(), Ok(&[WorkItem { local: Some(parts), op }])),
             None => {
                 let posted = self.shared.transport.post_recv(Some(parts));
                 let mut p = self.pending(local.into_inner(), posted);
@@ -580,7 +580,10 @@ impl<B: LocalBuffer> Batch<'_, B> {
             .collect();
         let bufs: Vec<B> = self.items.into_iter().map(|(l, _)| l.into_inner()).collect();
         #[allow(unused_mut)]
-        let mut pending = self.conn.post_items(bufs, items);
+        let mut pending = match items {
+            Ok(items) => self.conn.post_items(bufs, Ok(&items)),
+            Err(e) => self.conn.post_items(bufs, Err(e)),
+        };
         #[cfg(feature = "cuda")]
         if !flush.is_empty() {
             pending.after = Some(Box::new(move || flush.iter().try_for_each(|d| d.flush_remote_writes())));

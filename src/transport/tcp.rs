@@ -65,6 +65,8 @@ const RECV_WAIT: Duration = Duration::from_millis(10);
 const HEADER: usize = 32;
 /// Inline sends copy at most this much into the request.
 const MAX_INLINE: u32 = 1024;
+/// Inline copy buffers a connection starts with.
+const INLINE_POOL: usize = 8;
 /// After the connection broke, how long the sender may take to deliver the
 /// replies already queued (a refusal) before the socket is shut under it.
 const LINGER: Duration = Duration::from_millis(500);
@@ -541,6 +543,8 @@ struct Inner {
     /// responses) its outstanding requests can need.
     peer_depth: usize,
     max_message: u64,
+    /// Inline copies' buffers, reused (at most the send-queue depth kept).
+    inline_pool: Mutex<Vec<Vec<u8>>>,
     /// How long a peer's send waits here for a receive; `None`: forever
     /// (or until the peer is gone, or this side closes).
     rnr_budget: Option<Duration>,
@@ -703,6 +707,11 @@ impl TcpConn {
             send_depth: send_depth(opts),
             recv_depth: opts.recv_queue_depth.max(1),
             peer_depth: theirs.send_depth.clamp(1, MAX_TCP_QUEUE_DEPTH) as usize,
+            // A few buffers up front: the sender may still hold the last one
+            // when the next inline send is posted (its acknowledgement can
+            // beat the sender back to the pool). The pool grows only to the
+            // concurrency actually used, then stays.
+            inline_pool: Mutex::new((0..INLINE_POOL).map(|_| Vec::with_capacity(MAX_INLINE as usize)).collect()),
             max_message,
             // The peer's retry count, this side's timer, as on verbs.
             rnr_budget: (theirs.rnr_retry < 7)
@@ -744,44 +753,50 @@ impl TcpConn {
         Ok(())
     }
 
-    /// Turns work items into messages, checking each as verbs would.
-    fn plan(&self, items: &[WorkItem]) -> Result<Vec<(OutKind, u64, u64)>> {
-        let mut out = Vec::with_capacity(items.len());
-        for item in items {
-            let (addr, len) = match &item.local {
-                Some(l) => {
-                    self.check_local(l)?;
-                    (l.addr, l.len as u64)
-                }
-                None => (0, 0),
-            };
-            let kind = match item.op {
-                RemoteOp::Send | RemoteOp::SendWithImm(_) | RemoteOp::WriteWithImm(..)
-                    if len > self.inner.max_message =>
-                {
-                    return Err(Error::MessageTooLarge { len, max: self.inner.max_message });
-                }
-                RemoteOp::Send => OutKind::Send { imm: None },
-                RemoteOp::SendWithImm(imm) => OutKind::Send { imm: Some(imm) },
-                RemoteOp::Write(r) | RemoteOp::WriteWithImm(r, _) | RemoteOp::Read(r) => {
-                    item.op.check_remote(len)?;
-                    match item.op {
-                        RemoteOp::Write(_) => OutKind::Write { raddr: r.addr(), key: r.rkey(), imm: None },
-                        RemoteOp::WriteWithImm(_, imm) => {
-                            OutKind::Write { raddr: r.addr(), key: r.rkey(), imm: Some(imm) }
-                        }
-                        _ => OutKind::ReadReq { raddr: r.addr(), key: r.rkey() },
-                    }
-                }
-            };
-            out.push((kind, addr, len));
+    /// Checks a work item as verbs would; returns its byte count.
+    fn check_item(&self, item: &WorkItem) -> Result<u64> {
+        let len = match &item.local {
+            Some(l) => {
+                self.check_local(l)?;
+                l.len as u64
+            }
+            None => 0,
+        };
+        match item.op {
+            RemoteOp::Send | RemoteOp::SendWithImm(_) | RemoteOp::WriteWithImm(..) if len > self.inner.max_message => {
+                return Err(Error::MessageTooLarge { len, max: self.inner.max_message });
+            }
+            RemoteOp::Send | RemoteOp::SendWithImm(_) => {}
+            RemoteOp::Write(_) | RemoteOp::WriteWithImm(..) | RemoteOp::Read(_) => item.op.check_remote(len)?,
         }
-        Ok(out)
+        Ok(len)
     }
 
-    fn enqueue(&self, opcode: Opcode, msgs: Vec<(OutKind, u64, u64)>, mut due: Due) -> Posted {
-        let n = msgs.len() as u32;
-        let bytes = msgs.iter().map(|m| m.2).sum();
+    /// The message a checked work item becomes: its kind, source address and length.
+    fn message(item: &WorkItem) -> (OutKind, u64, u64) {
+        let (addr, len) = item.local.as_ref().map_or((0, 0), |l| (l.addr, l.len as u64));
+        let kind = match item.op {
+            RemoteOp::Send => OutKind::Send { imm: None },
+            RemoteOp::SendWithImm(imm) => OutKind::Send { imm: Some(imm) },
+            RemoteOp::Write(r) => OutKind::Write { raddr: r.addr(), key: r.rkey(), imm: None },
+            RemoteOp::WriteWithImm(r, imm) => OutKind::Write { raddr: r.addr(), key: r.rkey(), imm: Some(imm) },
+            RemoteOp::Read(r) => OutKind::ReadReq { raddr: r.addr(), key: r.rkey() },
+        };
+        (kind, addr, len)
+    }
+
+    /// Queues `count` messages (`next(i)` makes the i-th) as one operation,
+    /// waiting for send-queue room up to `due`. Allocates nothing once the
+    /// queues have grown to their steady size.
+    fn enqueue(
+        &self,
+        opcode: Opcode,
+        count: usize,
+        bytes: u64,
+        mut due: Due,
+        mut next: impl FnMut(usize) -> (OutKind, u64, u64),
+    ) -> Posted {
+        let n = count as u32;
         let mut st = self.inner.lock();
         loop {
             if let Some(reason) = &st.lost {
@@ -805,8 +820,8 @@ impl TcpConn {
         }
         let id = st.table.start(opcode, Held { send_wrs: n, recv_wrs: 0 }, Some(bytes));
         st.send_used += n;
-        let count = msgs.len();
-        for (i, (kind, addr, len)) in msgs.into_iter().enumerate() {
+        for i in 0..count {
+            let (kind, addr, len) = next(i);
             let seq = st.next_seq;
             st.next_seq = st.next_seq.wrapping_add(1).max(1);
             let wr_id = id.wr_id(i + 1 == count);
@@ -823,10 +838,14 @@ impl TcpConn {
         let Some(last) = items.last() else {
             return Posted::Refused(Error::InvalidArgument("nothing to post".into()));
         };
-        match self.plan(items) {
-            Ok(msgs) => self.enqueue(last.op.opcode(), msgs, due),
-            Err(e) => Posted::Refused(e),
+        let mut bytes = 0;
+        for item in items {
+            match self.check_item(item) {
+                Ok(len) => bytes += len,
+                Err(e) => return Posted::Refused(e),
+            }
         }
+        self.enqueue(last.op.opcode(), items.len(), bytes, due, |i| Self::message(&items[i]))
     }
 
     pub(crate) fn post_inline(&self, data: &[u8], imm: Option<u32>, due: Due) -> Posted {
@@ -834,7 +853,15 @@ impl TcpConn {
             return Posted::Refused(Error::MessageTooLarge { len: data.len() as u64, max: u64::from(MAX_INLINE) });
         }
         let opcode = if imm.is_some() { Opcode::SendWithImm } else { Opcode::Send };
-        self.enqueue(opcode, vec![(OutKind::Inline { data: data.to_vec(), imm }, 0, data.len() as u64)], due)
+        // The copy goes into a buffer from the connection's pool (returned by
+        // the sender once sent), so inline sends allocate nothing in steady state.
+        let mut copy = self.inner.inline_pool.lock().unwrap_or_else(|e| e.into_inner()).pop().unwrap_or_default();
+        copy.clear();
+        copy.extend_from_slice(data);
+        let mut copy = Some(copy);
+        self.enqueue(opcode, 1, data.len() as u64, due, |_| {
+            (OutKind::Inline { data: copy.take().unwrap_or_default(), imm }, 0, data.len() as u64)
+        })
     }
 
     pub(crate) fn post_recv(&self, local: Option<LocalParts>) -> Posted {
@@ -1004,8 +1031,14 @@ fn sender(inner: &Inner) {
                 Ok(())
             }
             Work::Ctl(Ctl::ReadResp { seq, entry, addr, len }) => send_read_response(fd, seq, &entry, addr, len),
-            Work::Out(o) => {
+            Work::Out(mut o) => {
                 let r = send_message(fd, &o);
+                if let OutKind::Inline { data, .. } = &mut o.kind {
+                    let mut pool = inner.inline_pool.lock().unwrap_or_else(|e| e.into_inner());
+                    if pool.len() < inner.send_depth as usize {
+                        pool.push(std::mem::take(data));
+                    }
+                }
                 let mut st = inner.lock();
                 st.sending = None;
                 // Not (all) sent, or the connection broke meanwhile (and its flush
@@ -1285,8 +1318,9 @@ fn on_message(inner: &Inner, h: &Header, written: Option<u32>, scratch: &mut [u8
             // SAFETY: inside the receive's buffer (checked), which its operation owns
             // until this thread completes it.
             let ok = unsafe { recv_into(fd, (recv.addr + off) as *mut u8, n as usize, None, scratch) };
-            if let Err(why) =
-                ok.map_err(io_err).and_then(|ok| ok.then_some(()).ok_or("the peer closed the connection".into()))
+            if let Err(why) = ok
+                .map_err(io_err)
+                .and_then(|ok| ok.then_some(()).ok_or_else(|| "the peer closed the connection".into()))
             {
                 // The receive was taken off the queue: this thread fails it.
                 let mut st = inner.lock();
