@@ -334,43 +334,35 @@ impl CudaBuffer {
         Ok(buf)
     }
 
+    /// A 4-byte pointer attribute (`unsigned int`: SYNC_MEMOPS,
+    /// MEMORY_TYPE, IS_GPU_DIRECT_RDMA_CAPABLE): the driver's result code
+    /// and the value.
+    fn pointer_attribute(&self, attr: sys::CUpointer_attribute) -> Result<(sys::CUresult, u32)> {
+        let _ctx = CtxGuard::enter(&self.device)?;
+        let mut v: u32 = 0;
+        // SAFETY: `v` is a valid out-pointer of the attribute's size (these
+        // attributes are unsigned ints); the device's context is current.
+        let rc = unsafe { sys::cuPointerGetAttribute((&mut v as *mut u32).cast(), attr, self.ptr) };
+        Ok((rc, v))
+    }
+
     /// The driver's `IS_GPU_DIRECT_RDMA_CAPABLE` for the pointer; a driver
     /// too old for the attribute knows only `cuMemAlloc` memory, which is.
     fn query_gdr_capable(&self) -> Result<bool> {
-        let _ctx = CtxGuard::enter(&self.device)?;
-        let mut v: u32 = 1;
-        // SAFETY: `v` is a valid out-pointer of the attribute's size (unsigned int).
-        let rc = unsafe {
-            sys::cuPointerGetAttribute(
-                (&mut v as *mut u32).cast(),
-                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE,
-                self.ptr,
-            )
+        use sys::CUpointer_attribute::{
+            CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE as GDR, CU_POINTER_ATTRIBUTE_MEMORY_TYPE as KIND,
         };
+        let (rc, v) = self.pointer_attribute(GDR)?;
         match rc {
             sys::CUresult::CUDA_SUCCESS => Ok(v != 0),
-            // The pointer is unknown: not device memory of this driver.
-            sys::CUresult::CUDA_ERROR_INVALID_VALUE if self.query_memory_type().is_err() => {
-                check(rc, "cuPointerGetAttribute(IS_GPU_DIRECT_RDMA_CAPABLE)").map(|()| false)
+            // Not device memory of this driver at all: the error says so.
+            sys::CUresult::CUDA_ERROR_INVALID_VALUE => {
+                let (known, _) = self.pointer_attribute(KIND)?;
+                check(known, "cuPointerGetAttribute(MEMORY_TYPE)")?;
+                Ok(true)
             }
             _ => Ok(true),
         }
-    }
-
-    fn query_memory_type(&self) -> Result<u32> {
-        let mut v: u32 = 0;
-        check(
-            // SAFETY: `v` is a valid out-pointer of the attribute's size; the context is current.
-            unsafe {
-                sys::cuPointerGetAttribute(
-                    (&mut v as *mut u32).cast(),
-                    sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
-                    self.ptr,
-                )
-            },
-            "cuPointerGetAttribute(MEMORY_TYPE)",
-        )?;
-        Ok(v)
     }
 
     /// The context-wide `CU_CTX_SYNC_MEMOPS`, for memory that refuses the
@@ -429,19 +421,8 @@ impl CudaBuffer {
     /// # Errors
     /// [`Error::Cuda`].
     pub fn sync_memops(&self) -> Result<bool> {
-        let _ctx = CtxGuard::enter(&self.device)?;
-        let mut v: u32 = 0;
-        check(
-            // SAFETY: `v` is a valid out-pointer of the attribute's size (unsigned int).
-            unsafe {
-                sys::cuPointerGetAttribute(
-                    (&mut v as *mut u32).cast(),
-                    sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_SYNC_MEMOPS,
-                    self.ptr,
-                )
-            },
-            "cuPointerGetAttribute(SYNC_MEMOPS)",
-        )?;
+        let (rc, v) = self.pointer_attribute(sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_SYNC_MEMOPS)?;
+        check(rc, "cuPointerGetAttribute(SYNC_MEMOPS)")?;
         Ok(v != 0)
     }
 
