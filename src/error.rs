@@ -3,8 +3,8 @@
 use std::io;
 use std::time::Duration;
 
+use crate::access::Access;
 use crate::completion::{CompletionError, WcStatus};
-use crate::memory::Access;
 
 /// Everything that can go wrong, one variant per failing operation.
 ///

@@ -355,14 +355,17 @@
 
 #![warn(missing_docs)]
 
+mod access;
 pub mod bench;
 pub mod bootstrap;
 mod completion;
 mod connection;
 mod domain;
 mod error;
+mod host_memory;
 pub mod memory;
 mod ops;
+mod remote;
 pub mod topology;
 mod transport;
 pub mod units;

@@ -17,8 +17,8 @@ use std::sync::Arc;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
+use super::io::{Deadline, read_frame, send_reject, unexpected, write_frame};
 use super::wire::FrameKind;
-use super::{Deadline, read_frame, send_reject, unexpected, write_frame};
 use crate::error::{AuthFailure, BootstrapError, Error, Result};
 
 /// Bytes in a challenge nonce.

@@ -41,8 +41,12 @@
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
+pub use crate::remote::{REGION_LEN, decode_region, encode_region};
+
+#[cfg(test)]
+use crate::access::Access;
 use crate::error::BootstrapError;
-use crate::memory::{Access, RemoteRegion};
+use crate::remote::RemoteRegion;
 
 /// "GRDM".
 pub const MAGIC: u32 = 0x4752_444d;
@@ -51,8 +55,6 @@ pub const MAGIC: u32 = 0x4752_444d;
 pub const VERSION: u16 = 4;
 /// Bytes in a frame header.
 pub const HEADER_LEN: usize = 16;
-/// Bytes in an encoded region descriptor.
-pub const REGION_LEN: usize = 32;
 /// The default limit on a frame's payload.
 pub const DEFAULT_MAX_PAYLOAD: u32 = 1 << 20;
 /// The largest reject reason.
@@ -379,40 +381,6 @@ impl Hello {
         }
         Ok(Hello { caps, verbs, tcp, regions })
     }
-}
-
-/// Encodes one region descriptor.
-pub fn encode_region(r: &RemoteRegion) -> [u8; REGION_LEN] {
-    let mut out = [0u8; REGION_LEN];
-    let mut b = &mut out[..];
-    b.put_u64(r.tag);
-    b.put_u64(r.addr);
-    b.put_u64(r.len);
-    b.put_u32(r.rkey);
-    b.put_u32(r.access.bits());
-    out
-}
-
-/// Decodes one region descriptor.
-///
-/// # Errors
-/// [`BootstrapError::Malformed`].
-pub fn decode_region(bytes: &[u8]) -> Result<RemoteRegion, BootstrapError> {
-    let bad = |detail: String| BootstrapError::Malformed { what: "region descriptor", detail };
-    if bytes.len() != REGION_LEN {
-        return Err(bad(format!("{} bytes, expected {REGION_LEN}", bytes.len())));
-    }
-    let mut b = bytes;
-    let tag = b.get_u64();
-    let addr = b.get_u64();
-    let len = b.get_u64();
-    let rkey = b.get_u32();
-    let bits = b.get_u32();
-    if addr.checked_add(len).is_none() {
-        return Err(bad(format!("{addr:#x}+{len} wraps around the address space")));
-    }
-    let access = Access::from_bits(bits).ok_or_else(|| bad(format!("unknown access bits {bits:#x}")))?;
-    Ok(RemoteRegion { tag, addr, len, rkey, access })
 }
 
 /// Encodes a reject reason (cut to [`MAX_REASON`] bytes at a character boundary).

@@ -9,7 +9,7 @@ use cudarc::driver::sys;
 use super::device::{CtxGuard, CudaDevice};
 use super::result::{check, driver};
 use crate::error::{Error, Result};
-use crate::memory::{HostMemory, Memory, MemoryKind};
+use crate::host_memory::HostMemory;
 
 /// GPU page size: [`CudaBuffer::alloc`] rounds lengths up to it, since
 /// nvidia-peermem pins GPU memory in 64 KiB pages. Addresses are another
@@ -662,26 +662,6 @@ impl Drop for CudaBuffer {
     }
 }
 
-// SAFETY: the allocation is owned (or kept alive, for foreign memory) by this
-// value until Drop, and never moves; its kind is CUDA device memory.
-unsafe impl Memory for CudaBuffer {
-    fn as_ptr(&self) -> *mut u8 {
-        self.ptr as *mut u8
-    }
-
-    fn len(&self) -> usize {
-        self.len
-    }
-
-    fn kind(&self) -> MemoryKind {
-        MemoryKind::Cuda { ordinal: self.device.ordinal() }
-    }
-
-    fn cuda_buffer(&self) -> Option<&CudaBuffer> {
-        Some(self)
-    }
-}
-
 impl fmt::Debug for CudaBuffer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CudaBuffer")
@@ -709,7 +689,7 @@ impl PinnedHost {
         let _ctx = CtxGuard::enter(device)?;
         check(
             // SAFETY: the mapping is live until Drop, which unregisters it first.
-            unsafe { sys::cuMemHostRegister_v2(mem.as_ptr().cast(), len, sys::CU_MEMHOSTREGISTER_PORTABLE) },
+            unsafe { sys::cuMemHostRegister_v2(mem.raw().cast(), len, sys::CU_MEMHOSTREGISTER_PORTABLE) },
             "cuMemHostRegister",
         )?;
         Ok(PinnedHost { mem, device: device.clone() })
@@ -724,26 +704,20 @@ impl PinnedHost {
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         self.mem.as_mut_slice()
     }
+
+    /// The mapping's address and length.
+    pub(crate) fn raw_parts(&self) -> (*mut u8, usize) {
+        (self.mem.raw(), self.mem.mapped_len())
+    }
 }
 
 impl Drop for PinnedHost {
     fn drop(&mut self) {
         let Ok(_ctx) = CtxGuard::enter(&self.device) else { return };
         // SAFETY: registered in `new`, unregistered once, before the mapping goes.
-        if let Err(e) = check(unsafe { sys::cuMemHostUnregister(self.mem.as_ptr().cast()) }, "cuMemHostUnregister") {
+        if let Err(e) = check(unsafe { sys::cuMemHostUnregister(self.mem.raw().cast()) }, "cuMemHostUnregister") {
             tracing::error!("{e}");
         }
-    }
-}
-
-// SAFETY: the mapping is owned by the inner HostMemory and never moves.
-unsafe impl Memory for PinnedHost {
-    fn as_ptr(&self) -> *mut u8 {
-        self.mem.as_ptr()
-    }
-
-    fn len(&self) -> usize {
-        self.mem.len()
     }
 }
 

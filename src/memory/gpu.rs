@@ -7,7 +7,7 @@ use std::path::Path;
 use crate::topology::{kernel_at_least, peermem_marker};
 
 use super::path::{self, MemPath, PathCaps, PathPolicy, PathReport};
-use super::{Access, Memory};
+use super::{Access, Memory, MemoryKind};
 use crate::cuda::{CudaBuffer, PinnedHost, driver};
 use crate::domain::Domain;
 use crate::error::Result;
@@ -150,5 +150,36 @@ fn log_once(domain: &Domain, ordinal: usize, report: &PathReport) {
             tracing::warn!("GPU {ordinal} memory path: {line}");
         }
         logged.push((ordinal, line));
+    }
+}
+
+// SAFETY: the allocation is owned (or kept alive, for foreign memory) by this
+// value until Drop, and never moves; its kind is CUDA device memory.
+unsafe impl Memory for CudaBuffer {
+    fn as_ptr(&self) -> *mut u8 {
+        self.device_ptr() as *mut u8
+    }
+
+    fn len(&self) -> usize {
+        CudaBuffer::len(self)
+    }
+
+    fn kind(&self) -> MemoryKind {
+        MemoryKind::Cuda { ordinal: self.device().ordinal() }
+    }
+
+    fn cuda_buffer(&self) -> Option<&CudaBuffer> {
+        Some(self)
+    }
+}
+
+// SAFETY: the mapping is owned by the inner HostMemory and never moves.
+unsafe impl Memory for PinnedHost {
+    fn as_ptr(&self) -> *mut u8 {
+        self.raw_parts().0
+    }
+
+    fn len(&self) -> usize {
+        self.raw_parts().1
     }
 }

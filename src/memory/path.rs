@@ -130,15 +130,15 @@ pub struct PathCaps {
     /// The GPU and the domain's NIC are further apart on PCIe than the
     /// GDR level allows (`GPU_RDMA_GDR_LEVEL`, default PXB, as NCCL):
     /// their link class, when known.
-    pub beyond_gdr_level: Option<crate::topology::LinkClass>,
+    pub beyond_gdr_level: Option<crate::topology::pci::LinkClass>,
 }
 
 const FLUSH_UNAVAILABLE: &str = "NIC writes into this GPU need a flush (WRITES_ORDERING below owner) that the driver \
      does not offer (no cuFlushGPUDirectRDMAWrites host flush): incoming data could be read stale";
 
 /// Why a direct path is not used across `link` (beyond the GDR level).
-fn too_far(link: crate::topology::LinkClass) -> &'static str {
-    use crate::topology::LinkClass;
+fn too_far(link: crate::topology::pci::LinkClass) -> &'static str {
+    use crate::topology::pci::LinkClass;
     match link {
         LinkClass::Pix | LinkClass::Pxb => {
             "the GPU and the NIC are further apart than GPU_RDMA_GDR_LEVEL allows (a level below PXB was set)"
@@ -400,7 +400,7 @@ mod tests {
 
     #[test]
     fn a_missing_flush_or_a_far_nic_stages_under_auto_and_warns_when_forced() {
-        use crate::topology::LinkClass;
+        use crate::topology::pci::LinkClass;
         let far = PathCaps { beyond_gdr_level: Some(LinkClass::Sys), ..caps(0b111_1111) };
         let p = plan(&far, PathPolicy::Auto);
         assert_eq!(p.order, vec![MemPath::Staged]);

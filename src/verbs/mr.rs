@@ -11,8 +11,8 @@ use rdma_sys as ffi;
 
 use super::pd::ProtectionDomain;
 use super::result;
+use crate::access::Access;
 use crate::error::{Error, Result};
-use crate::memory::Access;
 
 /// A registration of memory with the device.
 pub struct MemoryRegion {

@@ -14,8 +14,8 @@ use super::pd::ProtectionDomain;
 use super::port::{Gid, LinkLayer, Mtu};
 use super::result::{self, zeroed};
 use super::wr::{RecvWr, SendOp, SendWr};
+use crate::access::Access;
 use crate::error::{Error, Result};
-use crate::memory::Access;
 
 /// Queue sizes asked for at creation; the device may round them up.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -21,6 +21,7 @@
 mod bench;
 mod compare;
 mod gpu;
+mod layers;
 mod setup;
 mod test;
 mod vm;
@@ -42,6 +43,7 @@ commands:
                           --vm: two processes on rxe0 in the guest, 256 MiB each way
   bench                 the criterion suite benches/ops.rs on rxe0 in the guest (verbs and TCP)
   compare [--rounds N]  perftest and gpu-rdma bench interleaved on rxe0: bandwidth, latency, ratios
+  layers                the library's module graph: fails on a cycle or an import a layer may not make
   gpu-check [--run]     build the GPU checks into target/gpu-bundle (binaries, libraries, run.sh)
                           and run them when this machine has a GPU
 ";
@@ -56,6 +58,7 @@ fn main() -> ExitCode {
         Some("gpu-check") => gpu::command(&args[1..]),
         Some("compare") => compare::command(&args[1..]),
         Some("bench") => bench::command(&args[1..]),
+        Some("layers") => layers::command(&args[1..]),
         Some("-h" | "--help" | "help") | None => {
             print!("{USAGE}");
             Ok(0)

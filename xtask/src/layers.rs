@@ -1,0 +1,374 @@
+//! `cargo xtask layers`: reads the library's module imports (every path
+//! through `crate::`, `super::`, `self::` or a child module, in `use` items
+//! and in code; doc links, strings and `#[cfg(test)]` modules are not
+//! imports), prints the module graph, and fails on any cycle and on any
+//! import a layer may not make.
+//!
+//! The layers, lowest first (a module may import only lower layers and its
+//! own submodules; leaves may use each other, the cycle check keeps them
+//! honest; the crate root is a facade of re-exports and does not count):
+//!
+//! 0. leaves: `error`, `completion`, `units`, `access`, `remote`, `deadline`,
+//!    `host_memory`
+//! 1. `verbs`, `cuda`: the only users of rdma-sys and cudarc
+//! 2. `topology` (pure functions over sysfs, procfs, nvidia-smi)
+//! 3. `memory`, `bootstrap`
+//! 4. `ops` (the queue core)
+//! 5. `transport`
+//! 6. `protocol`, `staging` (direct or staged, the progress engine)
+//! 7. `connection`, `domain`
+//! 8. `bench`
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use syn::visit::Visit;
+
+use crate::{Result, root};
+
+/// A module's layer, by its first path segment.
+pub fn layer(module: &str) -> Option<u8> {
+    let top = module.split("::").next().unwrap_or(module);
+    Some(match top {
+        "error" | "completion" | "units" | "access" | "remote" | "deadline" | "host_memory" => 0,
+        "verbs" | "cuda" => 1,
+        "topology" => 2,
+        "memory" | "bootstrap" => 3,
+        "ops" => 4,
+        "transport" => 5,
+        "protocol" | "staging" => 6,
+        "connection" | "domain" => 7,
+        "bench" => 8,
+        _ => return None,
+    })
+}
+
+/// The module path of a source file under `src/` (`transport::tcp`), or
+/// `None` for the crate root and binaries.
+fn module_of(src: &Path, file: &Path) -> Option<String> {
+    let rel = file.strip_prefix(src).ok()?;
+    let mut parts: Vec<String> = rel.iter().map(|p| p.to_string_lossy().into_owned()).collect();
+    if parts.first().is_some_and(|p| p == "bin") {
+        return None;
+    }
+    let last = parts.pop()?;
+    match last.as_str() {
+        "lib.rs" if parts.is_empty() => return None,
+        "mod.rs" => {}
+        name => parts.push(name.strip_suffix(".rs")?.to_owned()),
+    }
+    Some(parts.join("::"))
+}
+
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    let Ok(entries) = fs::read_dir(dir) else { return };
+    for e in entries.flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            rust_files(&p, out);
+        } else if p.extension().is_some_and(|x| x == "rs") {
+            out.push(p);
+        }
+    }
+}
+
+/// Collects the absolute paths (segments after `crate`) a file refers to.
+struct Refs<'a> {
+    /// The module the file is, then inline modules entered.
+    scope: Vec<String>,
+    /// Modules that exist, to tell a child-module path from an extern crate.
+    modules: &'a BTreeSet<String>,
+    found: BTreeSet<Vec<String>>,
+}
+
+impl Refs<'_> {
+    fn resolve(&mut self, segs: &[String]) {
+        let Some(first) = segs.first() else { return };
+        let mut base: Vec<String> = self.scope.clone();
+        let rest = match first.as_str() {
+            "crate" => {
+                base.clear();
+                &segs[1..]
+            }
+            "self" => &segs[1..],
+            "super" => {
+                let mut i = 0;
+                while segs.get(i).is_some_and(|s| s == "super") {
+                    base.pop();
+                    i += 1;
+                }
+                &segs[i..]
+            }
+            child => {
+                // A path through a child module of the current one.
+                let mut candidate = base.clone();
+                candidate.push(child.to_owned());
+                if !self.modules.contains(&candidate.join("::")) {
+                    return;
+                }
+                segs
+            }
+        };
+        let mut path = base;
+        path.extend(rest.iter().cloned());
+        self.found.insert(path);
+    }
+
+    fn flatten(&mut self, prefix: &mut Vec<String>, tree: &syn::UseTree) {
+        match tree {
+            syn::UseTree::Path(p) => {
+                prefix.push(p.ident.to_string());
+                self.flatten(prefix, &p.tree);
+                prefix.pop();
+            }
+            syn::UseTree::Name(n) => {
+                prefix.push(n.ident.to_string());
+                let segs = prefix.clone();
+                self.resolve(&segs);
+                prefix.pop();
+            }
+            syn::UseTree::Rename(r) => {
+                prefix.push(r.ident.to_string());
+                let segs = prefix.clone();
+                self.resolve(&segs);
+                prefix.pop();
+            }
+            syn::UseTree::Glob(_) => {
+                let segs = prefix.clone();
+                self.resolve(&segs);
+            }
+            syn::UseTree::Group(g) => {
+                for t in &g.items {
+                    self.flatten(prefix, t);
+                }
+            }
+        }
+    }
+}
+
+fn is_cfg_test(attrs: &[syn::Attribute]) -> bool {
+    attrs.iter().any(|a| {
+        a.path().is_ident("cfg")
+            && a.parse_args::<syn::Meta>().is_ok_and(|m| matches!(&m, syn::Meta::Path(p) if p.is_ident("test")))
+    })
+}
+
+impl<'ast> Visit<'ast> for Refs<'_> {
+    fn visit_item_use(&mut self, u: &'ast syn::ItemUse) {
+        self.flatten(&mut Vec::new(), &u.tree);
+    }
+
+    fn visit_item_mod(&mut self, m: &'ast syn::ItemMod) {
+        if is_cfg_test(&m.attrs) {
+            return;
+        }
+        if m.content.is_some() {
+            self.scope.push(m.ident.to_string());
+            syn::visit::visit_item_mod(self, m);
+            self.scope.pop();
+        }
+    }
+
+    fn visit_path(&mut self, p: &'ast syn::Path) {
+        if p.leading_colon.is_none() {
+            let segs: Vec<String> = p.segments.iter().map(|s| s.ident.to_string()).collect();
+            if segs.len() > 1 {
+                self.resolve(&segs);
+            }
+        }
+        syn::visit::visit_path(self, p);
+    }
+}
+
+/// The module graph: module -> the modules it refers to.
+pub fn graph(src: &Path) -> Result<BTreeMap<String, BTreeSet<String>>> {
+    let mut files = Vec::new();
+    rust_files(src, &mut files);
+    let modules: BTreeSet<String> = files.iter().filter_map(|f| module_of(src, f)).collect();
+    let mut g = BTreeMap::new();
+    for file in &files {
+        let Some(module) = module_of(src, file) else { continue };
+        let text = fs::read_to_string(file).map_err(|e| format!("{}: {e}", file.display()))?;
+        let ast = syn::parse_file(&text).map_err(|e| format!("{}: {e}", file.display()))?;
+        let mut refs =
+            Refs { scope: module.split("::").map(str::to_owned).collect(), modules: &modules, found: BTreeSet::new() };
+        refs.visit_file(&ast);
+        let mut deps = BTreeSet::new();
+        for path in refs.found {
+            // The longest prefix that is a module; the crate root does not count.
+            let target = (1..=path.len()).rev().map(|n| path[..n].join("::")).find(|m| modules.contains(m));
+            if let Some(t) = target.filter(|t| *t != module) {
+                deps.insert(t);
+            }
+        }
+        g.insert(module, deps);
+    }
+    Ok(g)
+}
+
+/// The strongly connected components with more than one module (cycles).
+pub fn cycles(g: &BTreeMap<String, BTreeSet<String>>) -> Vec<Vec<String>> {
+    // Tarjan's algorithm, iteration order fixed by the BTreeMap.
+    struct T<'a> {
+        g: &'a BTreeMap<String, BTreeSet<String>>,
+        index: BTreeMap<&'a str, usize>,
+        low: BTreeMap<&'a str, usize>,
+        stack: Vec<&'a str>,
+        on: BTreeSet<&'a str>,
+        next: usize,
+        out: Vec<Vec<String>>,
+    }
+    impl<'a> T<'a> {
+        fn visit(&mut self, v: &'a str) {
+            self.index.insert(v, self.next);
+            self.low.insert(v, self.next);
+            self.next += 1;
+            self.stack.push(v);
+            self.on.insert(v);
+            for w in self.g.get(v).into_iter().flatten() {
+                let w = w.as_str();
+                if !self.g.contains_key(w) {
+                    continue;
+                }
+                if !self.index.contains_key(w) {
+                    self.visit(w);
+                    let l = self.low[v].min(self.low[w]);
+                    self.low.insert(v, l);
+                } else if self.on.contains(w) {
+                    let l = self.low[v].min(self.index[w]);
+                    self.low.insert(v, l);
+                }
+            }
+            if self.low[v] == self.index[v] {
+                let mut comp = Vec::new();
+                while let Some(w) = self.stack.pop() {
+                    self.on.remove(w);
+                    comp.push(w.to_owned());
+                    if w == v {
+                        break;
+                    }
+                }
+                if comp.len() > 1 {
+                    comp.sort();
+                    self.out.push(comp);
+                }
+            }
+        }
+    }
+    let mut t = T {
+        g,
+        index: BTreeMap::new(),
+        low: BTreeMap::new(),
+        stack: Vec::new(),
+        on: BTreeSet::new(),
+        next: 0,
+        out: Vec::new(),
+    };
+    for v in g.keys() {
+        if !t.index.contains_key(v.as_str()) {
+            t.visit(v);
+        }
+    }
+    t.out
+}
+
+/// Imports a layer may not make: `(from, to, why)`.
+pub fn violations(g: &BTreeMap<String, BTreeSet<String>>) -> Vec<(String, String, String)> {
+    let mut out = Vec::new();
+    for (from, deps) in g {
+        for to in deps {
+            // Its own submodules are part of a module.
+            if to.starts_with(&format!("{from}::")) {
+                continue;
+            }
+            match (layer(from), layer(to)) {
+                (Some(a), Some(b)) if b >= a && a > 0 && from.split("::").next() != to.split("::").next() => {
+                    out.push((from.clone(), to.clone(), format!("layer {a} imports layer {b}")));
+                }
+                (None, _) => out.push((from.clone(), to.clone(), format!("`{from}` has no layer"))),
+                (_, None) => out.push((from.clone(), to.clone(), format!("`{to}` has no layer"))),
+                _ => {}
+            }
+        }
+    }
+    out
+}
+
+pub fn command(_args: &[String]) -> Result<i32> {
+    let g = graph(&root().join("src"))?;
+    println!("xtask layers: {} modules", g.len());
+    for (m, deps) in &g {
+        let l = layer(m).map_or("-".to_owned(), |l| l.to_string());
+        let deps: Vec<&str> = deps.iter().map(String::as_str).collect();
+        println!("  [{l}] {m} -> {}", if deps.is_empty() { "(nothing)".to_owned() } else { deps.join(", ") });
+    }
+    let cyc = cycles(&g);
+    for c in &cyc {
+        println!("cycle: {}", c.join(" <-> "));
+    }
+    let bad = violations(&g);
+    for (from, to, why) in &bad {
+        println!("not allowed: {from} -> {to} ({why})");
+    }
+    println!("xtask layers: {} cycle(s), {} import(s) a layer may not make", cyc.len(), bad.len());
+    Ok(if cyc.is_empty() && bad.is_empty() { 0 } else { 1 })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn g(edges: &[(&str, &str)]) -> BTreeMap<String, BTreeSet<String>> {
+        let mut g: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        for (a, b) in edges {
+            g.entry((*a).to_owned()).or_default().insert((*b).to_owned());
+            g.entry((*b).to_owned()).or_default();
+        }
+        g
+    }
+
+    #[test]
+    fn cycles_are_found_and_a_chain_is_not_one() {
+        assert!(cycles(&g(&[("a", "b"), ("b", "c")])).is_empty());
+        let c = cycles(&g(&[("a", "b"), ("b", "c"), ("c", "a"), ("c", "d"), ("d", "e"), ("e", "d")]));
+        assert_eq!(c.len(), 2, "{c:?}");
+        assert!(c.contains(&vec!["a".to_owned(), "b".to_owned(), "c".to_owned()]));
+        assert!(c.contains(&vec!["d".to_owned(), "e".to_owned()]));
+    }
+
+    #[test]
+    fn a_layer_may_import_only_lower_layers_and_its_own_submodules() {
+        let v = violations(&g(&[("memory", "error"), ("memory", "transport"), ("transport", "transport::tcp")]));
+        assert_eq!(v.len(), 1, "{v:?}");
+        assert_eq!((v[0].0.as_str(), v[0].1.as_str()), ("memory", "transport"));
+        let v = violations(&g(&[("memory::gpu", "bootstrap")]));
+        assert_eq!(v.len(), 1, "siblings of one layer do not import each other: {v:?}");
+    }
+
+    #[test]
+    fn paths_resolve_through_crate_super_self_and_child_modules() {
+        let dir = std::env::temp_dir().join(format!("xtask-layers-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(dir.join("transport")).unwrap();
+        fs::write(dir.join("lib.rs"), "pub mod error; pub mod transport; pub use transport::X;").unwrap();
+        fs::write(dir.join("error.rs"), "/// See [`crate::transport::X`].\npub struct E;").unwrap();
+        fs::write(
+            dir.join("transport/mod.rs"),
+            "mod tcp;\nuse crate::error::E;\npub struct X(tcp::T);\n#[cfg(test)] mod tests { use crate::bench; }",
+        )
+        .unwrap();
+        fs::write(
+            dir.join("transport/tcp.rs"),
+            "use super::{X as Y};\npub struct T; fn f() { let _ = \"crate::error\"; }",
+        )
+        .unwrap();
+        let graph = graph(&dir).unwrap();
+        let deps = |m: &str| graph[m].iter().cloned().collect::<Vec<_>>();
+        assert_eq!(deps("error"), Vec::<String>::new(), "a doc link is not an import");
+        assert_eq!(deps("transport"), vec!["error", "transport::tcp"], "use, a child module; not test code");
+        assert_eq!(deps("transport::tcp"), vec!["transport"], "super; not a string");
+        assert_eq!(cycles(&graph), vec![vec!["transport".to_owned(), "transport::tcp".to_owned()]]);
+        let _ = fs::remove_dir_all(&dir);
+    }
+}
