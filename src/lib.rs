@@ -365,6 +365,7 @@ mod error;
 mod host_memory;
 pub mod memory;
 mod ops;
+mod poll;
 mod remote;
 pub mod topology;
 mod transport;
@@ -373,8 +374,8 @@ pub mod units;
 pub mod verbs;
 
 pub use completion::{Completion, CompletionError, Opcode, WcStatus};
-pub use connection::{Batch, ConnectOptions, Connection, ConnectionInfo, Pending};
-pub use domain::{BufError, Domain, DomainConfig, DomainInfo, DomainStats, Listener, MAX_CONCURRENT_HANDSHAKES};
+pub use connection::{Batch, ConnectOptions, Connection, ConnectionInfo, Listener, MAX_CONCURRENT_HANDSHAKES, Pending};
+pub use domain::{BufError, Domain, DomainConfig, DomainInfo, DomainStats};
 pub use error::{AuthFailure, BootstrapError, Error, Result};
 pub use memory::{
     Access, Exposed, HostMemory, LocalBuffer, LocalSlice, Memory, MemoryKind, Region, RemoteRegion, RemoteSlice,

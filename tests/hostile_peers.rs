@@ -320,7 +320,9 @@ fn dropping_the_connection_ends_an_infinite_wait_for_a_receive() {
     drop(conn);
     let took = t0.elapsed();
     assert!(took < Duration::from_secs(1), "dropping took {took:?}");
-    assert!(transport_threads() <= before);
+    // Joined by the drop; /proc may list an exited thread for an instant longer.
+    let gone = within(Duration::from_secs(1), || transport_threads() <= before);
+    assert!(gone.is_some(), "{} transport threads, {before} before", transport_threads());
     drop(s);
 }
 

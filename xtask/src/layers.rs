@@ -9,7 +9,7 @@
 //! honest; the crate root is a facade of re-exports and does not count):
 //!
 //! 0. leaves: `error`, `completion`, `units`, `access`, `remote`, `deadline`,
-//!    `host_memory`
+//!    `host_memory`, `poll`
 //! 1. `verbs`, `cuda`: the only users of rdma-sys and cudarc
 //! 2. `topology` (pure functions over sysfs, procfs, nvidia-smi)
 //! 3. `memory`, `bootstrap`
@@ -31,7 +31,7 @@ use crate::{Result, root};
 pub fn layer(module: &str) -> Option<u8> {
     let top = module.split("::").next().unwrap_or(module);
     Some(match top {
-        "error" | "completion" | "units" | "access" | "remote" | "deadline" | "host_memory" => 0,
+        "error" | "completion" | "units" | "access" | "remote" | "deadline" | "host_memory" | "poll" => 0,
         "verbs" | "cuda" => 1,
         "topology" => 2,
         "memory" | "bootstrap" => 3,

@@ -3,6 +3,10 @@
 
 #![forbid(unsafe_code)]
 
+mod establish;
+
+pub use establish::{Listener, MAX_CONCURRENT_HANDSHAKES};
+
 use std::fmt;
 use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
