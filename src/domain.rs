@@ -8,7 +8,8 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use crate::error::{Error, Result};
 use crate::memory::path::PathPolicy;
 use crate::memory::{Access, Exposed, HostMemory, Memory, MemoryKind, Region};
-use crate::transport::{self, Backend, TransportPolicy};
+use crate::options::TransportPolicy;
+use crate::transport::{self, Backend};
 
 /// Where to find the device. [`DomainConfig::from_env`] reads
 /// `GPU_RDMA_DEVICE`, `GPU_RDMA_PORT`, `GPU_RDMA_GID_INDEX` and
@@ -391,7 +392,7 @@ impl Domain {
     /// GPU memory on a direct path is exposed as it is: peers read and write
     /// the GPU. On the staged path peers reach a pinned host mirror instead,
     /// which its owner moves to and from the GPU explicitly (see
-    /// [`Exposed::publish`] and [`Connection::recv_write`]).
+    /// [`Exposed::publish`] and [`Connection::recv_write`](crate::Connection::recv_write)).
     ///
     /// # Errors
     /// The error and the region back when `access` has no remote right or

@@ -365,6 +365,7 @@ mod error;
 mod host_memory;
 pub mod memory;
 mod ops;
+mod options;
 mod poll;
 mod remote;
 pub mod topology;
@@ -381,7 +382,7 @@ pub use memory::{
     Access, Exposed, HostMemory, LocalBuffer, LocalSlice, Memory, MemoryKind, Region, RemoteRegion, RemoteSlice,
     Shared, WithdrawError,
 };
-pub use transport::TransportPolicy;
+pub use options::TransportPolicy;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 #[cfg(feature = "cuda")]

@@ -4,69 +4,19 @@
 //! ([`choose`]) and dispatched through an enum, so the fast path stays
 //! static.
 
-use std::fmt;
 use std::net::TcpStream;
-use std::str::FromStr;
 
 use crate::bootstrap::{self, Deadline, Hello};
 use crate::completion::{Completion, Opcode};
-use crate::connection::{ConnectOptions, ConnectionInfo};
 use crate::domain::{Domain, DomainConfig, DomainInfo};
 use crate::error::{BootstrapError, Error, Result};
 use crate::memory::{Access, LocalParts, RemoteRegion, RemoteSlice};
 use crate::ops::{Due, OpId};
+use crate::options::{ConnectOptions, ConnectionInfo, TransportPolicy};
 
 pub(crate) mod tcp;
 #[cfg(feature = "verbs")]
 pub(crate) mod verbs;
-
-/// Which transport to use.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum TransportPolicy {
-    /// Verbs when both ends have an RDMA port that can reach the other,
-    /// else TCP.
-    #[default]
-    Auto,
-    /// Verbs only: no RDMA on either end is an error.
-    Verbs,
-    /// TCP only, even where RDMA exists.
-    Tcp,
-}
-
-impl FromStr for TransportPolicy {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "" | "auto" => Ok(TransportPolicy::Auto),
-            "verbs" | "rdma" | "ib" => Ok(TransportPolicy::Verbs),
-            "tcp" | "socket" | "sockets" => Ok(TransportPolicy::Tcp),
-            other => Err(Error::InvalidArgument(format!("transport `{other}`: expected auto, verbs or tcp"))),
-        }
-    }
-}
-
-impl TransportPolicy {
-    /// `GPU_RDMA_TRANSPORT=auto|verbs|tcp`, default auto.
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] for another value.
-    pub fn from_env() -> Result<Self> {
-        match std::env::var("GPU_RDMA_TRANSPORT") {
-            Ok(v) => v.parse().map_err(|e| Error::InvalidArgument(format!("GPU_RDMA_TRANSPORT: {e}"))),
-            Err(_) => Ok(TransportPolicy::Auto),
-        }
-    }
-}
-
-impl fmt::Display for TransportPolicy {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            TransportPolicy::Auto => "auto",
-            TransportPolicy::Verbs => "verbs",
-            TransportPolicy::Tcp => "tcp",
-        })
-    }
-}
 
 /// A memory registration.
 pub(crate) enum Registration {

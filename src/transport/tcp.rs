@@ -47,11 +47,11 @@ use std::time::{Duration, Instant};
 use super::{Posted, RemoteOp, WorkItem};
 use crate::bootstrap::{self, Deadline, MAX_TCP_QUEUE_DEPTH, TcpEndpoint};
 use crate::completion::{Completion, Opcode, WcStatus};
-use crate::connection::{ConnectOptions, ConnectionInfo};
 use crate::domain::Domain;
 use crate::error::{Error, Result};
 use crate::memory::{Access, LocalParts};
 use crate::ops::{Due, Held, OpId, OpTable, RawCompletion};
+use crate::options::{ConnectOptions, ConnectionInfo};
 
 /// The largest message (send, or write with immediate) this side accepts.
 pub(crate) const MAX_MESSAGE: u32 = 1 << 30;

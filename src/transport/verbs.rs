@@ -11,11 +11,11 @@ use std::time::{Duration, Instant};
 use super::{Posted, Registration, RemoteOp, WorkItem};
 use crate::bootstrap::{self, Deadline, VerbsEndpoint};
 use crate::completion::{Completion, Opcode};
-use crate::connection::{ConnectOptions, ConnectionInfo};
 use crate::domain::{Domain, DomainConfig, DomainInfo};
 use crate::error::{Error, Result};
 use crate::memory::{Access, LocalParts};
 use crate::ops::{Due, Held, OpId, OpTable, RawCompletion};
+use crate::options::{ConnectOptions, ConnectionInfo};
 use crate::verbs::{
     self, CompletionChannel, CompletionQueue, Context, DeviceAttr, GidChoice, LinkLayer, MemoryRegion, Mtu, PortAttr,
     ProtectionDomain, QpCaps, QpState, QueuePair, QueuePairBuilder, RecvWr, RtrAttr, RtsAttr, SendOp, SendWr, Sge,

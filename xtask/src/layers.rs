@@ -1,7 +1,7 @@
 //! `cargo xtask layers`: reads the library's module imports (every path
 //! through `crate::`, `super::`, `self::` or a child module, in `use` items
-//! and in code; doc links, strings and `#[cfg(test)]` modules are not
-//! imports), prints the module graph, and fails on any cycle and on any
+//! and in code; doc links, strings, re-exports (`pub use`) and
+//! `#[cfg(test)]` modules are not imports), prints the module graph, and fails on any cycle and on any
 //! import a layer may not make.
 //!
 //! The layers, lowest first (a module may import only lower layers and its
@@ -13,7 +13,7 @@
 //! 1. `verbs`, `cuda`: the only users of rdma-sys and cudarc
 //! 2. `topology` (pure functions over sysfs, procfs, nvidia-smi)
 //! 3. `memory`, `bootstrap`
-//! 4. `ops` (the queue core)
+//! 4. `ops` (the queue core), `options` (what a connection is set up with)
 //! 5. `transport`
 //! 6. `protocol`, `staging` (direct or staged, the progress engine)
 //! 7. `connection`, `domain`
@@ -35,7 +35,7 @@ pub fn layer(module: &str) -> Option<u8> {
         "verbs" | "cuda" => 1,
         "topology" => 2,
         "memory" | "bootstrap" => 3,
-        "ops" => 4,
+        "ops" | "options" => 4,
         "transport" => 5,
         "protocol" | "staging" => 6,
         "connection" | "domain" => 7,
@@ -156,7 +156,11 @@ fn is_cfg_test(attrs: &[syn::Attribute]) -> bool {
 
 impl<'ast> Visit<'ast> for Refs<'_> {
     fn visit_item_use(&mut self, u: &'ast syn::ItemUse) {
-        self.flatten(&mut Vec::new(), &u.tree);
+        // A re-export (`pub use`, `pub(crate) use`) is structure, not use:
+        // a facade re-exporting its submodules does not depend on them.
+        if matches!(u.vis, syn::Visibility::Inherited) {
+            self.flatten(&mut Vec::new(), &u.tree);
+        }
     }
 
     fn visit_item_mod(&mut self, m: &'ast syn::ItemMod) {
@@ -352,6 +356,9 @@ mod tests {
         let _ = fs::remove_dir_all(&dir);
         fs::create_dir_all(dir.join("transport")).unwrap();
         fs::write(dir.join("lib.rs"), "pub mod error; pub mod transport; pub use transport::X;").unwrap();
+        fs::create_dir_all(dir.join("facade")).unwrap();
+        fs::write(dir.join("facade/mod.rs"), "mod inner; pub use inner::Y;").unwrap();
+        fs::write(dir.join("facade/inner.rs"), "pub struct Y(super::super::error::E);").unwrap();
         fs::write(dir.join("error.rs"), "/// See [`crate::transport::X`].\npub struct E;").unwrap();
         fs::write(
             dir.join("transport/mod.rs"),
@@ -368,6 +375,8 @@ mod tests {
         assert_eq!(deps("error"), Vec::<String>::new(), "a doc link is not an import");
         assert_eq!(deps("transport"), vec!["error", "transport::tcp"], "use, a child module; not test code");
         assert_eq!(deps("transport::tcp"), vec!["transport"], "super; not a string");
+        assert_eq!(deps("facade"), Vec::<String>::new(), "a re-export is not a use");
+        assert_eq!(deps("facade::inner"), vec!["error"]);
         assert_eq!(cycles(&graph), vec![vec!["transport".to_owned(), "transport::tcp".to_owned()]]);
         let _ = fs::remove_dir_all(&dir);
     }
