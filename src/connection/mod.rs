@@ -59,7 +59,7 @@ impl Connection {
         opts: &ConnectOptions,
         is_server: bool,
     ) -> Result<Self> {
-        let est = transport::establish(domain, stream, opts, is_server)?;
+        let est = transport::establish(&domain.inner.backend, domain.id(), stream, opts, is_server)?;
         Ok(Connection {
             shared: Arc::new(Shared {
                 transport: est.transport,

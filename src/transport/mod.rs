@@ -8,11 +8,10 @@ use std::net::TcpStream;
 
 use crate::bootstrap::{self, Deadline, Hello};
 use crate::completion::{Completion, Opcode};
-use crate::domain::{Domain, DomainConfig, DomainInfo};
 use crate::error::{BootstrapError, Error, Result};
 use crate::memory::{Access, LocalParts, RemoteRegion, RemoteSlice};
 use crate::ops::{Due, OpId};
-use crate::options::{ConnectOptions, ConnectionInfo, TransportPolicy};
+use crate::options::{ConnectOptions, ConnectionInfo, DomainConfig, DomainInfo, TransportPolicy};
 
 pub(crate) mod tcp;
 #[cfg(feature = "verbs")]
@@ -383,7 +382,8 @@ pub(crate) fn choose(mine: &Hello, theirs: &Hello, my_reason_no_verbs: Option<&s
 }
 
 pub(crate) fn establish(
-    domain: &Domain,
+    backend: &Backend,
+    domain_id: u64,
     stream: TcpStream,
     opts: &ConnectOptions,
     is_server: bool,
@@ -393,7 +393,6 @@ pub(crate) fn establish(
     if let Some(secret) = &opts.secret {
         bootstrap::authenticate(&stream, secret, is_server, deadline)?;
     }
-    let backend = &domain.inner.backend;
     let policy = match opts.transport {
         TransportPolicy::Auto => backend.policy,
         p => p,
@@ -447,12 +446,13 @@ pub(crate) fn establish(
     #[cfg(feature = "verbs")]
     if choice.verbs {
         let (Some(p), Some(theirs)) = (prepared, peer.verbs) else { unreachable!("verbs chosen with both endpoints") };
-        let (conn, mut info) = p.finish(domain, stream, &theirs, opts, deadline)?;
+        let (conn, mut info) = p.finish(domain_id, stream, &theirs, opts, deadline)?;
         info.transport_reason = choice.reason;
         return Ok(Established { transport: ConnTransport::Verbs(Box::new(conn)), peer_regions: peer.regions, info });
     }
     let theirs = peer.tcp.ok_or_else(|| Error::from(BootstrapError::Incompatible("the peer offers no TCP".into())))?;
-    let (conn, info) = tcp::TcpConn::establish(domain, stream, &theirs, opts, deadline, choice.reason, is_server)?;
+    let (conn, info) =
+        tcp::TcpConn::establish(&backend.tcp, domain_id, stream, &theirs, opts, deadline, choice.reason)?;
     Ok(Established { transport: ConnTransport::Tcp(conn), peer_regions: peer.regions, info })
 }
 

@@ -47,7 +47,6 @@ use std::time::{Duration, Instant};
 use super::{Posted, RemoteOp, WorkItem};
 use crate::bootstrap::{self, Deadline, MAX_TCP_QUEUE_DEPTH, TcpEndpoint};
 use crate::completion::{Completion, Opcode, WcStatus};
-use crate::domain::Domain;
 use crate::error::{Error, Result};
 use crate::memory::{Access, LocalParts};
 use crate::ops::{Due, Held, OpId, OpTable, RawCompletion};
@@ -665,13 +664,13 @@ impl TcpConn {
     }
 
     pub(crate) fn establish(
-        domain: &Domain,
+        domain: &TcpDomain,
+        domain_id: u64,
         stream: TcpStream,
         theirs: &TcpEndpoint,
         opts: &ConnectOptions,
         deadline: Deadline,
         reason: String,
-        _is_server: bool,
     ) -> Result<(TcpConn, ConnectionInfo)> {
         bootstrap::exchange_ready(&stream, deadline)?;
         stream.set_read_timeout(Some(RECV_WAIT))?;
@@ -701,9 +700,9 @@ impl TcpConn {
             events: Condvar::new(),
             fd: stream.as_raw_fd(),
             dead: AtomicBool::new(false),
-            table: Arc::clone(&domain.inner.backend.tcp.table),
+            table: Arc::clone(&domain.table),
             granted: RwLock::new(opts.advertise.iter().map(|r| r.rkey).collect()),
-            domain_id: domain.id(),
+            domain_id,
             send_depth: send_depth(opts),
             recv_depth: opts.recv_queue_depth.max(1),
             peer_depth: theirs.send_depth.clamp(1, MAX_TCP_QUEUE_DEPTH) as usize,

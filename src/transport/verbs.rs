@@ -11,11 +11,11 @@ use std::time::{Duration, Instant};
 use super::{Posted, Registration, RemoteOp, WorkItem};
 use crate::bootstrap::{self, Deadline, VerbsEndpoint};
 use crate::completion::{Completion, Opcode};
-use crate::domain::{Domain, DomainConfig, DomainInfo};
 use crate::error::{Error, Result};
 use crate::memory::{Access, LocalParts};
 use crate::ops::{Due, Held, OpId, OpTable, RawCompletion};
 use crate::options::{ConnectOptions, ConnectionInfo};
+use crate::options::{DomainConfig, DomainInfo};
 use crate::verbs::{
     self, CompletionChannel, CompletionQueue, Context, DeviceAttr, GidChoice, LinkLayer, MemoryRegion, Mtu, PortAttr,
     ProtectionDomain, QpCaps, QpState, QueuePair, QueuePairBuilder, RecvWr, RtrAttr, RtsAttr, SendOp, SendWr, Sge,
@@ -217,7 +217,7 @@ impl Prepared {
     /// Connects the queue pair to the peer's (RTR, RTS) and exchanges ready.
     pub(crate) fn finish(
         self,
-        domain: &Domain,
+        domain_id: u64,
         stream: TcpStream,
         theirs: &VerbsEndpoint,
         opts: &ConnectOptions,
@@ -292,7 +292,7 @@ impl Prepared {
             }),
             cq,
             socket: stream,
-            domain_id: domain.id(),
+            domain_id,
             send_depth: caps.max_send_wr,
             recv_depth: caps.max_recv_wr,
             max_message,

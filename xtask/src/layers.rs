@@ -16,8 +16,9 @@
 //! 4. `ops` (the queue core), `options` (what a connection is set up with)
 //! 5. `transport`
 //! 6. `protocol`, `staging` (direct or staged, the progress engine)
-//! 7. `connection`, `domain`
-//! 8. `bench`
+//! 7. `domain` (a device, its memory, its staging pools)
+//! 8. `connection` (the public API, options in use, establishment)
+//! 9. `bench`
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
@@ -38,8 +39,9 @@ pub fn layer(module: &str) -> Option<u8> {
         "ops" | "options" => 4,
         "transport" => 5,
         "protocol" | "staging" => 6,
-        "connection" | "domain" => 7,
-        "bench" => 8,
+        "domain" => 7,
+        "connection" => 8,
+        "bench" => 9,
         _ => return None,
     })
 }
