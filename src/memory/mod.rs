@@ -19,12 +19,14 @@ pub mod gpu;
 mod host;
 pub mod path;
 mod region;
+mod registration;
 
 pub use crate::access::Access;
 pub use crate::host_memory::HostMemory;
 pub use crate::remote::{RemoteRegion, RemoteSlice};
 pub(crate) use region::LocalParts;
 pub use region::{Exposed, LocalBuffer, LocalSlice, Region, Shared, WithdrawError};
+pub(crate) use registration::Registration;
 
 /// Where memory lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

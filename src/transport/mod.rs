@@ -7,101 +7,19 @@
 use std::net::TcpStream;
 
 use crate::bootstrap::{self, Deadline, Hello};
-use crate::completion::{Completion, Opcode};
+use crate::completion::Completion;
 use crate::error::{BootstrapError, Error, Result};
-use crate::memory::{Access, LocalParts, RemoteRegion, RemoteSlice};
+use crate::memory::{Access, LocalParts, RemoteRegion};
 use crate::ops::{Due, OpId};
 use crate::options::{ConnectOptions, ConnectionInfo, DomainConfig, DomainInfo, TransportPolicy};
 
+mod queue;
 pub(crate) mod tcp;
 #[cfg(feature = "verbs")]
 pub(crate) mod verbs;
 
-/// A memory registration.
-pub(crate) enum Registration {
-    /// Host memory, or GPU memory on a direct path (dma-buf, nvidia-peermem).
-    #[cfg(feature = "verbs")]
-    Verbs(crate::verbs::MemoryRegion),
-    /// Host memory in a domain without verbs: nothing to register.
-    Plain,
-    /// GPU memory on the staged path: nothing is registered; operations go
-    /// through the domain's pinned, registered staging buffers.
-    #[cfg(feature = "cuda")]
-    Staged,
-    /// A staged GPU region exposed to peers: a pinned host mirror with its
-    /// own registration (remote rights). Peers read and write the mirror;
-    /// the owner copies between it and the GPU.
-    #[cfg(all(feature = "verbs", feature = "cuda"))]
-    Mirror {
-        // Declared first: deregistered before the mirror is freed.
-        mr: crate::verbs::MemoryRegion,
-        mem: crate::cuda::PinnedHost,
-    },
-    /// A staged region's mirror in a domain without verbs.
-    #[cfg(feature = "cuda")]
-    PlainMirror { mem: crate::cuda::PinnedHost },
-}
-
-impl Registration {
-    pub(crate) fn lkey(&self) -> u32 {
-        match self {
-            #[cfg(feature = "verbs")]
-            Registration::Verbs(mr) => mr.lkey(),
-            #[cfg(all(feature = "verbs", feature = "cuda"))]
-            Registration::Mirror { mr, .. } => mr.lkey(),
-            _ => 0,
-        }
-    }
-
-    /// The verbs remote key, when there is one.
-    pub(crate) fn rkey(&self) -> Option<u32> {
-        match self {
-            #[cfg(feature = "verbs")]
-            Registration::Verbs(mr) => Some(mr.rkey()),
-            #[cfg(all(feature = "verbs", feature = "cuda"))]
-            Registration::Mirror { mr, .. } => Some(mr.rkey()),
-            _ => None,
-        }
-    }
-
-    /// Where peers address it, when that is not the registered memory
-    /// itself (a staged region's host mirror).
-    pub(crate) fn mirror(&self) -> Option<(u64, usize)> {
-        #[cfg(feature = "cuda")]
-        use crate::memory::Memory;
-        match self {
-            #[cfg(all(feature = "verbs", feature = "cuda"))]
-            Registration::Mirror { mem, .. } => Some((mem.as_ptr() as u64, mem.len())),
-            #[cfg(feature = "cuda")]
-            Registration::PlainMirror { mem } => Some((mem.as_ptr() as u64, mem.len())),
-            _ => None,
-        }
-    }
-
-    /// Deregisters; on failure the memory must be leaked, not freed.
-    pub(crate) fn deregister(self) -> Result<()> {
-        match self {
-            #[cfg(feature = "verbs")]
-            Registration::Verbs(mr) => mr.deregister(),
-            Registration::Plain => Ok(()),
-            #[cfg(feature = "cuda")]
-            Registration::Staged => Ok(()),
-            #[cfg(all(feature = "verbs", feature = "cuda"))]
-            Registration::Mirror { mr, mem } => match mr.deregister() {
-                Ok(()) => Ok(()),
-                Err(e) => {
-                    std::mem::forget(mem);
-                    Err(e)
-                }
-            },
-            #[cfg(feature = "cuda")]
-            Registration::PlainMirror { mem } => {
-                drop(mem);
-                Ok(())
-            }
-        }
-    }
-}
+pub(crate) use crate::memory::Registration;
+pub(crate) use queue::{Posted, RemoteOp, WorkItem};
 
 /// A domain's transport resources: a verbs device when one is usable, and
 /// the TCP transport's table of exposed regions, always.
@@ -251,74 +169,6 @@ impl Backend {
             ),
         }
     }
-}
-
-/// One operation of a post: the local range it uses and what it does.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct WorkItem {
-    pub local: Option<LocalParts>,
-    pub op: RemoteOp,
-}
-
-/// What an operation does at the peer.
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum RemoteOp {
-    Send,
-    SendWithImm(u32),
-    Write(RemoteSlice),
-    WriteWithImm(RemoteSlice, u32),
-    Read(RemoteSlice),
-}
-
-impl RemoteOp {
-    /// Whether the device writes local memory (a read's destination).
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub(crate) fn reads_remote(self) -> bool {
-        matches!(self, RemoteOp::Read(_))
-    }
-
-    pub(crate) fn opcode(self) -> Opcode {
-        match self {
-            RemoteOp::Send => Opcode::Send,
-            RemoteOp::SendWithImm(_) => Opcode::SendWithImm,
-            RemoteOp::Write(_) => Opcode::Write,
-            RemoteOp::WriteWithImm(..) => Opcode::WriteWithImm,
-            RemoteOp::Read(_) => Opcode::Read,
-        }
-    }
-
-    /// Checks the peer's range against a local range of `len` bytes, as the
-    /// device would: the right the operation needs was granted, and the two
-    /// ranges are the same length. Sends have no remote range.
-    pub(crate) fn check_remote(self, len: u64) -> Result<()> {
-        let (r, needed) = match self {
-            RemoteOp::Write(r) | RemoteOp::WriteWithImm(r, _) => (r, Access::REMOTE_WRITE),
-            RemoteOp::Read(r) => (r, Access::REMOTE_READ),
-            RemoteOp::Send | RemoteOp::SendWithImm(_) => return Ok(()),
-        };
-        if !r.access().contains(needed) {
-            return Err(Error::AccessDenied { needed, granted: r.access() });
-        }
-        if len != r.len() {
-            return Err(Error::InvalidArgument(format!(
-                "the local range has {len} bytes and the remote range {}",
-                r.len()
-            )));
-        }
-        Ok(())
-    }
-}
-
-/// How a post ended.
-pub(crate) enum Posted {
-    /// In flight.
-    Ok(OpId),
-    /// Refused before anything reached the device: the buffer is free.
-    Refused(Error),
-    /// Part of it reached the device and the connection broke: the buffer
-    /// must stay with the connection until it is torn down (verbs only).
-    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
-    Stuck(OpId, Error),
 }
 
 /// A connection's transport state.

@@ -44,7 +44,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::{Posted, RemoteOp, WorkItem};
+use super::queue::{Posted, RemoteOp, WorkItem};
 use crate::bootstrap::{self, Deadline, MAX_TCP_QUEUE_DEPTH, TcpEndpoint};
 use crate::completion::{Completion, Opcode, WcStatus};
 use crate::error::{Error, Result};

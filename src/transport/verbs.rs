@@ -8,10 +8,11 @@ use std::os::fd::AsFd;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::{Posted, Registration, RemoteOp, WorkItem};
+use super::queue::{Posted, RemoteOp, WorkItem};
 use crate::bootstrap::{self, Deadline, VerbsEndpoint};
 use crate::completion::{Completion, Opcode};
 use crate::error::{Error, Result};
+use crate::memory::Registration;
 use crate::memory::{Access, LocalParts};
 use crate::ops::{Due, Held, OpId, OpTable, RawCompletion};
 use crate::options::{ConnectOptions, ConnectionInfo};
