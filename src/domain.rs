@@ -69,21 +69,14 @@ pub struct Domain {
 
 pub(crate) struct DomainInner {
     id: u64,
-    pub(crate) backend: Backend,
+    pub(crate) backend: Arc<Backend>,
     counters: Arc<Counters>,
     /// Staging machinery per GPU (streams, pinned registered buffers).
     #[cfg(feature = "cuda")]
-    pub(crate) stagers: std::sync::Mutex<Vec<Arc<crate::staging::Stager>>>,
-    /// GPU path reports already logged, so each is logged once.
+    pub(crate) staging: crate::staging::StagingHome,
+    /// GPU registration's per-domain state (path reports logged, GPU-NIC links).
     #[cfg(feature = "cuda")]
-    pub(crate) logged_paths: std::sync::Mutex<Vec<(usize, String)>>,
-    /// Pinned staging bytes held (see [`Domain::staging_bytes`]).
-    #[cfg(feature = "cuda")]
-    pub(crate) staging_pinned: Arc<AtomicUsize>,
-    /// The PCIe link class between each GPU (by ordinal) and this domain's
-    /// NIC, when known: read once.
-    #[cfg(feature = "cuda")]
-    pub(crate) gdr_links: std::sync::Mutex<Vec<(usize, Option<crate::topology::LinkClass>)>>,
+    pub(crate) gpu_paths: crate::memory::gpu::GpuPaths,
 }
 
 static NEXT_DOMAIN_ID: AtomicU64 = AtomicU64::new(1);
@@ -109,20 +102,17 @@ impl Domain {
     /// of falling back to TCP, or [`Error::FeatureDisabled`] when built
     /// without the `verbs` feature.
     pub fn with_config(config: &DomainConfig) -> Result<Self> {
-        let backend = transport::open_backend(config)?;
+        let backend = Arc::new(transport::open_backend(config)?);
+        let id = NEXT_DOMAIN_ID.fetch_add(1, Ordering::Relaxed);
         let domain = Domain {
             inner: Arc::new(DomainInner {
-                id: NEXT_DOMAIN_ID.fetch_add(1, Ordering::Relaxed),
+                id,
+                #[cfg(feature = "cuda")]
+                staging: crate::staging::StagingHome::new(Arc::clone(&backend), id),
                 backend,
                 counters: Arc::default(),
                 #[cfg(feature = "cuda")]
-                stagers: Default::default(),
-                #[cfg(feature = "cuda")]
-                logged_paths: Default::default(),
-                #[cfg(feature = "cuda")]
-                staging_pinned: Arc::default(),
-                #[cfg(feature = "cuda")]
-                gdr_links: Default::default(),
+                gpu_paths: Default::default(),
             }),
         };
         tracing::info!("gpu-rdma domain: {}", domain.info());
@@ -182,7 +172,7 @@ impl Domain {
     /// when its operation is done.
     #[cfg(feature = "cuda")]
     pub fn staging_bytes(&self) -> usize {
-        self.inner.staging_pinned.load(Ordering::Acquire)
+        self.inner.staging.pinned_bytes()
     }
 
     /// Allocates `len` zeroed bytes of page-aligned host memory and registers
@@ -230,7 +220,7 @@ impl Domain {
         }
         #[cfg(feature = "cuda")]
         if let Some(buf) = mem.cuda_buffer() {
-            return match crate::memory::gpu::register(self, buf, access, policy) {
+            return match crate::memory::gpu::register(&self.inner.backend, &self.inner.gpu_paths, buf, access, policy) {
                 Ok((reg, report)) => {
                     Ok(Region::from_parts(reg, mem, access, Some(report), self.clone(), self.live(Counter::Regions)))
                 }
@@ -301,7 +291,7 @@ impl Domain {
         let gpu: Option<((), ())> = None;
         let reg = match gpu {
             #[cfg(feature = "cuda")]
-            Some((buf, path)) => crate::memory::gpu::register_remote(self, buf, mr_access, path),
+            Some((buf, path)) => crate::memory::gpu::register_remote(&self.inner.backend, buf, mr_access, path),
             #[cfg(not(feature = "cuda"))]
             Some(_) => unreachable!(),
             // SAFETY: the Exposed value owns `region` (and so its memory) and drops

@@ -27,11 +27,10 @@ use std::sync::{Arc, Mutex, Weak};
 
 use crate::completion::{Completion, Opcode, WcStatus};
 use crate::cuda::{CudaDevice, CudaEvent, CudaStream, PinnedHost, copy_dtoh_async, copy_htod_async};
-use crate::domain::Domain;
 use crate::error::{Error, Result};
 use crate::memory::{Access, LocalParts, Memory, RemoteSlice};
 use crate::ops::{Due, OpId};
-use crate::transport::{ConnTransport, Posted, Registration, RemoteOp, WorkItem};
+use crate::transport::{Backend, ConnTransport, Posted, Registration, RemoteOp, WorkItem};
 
 /// Smallest slot: one GPU page.
 const MIN_SLOT: usize = 64 * 1024;
@@ -49,6 +48,26 @@ pub(crate) fn slot_size(len: usize) -> usize {
     if len <= SIZE_STEP { len.next_power_of_two() } else { len.div_ceil(SIZE_STEP) * SIZE_STEP }
 }
 
+/// A domain's staging machinery: a stager per GPU, made on first use, the
+/// pinned bytes they hold, and the registrar their slots register with.
+pub(crate) struct StagingHome {
+    stagers: Mutex<Vec<Arc<Stager>>>,
+    pinned: Arc<AtomicUsize>,
+    backend: Arc<Backend>,
+    domain_id: u64,
+}
+
+impl StagingHome {
+    pub(crate) fn new(backend: Arc<Backend>, domain_id: u64) -> Self {
+        StagingHome { stagers: Mutex::new(Vec::new()), pinned: Arc::default(), backend, domain_id }
+    }
+
+    /// Pinned bytes held for staging, in use and cached.
+    pub(crate) fn pinned_bytes(&self) -> usize {
+        self.pinned.load(Ordering::Acquire)
+    }
+}
+
 /// Per-GPU staging machinery of a domain: two streams and a cache of
 /// pinned, registered host buffers.
 pub(crate) struct Stager {
@@ -58,6 +77,8 @@ pub(crate) struct Stager {
     cache: Mutex<Vec<SlotMem>>,
     /// Pinned bytes held, in use and cached (the domain's count, shared).
     pinned: Arc<AtomicUsize>,
+    /// What slots are registered with.
+    backend: Arc<Backend>,
 }
 
 /// Pinned host memory and its registration; deregistered before it is freed.
@@ -128,8 +149,8 @@ impl Drop for Slot {
 
 impl Stager {
     /// The domain's stager for `device`, made on first use.
-    pub(crate) fn for_device(domain: &Domain, device: &CudaDevice) -> Result<Arc<Stager>> {
-        let mut all = domain.inner.stagers.lock().unwrap_or_else(|e| e.into_inner());
+    pub(crate) fn for_device(home: &StagingHome, device: &CudaDevice) -> Result<Arc<Stager>> {
+        let mut all = home.stagers.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(s) = all.iter().find(|s| s.device.ordinal() == device.ordinal()) {
             return Ok(Arc::clone(s));
         }
@@ -138,7 +159,8 @@ impl Stager {
             d2h: CudaStream::new(device)?,
             h2d: CudaStream::new(device)?,
             cache: Mutex::new(Vec::new()),
-            pinned: Arc::clone(&domain.inner.staging_pinned),
+            pinned: Arc::clone(&home.pinned),
+            backend: Arc::clone(&home.backend),
         });
         all.push(Arc::clone(&s));
         Ok(s)
@@ -146,7 +168,7 @@ impl Stager {
 
     /// A slot of at least `len` bytes (its size class), from the cache or
     /// new; kept for reuse when returned only if no larger than `chunk`.
-    fn take(self: &Arc<Self>, domain: &Domain, len: usize, chunk: usize) -> Result<Slot> {
+    fn take(self: &Arc<Self>, len: usize, chunk: usize) -> Result<Slot> {
         let want = slot_size(len);
         let cached = {
             let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
@@ -159,7 +181,7 @@ impl Stager {
                 let mem = PinnedHost::new(&self.device, want)?;
                 // SAFETY: the registration and the memory travel together in
                 // SlotMem, which deregisters before it frees.
-                let reg = unsafe { domain.inner.backend.register(mem.as_ptr(), mem.len(), Access::LOCAL_WRITE)? };
+                let reg = unsafe { self.backend.register(mem.as_ptr(), mem.len(), Access::LOCAL_WRITE)? };
                 self.pinned.fetch_add(mem.len(), Ordering::AcqRel);
                 SlotMem { reg: ManuallyDrop::new(reg), mem: ManuallyDrop::new(mem), pinned: Arc::clone(&self.pinned) }
             }
@@ -222,7 +244,7 @@ struct Step {
 pub(crate) struct Pipeline {
     op: StagedOp,
     stager: Arc<Stager>,
-    domain: Domain,
+    domain_id: u64,
     dev: u64,
     len: usize,
     chunk: usize,
@@ -246,14 +268,14 @@ impl Pipeline {
     /// Plans a staged operation on `local` (a range of GPU memory).
     pub(crate) fn new(
         op: StagedOp,
-        domain: &Domain,
+        home: &StagingHome,
         device: &CudaDevice,
         local: LocalParts,
         chunk: usize,
         depth: usize,
         post_timeout: std::time::Duration,
     ) -> Result<Self> {
-        let stager = Stager::for_device(domain, device)?;
+        let stager = Stager::for_device(home, device)?;
         // The same checks as a direct post (the right granted, the same
         // length), before anything is copied.
         match op {
@@ -264,7 +286,7 @@ impl Pipeline {
         Ok(Pipeline {
             op,
             stager,
-            domain: domain.clone(),
+            domain_id: home.domain_id,
             dev: local.addr,
             len: local.len,
             chunk: chunk.max(MIN_SLOT),
@@ -365,7 +387,7 @@ impl Pipeline {
         let (off, n) = (self.steps[step].off, self.steps[step].len);
         let last = off + n >= self.len;
         let op = self.remote_op(off, n, last);
-        let parts = self.steps[step].slot.as_ref().map(|s| s.parts(n, self.domain.id()));
+        let parts = self.steps[step].slot.as_ref().map(|s| s.parts(n, self.domain_id));
         let posted = match self.op {
             StagedOp::Recv => t.post_recv(parts),
             _ => t.post_send(&[WorkItem { local: parts, op }], Due::after(self.post_timeout)),
@@ -416,7 +438,7 @@ impl Pipeline {
             let off = self.next;
             self.next += n;
             self.started = true;
-            let slot = match self.stager.take(&self.domain, n, self.chunk) {
+            let slot = match self.stager.take(n, self.chunk) {
                 Ok(s) => s,
                 Err(e) => {
                     self.fail(e);

@@ -174,7 +174,7 @@ impl Connection {
             // steps advance whenever the operation is waited on or polled.
             let mut pipeline = match Pipeline::new(
                 staged,
-                &self.shared.domain,
+                &self.shared.domain.inner.staging,
                 &device,
                 parts,
                 chunk,

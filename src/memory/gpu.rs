@@ -9,8 +9,8 @@ use crate::topology::{kernel_at_least, peermem_marker};
 use super::path::{self, MemPath, PathCaps, PathPolicy, PathReport};
 use super::{Access, Memory, MemoryKind};
 use crate::cuda::{CudaBuffer, PinnedHost, driver};
-use crate::domain::Domain;
 use crate::error::Result;
+use crate::transport::Backend;
 use crate::transport::Registration;
 
 /// What this machine offers `device` for each memory path.
@@ -38,9 +38,17 @@ pub fn relaxed_ordering() -> bool {
     std::env::var("GPU_RDMA_RELAXED_ORDERING").map_or(true, |v| v.trim() != "0")
 }
 
+/// What GPU registration keeps per domain: the path reports already
+/// logged (each is logged once), and the PCIe link class between each GPU
+/// (by ordinal) and the domain's NIC, read once.
+#[derive(Default)]
+pub(crate) struct GpuPaths {
+    logged: std::sync::Mutex<Vec<(usize, String)>>,
+    links: std::sync::Mutex<Vec<(usize, Option<crate::topology::LinkClass>)>>,
+}
+
 /// Registers `buf` by one path.
-fn register_by(domain: &Domain, buf: &CudaBuffer, access: Access, p: MemPath) -> Result<Registration> {
-    let backend = &domain.inner.backend;
+fn register_by(backend: &Backend, buf: &CudaBuffer, access: Access, p: MemPath) -> Result<Registration> {
     if p.is_direct() && !backend.has_verbs() {
         return Err(backend.no_nic_for_gpu(p.name()));
     }
@@ -83,16 +91,20 @@ fn register_by(domain: &Domain, buf: &CudaBuffer, access: Access, p: MemPath) ->
 /// (`GPU_RDMA_GDR_LEVEL`, default PXB), read from sysfs once per domain and
 /// GPU; `None` when within it or unknown (no such PCI devices: a soft-RoCE
 /// NIC, the CUDA stand-in).
-fn beyond_gdr_level(domain: &Domain, device: &crate::cuda::CudaDevice) -> Option<crate::topology::LinkClass> {
-    if !domain.inner.backend.has_verbs() {
+fn beyond_gdr_level(
+    backend: &Backend,
+    paths: &GpuPaths,
+    device: &crate::cuda::CudaDevice,
+) -> Option<crate::topology::LinkClass> {
+    if !backend.has_verbs() {
         return None;
     }
     let ordinal = device.ordinal();
-    let mut cache = domain.inner.gdr_links.lock().unwrap_or_else(|e| e.into_inner());
+    let mut cache = paths.links.lock().unwrap_or_else(|e| e.into_inner());
     let link = match cache.iter().find(|(o, _)| *o == ordinal) {
         Some((_, link)) => *link,
         None => {
-            let nic = domain.info().device;
+            let nic = backend.info().device;
             let link = crate::topology::link_between(device.pci_bus_id(), &nic);
             cache.push((ordinal, link));
             link
@@ -107,16 +119,17 @@ fn beyond_gdr_level(domain: &Domain, device: &crate::cuda::CudaDevice) -> Option
 
 /// Registers `buf` for local use by the first path of the plan that works.
 pub(crate) fn register(
-    domain: &Domain,
+    backend: &Backend,
+    paths: &GpuPaths,
     buf: &CudaBuffer,
     access: Access,
     policy: PathPolicy,
 ) -> Result<(Registration, PathReport)> {
     let detected = detect_caps(buf.device());
     let caps = PathCaps {
-        rdma: domain.inner.backend.has_verbs(),
+        rdma: backend.has_verbs(),
         buffer_not_gdr_capable: !buf.gdr_capable(),
-        beyond_gdr_level: beyond_gdr_level(domain, buf.device()),
+        beyond_gdr_level: beyond_gdr_level(backend, paths, buf.device()),
         // A missing flush matters only where the NIC may write: memory
         // registered without write rights only ever goes out.
         flush_unavailable: detected.flush_unavailable && access.intersects(Access::LOCAL_WRITE | Access::REMOTE_WRITE),
@@ -126,23 +139,23 @@ pub(crate) fn register(
     for w in &plan.warnings {
         tracing::warn!("GPU {}: {w}", buf.device().ordinal());
     }
-    let (reg, report) = path::attempt(&plan, policy, |p| register_by(domain, buf, access, p))?;
-    log_once(domain, buf.device().ordinal(), &report);
+    let (reg, report) = path::attempt(&plan, policy, |p| register_by(backend, buf, access, p))?;
+    log_once(paths, buf.device().ordinal(), &report);
     Ok((reg, report))
 }
 
 /// A second registration of an already registered GPU buffer, with remote
 /// rights, by the same path; on the staged path a pinned host mirror.
-pub(crate) fn register_remote(domain: &Domain, buf: &CudaBuffer, access: Access, p: MemPath) -> Result<Registration> {
+pub(crate) fn register_remote(backend: &Backend, buf: &CudaBuffer, access: Access, p: MemPath) -> Result<Registration> {
     match p {
-        MemPath::Staged => domain.inner.backend.register_mirror(PinnedHost::new(buf.device(), buf.len())?, access),
-        direct => register_by(domain, buf, access, direct),
+        MemPath::Staged => backend.register_mirror(PinnedHost::new(buf.device(), buf.len())?, access),
+        direct => register_by(backend, buf, access, direct),
     }
 }
 
-fn log_once(domain: &Domain, ordinal: usize, report: &PathReport) {
+fn log_once(paths: &GpuPaths, ordinal: usize, report: &PathReport) {
     let line = report.to_string();
-    let mut logged = domain.inner.logged_paths.lock().unwrap_or_else(|e| e.into_inner());
+    let mut logged = paths.logged.lock().unwrap_or_else(|e| e.into_inner());
     if !logged.iter().any(|(o, l)| *o == ordinal && *l == line) {
         if report.chosen.is_direct() {
             tracing::info!("GPU {ordinal} memory path: {line}");
