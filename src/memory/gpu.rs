@@ -4,7 +4,7 @@
 use std::os::fd::AsFd;
 use std::path::Path;
 
-use crate::topology::{kernel_at_least, peermem_marker};
+use crate::topology::facts::{gdr_level_from_env, kernel_at_least, peermem_marker};
 
 use super::path::{self, MemPath, PathCaps, PathPolicy, PathReport};
 use super::{Access, Memory, MemoryKind};
@@ -44,7 +44,7 @@ pub fn relaxed_ordering() -> bool {
 #[derive(Default)]
 pub(crate) struct GpuPaths {
     logged: std::sync::Mutex<Vec<(usize, String)>>,
-    links: std::sync::Mutex<Vec<(usize, Option<crate::topology::LinkClass>)>>,
+    links: std::sync::Mutex<Vec<(usize, Option<crate::topology::pci::LinkClass>)>>,
 }
 
 /// Registers `buf` by one path.
@@ -95,7 +95,7 @@ fn beyond_gdr_level(
     backend: &Backend,
     paths: &GpuPaths,
     device: &crate::cuda::CudaDevice,
-) -> Option<crate::topology::LinkClass> {
+) -> Option<crate::topology::pci::LinkClass> {
     if !backend.has_verbs() {
         return None;
     }
@@ -105,14 +105,14 @@ fn beyond_gdr_level(
         Some((_, link)) => *link,
         None => {
             let nic = backend.info().device;
-            let link = crate::topology::link_between(device.pci_bus_id(), &nic);
+            let link = crate::topology::pci::link_between(std::path::Path::new("/sys"), device.pci_bus_id(), &nic);
             cache.push((ordinal, link));
             link
         }
     };
-    let level = crate::topology::gdr_level_from_env().unwrap_or_else(|e| {
+    let level = gdr_level_from_env().unwrap_or_else(|e| {
         tracing::warn!("{e}; using PXB");
-        crate::topology::LinkClass::Pxb
+        crate::topology::pci::LinkClass::Pxb
     });
     link.filter(|l| *l > level)
 }

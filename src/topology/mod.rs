@@ -7,8 +7,11 @@
 //! NIC matrix, and a verdict per GPU. [`nic_for_gpu`] picks the NIC
 //! nearest a GPU, for [`crate::Domain::open_near_gpu`].
 
-#![forbid(unsafe_code)]
+// Safe code throughout, except the one dma-buf registration of the live
+// probe (allowed there, with its argument).
+#![deny(unsafe_code)]
 
+pub mod facts;
 pub mod pci;
 pub mod smi;
 
@@ -18,7 +21,8 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
-pub use pci::{LinkClass, PciGpu, PciLocation, PciNic, classify};
+pub use facts::{PEERMEM_MARKERS, gdr_level_from_env, kernel_at_least, peermem_marker};
+pub use pci::{LinkClass, PciGpu, PciLocation, PciNic, classify, link_between};
 pub use smi::SmiTopo;
 
 /// How sure a check is, and what it found.
@@ -631,50 +635,6 @@ pub fn doctor(inputs: &Inputs, level: LinkClass, only: Option<usize>) -> Report 
     }
 }
 
-/// The places where a loaded nvidia-peermem (or the legacy nv_peer_mem)
-/// shows up, relative to the sysfs root.
-pub const PEERMEM_MARKERS: [&str; 4] = [
-    "module/nvidia_peermem",
-    "kernel/mm/memory_peers/nv_mem/version",
-    "kernel/mm/memory_peers/nv_mem_nc/version",
-    "module/nv_peer_mem",
-];
-
-/// Which peermem marker exists under `sysfs_root` (normally `/sys`).
-pub fn peermem_marker(sysfs_root: &Path) -> Option<&'static str> {
-    PEERMEM_MARKERS.into_iter().find(|m| sysfs_root.join(m).exists())
-}
-
-/// Whether a kernel release (`6.1.0-57-amd64`) is at least `major.minor`.
-pub fn kernel_at_least(release: &str, major: u32, minor: u32) -> bool {
-    let mut nums = release.split(|c: char| !c.is_ascii_digit()).filter(|s| !s.is_empty()).map(|s| s.parse::<u32>());
-    matches!((nums.next(), nums.next()), (Some(Ok(a)), Some(Ok(b))) if (a, b) >= (major, minor))
-}
-
-/// `GPU_RDMA_GDR_LEVEL` (default PXB, like NCCL).
-///
-/// # Errors
-/// [`crate::Error::InvalidArgument`] for a value that is not a link class.
-pub fn gdr_level_from_env() -> crate::Result<LinkClass> {
-    match std::env::var("GPU_RDMA_GDR_LEVEL") {
-        Ok(v) => LinkClass::parse(&v).ok_or_else(|| {
-            crate::Error::InvalidArgument(format!("GPU_RDMA_GDR_LEVEL={v}: expected PIX, PXB, PHB, NODE or SYS"))
-        }),
-        Err(_) => Ok(LinkClass::Pxb),
-    }
-}
-
-/// The PCIe link class between the GPU at `gpu_pci` (`0000:17:00.0`) and
-/// the RDMA device `nic` (`mlx5_0`), from sysfs; `None` when either is not
-/// a PCI device this machine shows (soft-RoCE, a CUDA stand-in).
-pub fn link_between(gpu_pci: &str, nic: &str) -> Option<LinkClass> {
-    let inputs = Inputs::gather(Path::new("/sys"), Path::new("/proc"), None, false);
-    let gpus = pci::find_gpus(&inputs.sysfs);
-    let gpu = gpus.iter().find(|g| g.location.address.eq_ignore_ascii_case(gpu_pci))?;
-    let report = doctor(&inputs, LinkClass::Sys, None);
-    report.links.iter().find(|l| l.gpu == gpu.name && l.nic == nic).map(|l| l.link)
-}
-
 /// The RDMA device nearest CUDA device `ordinal` on this machine (by the
 /// doctor's ranking), or `None` when there is no GPU or no NIC to pair.
 ///
@@ -750,19 +710,66 @@ mod live {
         }
     }
 
-    /// Registers one GPU page by dma-buf with the first RDMA device.
+    /// Registers one GPU page by dma-buf with the first RDMA device that
+    /// has an active port (as a domain would open it), through the verbs
+    /// and CUDA layers directly: a probe needs no domain.
     #[cfg(all(feature = "cuda", feature = "verbs"))]
     fn dmabuf_probe() -> Option<(String, std::result::Result<(), String>)> {
-        use crate::memory::path::{MemPath, PathPolicy};
-        let domain = crate::Domain::open().ok()?;
-        let nic = domain.info().device;
-        let dev = crate::cuda::CudaDevice::open(0).ok()?;
-        let buf = crate::cuda::CudaBuffer::alloc(&dev, crate::cuda::GPU_PAGE).ok()?;
-        let outcome = domain
-            .register_with_path(buf, crate::Access::LOCAL_WRITE, PathPolicy::Force(MemPath::DmaBuf))
-            .map(drop)
-            .map_err(|e| e.error.to_string());
-        Some((nic, outcome))
+        use crate::verbs::{DeviceList, ProtectionDomain};
+        let list = DeviceList::new().ok()?;
+        let (name, ctx) = list.iter().find_map(|dev| {
+            let ctx = dev.open().ok()?;
+            let ports = ctx.query_device().map_or(0, |a| a.phys_port_cnt);
+            (1..=ports).any(|p| ctx.query_port(p).is_ok_and(|a| a.is_active())).then(|| (dev.name(), ctx))
+        })?;
+        let pd = ProtectionDomain::new(&ctx).ok()?;
+        let gpu = crate::cuda::CudaDevice::open(0).ok()?;
+        let buf = crate::cuda::CudaBuffer::alloc(&gpu, crate::cuda::GPU_PAGE).ok()?;
+        let outcome = buf
+            .export_dmabuf(0, buf.len())
+            .map_err(|e| e.to_string())
+            .and_then(|dmabuf| register_dmabuf(&pd, &dmabuf, buf.device_ptr(), buf.len()).map_err(|e| e.to_string()));
+        Some((name, outcome))
+    }
+
+    #[cfg(all(feature = "cuda", feature = "verbs", gpu_rdma_dmabuf_mr))]
+    #[allow(unsafe_code)]
+    fn register_dmabuf(
+        pd: &crate::verbs::ProtectionDomain,
+        dmabuf: &crate::cuda::DmaBuf,
+        iova: u64,
+        len: usize,
+    ) -> crate::Result<()> {
+        use std::os::fd::AsFd;
+        // SAFETY: the memory behind the dma-buf is the caller's GPU buffer,
+        // which lives until after this returns; the registration is dropped
+        // (deregistered) here, before that.
+        let mr = unsafe {
+            crate::verbs::MemoryRegion::register_dmabuf(
+                pd,
+                dmabuf.fd.as_fd(),
+                dmabuf.offset,
+                len,
+                iova,
+                crate::access::Access::LOCAL_WRITE,
+                false,
+            )
+        }?;
+        drop(mr);
+        Ok(())
+    }
+
+    #[cfg(all(feature = "cuda", feature = "verbs", not(gpu_rdma_dmabuf_mr)))]
+    fn register_dmabuf(
+        _pd: &crate::verbs::ProtectionDomain,
+        _dmabuf: &crate::cuda::DmaBuf,
+        _iova: u64,
+        _len: usize,
+    ) -> crate::Result<()> {
+        Err(crate::Error::NotSupported {
+            op: "ibv_reg_dmabuf_mr (absent from the rdma-core headers this crate was built with)",
+            source: std::io::Error::from_raw_os_error(libc::EOPNOTSUPP),
+        })
     }
 }
 

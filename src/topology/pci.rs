@@ -274,6 +274,15 @@ impl PciNic {
     }
 }
 
+/// The PCIe link class between the GPU at `gpu_pci` (`0000:17:00.0`) and
+/// the RDMA device `nic` (`mlx5_0`), from sysfs under `sysfs_root`; `None`
+/// when either is not a PCI device there (soft-RoCE, a CUDA stand-in).
+pub fn link_between(sysfs_root: &Path, gpu_pci: &str, nic: &str) -> Option<LinkClass> {
+    let gpu = find_gpus(sysfs_root).into_iter().find(|g| g.location.address.eq_ignore_ascii_case(gpu_pci))?;
+    let nic = find_nics(sysfs_root).into_iter().find(|n| n.name == nic)?;
+    Some(classify(&gpu.location, nic.location.as_ref()?))
+}
+
 /// The RDMA devices under `sysfs_root/class/infiniband`, by name.
 pub fn find_nics(sysfs_root: &Path) -> Vec<PciNic> {
     let dir = sysfs_root.join("class/infiniband");

@@ -81,6 +81,9 @@ struct Refs<'a> {
     scope: Vec<String>,
     /// Modules that exist, to tell a child-module path from an extern crate.
     modules: &'a BTreeSet<String>,
+    /// What the crate root re-exports: `Domain` -> `domain`, so a path
+    /// through the root counts against the module that defines the item.
+    root: &'a BTreeMap<String, String>,
     found: BTreeSet<Vec<String>>,
 }
 
@@ -114,6 +117,12 @@ impl Refs<'_> {
         };
         let mut path = base;
         path.extend(rest.iter().cloned());
+        // `crate::Name` for a root re-export: the module it comes from.
+        if let Some(module) = path.first().and_then(|n| self.root.get(n)) {
+            let mut through: Vec<String> = module.split("::").map(str::to_owned).collect();
+            through.extend(path.into_iter().skip(1));
+            path = through;
+        }
         self.found.insert(path);
     }
 
@@ -192,13 +201,18 @@ pub fn graph(src: &Path) -> Result<BTreeMap<String, BTreeSet<String>>> {
     let mut files = Vec::new();
     rust_files(src, &mut files);
     let modules: BTreeSet<String> = files.iter().filter_map(|f| module_of(src, f)).collect();
+    let root = root_reexports(&src.join("lib.rs"))?;
     let mut g = BTreeMap::new();
     for file in &files {
         let Some(module) = module_of(src, file) else { continue };
         let text = fs::read_to_string(file).map_err(|e| format!("{}: {e}", file.display()))?;
         let ast = syn::parse_file(&text).map_err(|e| format!("{}: {e}", file.display()))?;
-        let mut refs =
-            Refs { scope: module.split("::").map(str::to_owned).collect(), modules: &modules, found: BTreeSet::new() };
+        let mut refs = Refs {
+            scope: module.split("::").map(str::to_owned).collect(),
+            modules: &modules,
+            root: &root,
+            found: BTreeSet::new(),
+        };
         refs.visit_file(&ast);
         let mut deps = BTreeSet::new();
         for path in refs.found {
@@ -211,6 +225,43 @@ pub fn graph(src: &Path) -> Result<BTreeMap<String, BTreeSet<String>>> {
         g.insert(module, deps);
     }
     Ok(g)
+}
+
+/// The crate root's `pub use` items: the name each makes visible at the
+/// root, and the module it comes from (its path without the item).
+fn root_reexports(lib: &Path) -> Result<BTreeMap<String, String>> {
+    fn walk(prefix: &mut Vec<String>, tree: &syn::UseTree, out: &mut BTreeMap<String, String>) {
+        match tree {
+            syn::UseTree::Path(p) => {
+                prefix.push(p.ident.to_string());
+                walk(prefix, &p.tree, out);
+                prefix.pop();
+            }
+            syn::UseTree::Name(n) if !prefix.is_empty() => {
+                out.insert(n.ident.to_string(), prefix.join("::"));
+            }
+            syn::UseTree::Rename(r) if !prefix.is_empty() => {
+                out.insert(r.rename.to_string(), prefix.join("::"));
+            }
+            syn::UseTree::Group(g) => {
+                for t in &g.items {
+                    walk(prefix, t, out);
+                }
+            }
+            _ => {}
+        }
+    }
+    let mut out = BTreeMap::new();
+    let Ok(text) = fs::read_to_string(lib) else { return Ok(out) };
+    let ast = syn::parse_file(&text).map_err(|e| format!("{}: {e}", lib.display()))?;
+    for item in &ast.items {
+        if let syn::Item::Use(u) = item
+            && !matches!(u.vis, syn::Visibility::Inherited)
+        {
+            walk(&mut Vec::new(), &u.tree, &mut out);
+        }
+    }
+    Ok(out)
 }
 
 /// The strongly connected components with more than one module (cycles).
@@ -362,6 +413,7 @@ mod tests {
         fs::write(dir.join("facade/mod.rs"), "mod inner; pub use inner::Y;").unwrap();
         fs::write(dir.join("facade/inner.rs"), "pub struct Y(super::super::error::E);").unwrap();
         fs::write(dir.join("error.rs"), "/// See [`crate::transport::X`].\npub struct E;").unwrap();
+        fs::write(dir.join("user.rs"), "fn f(_: crate::X) {}").unwrap();
         fs::write(
             dir.join("transport/mod.rs"),
             "mod tcp;\nuse crate::error::E;\npub struct X(tcp::T);\n#[cfg(test)] mod tests { use crate::bench; }",
@@ -375,6 +427,7 @@ mod tests {
         let graph = graph(&dir).unwrap();
         let deps = |m: &str| graph[m].iter().cloned().collect::<Vec<_>>();
         assert_eq!(deps("error"), Vec::<String>::new(), "a doc link is not an import");
+        assert_eq!(deps("user"), vec!["transport"], "a path through a root re-export counts against its module");
         assert_eq!(deps("transport"), vec!["error", "transport::tcp"], "use, a child module; not test code");
         assert_eq!(deps("transport::tcp"), vec!["transport"], "super; not a string");
         assert_eq!(deps("facade"), Vec::<String>::new(), "a re-export is not a use");
