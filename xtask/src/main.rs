@@ -43,7 +43,8 @@ commands:
                           --vm: two processes on rxe0 in the guest, 256 MiB each way
   bench                 the criterion suite benches/ops.rs on rxe0 in the guest (verbs and TCP)
   compare [--rounds N]  perftest and gpu-rdma bench interleaved on rxe0: bandwidth, latency, ratios
-  layers                the library's module graph: fails on a cycle or an import a layer may not make
+  layers [--cycles]     the library's module graph: fails on a cycle or an import a layer may not make
+                          (--cycles: on a cycle only, reporting the rest)
   gpu-check [--run]     build the GPU checks into target/gpu-bundle (binaries, libraries, run.sh)
                           and run them when this machine has a GPU
 ";
