@@ -254,6 +254,19 @@ unsafe impl Send for CudaBuffer {}
 unsafe impl Sync for CudaBuffer {}
 
 impl CudaBuffer {
+    /// The value for `ptr..ptr + len`, before its attributes are asked.
+    fn wrap(ptr: sys::CUdeviceptr, len: usize, device: &CudaDevice, owner: Owner) -> Self {
+        CudaBuffer {
+            ptr,
+            len,
+            device: device.clone(),
+            ready: Default::default(),
+            sync_memops: SyncMemops::Pointer,
+            gdr_capable: true,
+            owner,
+        }
+    }
+
     /// Allocates `len` bytes (rounded up to 64 KiB) on `device`.
     ///
     /// # Errors
@@ -268,15 +281,7 @@ impl CudaBuffer {
         let mut ptr: sys::CUdeviceptr = 0;
         // SAFETY: valid out-pointer; the context is current; freed in Drop.
         check(unsafe { sys::cuMemAlloc_v2(&mut ptr, len) }, "cuMemAlloc")?;
-        let buf = CudaBuffer {
-            ptr,
-            len,
-            device: device.clone(),
-            ready: Default::default(),
-            sync_memops: SyncMemops::Pointer,
-            gdr_capable: true,
-            owner: Owner::Ours,
-        };
+        let buf = CudaBuffer::wrap(ptr, len, device, Owner::Ours);
         // Our own cuMemAlloc memory takes the pointer attribute: failing is an error.
         buf.set_sync_memops()?;
         Ok(buf)
@@ -315,15 +320,7 @@ impl CudaBuffer {
         if ptr == 0 || len == 0 {
             return Err(Error::InvalidArgument("a foreign GPU buffer needs a non-null pointer and a length".into()));
         }
-        let mut buf = CudaBuffer {
-            ptr,
-            len,
-            device: device.clone(),
-            ready: Default::default(),
-            sync_memops: SyncMemops::Pointer,
-            gdr_capable: true,
-            owner: Owner::Foreign(keep_alive),
-        };
+        let mut buf = CudaBuffer::wrap(ptr, len, device, Owner::Foreign(keep_alive));
         buf.gdr_capable = buf.query_gdr_capable()?;
         buf.sync_memops = match buf.set_sync_memops() {
             Ok(()) => SyncMemops::Pointer,
