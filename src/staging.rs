@@ -276,13 +276,6 @@ impl Pipeline {
         post_timeout: std::time::Duration,
     ) -> Result<Self> {
         let stager = Stager::for_device(home, device)?;
-        // The same checks as a direct post (the right granted, the same
-        // length), before anything is copied.
-        match op {
-            StagedOp::Write { remote, .. } => RemoteOp::Write(remote).check_remote(local.len as u64)?,
-            StagedOp::Read { remote } => RemoteOp::Read(remote).check_remote(local.len as u64)?,
-            StagedOp::Send { .. } | StagedOp::Recv => {}
-        }
         Ok(Pipeline {
             op,
             stager,

@@ -154,6 +154,11 @@ impl Connection {
         // The TCP transport reaches only host memory: GPU memory goes through
         // the staging pipeline whatever path it is registered by.
         if parts.path == Some(MemPath::Staged) || self.shared.transport.is_tcp() {
+            // The same checks as a direct post (the right granted, the same
+            // length), before anything is copied.
+            if let Some(Err(e)) = op.map(|op| op.check_remote(parts.len as u64)) {
+                return Pending::failed(&self.shared, local.into_inner(), e);
+            }
             let staged = match op {
                 None => StagedOp::Recv,
                 Some(RemoteOp::Send) => StagedOp::Send { imm: None },
