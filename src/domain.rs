@@ -3,61 +3,12 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
+pub use crate::config::{DomainConfig, DomainInfo};
 use crate::error::{Error, Result};
+pub use crate::memory::DomainStats;
 use crate::memory::path::PathPolicy;
-use crate::memory::{Access, Exposed, HostMemory, Memory, MemoryKind, Region};
-pub use crate::options::{DomainConfig, DomainInfo};
-use crate::transport::{self, Backend};
-
-/// Live resources of a domain, for leak checks and monitoring.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct DomainStats {
-    /// Registered [`Region`]s (including those inside [`Exposed`] ones).
-    pub regions: usize,
-    /// [`Exposed`] regions (remote keys outstanding).
-    pub exposed: usize,
-    /// Open connections (queue pairs).
-    pub connections: usize,
-}
-
-#[derive(Debug, Default)]
-pub(crate) struct Counters {
-    regions: AtomicUsize,
-    exposed: AtomicUsize,
-    connections: AtomicUsize,
-}
-
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum Counter {
-    Regions,
-    Exposed,
-    Connections,
-}
-
-impl Counters {
-    fn get(&self, c: Counter) -> &AtomicUsize {
-        match c {
-            Counter::Regions => &self.regions,
-            Counter::Exposed => &self.exposed,
-            Counter::Connections => &self.connections,
-        }
-    }
-}
-
-/// Counts one live resource until dropped.
-#[derive(Debug)]
-pub(crate) struct Live {
-    counters: Arc<Counters>,
-    which: Counter,
-}
-
-impl Drop for Live {
-    fn drop(&mut self) {
-        self.counters.get(self.which).fetch_sub(1, Ordering::AcqRel);
-    }
-}
+use crate::memory::{Access, Counter, Exposed, HostMemory, Live, Memory, MemoryDomain, MemoryKind, Region};
 
 /// This process's endpoint on one RDMA device port: a protection domain,
 /// the port and GID it addresses peers with, and the memory registered in
@@ -68,9 +19,8 @@ pub struct Domain {
 }
 
 pub(crate) struct DomainInner {
-    id: u64,
-    pub(crate) backend: Arc<Backend>,
-    counters: Arc<Counters>,
+    /// Registration, the key table, live counts.
+    pub(crate) mem: Arc<MemoryDomain>,
     /// Staging machinery per GPU (streams, pinned registered buffers).
     #[cfg(feature = "cuda")]
     pub(crate) staging: crate::staging::StagingHome,
@@ -78,8 +28,6 @@ pub(crate) struct DomainInner {
     #[cfg(feature = "cuda")]
     pub(crate) gpu_paths: crate::memory::gpu::GpuPaths,
 }
-
-static NEXT_DOMAIN_ID: AtomicU64 = AtomicU64::new(1);
 
 impl Domain {
     /// Opens the device named by the environment (see [`DomainConfig::from_env`]),
@@ -102,15 +50,12 @@ impl Domain {
     /// of falling back to TCP, or [`Error::FeatureDisabled`] when built
     /// without the `verbs` feature.
     pub fn with_config(config: &DomainConfig) -> Result<Self> {
-        let backend = Arc::new(transport::open_backend(config)?);
-        let id = NEXT_DOMAIN_ID.fetch_add(1, Ordering::Relaxed);
+        let mem = Arc::new(crate::memory::domain::open(config)?);
         let domain = Domain {
             inner: Arc::new(DomainInner {
-                id,
                 #[cfg(feature = "cuda")]
-                staging: crate::staging::StagingHome::new(Arc::clone(&backend), id),
-                backend,
-                counters: Arc::default(),
+                staging: crate::staging::StagingHome::new(Arc::clone(&mem)),
+                mem,
                 #[cfg(feature = "cuda")]
                 gpu_paths: Default::default(),
             }),
@@ -140,28 +85,24 @@ impl Domain {
         Domain::with_config(&config)
     }
 
-    pub(crate) fn id(&self) -> u64 {
-        self.inner.id
+    /// This domain's identity, unique in the process (what
+    /// [`Region::domain_id`] reports).
+    pub fn id(&self) -> u64 {
+        self.inner.mem.id()
     }
 
     pub(crate) fn live(&self, which: Counter) -> Live {
-        self.inner.counters.get(which).fetch_add(1, Ordering::AcqRel);
-        Live { counters: Arc::clone(&self.inner.counters), which }
+        self.inner.mem.live(which)
     }
 
     /// The device, port and GID in use, and why.
     pub fn info(&self) -> DomainInfo {
-        self.inner.backend.info()
+        self.inner.mem.info()
     }
 
     /// Live resources.
     pub fn stats(&self) -> DomainStats {
-        let c = &self.inner.counters;
-        DomainStats {
-            regions: c.regions.load(Ordering::Acquire),
-            exposed: c.exposed.load(Ordering::Acquire),
-            connections: c.connections.load(Ordering::Acquire),
-        }
+        self.inner.mem.stats()
     }
 
     /// Bytes of pinned host memory this domain holds for staging GPU
@@ -220,9 +161,9 @@ impl Domain {
         }
         #[cfg(feature = "cuda")]
         if let Some(buf) = mem.cuda_buffer() {
-            return match crate::memory::gpu::register(&self.inner.backend, &self.inner.gpu_paths, buf, access, policy) {
+            return match crate::memory::gpu::register(&self.inner.mem, &self.inner.gpu_paths, buf, access, policy) {
                 Ok((reg, report)) => {
-                    Ok(Region::from_parts(reg, mem, access, Some(report), self.clone(), self.live(Counter::Regions)))
+                    Ok(Region::from_parts(reg, mem, access, Some(report), self.id(), self.live(Counter::Regions)))
                 }
                 Err(error) => Err(BufError { error, buffer: mem }),
             };
@@ -239,8 +180,8 @@ impl Domain {
         // SAFETY: `mem` is moved into the Region with the registration, and the
         // Region deregisters before it frees (or leaks) the memory; `Memory`'s
         // contract keeps the address range valid and fixed until then.
-        match unsafe { self.inner.backend.register(mem.as_ptr(), mem.len(), access) } {
-            Ok(reg) => Ok(Region::from_parts(reg, mem, access, None, self.clone(), self.live(Counter::Regions))),
+        match unsafe { self.inner.mem.register(mem.as_ptr(), mem.len(), access) } {
+            Ok(reg) => Ok(Region::from_parts(reg, mem, access, None, self.id(), self.live(Counter::Regions))),
             Err(error) => Err(BufError { error, buffer: mem }),
         }
     }
@@ -275,7 +216,7 @@ impl Domain {
                 buffer: region,
             });
         }
-        if region.domain().id() != self.id() {
+        if region.domain_id() != self.id() {
             return Err(BufError {
                 error: Error::InvalidArgument("the region is registered with another domain".into()),
                 buffer: region,
@@ -291,12 +232,12 @@ impl Domain {
         let gpu: Option<((), ())> = None;
         let reg = match gpu {
             #[cfg(feature = "cuda")]
-            Some((buf, path)) => crate::memory::gpu::register_remote(&self.inner.backend, buf, mr_access, path),
+            Some((buf, path)) => crate::memory::gpu::register_remote(&self.inner.mem, buf, mr_access, path),
             #[cfg(not(feature = "cuda"))]
             Some(_) => unreachable!(),
             // SAFETY: the Exposed value owns `region` (and so its memory) and drops
             // this second registration before the region; see `Exposed`'s Drop.
-            None => unsafe { self.inner.backend.register(region.memory().as_ptr(), region.len(), mr_access) },
+            None => unsafe { self.inner.mem.register(region.memory().as_ptr(), region.len(), mr_access) },
         };
         let reg = match reg {
             Ok(reg) => reg,
@@ -311,7 +252,7 @@ impl Domain {
         };
         // SAFETY: the exposure handle is dropped (revoked, waiting for transfers
         // in progress) before the registration and the region it serves.
-        let tcp = cpu_view.map(|(addr, len)| unsafe { self.inner.backend.tcp.expose(addr, len, remote, reg.rkey()) });
+        let tcp = cpu_view.map(|(addr, len)| unsafe { self.inner.mem.keys.expose(addr, len, remote, reg.rkey()) });
         let tcp = match tcp.transpose() {
             Ok(tcp) => tcp,
             Err(error) => return Err(BufError { error, buffer: region }),
@@ -322,7 +263,7 @@ impl Domain {
 
 impl fmt::Debug for Domain {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Domain").field("id", &self.inner.id).field("info", &self.info()).finish()
+        f.debug_struct("Domain").field("id", &self.id()).field("info", &self.info()).finish()
     }
 }
 

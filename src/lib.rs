@@ -359,6 +359,7 @@ mod access;
 pub mod bench;
 pub mod bootstrap;
 mod completion;
+mod config;
 mod connection;
 mod domain;
 mod error;
@@ -375,6 +376,7 @@ pub mod units;
 pub mod verbs;
 
 pub use completion::{Completion, CompletionError, Opcode, WcStatus};
+pub use config::{Transport, TransportPolicy};
 pub use connection::{Batch, ConnectOptions, Connection, ConnectionInfo, Listener, MAX_CONCURRENT_HANDSHAKES, Pending};
 pub use domain::{BufError, Domain, DomainConfig, DomainInfo, DomainStats};
 pub use error::{AuthFailure, BootstrapError, Error, Result};
@@ -382,7 +384,6 @@ pub use memory::{
     Access, Exposed, HostMemory, LocalBuffer, LocalSlice, Memory, MemoryKind, Region, RemoteRegion, RemoteSlice,
     Shared, WithdrawError,
 };
-pub use options::TransportPolicy;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 #[cfg(feature = "cuda")]

@@ -29,8 +29,9 @@ use crate::completion::{Completion, Opcode, WcStatus};
 use crate::cuda::{CudaDevice, CudaEvent, CudaStream, PinnedHost, copy_dtoh_async, copy_htod_async};
 use crate::error::{Error, Result};
 use crate::memory::{Access, LocalParts, Memory, RemoteSlice};
+use crate::memory::{MemoryDomain, Registration};
 use crate::ops::{Due, OpId};
-use crate::transport::{Backend, ConnTransport, Posted, Registration, RemoteOp, WorkItem};
+use crate::transport::{ConnTransport, Posted, RemoteOp, WorkItem};
 
 /// Smallest slot: one GPU page.
 const MIN_SLOT: usize = 64 * 1024;
@@ -53,12 +54,13 @@ pub(crate) fn slot_size(len: usize) -> usize {
 pub(crate) struct StagingHome {
     stagers: Mutex<Vec<Arc<Stager>>>,
     pinned: Arc<AtomicUsize>,
-    backend: Arc<Backend>,
+    backend: Arc<MemoryDomain>,
     domain_id: u64,
 }
 
 impl StagingHome {
-    pub(crate) fn new(backend: Arc<Backend>, domain_id: u64) -> Self {
+    pub(crate) fn new(backend: Arc<MemoryDomain>) -> Self {
+        let domain_id = backend.id();
         StagingHome { stagers: Mutex::new(Vec::new()), pinned: Arc::default(), backend, domain_id }
     }
 
@@ -78,7 +80,7 @@ pub(crate) struct Stager {
     /// Pinned bytes held, in use and cached (the domain's count, shared).
     pinned: Arc<AtomicUsize>,
     /// What slots are registered with.
-    backend: Arc<Backend>,
+    backend: Arc<MemoryDomain>,
 }
 
 /// Pinned host memory and its registration; deregistered before it is freed.

@@ -77,7 +77,7 @@ fn registration_is_least_privilege_and_exposure_grants_only_what_is_asked(t: Kin
 fn send_and_receive_a_registered_buffer(t: Kind) {
     let d = domain(t);
     let (s, c) = pair(&d);
-    assert_eq!((s.info().transport, c.info().transport), (t.name(), t.name()));
+    assert_eq!((s.info().transport.name(), c.info().transport.name()), (t.name(), t.name()));
     assert!(!c.info().transport_reason.is_empty());
     if t == Kind::Verbs {
         assert_eq!(s.info().remote_qp_num, c.info().local_qp_num);

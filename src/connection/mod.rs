@@ -14,10 +14,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::completion::Completion;
-use crate::domain::{Counter, Domain, Live};
+use crate::domain::Domain;
 use crate::error::{Error, Result};
 #[cfg(feature = "cuda")]
 use crate::memory::LocalParts;
+use crate::memory::{Counter, Live};
 use crate::memory::{Exposed, LocalBuffer, LocalSlice, Memory, RemoteRegion, RemoteSlice};
 use crate::ops::{Due, OpId};
 use crate::transport::{self, ConnTransport, Posted, RemoteOp, WorkItem};
@@ -59,7 +60,7 @@ impl Connection {
         opts: &ConnectOptions,
         is_server: bool,
     ) -> Result<Self> {
-        let est = transport::establish(&domain.inner.backend, domain.id(), stream, opts, is_server)?;
+        let est = transport::establish(&domain.inner.mem, stream, opts, is_server)?;
         Ok(Connection {
             shared: Arc::new(Shared {
                 transport: est.transport,

@@ -6,12 +6,12 @@ use std::path::Path;
 
 use crate::topology::facts::{gdr_level_from_env, kernel_at_least, peermem_marker};
 
+use super::Registration;
+use super::domain::MemoryDomain;
 use super::path::{self, MemPath, PathCaps, PathPolicy, PathReport};
 use super::{Access, Memory, MemoryKind};
 use crate::cuda::{CudaBuffer, PinnedHost, driver};
 use crate::error::Result;
-use crate::transport::Backend;
-use crate::transport::Registration;
 
 /// What this machine offers `device` for each memory path.
 pub fn detect_caps(device: &crate::cuda::CudaDevice) -> PathCaps {
@@ -48,7 +48,7 @@ pub(crate) struct GpuPaths {
 }
 
 /// Registers `buf` by one path.
-fn register_by(backend: &Backend, buf: &CudaBuffer, access: Access, p: MemPath) -> Result<Registration> {
+fn register_by(backend: &MemoryDomain, buf: &CudaBuffer, access: Access, p: MemPath) -> Result<Registration> {
     if p.is_direct() && !backend.has_verbs() {
         return Err(backend.no_nic_for_gpu(p.name()));
     }
@@ -92,7 +92,7 @@ fn register_by(backend: &Backend, buf: &CudaBuffer, access: Access, p: MemPath) 
 /// GPU; `None` when within it or unknown (no such PCI devices: a soft-RoCE
 /// NIC, the CUDA stand-in).
 fn beyond_gdr_level(
-    backend: &Backend,
+    backend: &MemoryDomain,
     paths: &GpuPaths,
     device: &crate::cuda::CudaDevice,
 ) -> Option<crate::topology::pci::LinkClass> {
@@ -119,7 +119,7 @@ fn beyond_gdr_level(
 
 /// Registers `buf` for local use by the first path of the plan that works.
 pub(crate) fn register(
-    backend: &Backend,
+    backend: &MemoryDomain,
     paths: &GpuPaths,
     buf: &CudaBuffer,
     access: Access,
@@ -146,7 +146,12 @@ pub(crate) fn register(
 
 /// A second registration of an already registered GPU buffer, with remote
 /// rights, by the same path; on the staged path a pinned host mirror.
-pub(crate) fn register_remote(backend: &Backend, buf: &CudaBuffer, access: Access, p: MemPath) -> Result<Registration> {
+pub(crate) fn register_remote(
+    backend: &MemoryDomain,
+    buf: &CudaBuffer,
+    access: Access,
+    p: MemPath,
+) -> Result<Registration> {
     match p {
         MemPath::Staged => backend.register_mirror(PinnedHost::new(buf.device(), buf.len())?, access),
         direct => register_by(backend, buf, access, direct),

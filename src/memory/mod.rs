@@ -14,9 +14,11 @@
 //! - An operation dropped before it completes keeps its buffer inside the
 //!   connection until the device is done with it.
 
+pub(crate) mod domain;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 mod host;
+pub(crate) mod keys;
 pub mod path;
 mod region;
 mod registration;
@@ -24,6 +26,8 @@ mod registration;
 pub use crate::access::Access;
 pub use crate::host_memory::HostMemory;
 pub use crate::remote::{RemoteRegion, RemoteSlice};
+pub use domain::DomainStats;
+pub(crate) use domain::{Counter, Live, MemoryDomain};
 pub(crate) use region::LocalParts;
 pub use region::{Exposed, LocalBuffer, LocalSlice, Region, Shared, WithdrawError};
 pub(crate) use registration::Registration;

@@ -6,21 +6,21 @@ use std::mem::ManuallyDrop;
 use std::ops::{Bound, Deref, DerefMut, RangeBounds};
 use std::sync::{Arc, Mutex};
 
+use super::Registration;
+use super::domain::Live;
+use super::keys::Served;
 use super::path::{MemPath, PathReport};
 use super::{Access, HostMemory, Memory, MemoryKind, RemoteRegion};
-use crate::domain::{Domain, Live};
 use crate::error::{Error, Result};
-use crate::transport::Registration;
-use crate::transport::tcp::TcpExposure;
 
-/// Memory registered with a [`Domain`], for local use in operations:
+/// Memory registered with a [`Domain`](crate::Domain), for local use in operations:
 /// the source of sends and writes, the destination of receives and reads.
 ///
 /// It owns its memory and frees it only after deregistering. Operations
 /// take it by value and return it with their completion, so while the
 /// device may touch it nothing else can. It is registered with
 /// [`Access::LOCAL`] by default and never has a remote key; see
-/// [`Domain::expose`] for that.
+/// [`Domain::expose`](crate::Domain::expose) for that.
 ///
 /// Host-memory regions dereference to `[u8]`.
 pub struct Region<M: Memory = HostMemory> {
@@ -29,7 +29,7 @@ pub struct Region<M: Memory = HostMemory> {
     mem: ManuallyDrop<M>,
     access: Access,
     path: Option<Box<PathReport>>,
-    domain: Domain,
+    domain: u64,
     _live: Live,
 }
 
@@ -56,7 +56,7 @@ impl<M: Memory> Region<M> {
         mem: M,
         access: Access,
         path: Option<PathReport>,
-        domain: Domain,
+        domain: u64,
         live: Live,
     ) -> Self {
         Region {
@@ -115,9 +115,10 @@ impl<M: Memory> Region<M> {
         &self.mem
     }
 
-    /// The domain it is registered with.
-    pub fn domain(&self) -> &Domain {
-        &self.domain
+    /// The identity of the domain it is registered with (as
+    /// [`Domain::id`](crate::Domain::id) says).
+    pub fn domain_id(&self) -> u64 {
+        self.domain
     }
 
     /// Deregisters and gives the memory back.
@@ -131,7 +132,6 @@ impl<M: Memory> Region<M> {
         // field is taken or dropped exactly once here.
         let (reg, mem) = unsafe {
             std::ptr::drop_in_place(&mut this.path);
-            std::ptr::drop_in_place(&mut this.domain);
             std::ptr::drop_in_place(&mut this._live);
             (ManuallyDrop::take(&mut this.reg), ManuallyDrop::take(&mut this.mem))
         };
@@ -186,7 +186,7 @@ struct SharedInner<M: Memory> {
     // Dropped by hand: stop serving TCP peers (waiting for transfers in
     // progress), revoke the remote key, then the region (or leak the region
     // if revoking failed).
-    tcp: Option<TcpExposure>,
+    tcp: Option<Served>,
     remote: ManuallyDrop<Option<Registration>>,
     region: ManuallyDrop<Region<M>>,
     access: Access,
@@ -565,7 +565,7 @@ impl<M: Memory> Exposed<M> {
         access: Access,
         tag: u64,
         live: Live,
-        tcp: Option<TcpExposure>,
+        tcp: Option<Served>,
     ) -> Self {
         Exposed {
             inner: Arc::new(SharedInner {
@@ -604,7 +604,7 @@ impl<M: Memory> Exposed<M> {
     pub fn rkey(&self) -> u32 {
         // The verbs key where there is one; the TCP transport serves the
         // region under the same key, so one descriptor works on both.
-        self.remote().rkey().or(self.inner.tcp.as_ref().map(TcpExposure::key)).unwrap_or(0)
+        self.remote().rkey().or(self.inner.tcp.as_ref().map(Served::key)).unwrap_or(0)
     }
 
     /// The tag it was exposed with.
@@ -682,7 +682,7 @@ impl<M: Memory> sealed::Sealed for Region<M> {
             addr: self.addr(),
             len: self.len(),
             lkey: self.reg.lkey(),
-            domain: self.domain.id(),
+            domain: self.domain,
             path: self.memory_path(),
         }
     }

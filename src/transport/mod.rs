@@ -9,167 +9,16 @@ use std::net::TcpStream;
 use crate::bootstrap::{self, Deadline, Hello};
 use crate::completion::Completion;
 use crate::error::{BootstrapError, Error, Result};
-use crate::memory::{Access, LocalParts, RemoteRegion};
+use crate::memory::{LocalParts, MemoryDomain, RemoteRegion};
 use crate::ops::{Due, OpId};
-use crate::options::{ConnectOptions, ConnectionInfo, DomainConfig, DomainInfo, TransportPolicy};
+use crate::options::{ConnectOptions, ConnectionInfo, TransportPolicy};
 
 mod queue;
 pub(crate) mod tcp;
 #[cfg(feature = "verbs")]
 pub(crate) mod verbs;
 
-pub(crate) use crate::memory::Registration;
 pub(crate) use queue::{Posted, RemoteOp, WorkItem};
-
-/// A domain's transport resources: a verbs device when one is usable, and
-/// the TCP transport's table of exposed regions, always.
-pub(crate) struct Backend {
-    #[cfg(feature = "verbs")]
-    pub(crate) verbs: Option<verbs::VerbsDomain>,
-    pub(crate) tcp: tcp::TcpDomain,
-    /// Why this domain has no verbs device.
-    pub(crate) no_verbs: Option<String>,
-    pub(crate) policy: TransportPolicy,
-}
-
-pub(crate) fn open_backend(config: &DomainConfig) -> Result<Backend> {
-    let tcp = tcp::TcpDomain::new();
-    let policy = config.transport;
-    #[cfg(feature = "verbs")]
-    {
-        let (v, no_verbs) = match policy {
-            TransportPolicy::Tcp => (None, Some("TCP was asked for (GPU_RDMA_TRANSPORT=tcp, or in code)".to_owned())),
-            TransportPolicy::Verbs => (Some(verbs::VerbsDomain::open(config)?), None),
-            TransportPolicy::Auto => match verbs::VerbsDomain::open(config) {
-                Ok(v) => (Some(v), None),
-                // A device asked for by name is not replaced by TCP behind the caller's back.
-                Err(e) if config.device.is_some() => return Err(e),
-                Err(e) => (None, Some(e.to_string())),
-            },
-        };
-        Ok(Backend { verbs: v, tcp, no_verbs, policy })
-    }
-    #[cfg(not(feature = "verbs"))]
-    {
-        if policy == TransportPolicy::Verbs {
-            return Err(Error::FeatureDisabled { feature: "verbs" });
-        }
-        Ok(Backend { tcp, no_verbs: Some("gpu-rdma was built without the `verbs` feature".into()), policy })
-    }
-}
-
-impl Backend {
-    /// Whether connections from this domain can use verbs.
-    pub(crate) fn has_verbs(&self) -> bool {
-        #[cfg(feature = "verbs")]
-        {
-            self.verbs.is_some()
-        }
-        #[cfg(not(feature = "verbs"))]
-        {
-            false
-        }
-    }
-
-    pub(crate) fn info(&self) -> DomainInfo {
-        #[cfg(feature = "verbs")]
-        if let Some(v) = &self.verbs {
-            return v.info();
-        }
-        DomainInfo::tcp(self.no_verbs.clone().unwrap_or_default())
-    }
-
-    /// Registers `len` bytes of the dma-buf `fd` at `offset`, addressed as `iova`.
-    ///
-    /// # Safety
-    /// The memory behind the dma-buf range must stay allocated until the
-    /// returned registration is deregistered.
-    #[cfg(feature = "cuda")]
-    pub(crate) unsafe fn register_dmabuf(
-        &self,
-        fd: std::os::fd::BorrowedFd<'_>,
-        offset: u64,
-        len: usize,
-        iova: u64,
-        access: Access,
-        relaxed: bool,
-    ) -> Result<Registration> {
-        #[cfg(feature = "verbs")]
-        if let Some(v) = &self.verbs {
-            // SAFETY: forwarded contract.
-            return unsafe { v.register_dmabuf(fd, offset, len, iova, access, relaxed) };
-        }
-        let _ = (fd, offset, len, iova, access, relaxed);
-        Err(Error::NotSupported {
-            op: "ibv_reg_dmabuf_mr (no RDMA device in this domain)",
-            source: std::io::Error::from_raw_os_error(libc::EOPNOTSUPP),
-        })
-    }
-
-    /// Registers a staged region's host mirror with `access`; the
-    /// registration owns the mirror.
-    #[cfg(feature = "cuda")]
-    pub(crate) fn register_mirror(&self, mem: crate::cuda::PinnedHost, access: Access) -> Result<Registration> {
-        #[cfg(feature = "verbs")]
-        if let Some(v) = &self.verbs {
-            return v.register_mirror(mem, access);
-        }
-        let _ = access;
-        Ok(Registration::PlainMirror { mem })
-    }
-
-    /// Registers `len` bytes at `ptr`.
-    ///
-    /// # Safety
-    /// The memory must stay allocated and in place until the returned
-    /// registration is deregistered.
-    pub(crate) unsafe fn register(&self, ptr: *mut u8, len: usize, access: Access) -> Result<Registration> {
-        #[cfg(feature = "verbs")]
-        if let Some(v) = &self.verbs {
-            // SAFETY: forwarded contract.
-            return unsafe { v.register(ptr, len, access, false) };
-        }
-        let _ = (ptr, len, access);
-        Ok(Registration::Plain)
-    }
-
-    /// Registers GPU memory at its device address with the NIC (the
-    /// nvidia-peermem path), with relaxed ordering when `relaxed`.
-    ///
-    /// # Errors
-    /// [`Error::NoDevice`] in a domain without verbs: there is no NIC to
-    /// register GPU memory with; else as the verbs registration.
-    ///
-    /// # Safety
-    /// As [`register`](Self::register), of the device allocation.
-    #[cfg(feature = "cuda")]
-    pub(crate) unsafe fn register_gpu(
-        &self,
-        ptr: *mut u8,
-        len: usize,
-        access: Access,
-        relaxed: bool,
-    ) -> Result<Registration> {
-        #[cfg(feature = "verbs")]
-        if let Some(v) = &self.verbs {
-            // SAFETY: forwarded contract.
-            return unsafe { v.register(ptr, len, access, relaxed) };
-        }
-        let _ = (ptr, len, access, relaxed);
-        Err(self.no_nic_for_gpu("peermem"))
-    }
-
-    /// Why a direct GPU path cannot be used in this domain.
-    #[cfg(feature = "cuda")]
-    pub(crate) fn no_nic_for_gpu(&self, path: &str) -> Error {
-        Error::NoDevice {
-            reason: format!(
-                "the {path} path registers GPU memory with an RDMA device, and this domain has none ({}): use the staged path",
-                self.no_verbs.as_deref().unwrap_or("TCP only")
-            ),
-        }
-    }
-}
 
 /// A connection's transport state.
 pub(crate) enum ConnTransport {
@@ -232,8 +81,7 @@ pub(crate) fn choose(mine: &Hello, theirs: &Hello, my_reason_no_verbs: Option<&s
 }
 
 pub(crate) fn establish(
-    backend: &Backend,
-    domain_id: u64,
+    backend: &MemoryDomain,
     stream: TcpStream,
     opts: &ConnectOptions,
     is_server: bool,
@@ -296,13 +144,13 @@ pub(crate) fn establish(
     #[cfg(feature = "verbs")]
     if choice.verbs {
         let (Some(p), Some(theirs)) = (prepared, peer.verbs) else { unreachable!("verbs chosen with both endpoints") };
-        let (conn, mut info) = p.finish(domain_id, stream, &theirs, opts, deadline)?;
+        let (conn, mut info) = p.finish(backend.id(), stream, &theirs, opts, deadline)?;
         info.transport_reason = choice.reason;
         return Ok(Established { transport: ConnTransport::Verbs(Box::new(conn)), peer_regions: peer.regions, info });
     }
     let theirs = peer.tcp.ok_or_else(|| Error::from(BootstrapError::Incompatible("the peer offers no TCP".into())))?;
     let (conn, info) =
-        tcp::TcpConn::establish(&backend.tcp, domain_id, stream, &theirs, opts, deadline, choice.reason)?;
+        tcp::TcpConn::establish(&backend.keys, backend.id(), stream, &theirs, opts, deadline, choice.reason)?;
     Ok(Established { transport: ConnTransport::Tcp(conn), peer_regions: peer.regions, info })
 }
 

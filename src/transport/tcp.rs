@@ -48,15 +48,16 @@ use super::queue::{Posted, RemoteOp, WorkItem};
 use crate::bootstrap::{self, Deadline, MAX_TCP_QUEUE_DEPTH, TcpEndpoint};
 use crate::completion::{Completion, Opcode, WcStatus};
 use crate::error::{Error, Result};
+use crate::memory::keys::{KeyEntry, KeyTable};
 use crate::memory::{Access, LocalParts};
 use crate::ops::{Due, Held, OpId, OpTable, RawCompletion};
-use crate::options::{ConnectOptions, ConnectionInfo};
+use crate::options::{ConnectOptions, ConnectionInfo, Transport};
 
 /// The largest message (send, or write with immediate) this side accepts.
 pub(crate) const MAX_MESSAGE: u32 = 1 << 30;
 /// Payload bytes per frame.
 const SEGMENT: usize = 1 << 20;
-/// Bytes moved per system call while a gate is held (see [`Entry::alive`]).
+/// Bytes moved per system call while a gate is held (see [`KeyEntry::alive`]).
 const STEP: usize = 1 << 20;
 /// The longest one receive call blocks (the socket's receive timeout): the
 /// longest a withdrawal waits for a stalled peer's write.
@@ -93,106 +94,6 @@ pub(crate) fn memory_bound(peer_depth: u32, send_depth: u32, recv_depth: u32) ->
         + 2 * u64::from(peer_depth) * reply
         + 2 * u64::from(send_depth) * PER_SEND
         + 2 * u64::from(recv_depth) * PER_RECV
-}
-
-// ---- the table of exposed regions, per domain ----
-
-type Table = Arc<RwLock<HashMap<u32, Arc<Entry>>>>;
-
-/// One exposed region, as the TCP transport serves it.
-pub(crate) struct Entry {
-    addr: u64,
-    len: u64,
-    access: Access,
-    /// `false` once revoked. Held for reading while a thread moves bytes
-    /// to or from the region; revoking takes it for writing, so after
-    /// revocation no thread touches the memory.
-    alive: RwLock<bool>,
-}
-
-/// A domain's exposed regions, by key.
-pub(crate) struct TcpDomain {
-    table: Table,
-}
-
-/// An exposure; dropping it revokes the key and waits until no transfer
-/// touches the region.
-pub(crate) struct TcpExposure {
-    table: Table,
-    key: u32,
-    entry: Arc<Entry>,
-}
-
-impl TcpDomain {
-    pub(crate) fn new() -> Self {
-        TcpDomain { table: Arc::default() }
-    }
-
-    /// Serves `len` bytes at `addr` to peers under `key` (a verbs remote
-    /// key, so one descriptor works on both transports), or a fresh key
-    /// drawn from the operating system's CSPRNG, so that no key predicts
-    /// another (as a NIC's rkeys do not).
-    ///
-    /// # Errors
-    /// [`Error::Io`] when the system's random source fails.
-    ///
-    /// # Safety
-    /// The memory must stay valid until the returned handle is dropped.
-    pub(crate) unsafe fn expose(&self, addr: u64, len: u64, access: Access, key: Option<u32>) -> Result<TcpExposure> {
-        let entry = Arc::new(Entry { addr, len, access, alive: RwLock::new(true) });
-        let mut table = self.table.write().unwrap_or_else(|e| e.into_inner());
-        let key = match key {
-            Some(k) => k,
-            None => loop {
-                let k = random_key()?;
-                if k != 0 && !table.contains_key(&k) {
-                    break k;
-                }
-            },
-        };
-        table.insert(key, Arc::clone(&entry));
-        Ok(TcpExposure { table: Arc::clone(&self.table), key, entry })
-    }
-
-    fn lookup(table: &Table, key: u32) -> Option<Arc<Entry>> {
-        table.read().unwrap_or_else(|e| e.into_inner()).get(&key).cloned()
-    }
-}
-
-/// A key from the operating system's CSPRNG.
-fn random_key() -> Result<u32> {
-    let mut b = [0u8; 4];
-    getrandom::fill(&mut b).map_err(|e| Error::Io(io::Error::other(format!("the system's random source: {e}"))))?;
-    Ok(u32::from_ne_bytes(b))
-}
-
-impl TcpExposure {
-    /// The key peers use.
-    pub(crate) fn key(&self) -> u32 {
-        self.key
-    }
-}
-
-impl Drop for TcpExposure {
-    fn drop(&mut self) {
-        {
-            let mut table = self.table.write().unwrap_or_else(|e| e.into_inner());
-            if table.get(&self.key).is_some_and(|e| Arc::ptr_eq(e, &self.entry)) {
-                table.remove(&self.key);
-            }
-        }
-        // Waits for any transfer in progress, then no thread starts another.
-        *self.entry.alive.write().unwrap_or_else(|e| e.into_inner()) = false;
-    }
-}
-
-impl Entry {
-    /// Whether `[addr, addr + len)` lies inside and `needed` is granted.
-    fn admits(&self, addr: u64, len: u64, needed: Access) -> bool {
-        self.access.contains(needed)
-            && addr >= self.addr
-            && addr.checked_add(len).is_some_and(|e| e <= self.addr + self.len)
-    }
 }
 
 // ---- frames ----
@@ -477,7 +378,7 @@ struct Out {
 /// A frame the receiver asks the sender to send.
 enum Ctl {
     Ack { seq: u32, status: u32 },
-    ReadResp { seq: u32, entry: Arc<Entry>, addr: u64, len: u64 },
+    ReadResp { seq: u32, entry: Arc<KeyEntry>, addr: u64, len: u64 },
     Bye,
 }
 
@@ -530,7 +431,7 @@ struct Inner {
     /// Set with `lost`: read without the lock by the receiver before each
     /// frame, so nothing more from the peer is carried out once broken.
     dead: AtomicBool,
-    table: Table,
+    keys: KeyTable,
     /// The keys this connection's peer may use: those advertised on this
     /// connection (in the handshake, or granted since). Another
     /// connection's regions are not reachable through this one.
@@ -575,11 +476,11 @@ impl Inner {
     }
 
     /// The exposed region under `key`, if this connection's peer may use it.
-    fn lookup(&self, key: u32) -> Option<Arc<Entry>> {
+    fn lookup(&self, key: u32) -> Option<Arc<KeyEntry>> {
         if !self.granted.read().unwrap_or_else(|e| e.into_inner()).contains(&key) {
             return None;
         }
-        TcpDomain::lookup(&self.table, key)
+        self.keys.lookup(key)
     }
 
     /// Records a completion; frees the queue room it held. Wakes waiters.
@@ -664,7 +565,7 @@ impl TcpConn {
     }
 
     pub(crate) fn establish(
-        domain: &TcpDomain,
+        keys: &KeyTable,
         domain_id: u64,
         stream: TcpStream,
         theirs: &TcpEndpoint,
@@ -700,7 +601,7 @@ impl TcpConn {
             events: Condvar::new(),
             fd: stream.as_raw_fd(),
             dead: AtomicBool::new(false),
-            table: Arc::clone(&domain.table),
+            keys: keys.clone(),
             granted: RwLock::new(opts.advertise.iter().map(|r| r.rkey).collect()),
             domain_id,
             send_depth: send_depth(opts),
@@ -725,7 +626,7 @@ impl TcpConn {
             std::thread::Builder::new().name("gpu-rdma-tcp-rx".into()).spawn(move || receiver(&inner))?
         };
         let info = ConnectionInfo {
-            transport: "tcp",
+            transport: Transport::Tcp,
             transport_reason: reason,
             peer_addr,
             local_qp_num: 0,
@@ -1109,7 +1010,7 @@ fn send_message(fd: RawFd, o: &Out) -> io::Result<()> {
     }
 }
 
-fn send_read_response(fd: RawFd, seq: u32, entry: &Entry, addr: u64, len: u64) -> io::Result<()> {
+fn send_read_response(fd: RawFd, seq: u32, entry: &KeyEntry, addr: u64, len: u64) -> io::Result<()> {
     let mut off = 0u64;
     loop {
         let n = (len - off).min(SEGMENT as u64);
@@ -1530,24 +1431,5 @@ mod tests {
         assert_eq!(rnr_timer(12), Duration::from_micros(640));
         assert_eq!(rnr_timer(31), Duration::from_micros(491_520));
         assert_eq!(rnr_timer(0), Duration::from_micros(655_360));
-    }
-
-    #[test]
-    fn exposures_check_bounds_and_rights_and_revoke() {
-        let d = TcpDomain::new();
-        let mut mem = vec![0u8; 100];
-        // SAFETY: `mem` outlives the exposure.
-        let x = unsafe { d.expose(mem.as_mut_ptr() as u64, 100, Access::REMOTE_WRITE, None) }.unwrap();
-        let e = TcpDomain::lookup(&d.table, x.key()).unwrap();
-        let a = mem.as_ptr() as u64;
-        assert!(e.admits(a, 100, Access::REMOTE_WRITE));
-        assert!(!e.admits(a + 1, 100, Access::REMOTE_WRITE), "past the end");
-        assert!(!e.admits(a - 1, 10, Access::REMOTE_WRITE), "before the start");
-        assert!(!e.admits(a, 10, Access::REMOTE_READ), "no read right");
-        assert!(!e.admits(u64::MAX - 5, 10, Access::REMOTE_WRITE), "wraps");
-        let key = x.key();
-        drop(x);
-        assert!(TcpDomain::lookup(&d.table, key).is_none());
-        assert!(!*e.alive.read().unwrap());
     }
 }

@@ -12,112 +12,14 @@ use super::queue::{Posted, RemoteOp, WorkItem};
 use crate::bootstrap::{self, Deadline, VerbsEndpoint};
 use crate::completion::{Completion, Opcode};
 use crate::error::{Error, Result};
-use crate::memory::Registration;
+use crate::memory::domain::Nic;
 use crate::memory::{Access, LocalParts};
 use crate::ops::{Due, Held, OpId, OpTable, RawCompletion};
-use crate::options::{ConnectOptions, ConnectionInfo};
-use crate::options::{DomainConfig, DomainInfo};
+use crate::options::{ConnectOptions, ConnectionInfo, Transport};
 use crate::verbs::{
-    self, CompletionChannel, CompletionQueue, Context, DeviceAttr, GidChoice, LinkLayer, MemoryRegion, Mtu, PortAttr,
-    ProtectionDomain, QpCaps, QpState, QueuePair, QueuePairBuilder, RecvWr, RtrAttr, RtsAttr, SendOp, SendWr, Sge,
-    WaitOutcome, WcOpcode, WorkCompletion, choose_gid,
+    self, CompletionChannel, CompletionQueue, LinkLayer, Mtu, PortAttr, QpCaps, QpState, QueuePair, QueuePairBuilder,
+    RecvWr, RtrAttr, RtsAttr, SendOp, SendWr, Sge, WaitOutcome, WcOpcode, WorkCompletion,
 };
-
-/// A domain on a verbs device: context, protection domain, port and GID.
-pub(crate) struct VerbsDomain {
-    pd: ProtectionDomain,
-    ctx: Context,
-    port: PortAttr,
-    gid: GidChoice,
-    device: DeviceAttr,
-}
-
-impl VerbsDomain {
-    pub(crate) fn open(config: &DomainConfig) -> Result<Self> {
-        let (ctx, port) = verbs::open_device(config.device.as_deref(), config.port)?;
-        let device = ctx.query_device()?;
-        let table = ctx.gid_table(port.port)?;
-        let gid = choose_gid(&table, port.link_layer, config.gid_index).ok_or_else(|| Error::NoGid {
-            device: ctx.name().to_owned(),
-            port: port.port,
-            detail: match config.gid_index {
-                Some(i) => format!(
-                    "GID index {i} is empty or does not exist (non-empty entries: {:?})",
-                    table.iter().map(|e| e.index).collect::<Vec<_>>()
-                ),
-                None => "the GID table is empty: on RoCE, is the network device up?".to_owned(),
-            },
-        })?;
-        let pd = ProtectionDomain::new(&ctx)?;
-        Ok(VerbsDomain { pd, ctx, port, gid, device })
-    }
-
-    pub(crate) fn info(&self) -> DomainInfo {
-        DomainInfo {
-            transport: "verbs",
-            fallback: None,
-            device: self.ctx.name().to_owned(),
-            port: self.port.port,
-            link_layer: self.port.link_layer.to_string(),
-            mtu: self.port.active_mtu.bytes(),
-            gid_index: self.gid.entry.index,
-            gid: self.gid.entry.gid.to_string(),
-            gid_reason: self.gid.reason.clone(),
-        }
-    }
-
-    /// # Safety
-    /// As [`MemoryRegion::register`].
-    pub(crate) unsafe fn register(
-        &self,
-        ptr: *mut u8,
-        len: usize,
-        access: Access,
-        relaxed: bool,
-    ) -> Result<Registration> {
-        // SAFETY: forwarded contract.
-        Ok(Registration::Verbs(unsafe { MemoryRegion::register_with(&self.pd, ptr, len, access, relaxed)? }))
-    }
-
-    /// # Safety
-    /// As [`MemoryRegion::register_dmabuf`].
-    #[cfg(feature = "cuda")]
-    pub(crate) unsafe fn register_dmabuf(
-        &self,
-        fd: std::os::fd::BorrowedFd<'_>,
-        offset: u64,
-        len: usize,
-        iova: u64,
-        access: Access,
-        relaxed: bool,
-    ) -> Result<Registration> {
-        #[cfg(gpu_rdma_dmabuf_mr)]
-        {
-            // SAFETY: forwarded contract.
-            Ok(Registration::Verbs(unsafe {
-                MemoryRegion::register_dmabuf(&self.pd, fd, offset, len, iova, access, relaxed)?
-            }))
-        }
-        #[cfg(not(gpu_rdma_dmabuf_mr))]
-        {
-            let _ = (fd, offset, len, iova, access, relaxed);
-            Err(Error::NotSupported {
-                op: "ibv_reg_dmabuf_mr (absent from the rdma-core headers this crate was built with)",
-                source: std::io::Error::from_raw_os_error(libc::EOPNOTSUPP),
-            })
-        }
-    }
-
-    /// Registers a staged region's host mirror; the registration owns it.
-    #[cfg(feature = "cuda")]
-    pub(crate) fn register_mirror(&self, mem: crate::cuda::PinnedHost, access: Access) -> Result<Registration> {
-        use crate::memory::Memory;
-        // SAFETY: `mem` moves into the registration, which deregisters before it
-        // frees (or leaks) the memory.
-        let mr = unsafe { MemoryRegion::register(&self.pd, mem.as_ptr(), mem.len(), access)? };
-        Ok(Registration::Mirror { mr, mem })
-    }
-}
 
 fn random_psn() -> u32 {
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
@@ -176,7 +78,7 @@ pub(crate) struct Prepared {
 }
 
 impl Prepared {
-    pub(crate) fn new(vd: &VerbsDomain, opts: &ConnectOptions) -> Result<Self> {
+    pub(crate) fn new(vd: &Nic, opts: &ConnectOptions) -> Result<Self> {
         let channel = CompletionChannel::new(&vd.ctx)?;
         let cq = CompletionQueue::new(&vd.ctx, opts.send_queue_depth + opts.recv_queue_depth, Some(&channel))?;
         let mut qp = QueuePairBuilder::new(&vd.pd, &cq, &cq)
@@ -266,7 +168,7 @@ impl Prepared {
         let caps = qp.caps();
         let max_message = u64::from(port.max_msg_sz.min(theirs.max_msg_sz)).max(1);
         let info = ConnectionInfo {
-            transport: "verbs",
+            transport: Transport::Verbs,
             transport_reason: String::new(),
             peer_addr,
             local_qp_num: qp.qp_num(),

@@ -9,10 +9,10 @@
 //! honest; the crate root is a facade of re-exports and does not count):
 //!
 //! 0. leaves: `error`, `completion`, `units`, `access`, `remote`, `deadline`,
-//!    `host_memory`, `poll`
+//!    `host_memory`, `poll`, `config` (what a domain is opened with)
 //! 1. `verbs`, `cuda`: the only users of rdma-sys and cudarc
 //! 2. `topology` (pure functions over sysfs, procfs, nvidia-smi)
-//! 3. `memory`, `bootstrap`
+//! 3. `memory` (registration, the key table, regions), `bootstrap`
 //! 4. `ops` (the queue core), `options` (what a connection is set up with)
 //! 5. `transport`
 //! 6. `protocol`, `staging` (direct or staged, the progress engine)
@@ -32,7 +32,7 @@ use crate::{Result, root};
 pub fn layer(module: &str) -> Option<u8> {
     let top = module.split("::").next().unwrap_or(module);
     Some(match top {
-        "error" | "completion" | "units" | "access" | "remote" | "deadline" | "host_memory" | "poll" => 0,
+        "error" | "completion" | "units" | "access" | "remote" | "deadline" | "host_memory" | "poll" | "config" => 0,
         "verbs" | "cuda" => 1,
         "topology" => 2,
         "memory" | "bootstrap" => 3,
