@@ -148,15 +148,15 @@ impl OpTable {
         self.free.push(index);
     }
 
-    /// Forgets an operation that could not be posted at all.
+    /// Forgets an operation that could not be posted at all; returns the
+    /// queue resources it held.
     #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
-    pub(crate) fn abort(&mut self, id: OpId) {
-        if let Some(e) = self.entry(id) {
-            if matches!(e.slot, Slot::Busy { .. }) {
-                self.busy -= 1;
-                self.release(id.index);
-            }
-        }
+    pub(crate) fn abort(&mut self, id: OpId) -> Held {
+        let Some(e) = self.entry(id) else { return Held::default() };
+        let Slot::Busy { held, .. } = e.slot else { return Held::default() };
+        self.busy -= 1;
+        self.release(id.index);
+        held
     }
 
     /// Records one completion. Returns the queue resources to release (when

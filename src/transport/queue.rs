@@ -1,12 +1,13 @@
 //! What the transports share: a post's work items, what each does at the
-//! peer, and how a post ended (the start of the queue core both transports
-//! run on).
+//! peer, how a post ended, and the queue core both run on ([`QueueCore`]:
+//! operations, credits, the lost state and the checks, with no I/O, tested
+//! here without sockets, threads or devices).
 
 use crate::access::Access;
-use crate::completion::Opcode;
+use crate::completion::{Completion, Opcode};
 use crate::error::{Error, Result};
 use crate::memory::{LocalParts, RemoteSlice};
-use crate::ops::OpId;
+use crate::ops::{Held, OpId, OpTable, RawCompletion};
 
 /// One operation of a post: the local range it uses and what it does.
 #[derive(Clone, Copy, Debug)]
@@ -74,4 +75,409 @@ pub(crate) enum Posted {
     /// must stay with the connection until it is torn down (verbs only).
     #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
     Stuck(OpId, Error),
+}
+
+/// What bounds a connection's queues, fixed when it is established.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Limits {
+    /// The domain whose buffers this connection may use.
+    pub domain_id: u64,
+    pub send_depth: u32,
+    pub recv_depth: u32,
+    /// The largest single message (send, or write with immediate).
+    pub max_message: u64,
+}
+
+/// The queue core both transports run on, with no I/O: the operation
+/// table, the send and receive credits, whether (and why) the connection is
+/// lost, and the checks every post passes. A transport holds it under its
+/// lock, posts what the core admits, and feeds it the completions it sees.
+pub(crate) struct QueueCore {
+    table: OpTable,
+    limits: Limits,
+    send_used: u32,
+    recv_used: u32,
+    /// Why the connection can no longer be used; the first reason stays.
+    lost: Option<String>,
+}
+
+/// An orphaned buffer, dropped once the device is done with it.
+pub(crate) type Orphan = Box<dyn std::any::Any + Send>;
+
+impl QueueCore {
+    pub(crate) fn new(limits: Limits) -> Self {
+        QueueCore { table: OpTable::new(), limits, send_used: 0, recv_used: 0, lost: None }
+    }
+
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    pub(crate) fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    /// Why the connection was lost, if it was.
+    pub(crate) fn lost(&self) -> Option<&str> {
+        self.lost.as_deref()
+    }
+
+    /// Marks the connection lost; the first reason stays. Whether this call
+    /// lost it.
+    pub(crate) fn lose(&mut self, reason: impl FnOnce() -> String) -> bool {
+        if self.lost.is_some() {
+            return false;
+        }
+        self.lost = Some(reason());
+        true
+    }
+
+    fn lost_error(&self) -> Option<Error> {
+        self.lost.as_ref().map(|reason| Error::ConnectionLost { reason: reason.clone() })
+    }
+
+    /// Checks a local buffer: it must be registered in this connection's domain.
+    pub(crate) fn check_local(&self, local: &LocalParts) -> Result<()> {
+        if local.domain != self.limits.domain_id {
+            return Err(Error::InvalidArgument(
+                "the buffer is registered with another domain than this connection's".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Checks a work item as a device would (its buffer, the remote right
+    /// and length, the message limit); returns its byte count.
+    pub(crate) fn check_item(&self, item: &WorkItem) -> Result<u64> {
+        let len = match &item.local {
+            Some(l) => {
+                self.check_local(l)?;
+                l.len as u64
+            }
+            None => 0,
+        };
+        item.op.check_remote(len)?;
+        // A send or a write with immediate is one message (the latter consumes one receive).
+        let one_message = matches!(item.op, RemoteOp::Send | RemoteOp::SendWithImm(_) | RemoteOp::WriteWithImm(..));
+        if one_message && len > self.limits.max_message {
+            return Err(Error::MessageTooLarge { len, max: self.limits.max_message });
+        }
+        Ok(len)
+    }
+
+    /// Whether `n` send-queue requests can be posted: `Ok(true)` now,
+    /// `Ok(false)` once completions free room. An error when they never
+    /// can: the connection is lost, or the queue holds fewer.
+    pub(crate) fn send_room(&self, n: u32) -> Result<bool> {
+        if let Some(e) = self.lost_error() {
+            return Err(e);
+        }
+        if n > self.limits.send_depth {
+            return Err(Error::InvalidArgument(format!(
+                "the operation needs {n} send-queue requests, the queue holds {}",
+                self.limits.send_depth
+            )));
+        }
+        Ok(self.send_used + n <= self.limits.send_depth)
+    }
+
+    /// The error for a send queue that stayed full until the deadline.
+    pub(crate) fn send_full(&self) -> Error {
+        Error::QueueFull { queue: "send", depth: self.limits.send_depth }
+    }
+
+    /// Starts an operation of `n` send-queue requests moving `bytes`, taking
+    /// their credits. Call only after [`send_room`](Self::send_room) said `Ok(true)`.
+    pub(crate) fn start_send(&mut self, opcode: Opcode, n: u32, bytes: u64) -> OpId {
+        debug_assert!(self.send_used + n <= self.limits.send_depth && self.lost.is_none());
+        self.send_used += n;
+        self.table.start(opcode, Held { send_wrs: n, recv_wrs: 0 }, Some(bytes))
+    }
+
+    /// Starts a receive, taking a receive credit.
+    ///
+    /// # Errors
+    /// [`Error::ConnectionLost`], or [`Error::QueueFull`] when every receive credit is in use.
+    pub(crate) fn start_recv(&mut self) -> Result<OpId> {
+        if let Some(e) = self.lost_error() {
+            return Err(e);
+        }
+        if self.recv_used >= self.limits.recv_depth {
+            return Err(Error::QueueFull { queue: "receive", depth: self.limits.recv_depth });
+        }
+        self.recv_used += 1;
+        Ok(self.table.start(Opcode::Recv, Held { send_wrs: 0, recv_wrs: 1 }, None))
+    }
+
+    /// Forgets an operation the device never saw, giving its credits back.
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    pub(crate) fn abort(&mut self, id: OpId) {
+        let held = self.table.abort(id);
+        self.release(held);
+    }
+
+    fn release(&mut self, held: Held) {
+        self.send_used -= held.send_wrs.min(self.send_used);
+        self.recv_used -= held.recv_wrs.min(self.recv_used);
+    }
+
+    /// Records one completion: at an operation's final request its credits
+    /// come back, and an orphaned buffer is handed out to be dropped (the
+    /// device is done with it).
+    pub(crate) fn complete(&mut self, raw: &RawCompletion) -> Option<Orphan> {
+        let (held, orphan) = self.table.complete(raw, self.lost.as_deref());
+        self.release(held);
+        orphan
+    }
+
+    /// Whether the operation has an outcome to take.
+    pub(crate) fn is_done(&self, id: OpId) -> bool {
+        self.table.is_done(id)
+    }
+
+    /// Takes a finished operation's outcome.
+    pub(crate) fn take(&mut self, id: OpId) -> Option<Result<Completion>> {
+        self.table.take(id)
+    }
+
+    /// The handle of `id` was dropped: keeps `buffer` until the operation
+    /// completes, or hands it back at once when it already has.
+    pub(crate) fn orphan(&mut self, id: OpId, buffer: Orphan) -> Option<Orphan> {
+        self.table.orphan(id, buffer)
+    }
+
+    /// Every orphaned buffer: only once the device can no longer touch them.
+    pub(crate) fn take_orphans(&mut self) -> Vec<Orphan> {
+        self.table.take_orphans()
+    }
+
+    /// Operations in flight and, of those, orphaned.
+    pub(crate) fn stats(&self) -> (usize, usize) {
+        (self.table.in_flight(), self.table.orphans())
+    }
+
+    /// Send and receive credits in use.
+    #[cfg(test)]
+    fn credits(&self) -> (u32, u32) {
+        (self.send_used, self.recv_used)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::access::Access;
+    use crate::completion::WcStatus;
+    use crate::remote::RemoteRegion;
+
+    fn slice(addr: u64, len: u64, access: Access) -> RemoteSlice {
+        RemoteRegion { tag: 0, addr, len, rkey: 5, access }.whole()
+    }
+
+    const DOMAIN: u64 = 7;
+
+    fn core(send_depth: u32, recv_depth: u32) -> QueueCore {
+        QueueCore::new(Limits { domain_id: DOMAIN, send_depth, recv_depth, max_message: 1 << 20 })
+    }
+
+    fn done(id: OpId, last: bool, status: WcStatus) -> RawCompletion {
+        RawCompletion {
+            wr_id: id.wr_id(last),
+            status,
+            byte_len: 0,
+            imm: None,
+            qp_num: 1,
+            vendor_err: 0,
+            by_write_imm: false,
+        }
+    }
+
+    fn local(len: usize, domain: u64) -> LocalParts {
+        LocalParts { addr: 0x1000, len, lkey: 1, domain, path: None }
+    }
+
+    #[test]
+    fn send_credits_are_taken_at_start_and_returned_at_the_final_completion() {
+        let mut q = core(4, 2);
+        assert!(q.send_room(4).unwrap());
+        let a = q.start_send(Opcode::Write, 3, 300);
+        assert_eq!(q.credits(), (3, 0));
+        assert!(q.send_room(1).unwrap());
+        assert!(!q.send_room(2).unwrap(), "3 + 2 > 4: wait for completions");
+        let b = q.start_send(Opcode::Send, 1, 10);
+        assert!(!q.send_room(1).unwrap());
+        // Earlier requests of a chain give nothing back; its final one gives all three.
+        assert!(q.complete(&done(a, false, WcStatus::Success)).is_none());
+        assert_eq!(q.credits(), (4, 0));
+        q.complete(&done(a, true, WcStatus::Success));
+        assert_eq!(q.credits(), (1, 0));
+        assert!(q.send_room(3).unwrap());
+        q.complete(&done(b, true, WcStatus::Success));
+        assert_eq!(q.credits(), (0, 0));
+        // More than the queue holds can never be posted.
+        assert!(matches!(q.send_room(5), Err(Error::InvalidArgument(_))));
+        // A completion seen twice (or a stale one) returns nothing twice.
+        q.complete(&done(b, true, WcStatus::Success));
+        assert_eq!(q.credits(), (0, 0));
+    }
+
+    #[test]
+    fn receive_credits_run_out_and_come_back() {
+        let mut q = core(4, 2);
+        let r1 = q.start_recv().unwrap();
+        let _r2 = q.start_recv().unwrap();
+        assert!(matches!(q.start_recv(), Err(Error::QueueFull { queue: "receive", depth: 2 })));
+        q.complete(&done(r1, true, WcStatus::Success));
+        assert_eq!(q.credits(), (0, 1));
+        q.start_recv().unwrap();
+    }
+
+    #[test]
+    fn an_aborted_post_gives_its_credits_and_slot_back() {
+        let mut q = core(2, 1);
+        let a = q.start_send(Opcode::Write, 2, 8);
+        q.abort(a);
+        assert_eq!(q.credits(), (0, 0));
+        assert_eq!(q.stats(), (0, 0));
+        assert!(q.take(a).is_none(), "an aborted operation has no outcome");
+        let r = q.start_recv().unwrap();
+        q.abort(r);
+        assert_eq!(q.credits(), (0, 0));
+        q.abort(r);
+        assert_eq!(q.credits(), (0, 0), "aborting twice returns nothing twice");
+    }
+
+    #[test]
+    fn completions_in_any_order_reach_their_own_operations() {
+        let mut q = core(64, 64);
+        let ops: Vec<(OpId, Opcode)> = (0..32)
+            .map(|i| match i % 3 {
+                0 => (q.start_recv().unwrap(), Opcode::Recv),
+                1 => (q.start_send(Opcode::Write, 1, i), Opcode::Write),
+                _ => (q.start_send(Opcode::Read, 1, i), Opcode::Read),
+            })
+            .collect();
+        // Completed in reverse, odd ones first.
+        let order: Vec<usize> =
+            (0..32).rev().filter(|i| i % 2 == 1).chain((0..32).rev().filter(|i| i % 2 == 0)).collect();
+        for &i in &order {
+            let (id, _) = ops[i];
+            let status = if i == 5 { WcStatus::RemoteAccess } else { WcStatus::Success };
+            q.complete(&RawCompletion { byte_len: i as u32, ..done(id, true, status) });
+        }
+        for (i, (id, opcode)) in ops.iter().enumerate() {
+            let outcome = q.take(*id).expect("done");
+            match outcome {
+                Ok(c) => {
+                    assert_eq!(c.opcode, *opcode, "op {i}");
+                    // Send-queue operations report what they moved; receives what arrived.
+                    assert_eq!(u64::from(c.byte_len), i as u64, "op {i}");
+                }
+                Err(e) => assert!(i == 5 && e.is_remote_access(), "op {i}: {e}"),
+            }
+        }
+        assert_eq!(q.credits(), (0, 0));
+        // Slots are reused, and a reused slot's new operation is not the old one.
+        let again = q.start_send(Opcode::Send, 1, 0);
+        assert!(ops.iter().all(|(id, _)| *id != again));
+        q.complete(&done(ops[0].0, true, WcStatus::Success));
+        assert!(!q.is_done(again), "a stale completion does not complete the slot's new operation");
+    }
+
+    #[test]
+    fn the_first_error_in_a_chain_is_the_operation_outcome() {
+        let mut q = core(8, 1);
+        let a = q.start_send(Opcode::Write, 4, 4096);
+        q.complete(&done(a, false, WcStatus::Success));
+        q.complete(&done(a, false, WcStatus::RemoteAccess));
+        q.complete(&done(a, false, WcStatus::RemoteOperation));
+        assert!(!q.is_done(a), "not done before the final request");
+        // The connection broke on the error; the rest of the chain is flushed.
+        assert!(q.lose(|| "the queue pair went to the error state".into()));
+        assert!(!q.lose(|| "a later reason".into()), "the first reason stays");
+        q.complete(&done(a, true, WcStatus::WrFlush));
+        let err = q.take(a).unwrap().unwrap_err();
+        assert!(err.is_remote_access(), "the first error, not the flush: {err}");
+        // Operations that were only flushed say the connection was lost, and why.
+        let mut q = core(8, 1);
+        let b = q.start_send(Opcode::Send, 1, 1);
+        q.lose(|| "the peer closed the connection".into());
+        q.complete(&done(b, true, WcStatus::WrFlush));
+        match q.take(b).unwrap() {
+            Err(Error::ConnectionLost { reason }) => assert!(reason.contains("peer closed"), "{reason}"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_lost_connection_refuses_new_posts_and_still_completes_old_ones() {
+        let mut q = core(8, 8);
+        let a = q.start_send(Opcode::Write, 1, 1);
+        let r = q.start_recv().unwrap();
+        q.lose(|| "the peer died".into());
+        assert!(matches!(q.send_room(1), Err(Error::ConnectionLost { .. })));
+        assert!(matches!(q.start_recv(), Err(Error::ConnectionLost { .. })));
+        q.complete(&done(a, true, WcStatus::WrFlush));
+        q.complete(&done(r, true, WcStatus::WrFlush));
+        assert!(q.take(a).unwrap().is_err() && q.take(r).unwrap().is_err());
+        assert_eq!(q.credits(), (0, 0));
+    }
+
+    #[test]
+    fn orphaned_buffers_are_released_at_the_final_completion_only() {
+        struct Tracked(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+        impl Drop for Tracked {
+            fn drop(&mut self) {
+                self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+        let dropped = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let count = || dropped.load(std::sync::atomic::Ordering::SeqCst);
+        let mut q = core(8, 8);
+        let a = q.start_send(Opcode::Write, 3, 3);
+        assert!(q.orphan(a, Box::new(Tracked(dropped.clone()))).is_none(), "kept while in flight");
+        assert_eq!(q.stats(), (1, 1));
+        drop(q.complete(&done(a, false, WcStatus::Success)));
+        drop(q.complete(&done(a, false, WcStatus::Success)));
+        assert_eq!(count(), 0, "not before the final request");
+        let released = q.complete(&done(a, true, WcStatus::Success));
+        assert!(released.is_some());
+        drop(released);
+        assert_eq!(count(), 1);
+        assert_eq!((q.stats(), q.credits()), ((0, 0), (0, 0)));
+        // A finished operation's buffer comes back at once.
+        let b = q.start_send(Opcode::Send, 1, 1);
+        q.complete(&done(b, true, WcStatus::Success));
+        drop(q.orphan(b, Box::new(Tracked(dropped.clone()))));
+        assert_eq!(count(), 2);
+        // At teardown the core hands over what is still in flight.
+        let c = q.start_recv().unwrap();
+        assert!(q.orphan(c, Box::new(Tracked(dropped.clone()))).is_none());
+        drop(q.take_orphans());
+        assert_eq!(count(), 3);
+    }
+
+    #[test]
+    fn items_are_checked_as_a_device_would() {
+        let q = core(8, 8);
+        let remote = |access| slice(0x9000, 64, access);
+        let ok = WorkItem { local: Some(local(64, DOMAIN)), op: RemoteOp::Write(remote(Access::REMOTE_WRITE)) };
+        assert_eq!(q.check_item(&ok).unwrap(), 64);
+        let foreign = WorkItem { local: Some(local(64, DOMAIN + 1)), ..ok };
+        assert!(matches!(q.check_item(&foreign), Err(Error::InvalidArgument(m)) if m.contains("another domain")));
+        let no_right = WorkItem { op: RemoteOp::Read(remote(Access::REMOTE_WRITE)), ..ok };
+        assert!(matches!(q.check_item(&no_right), Err(Error::AccessDenied { .. })));
+        let short = WorkItem { local: Some(local(32, DOMAIN)), ..ok };
+        assert!(matches!(q.check_item(&short), Err(Error::InvalidArgument(_))));
+        let big = WorkItem { local: Some(local(2 << 20, DOMAIN)), op: RemoteOp::Send };
+        assert!(
+            matches!(q.check_item(&big), Err(Error::MessageTooLarge { len, max }) if len == 2 << 20 && max == 1 << 20)
+        );
+        // A large write is split by the transport, not refused.
+        let big_write = WorkItem {
+            local: Some(local(2 << 20, DOMAIN)),
+            op: RemoteOp::Write(slice(0, 2 << 20, Access::REMOTE_WRITE)),
+        };
+        assert_eq!(q.check_item(&big_write).unwrap(), 2 << 20);
+        let big_imm = WorkItem { op: RemoteOp::WriteWithImm(slice(0, 2 << 20, Access::REMOTE_WRITE), 1), ..big_write };
+        assert!(matches!(q.check_item(&big_imm), Err(Error::MessageTooLarge { .. })));
+        assert_eq!(q.check_item(&WorkItem { local: None, op: RemoteOp::Send }).unwrap(), 0);
+    }
 }

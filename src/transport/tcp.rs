@@ -44,13 +44,13 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::queue::{Posted, RemoteOp, WorkItem};
+use super::queue::{Limits, Posted, QueueCore, RemoteOp, WorkItem};
 use crate::bootstrap::{self, Deadline, MAX_TCP_QUEUE_DEPTH, TcpEndpoint};
 use crate::completion::{Completion, Opcode, WcStatus};
 use crate::error::{Error, Result};
 use crate::memory::keys::{KeyEntry, KeyTable};
 use crate::memory::{Access, LocalParts};
-use crate::ops::{Due, Held, OpId, OpTable, RawCompletion};
+use crate::ops::{Due, OpId, RawCompletion};
 use crate::options::{ConnectOptions, ConnectionInfo, Transport};
 
 /// The largest message (send, or write with immediate) this side accepts.
@@ -395,8 +395,8 @@ struct ReadDst {
 }
 
 struct State {
-    table: OpTable,
-    lost: Option<String>,
+    /// Operations, credits, the lost state.
+    q: QueueCore,
     stopping: bool,
     next_seq: u32,
     queue: VecDeque<Out>,
@@ -411,8 +411,6 @@ struct State {
     /// Read requests queued or sent: seq -> destination.
     reads: HashMap<u32, ReadDst>,
     recvs: VecDeque<Recv>,
-    send_used: u32,
-    recv_used: u32,
     /// The sender thread has ended (after the connection broke or stopped).
     sender_done: bool,
 }
@@ -436,13 +434,11 @@ struct Inner {
     /// connection (in the handshake, or granted since). Another
     /// connection's regions are not reachable through this one.
     granted: RwLock<Vec<u32>>,
-    domain_id: u64,
-    send_depth: u32,
-    recv_depth: u32,
+    /// The connection's fixed limits (the queue core has them too).
+    limits: Limits,
     /// The peer's send-queue depth: the most replies (acknowledgements, read
     /// responses) its outstanding requests can need.
     peer_depth: usize,
-    max_message: u64,
     /// Inline copies' buffers, reused (at most the send-queue depth kept).
     inline_pool: Mutex<Vec<Vec<u8>>>,
     /// How long a peer's send waits here for a receive; `None`: forever
@@ -485,18 +481,14 @@ impl Inner {
 
     /// Records a completion; frees the queue room it held. Wakes waiters.
     fn complete(&self, st: &mut State, c: &RawCompletion) {
-        let (held, orphan) = st.table.complete(c, st.lost.as_deref());
-        st.send_used -= held.send_wrs.min(st.send_used);
-        st.recv_used -= held.recv_wrs.min(st.recv_used);
-        drop(orphan);
+        drop(st.q.complete(c));
         self.events.notify_all();
     }
 
     /// The connection broke: say why, and fail what no thread is touching.
     fn break_with(&self, st: &mut State, reason: String) {
-        if st.lost.is_none() {
+        if st.q.lose(|| reason.clone()) {
             tracing::info!("TCP connection lost: {reason}");
-            st.lost = Some(reason);
         }
         self.dead.store(true, Ordering::Release);
         let queued: Vec<Out> = st.queue.drain(..).collect();
@@ -581,10 +573,11 @@ impl TcpConn {
         // turns it off and is capped by net.core.rmem_max (208 KiB by default).
         let peer_addr = stream.peer_addr().ok();
         let max_message = u64::from(MAX_MESSAGE.min(theirs.max_message));
+        let limits =
+            Limits { domain_id, send_depth: send_depth(opts), recv_depth: opts.recv_queue_depth.max(1), max_message };
         let inner = Arc::new(Inner {
             state: Mutex::new(State {
-                table: OpTable::new(),
-                lost: None,
+                q: QueueCore::new(limits),
                 stopping: false,
                 next_seq: 1,
                 queue: VecDeque::new(),
@@ -593,8 +586,6 @@ impl TcpConn {
                 sending: None,
                 reads: HashMap::new(),
                 recvs: VecDeque::new(),
-                send_used: 0,
-                recv_used: 0,
                 sender_done: false,
             }),
             work: Condvar::new(),
@@ -603,16 +594,13 @@ impl TcpConn {
             dead: AtomicBool::new(false),
             keys: keys.clone(),
             granted: RwLock::new(opts.advertise.iter().map(|r| r.rkey).collect()),
-            domain_id,
-            send_depth: send_depth(opts),
-            recv_depth: opts.recv_queue_depth.max(1),
+            limits,
             peer_depth: theirs.send_depth.clamp(1, MAX_TCP_QUEUE_DEPTH) as usize,
             // A few buffers up front: the sender may still hold the last one
             // when the next inline send is posted (its acknowledgement can
             // beat the sender back to the pool). The pool grows only to the
             // concurrency actually used, then stays.
             inline_pool: Mutex::new((0..INLINE_POOL).map(|_| Vec::with_capacity(MAX_INLINE as usize)).collect()),
-            max_message,
             // The peer's retry count, this side's timer, as on verbs.
             rnr_budget: (theirs.rnr_retry < 7)
                 .then(|| rnr_timer(opts.min_rnr_timer) * (u32::from(theirs.rnr_retry) + 1)),
@@ -634,19 +622,17 @@ impl TcpConn {
             mtu: SEGMENT as u32,
             max_message_size: max_message,
             max_inline: MAX_INLINE,
-            send_queue_depth: inner.send_depth,
-            recv_queue_depth: inner.recv_depth,
-            memory_bound: Some(memory_bound(inner.peer_depth as u32, inner.send_depth, inner.recv_depth)),
+            send_queue_depth: limits.send_depth,
+            recv_queue_depth: limits.recv_depth,
+            memory_bound: Some(memory_bound(inner.peer_depth as u32, limits.send_depth, limits.recv_depth)),
         };
         Ok((TcpConn { inner, stream, threads: Mutex::new(vec![sender, receiver]) }, info))
     }
 
-    fn check_local(&self, l: &LocalParts) -> Result<()> {
-        if l.domain != self.inner.domain_id {
-            return Err(Error::InvalidArgument(
-                "the buffer is registered with another domain than this connection's".into(),
-            ));
-        }
+    /// Checks a local buffer: in this connection's domain, and not GPU
+    /// memory (which goes over TCP through the staging pipeline).
+    fn check_local(q: &QueueCore, l: &LocalParts) -> Result<()> {
+        q.check_local(l)?;
         if l.path.is_some() {
             return Err(Error::InvalidArgument("GPU memory goes over TCP through the staging pipeline".into()));
         }
@@ -654,22 +640,11 @@ impl TcpConn {
     }
 
     /// Checks a work item as verbs would; returns its byte count.
-    fn check_item(&self, item: &WorkItem) -> Result<u64> {
-        let len = match &item.local {
-            Some(l) => {
-                self.check_local(l)?;
-                l.len as u64
-            }
-            None => 0,
-        };
-        match item.op {
-            RemoteOp::Send | RemoteOp::SendWithImm(_) | RemoteOp::WriteWithImm(..) if len > self.inner.max_message => {
-                return Err(Error::MessageTooLarge { len, max: self.inner.max_message });
-            }
-            RemoteOp::Send | RemoteOp::SendWithImm(_) => {}
-            RemoteOp::Write(_) | RemoteOp::WriteWithImm(..) | RemoteOp::Read(_) => item.op.check_remote(len)?,
+    fn check_item(q: &QueueCore, item: &WorkItem) -> Result<u64> {
+        if let Some(l) = &item.local {
+            Self::check_local(q, l)?;
         }
-        Ok(len)
+        q.check_item(item)
     }
 
     /// The message a checked work item becomes: its kind, source address and length.
@@ -699,27 +674,19 @@ impl TcpConn {
         let n = count as u32;
         let mut st = self.inner.lock();
         loop {
-            if let Some(reason) = &st.lost {
-                return Posted::Refused(Error::ConnectionLost { reason: reason.clone() });
-            }
-            if st.send_used + n <= self.inner.send_depth {
-                break;
-            }
-            if n > self.inner.send_depth {
-                return Posted::Refused(Error::InvalidArgument(format!(
-                    "the operation needs {n} send-queue entries, the queue holds {}",
-                    self.inner.send_depth
-                )));
+            match st.q.send_room(n) {
+                Ok(true) => break,
+                Ok(false) => {}
+                Err(e) => return Posted::Refused(e),
             }
             let now = Instant::now();
             let deadline = due.at_from(now);
             if now >= deadline {
-                return Posted::Refused(Error::QueueFull { queue: "send", depth: self.inner.send_depth });
+                return Posted::Refused(st.q.send_full());
             }
             st = self.inner.events.wait_timeout(st, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
         }
-        let id = st.table.start(opcode, Held { send_wrs: n, recv_wrs: 0 }, Some(bytes));
-        st.send_used += n;
+        let id = st.q.start_send(opcode, n, bytes);
         for i in 0..count {
             let (kind, addr, len) = next(i);
             let seq = st.next_seq;
@@ -739,10 +706,13 @@ impl TcpConn {
             return Posted::Refused(Error::InvalidArgument("nothing to post".into()));
         };
         let mut bytes = 0;
-        for item in items {
-            match self.check_item(item) {
-                Ok(len) => bytes += len,
-                Err(e) => return Posted::Refused(e),
+        {
+            let st = self.inner.lock();
+            for item in items {
+                match Self::check_item(&st.q, item) {
+                    Ok(len) => bytes += len,
+                    Err(e) => return Posted::Refused(e),
+                }
             }
         }
         self.enqueue(last.op.opcode(), items.len(), bytes, due, |i| Self::message(&items[i]))
@@ -765,24 +735,20 @@ impl TcpConn {
     }
 
     pub(crate) fn post_recv(&self, local: Option<LocalParts>) -> Posted {
+        let mut st = self.inner.lock();
         let (addr, len) = match &local {
             Some(l) => {
-                if let Err(e) = self.check_local(l) {
+                if let Err(e) = Self::check_local(&st.q, l) {
                     return Posted::Refused(e);
                 }
                 (l.addr, l.len as u64)
             }
             None => (0, 0),
         };
-        let mut st = self.inner.lock();
-        if let Some(reason) = &st.lost {
-            return Posted::Refused(Error::ConnectionLost { reason: reason.clone() });
-        }
-        if st.recv_used >= self.inner.recv_depth {
-            return Posted::Refused(Error::QueueFull { queue: "receive", depth: self.inner.recv_depth });
-        }
-        let id = st.table.start(Opcode::Recv, Held { send_wrs: 0, recv_wrs: 1 }, None);
-        st.recv_used += 1;
+        let id = match st.q.start_recv() {
+            Ok(id) => id,
+            Err(e) => return Posted::Refused(e),
+        };
         st.recvs.push_back(Recv { wr_id: id.wr_id(true), addr, len });
         self.inner.events.notify_all();
         Posted::Ok(id)
@@ -791,7 +757,7 @@ impl TcpConn {
     pub(crate) fn wait_done(&self, id: OpId, due: &mut Due, what: &'static str) -> Result<()> {
         let mut st = self.inner.lock();
         loop {
-            if st.table.is_done(id) {
+            if st.q.is_done(id) {
                 return Ok(());
             }
             let now = Instant::now();
@@ -804,15 +770,15 @@ impl TcpConn {
     }
 
     pub(crate) fn poll_done(&self, id: OpId) -> Result<bool> {
-        Ok(self.inner.lock().table.is_done(id))
+        Ok(self.inner.lock().q.is_done(id))
     }
 
     pub(crate) fn take(&self, id: OpId) -> Option<Result<Completion>> {
-        self.inner.lock().table.take(id)
+        self.inner.lock().q.take(id)
     }
 
     pub(crate) fn orphan(&self, id: OpId, buffer: Box<dyn std::any::Any + Send>) {
-        let released = self.inner.lock().table.orphan(id, buffer);
+        let released = self.inner.lock().q.orphan(id, buffer);
         drop(released);
     }
 
@@ -822,12 +788,12 @@ impl TcpConn {
     }
 
     pub(crate) fn broken(&self) -> Option<String> {
-        self.inner.lock().lost.clone()
+        self.inner.lock().q.lost().map(str::to_owned)
     }
 
     pub(crate) fn stats(&self) -> (usize, usize) {
         let st = self.inner.lock();
-        (st.table.in_flight(), st.table.orphans())
+        st.q.stats()
     }
 
     /// Closes this side: says bye, stops both threads (waiting for them), and
@@ -835,7 +801,7 @@ impl TcpConn {
     pub(crate) fn shutdown(&self, reason: &str) {
         {
             let mut st = self.inner.lock();
-            if st.lost.is_none() {
+            if st.q.lost().is_none() {
                 // After what is queued: acknowledgements of messages this side
                 // already completed must reach the peer first, as on RC.
                 st.control.push_back(Ctl::Bye);
@@ -877,7 +843,7 @@ impl Drop for TcpConn {
     fn drop(&mut self) {
         self.shutdown("the connection was dropped");
         // Nothing touches buffers any more: release every orphan.
-        let orphans = self.inner.lock().table.take_orphans();
+        let orphans = self.inner.lock().q.take_orphans();
         drop(orphans);
     }
 }
@@ -896,13 +862,13 @@ fn sender(inner: &Inner) {
             let mut st = inner.lock();
             loop {
                 if let Some(c) = st.control.pop_front() {
-                    if st.lost.is_some() {
+                    if st.q.lost().is_some() {
                         // Shutdown may be waiting for the control queue to drain.
                         inner.events.notify_all();
                     }
                     break Work::Ctl(c);
                 }
-                if st.stopping || st.lost.is_some() {
+                if st.stopping || st.q.lost().is_some() {
                     // Broken or closing, and every queued reply went out (or
                     // failed): hang up, so the peer sees the end at once and
                     // the receiver stops reading.
@@ -935,7 +901,7 @@ fn sender(inner: &Inner) {
                 let r = send_message(fd, &o);
                 if let OutKind::Inline { data, .. } = &mut o.kind {
                     let mut pool = inner.inline_pool.lock().unwrap_or_else(|e| e.into_inner());
-                    if pool.len() < inner.send_depth as usize {
+                    if pool.len() < inner.limits.send_depth as usize {
                         pool.push(std::mem::take(data));
                     }
                 }
@@ -944,7 +910,7 @@ fn sender(inner: &Inner) {
                 // Not (all) sent, or the connection broke meanwhile (and its flush
                 // skipped this message): this thread owned it, so it fails it, unless
                 // the acknowledgement already completed it.
-                let failed = r.is_err() || st.lost.is_some();
+                let failed = r.is_err() || st.q.lost().is_some();
                 if failed {
                     let pending = st.awaiting.remove(&o.seq).is_some() || st.reads.remove(&o.seq).is_some();
                     if pending {
@@ -1046,7 +1012,7 @@ fn receiver(inner: &Inner) {
         if inner.dead.load(Ordering::Acquire) {
             // Broken (by this thread, the sender, or this side closing):
             // nothing more from the peer is carried out.
-            break inner.lock().lost.clone().unwrap_or_default();
+            break inner.lock().q.lost().unwrap_or_default().to_owned();
         }
         let mut head = [0u8; HEADER];
         match recv_buf(fd, &mut head) {
@@ -1155,8 +1121,8 @@ fn next_recv(inner: &Inner) -> std::result::Result<Option<Recv>, String> {
     let deadline = inner.rnr_budget.map(|b| Instant::now() + b);
     let mut st = inner.lock();
     loop {
-        if st.stopping || st.lost.is_some() {
-            return Err(st.lost.clone().unwrap_or_else(|| "the connection is closing".into()));
+        if st.stopping || st.q.lost().is_some() {
+            return Err(st.q.lost().map_or_else(|| "the connection is closing".into(), str::to_owned));
         }
         if let Some(r) = st.recvs.pop_front() {
             return Ok(Some(r));
@@ -1352,12 +1318,12 @@ fn on_ack(inner: &Inner, h: &Header) -> Step {
     let Some(wr_id) = wr_id else {
         return Ok(());
     };
-    if !status.is_success() && st.lost.is_none() {
-        st.lost = Some(format!("the connection went to the error state after a request failed with {status}"));
+    if !status.is_success() {
+        st.q.lose(|| format!("the connection went to the error state after a request failed with {status}"));
     }
     inner.complete(&mut st, &raw(wr_id, status));
     if !status.is_success() {
-        let why = st.lost.clone().unwrap_or_default();
+        let why = st.q.lost().unwrap_or_default().to_owned();
         inner.break_with(&mut st, why.clone());
         // The peer broke the connection: nothing more from it is carried out.
         return Err(why);

@@ -8,13 +8,13 @@ use std::os::fd::AsFd;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::queue::{Posted, RemoteOp, WorkItem};
+use super::queue::{Limits, Posted, QueueCore, RemoteOp, WorkItem};
 use crate::bootstrap::{self, Deadline, VerbsEndpoint};
 use crate::completion::{Completion, Opcode};
 use crate::error::{Error, Result};
 use crate::memory::domain::Nic;
 use crate::memory::{Access, LocalParts};
-use crate::ops::{Due, Held, OpId, OpTable, RawCompletion};
+use crate::ops::{Due, OpId, RawCompletion};
 use crate::options::{ConnectOptions, ConnectionInfo, Transport};
 use crate::verbs::{
     self, CompletionChannel, CompletionQueue, LinkLayer, Mtu, PortAttr, QpCaps, QpState, QueuePair, QueuePairBuilder,
@@ -34,11 +34,8 @@ const SPINS_PER_CLOCK: u32 = 64;
 struct State {
     // Declared first: dropped (destroyed) before the table's orphaned buffers.
     qp: Option<QueuePair>,
-    table: OpTable,
-    send_used: u32,
-    recv_used: u32,
-    /// Why the connection can no longer be used.
-    lost: Option<String>,
+    /// Operations, credits, the lost state.
+    q: QueueCore,
     /// The peer closed or died at this instant; the queue pair is moved to
     /// the error state after a short grace, so completions already on their
     /// way are still reported.
@@ -54,10 +51,6 @@ pub(crate) struct VerbsConn {
     state: Mutex<State>,
     cq: CompletionQueue,
     socket: TcpStream,
-    domain_id: u64,
-    send_depth: u32,
-    recv_depth: u32,
-    max_message: u64,
     max_inline: u32,
     spin: Duration,
 }
@@ -184,10 +177,12 @@ impl Prepared {
         let conn = VerbsConn {
             state: Mutex::new(State {
                 qp: Some(qp),
-                table: OpTable::new(),
-                send_used: 0,
-                recv_used: 0,
-                lost: None,
+                q: QueueCore::new(Limits {
+                    domain_id,
+                    send_depth: caps.max_send_wr,
+                    recv_depth: caps.max_recv_wr,
+                    max_message,
+                }),
                 peer_gone: None,
                 wcs: vec![WorkCompletion::EMPTY; POLL_BATCH],
                 sges: Vec::with_capacity(64),
@@ -195,10 +190,6 @@ impl Prepared {
             }),
             cq,
             socket: stream,
-            domain_id,
-            send_depth: caps.max_send_wr,
-            recv_depth: caps.max_recv_wr,
-            max_message,
             max_inline: caps.max_inline_data,
             spin: opts.spin,
         };
@@ -236,17 +227,13 @@ impl VerbsConn {
                 vendor_err: wc.vendor_err,
                 by_write_imm: wc.opcode == WcOpcode::RecvRdmaWithImm,
             };
-            if !wc.status.is_success() && st.lost.is_none() {
-                st.lost = Some(format!(
-                    "the queue pair went to the error state after a work request failed with {}",
-                    wc.status
-                ));
+            if !wc.status.is_success() {
+                st.q.lose(|| {
+                    format!("the queue pair went to the error state after a work request failed with {}", wc.status)
+                });
             }
-            let (held, orphan) = st.table.complete(&raw, st.lost.as_deref());
-            st.send_used -= held.send_wrs.min(st.send_used);
-            st.recv_used -= held.recv_wrs.min(st.recv_used);
-            // The device is done with the orphan's memory: its final request completed.
-            drop(orphan);
+            // The device is done with an orphan's memory: its final request completed.
+            drop(st.q.complete(&raw));
         }
         st.wcs = wcs;
         self.check_grace(st);
@@ -271,7 +258,7 @@ impl VerbsConn {
     /// Looks at the socket after poll(2) said it is readable: the peer said
     /// bye, closed, or died.
     fn check_peer(&self, st: &mut State) {
-        if st.lost.is_some() {
+        if st.q.lost().is_some() {
             return;
         }
         let mut byte = [0u8; 1];
@@ -282,7 +269,7 @@ impl VerbsConn {
             Err(_) => "the connection to the peer was reset",
         };
         tracing::info!("{reason}");
-        st.lost = Some(reason.to_owned());
+        st.q.lose(|| reason.to_owned());
         st.peer_gone = Some(Instant::now());
     }
 
@@ -324,7 +311,7 @@ impl VerbsConn {
                 if ready(&mut st) {
                     return Ok(true);
                 }
-                st.lost.is_none()
+                st.q.lost().is_none()
             };
             let slice = deadline.saturating_duration_since(Instant::now()).min(Duration::from_millis(20));
             let extra = watch_peer.then(|| self.socket.as_fd());
@@ -336,7 +323,7 @@ impl VerbsConn {
     }
 
     pub(crate) fn wait_done(&self, id: OpId, due: &mut Due, what: &'static str) -> Result<()> {
-        if self.lock().table.is_done(id) || self.wait_until(due, |st| st.table.is_done(id))? {
+        if self.lock().q.is_done(id) || self.wait_until(due, |st| st.q.is_done(id))? {
             Ok(())
         } else {
             Err(Error::Timeout { what, after: due.timeout() })
@@ -347,11 +334,11 @@ impl VerbsConn {
         let mut st = self.lock();
         // Often already reaped while waiting for something else: then the
         // completion queue need not be polled again.
-        if st.table.is_done(id) {
+        if st.q.is_done(id) {
             return Ok(true);
         }
         self.progress(&mut st)?;
-        Ok(st.table.is_done(id))
+        Ok(st.q.is_done(id))
     }
 
     pub(crate) fn progress_now(&self) -> Result<usize> {
@@ -360,11 +347,11 @@ impl VerbsConn {
     }
 
     pub(crate) fn take(&self, id: OpId) -> Option<Result<Completion>> {
-        self.lock().table.take(id)
+        self.lock().q.take(id)
     }
 
     pub(crate) fn orphan(&self, id: OpId, buffer: Box<dyn std::any::Any + Send>) {
-        let released = self.lock().table.orphan(id, buffer);
+        let released = self.lock().q.orphan(id, buffer);
         // Dropped outside the lock: deregistering can take a while.
         drop(released);
     }
@@ -372,24 +359,24 @@ impl VerbsConn {
     pub(crate) fn broken(&self) -> Option<String> {
         let mut st = self.lock();
         let _ = self.progress(&mut st);
-        if st.lost.is_none() {
+        if st.q.lost().is_none() {
             self.check_peer(&mut st);
         }
-        st.lost.clone()
+        st.q.lost().map(str::to_owned)
     }
 
     pub(crate) fn stats(&self) -> (usize, usize) {
         let st = self.lock();
-        (st.table.in_flight(), st.table.orphans())
+        st.q.stats()
     }
 
     /// Closes this side: says bye, then moves the queue pair to the error
     /// state so everything outstanding completes (flushed).
     pub(crate) fn shutdown(&self, reason: &str) {
         let mut st = self.lock();
-        if st.lost.is_none() {
+        if st.q.lost().is_none() {
             bootstrap::send_bye(&self.socket);
-            st.lost = Some(reason.to_owned());
+            st.q.lose(|| reason.to_owned());
         }
         if let Some(qp) = st.qp.as_mut() {
             if qp.state() != QpState::Error {
@@ -400,51 +387,36 @@ impl VerbsConn {
         }
     }
 
-    fn check_local(&self, local: &LocalParts) -> Result<()> {
-        if local.domain != self.domain_id {
-            return Err(Error::InvalidArgument(
-                "the buffer is registered with another domain than this connection's".into(),
-            ));
-        }
-        Ok(())
-    }
-
-    /// Splits the items into send-queue requests, checking each.
-    fn plan(&self, items: &[WorkItem], scratch: &mut Vec<(SendOp, usize, bool)>, sges: &mut Vec<Sge>) -> Result<()> {
+    /// Splits the items into send-queue requests, checking each; returns
+    /// the bytes they move.
+    fn plan(
+        &self,
+        q: &QueueCore,
+        items: &[WorkItem],
+        scratch: &mut Vec<(SendOp, usize, bool)>,
+        sges: &mut Vec<Sge>,
+    ) -> Result<u64> {
         scratch.clear();
         sges.clear();
+        let max_message = q.limits().max_message;
+        let mut bytes = 0;
         for item in items {
-            let (addr, len, lkey) = match &item.local {
-                Some(l) => {
-                    self.check_local(l)?;
-                    (l.addr, l.len as u64, l.lkey)
-                }
-                None => (0, 0, 0),
-            };
+            let len = q.check_item(item)?;
+            bytes += len;
+            let (addr, lkey) = item.local.as_ref().map_or((0, 0), |l| (l.addr, l.lkey));
             // Inline data is copied by the CPU at post time (the provider
             // memcpy's from the address): only host memory may go inline.
             // GPU memory is never CPU-readable through its device address.
             let cpu_readable = item.local.as_ref().is_none_or(|l| l.path.is_none());
-            item.op.check_remote(len)?;
+            // Writes and reads longer than a message are split; the rest is
+            // one message (`check_item` held them to the limit).
             let chunks = match item.op {
-                RemoteOp::Send | RemoteOp::SendWithImm(_) => {
-                    if len > self.max_message {
-                        return Err(Error::MessageTooLarge { len, max: self.max_message });
-                    }
-                    1
-                }
-                // A write with immediate is one message: it consumes one receive.
-                RemoteOp::WriteWithImm(..) => {
-                    if len > self.max_message {
-                        return Err(Error::MessageTooLarge { len, max: self.max_message });
-                    }
-                    1
-                }
-                RemoteOp::Write(_) | RemoteOp::Read(_) => len.div_ceil(self.max_message).max(1),
+                RemoteOp::Write(_) | RemoteOp::Read(_) => len.div_ceil(max_message).max(1),
+                RemoteOp::Send | RemoteOp::SendWithImm(_) | RemoteOp::WriteWithImm(..) => 1,
             };
             for c in 0..chunks {
-                let off = c * self.max_message;
-                let n = (len - off).min(self.max_message);
+                let off = c * max_message;
+                let n = (len - off).min(max_message);
                 let op = match item.op {
                     RemoteOp::Send => SendOp::Send,
                     RemoteOp::SendWithImm(imm) => SendOp::SendWithImm(imm),
@@ -463,14 +435,22 @@ impl VerbsConn {
                 }
             }
         }
-        if scratch.len() as u64 > u64::from(self.send_depth) {
-            return Err(Error::InvalidArgument(format!(
-                "the operation needs {} send-queue requests, the queue holds {}",
-                scratch.len(),
-                self.send_depth
-            )));
+        Ok(bytes)
+    }
+
+    /// Waits until `n` send-queue requests fit (driving progress), up to `due`.
+    fn send_room<'a>(&'a self, mut st: MutexGuard<'a, State>, n: u32, due: &mut Due) -> Result<MutexGuard<'a, State>> {
+        loop {
+            if st.q.send_room(n)? {
+                return Ok(st);
+            }
+            drop(st);
+            let room = |s: &mut State| s.q.send_room(n).unwrap_or(true);
+            if !self.wait_until(due, room)? {
+                return Err(self.lock().q.send_full());
+            }
+            st = self.lock();
         }
-        Ok(())
     }
 
     pub(crate) fn post_send(&self, items: &[WorkItem], mut due: Due) -> Posted {
@@ -479,72 +459,57 @@ impl VerbsConn {
         };
         let opcode = last.op.opcode();
         let mut st = self.lock();
-        loop {
-            if let Some(reason) = &st.lost {
-                return Posted::Refused(Error::ConnectionLost { reason: reason.clone() });
-            }
-            let (mut scratch, mut sges) = (std::mem::take(&mut st.scratch), std::mem::take(&mut st.sges));
-            if let Err(e) = self.plan(items, &mut scratch, &mut sges) {
+        // Planned once, outside the wait for room: the plan depends only on
+        // the items and the connection's fixed limits.
+        let (mut scratch, mut sges) = (std::mem::take(&mut st.scratch), std::mem::take(&mut st.sges));
+        let planned = self.plan(&st.q, items, &mut scratch, &mut sges);
+        let n = scratch.len() as u32;
+        let room = planned.and_then(|bytes| self.send_room(st, n, &mut due).map(|st| (st, bytes)));
+        let (mut st, bytes) = match room {
+            Ok(ok) => ok,
+            Err(e) => {
+                let mut st = self.lock();
                 st.scratch = scratch;
                 st.sges = sges;
                 return Posted::Refused(e);
             }
-            let n = scratch.len() as u32;
-            if st.send_used + n <= self.send_depth {
-                let bytes = items.iter().map(|i| i.local.map_or(0, |l| l.len as u64)).sum();
-                let id = st.table.start(opcode, Held { send_wrs: n, recv_wrs: 0 }, Some(bytes));
-                let outcome = {
-                    let count = scratch.len();
-                    let wrs = scratch.iter().enumerate().map(|(i, &(op, sge, inline))| {
-                        let list: &[Sge] = if sge == usize::MAX { &[] } else { &sges[sge..sge + 1] };
-                        let last = i + 1 == count;
-                        SendWr::new(id.wr_id(last), op, list).signaled(last).inline(inline)
-                    });
-                    let qp = st.qp.as_mut().expect("the queue pair lives as long as the connection");
-                    // SAFETY: every scatter/gather entry names a range of a registered
-                    // buffer (checked against its length by `LocalSlice::resolve`, with
-                    // its lkey, in this connection's domain) that the caller's
-                    // `Pending` owns until this operation's final request completes;
-                    // if the `Pending` is dropped first, the buffer moves into the
-                    // table as an orphan and is dropped only at that completion or
-                    // after the queue pair is destroyed.
-                    unsafe { qp.post_send(wrs) }
-                };
-                st.scratch = scratch;
-                st.sges = sges;
-                return match outcome {
-                    Ok(()) => {
-                        st.send_used += n;
-                        Posted::Ok(id)
-                    }
-                    Err(e) if e.posted == 0 => {
-                        st.table.abort(id);
-                        Posted::Refused(e.error)
-                    }
-                    Err(e) => {
-                        // Part of the chain is on the wire without a signaled request
-                        // behind it: break the connection so it flushes, and keep
-                        // the buffer until teardown.
-                        st.send_used += n;
-                        let reason = format!("posting failed part-way: {}", e.error);
-                        st.lost = Some(reason.clone());
-                        if let Some(qp) = st.qp.as_mut() {
-                            let _ = qp.set_error();
-                        }
-                        Posted::Stuck(id, Error::ConnectionLost { reason })
-                    }
-                };
+        };
+        let id = st.q.start_send(opcode, n, bytes);
+        let outcome = {
+            let count = scratch.len();
+            let wrs = scratch.iter().enumerate().map(|(i, &(op, sge, inline))| {
+                let list: &[Sge] = if sge == usize::MAX { &[] } else { &sges[sge..sge + 1] };
+                let last = i + 1 == count;
+                SendWr::new(id.wr_id(last), op, list).signaled(last).inline(inline)
+            });
+            let qp = st.qp.as_mut().expect("the queue pair lives as long as the connection");
+            // SAFETY: every scatter/gather entry names a range of a registered
+            // buffer (checked against its length by `LocalSlice::resolve`, with
+            // its lkey, in this connection's domain) that the caller's
+            // `Pending` owns until this operation's final request completes;
+            // if the `Pending` is dropped first, the buffer moves into the
+            // table as an orphan and is dropped only at that completion or
+            // after the queue pair is destroyed.
+            unsafe { qp.post_send(wrs) }
+        };
+        st.scratch = scratch;
+        st.sges = sges;
+        match outcome {
+            Ok(()) => Posted::Ok(id),
+            Err(e) if e.posted == 0 => {
+                st.q.abort(id);
+                Posted::Refused(e.error)
             }
-            st.scratch = scratch;
-            st.sges = sges;
-            drop(st);
-            let room = |s: &mut State| s.send_used + n <= self.send_depth || s.lost.is_some();
-            match self.wait_until(&mut due, room) {
-                Ok(true) => st = self.lock(),
-                Ok(false) => {
-                    return Posted::Refused(Error::QueueFull { queue: "send", depth: self.send_depth });
+            Err(e) => {
+                // Part of the chain is on the wire without a signaled request
+                // behind it: break the connection so it flushes, and keep
+                // the buffer until teardown.
+                let reason = format!("posting failed part-way: {}", e.error);
+                st.q.lose(|| reason.clone());
+                if let Some(qp) = st.qp.as_mut() {
+                    let _ = qp.set_error();
                 }
-                Err(e) => return Posted::Refused(e),
+                Posted::Stuck(id, Error::ConnectionLost { reason })
             }
         }
     }
@@ -558,47 +523,33 @@ impl VerbsConn {
             None => SendOp::Send,
         };
         let opcode = if imm.is_some() { Opcode::SendWithImm } else { Opcode::Send };
-        let mut st = self.lock();
-        loop {
-            if let Some(reason) = &st.lost {
-                return Posted::Refused(Error::ConnectionLost { reason: reason.clone() });
-            }
-            if st.send_used < self.send_depth {
-                let id = st.table.start(opcode, Held { send_wrs: 1, recv_wrs: 0 }, Some(data.len() as u64));
-                // lkey 0 is never used: inline data is copied at post time.
-                let sge = [Sge::new(data.as_ptr() as u64, data.len() as u32, 0)];
-                let list: &[Sge] = if data.is_empty() { &[] } else { &sge };
-                let wr = SendWr::new(id.wr_id(true), op, list).inline(!data.is_empty());
-                let qp = st.qp.as_mut().expect("the queue pair lives as long as the connection");
-                // SAFETY: an inline request's data is copied into the work queue
-                // during ibv_post_send; `data` is valid for this call and nothing
-                // references it afterwards.
-                let outcome = unsafe { qp.post_send([wr]) };
-                return match outcome {
-                    Ok(()) => {
-                        st.send_used += 1;
-                        Posted::Ok(id)
-                    }
-                    Err(e) => {
-                        st.table.abort(id);
-                        Posted::Refused(e.error)
-                    }
-                };
-            }
-            drop(st);
-            match self.wait_until(&mut due, |s| s.send_used < self.send_depth || s.lost.is_some()) {
-                Ok(true) => st = self.lock(),
-                Ok(false) => {
-                    return Posted::Refused(Error::QueueFull { queue: "send", depth: self.send_depth });
-                }
-                Err(e) => return Posted::Refused(e),
+        let mut st = match self.send_room(self.lock(), 1, &mut due) {
+            Ok(st) => st,
+            Err(e) => return Posted::Refused(e),
+        };
+        let id = st.q.start_send(opcode, 1, data.len() as u64);
+        // lkey 0 is never used: inline data is copied at post time.
+        let sge = [Sge::new(data.as_ptr() as u64, data.len() as u32, 0)];
+        let list: &[Sge] = if data.is_empty() { &[] } else { &sge };
+        let wr = SendWr::new(id.wr_id(true), op, list).inline(!data.is_empty());
+        let qp = st.qp.as_mut().expect("the queue pair lives as long as the connection");
+        // SAFETY: an inline request's data is copied into the work queue
+        // during ibv_post_send; `data` is valid for this call and nothing
+        // references it afterwards.
+        let outcome = unsafe { qp.post_send([wr]) };
+        match outcome {
+            Ok(()) => Posted::Ok(id),
+            Err(e) => {
+                st.q.abort(id);
+                Posted::Refused(e.error)
             }
         }
     }
 
     pub(crate) fn post_recv(&self, local: Option<LocalParts>) -> Posted {
+        let mut st = self.lock();
         if let Some(l) = &local {
-            if let Err(e) = self.check_local(l) {
+            if let Err(e) = st.q.check_local(l) {
                 return Posted::Refused(e);
             }
             // A receive's scatter entry holds at most u32::MAX bytes.
@@ -606,14 +557,10 @@ impl VerbsConn {
                 return Posted::Refused(Error::MessageTooLarge { len: l.len as u64, max: u64::from(u32::MAX) });
             }
         }
-        let mut st = self.lock();
-        if let Some(reason) = &st.lost {
-            return Posted::Refused(Error::ConnectionLost { reason: reason.clone() });
-        }
-        if st.recv_used >= self.recv_depth {
-            return Posted::Refused(Error::QueueFull { queue: "receive", depth: self.recv_depth });
-        }
-        let id = st.table.start(Opcode::Recv, Held { send_wrs: 0, recv_wrs: 1 }, None);
+        let id = match st.q.start_recv() {
+            Ok(id) => id,
+            Err(e) => return Posted::Refused(e),
+        };
         let sge = local.map(|l| Sge::new(l.addr, l.len.min(u32::MAX as usize) as u32, l.lkey));
         let list: &[Sge] = match &sge {
             Some(s) => std::slice::from_ref(s),
@@ -625,12 +572,9 @@ impl VerbsConn {
         // table) until this receive completes or the queue pair is destroyed.
         let outcome = unsafe { qp.post_recv([RecvWr::new(id.wr_id(true), list)]) };
         match outcome {
-            Ok(()) => {
-                st.recv_used += 1;
-                Posted::Ok(id)
-            }
+            Ok(()) => Posted::Ok(id),
             Err(e) => {
-                st.table.abort(id);
+                st.q.abort(id);
                 Posted::Refused(e.error)
             }
         }
@@ -650,7 +594,8 @@ impl Drop for VerbsConn {
         // device touches none of its requests' memory anyway.
         let deadline = Instant::now() + Duration::from_secs(2);
         let mut wcs = [WorkCompletion::EMPTY; POLL_BATCH];
-        while st.table.in_flight() > 0 && Instant::now() < deadline {
+        st.q.lose(|| "the connection was dropped".to_owned());
+        while st.q.stats().0 > 0 && Instant::now() < deadline {
             match cq.poll(&mut wcs) {
                 Ok(0) => std::thread::sleep(Duration::from_micros(200)),
                 Ok(n) => {
@@ -664,13 +609,13 @@ impl Drop for VerbsConn {
                             vendor_err: wc.vendor_err,
                             by_write_imm: false,
                         };
-                        drop(st.table.complete(&raw, Some("the connection was dropped")));
+                        drop(st.q.complete(&raw));
                     }
                 }
                 Err(_) => break,
             }
         }
-        let orphans = st.table.take_orphans();
+        let orphans = st.q.take_orphans();
         match st.qp.take().map(QueuePair::destroy) {
             Some(Err(e)) => {
                 tracing::error!(
