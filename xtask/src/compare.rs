@@ -1,13 +1,21 @@
-//! `cargo xtask compare`: perftest and `gpu-rdma bench` side by side on
-//! rxe0 in one guest run, interleaved (each round alternates which goes
-//! first, so drift in the emulated machine hits both), with the same sizes
-//! and iteration counts; a table of medians over the rounds and the ratios.
+//! `cargo xtask compare`: `gpu-rdma bench` beside two anchors, perftest and
+//! UCX (`ucx_perftest`), with the same sizes and iteration counts,
+//! interleaved (each round rotates which goes first, so drift hits all), and
+//! a table of medians over the rounds and the ratios.
+//!
+//! 1. On this machine, TCP on loopback: our TCP transport against UCX over
+//!    TCP (`UCX_TLS=tcp`), put bandwidth at 64 KiB and 1 MiB and latency.
+//! 2. In one soft-RoCE guest run, on rxe0: perftest, UCX
+//!    (`UCX_TLS=rc_verbs,ud_verbs,self`) and gpu-rdma.
+//!
 //! Absolute speeds in the guest mean nothing; the ratios do.
+//! `--host` runs part 1 only.
 
 use std::fmt::Write as _;
 use std::fs;
 use std::path::Path;
-use std::time::Duration;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
 use crate::vm::{self, VmOptions};
 use crate::{Result, cargo, root, run as run_cmd, setup};
@@ -16,6 +24,8 @@ use crate::{Result, cargo, root, run as run_cmd, setup};
 struct Case {
     test: &'static str,
     perftest: &'static str,
+    /// The `ucx_perftest` test that does the same (put, get, tag ping-pong).
+    ucx: &'static str,
     size: u64,
     iters: u32,
 }
@@ -32,16 +42,41 @@ impl Case {
 
 fn cases() -> Vec<Case> {
     let mut v = Vec::new();
-    for (test, perftest) in [("write-bw", "ib_write_bw"), ("read-bw", "ib_read_bw")] {
-        v.push(Case { test, perftest, size: 64 << 10, iters: 1000 });
-        v.push(Case { test, perftest, size: 1 << 20, iters: 100 });
+    for (test, perftest, ucx) in [("write-bw", "ib_write_bw", "ucp_put_bw"), ("read-bw", "ib_read_bw", "ucp_get")] {
+        v.push(Case { test, perftest, ucx, size: 64 << 10, iters: 1000 });
+        v.push(Case { test, perftest, ucx, size: 1 << 20, iters: 100 });
     }
     // Latency runs are short next to process start-up: 5000 ping-pongs
     // steady the median at little cost.
     for size in [2, 64, 1024, 4096] {
-        v.push(Case { test: "send-lat", perftest: "ib_send_lat", size, iters: 5000 });
+        v.push(Case { test: "send-lat", perftest: "ib_send_lat", ucx: "tag_lat", size, iters: 5000 });
     }
     v
+}
+
+/// The host's TCP cases: bandwidth at 64 KiB and 1 MiB, and latency.
+fn host_cases() -> Vec<Case> {
+    vec![
+        Case { test: "write-bw", perftest: "", ucx: "ucp_put_bw", size: 64 << 10, iters: 5000 },
+        Case { test: "write-bw", perftest: "", ucx: "ucp_put_bw", size: 1 << 20, iters: 1000 },
+        Case { test: "send-lat", perftest: "", ucx: "tag_lat", size: 64, iters: 20000 },
+    ]
+}
+
+/// The `ucx_perftest` command line for a case (server side: without a host).
+fn ucx_cmd(c: &Case, port: u16) -> String {
+    // Warm-up as perftest's: a small share of the run.
+    format!("ucx_perftest -t {} -s {} -n {} -w {} -p {port}", c.ucx, c.size, c.iters, (c.iters / 10).max(10))
+}
+
+/// UCX's figure from its `Final:` line: the median latency (usec) for a
+/// latency test, the average bandwidth (MB/s, 2^20 bytes, as perftest's)
+/// for a bandwidth test.
+pub fn ucx_figure(log: &str, bw: bool) -> Option<f64> {
+    let line = log.lines().find(|l| l.trim_start().starts_with("Final:"))?;
+    let f: Vec<&str> = line.split_whitespace().collect();
+    // Final: iterations p50 average overall bw-average bw-overall rate-average rate-overall
+    f.get(if bw { 5 } else { 2 }).and_then(|s| s.parse().ok())
 }
 
 const PAIR: &str = r#"
@@ -88,13 +123,27 @@ fn median(mut v: Vec<f64>) -> Option<f64> {
 }
 
 pub fn command(args: &[String]) -> Result<i32> {
-    let rounds: usize = match args {
-        [] => 3,
-        [flag, n] if flag == "--rounds" => n.parse().map_err(|_| format!("--rounds {n}: not a number"))?,
-        _ => return Err(format!("compare takes --rounds N (default 3); got {args:?}")),
-    };
+    let mut rounds = 3;
+    let mut host_only = false;
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--rounds" => {
+                let n = it.next().ok_or("--rounds needs a number")?;
+                rounds = n.parse().map_err(|_| format!("--rounds {n}: not a number"))?;
+            }
+            "--host" => host_only = true,
+            _ => return Err(format!("compare takes --rounds N (default 3) and --host; got {args:?}")),
+        }
+    }
     let kernel = setup::setup()?;
     run_cmd(cargo().args(["build", "--release", "--bin", "gpu-rdma"]))?;
+    let (host_table, host_missing) = host(rounds)?;
+    print!("{host_table}");
+    if host_only {
+        let _ = fs::write(root().join("target/compare.txt"), &host_table);
+        return Ok(i32::from(host_missing != 0));
+    }
     let cases = cases();
     let mut script = String::from(PAIR);
     for round in 0..rounds {
@@ -102,26 +151,116 @@ pub fn command(args: &[String]) -> Result<i32> {
         for (i, c) in cases.iter().enumerate() {
             let pt = format!("{} -d rxe0 -x 0 -F -s {} -n {}", c.perftest, c.size, c.iters);
             let gr = format!("$B bench {} -d rxe0 -p 18516 -s {} -n {}", c.test, c.size, c.iters);
-            let both = [("perftest", pt, "127.0.0.1"), ("gpu-rdma", gr, "127.0.0.1")];
-            let order: Vec<&(&str, String, &str)> =
-                if (round + i) % 2 == 0 { both.iter().collect() } else { both.iter().rev().collect() };
-            for (tool, cmd, host) in order {
-                let _ = writeln!(script, "pair {}-{tool}-{round} \"{cmd}\" \"{cmd} {host}\"", c.name());
+            let ucx = format!("env UCX_TLS=rc_verbs,ud_verbs,self UCX_NET_DEVICES=rxe0:1 {}", ucx_cmd(c, 13337));
+            let all = [("perftest", pt), ("ucx", ucx), ("gpu-rdma", gr)];
+            for k in 0..all.len() {
+                let (tool, cmd) = &all[(round + i + k) % all.len()];
+                let client = if *tool == "ucx" {
+                    cmd.replace("ucx_perftest ", "ucx_perftest 127.0.0.1 ")
+                } else {
+                    format!("{cmd} 127.0.0.1")
+                };
+                let _ = writeln!(script, "pair {}-{tool}-{round} \"{cmd}\" \"{client}\"", c.name());
             }
         }
     }
     script.push_str("exit 0\n");
     println!(
-        "xtask: compare: {} cases x {rounds} rounds, perftest and gpu-rdma bench interleaved on rxe0",
+        "xtask: compare: {} cases x {rounds} rounds, perftest, UCX and gpu-rdma bench interleaved on rxe0",
         cases.len()
     );
     let opts = VmOptions { timeout: Duration::from_secs(3600), keep: true, ..VmOptions::default() };
     let guest = vm::run_script(&kernel, &root(), &script, &opts)?;
     let (table, missing) = report(&guest.dir, &cases, rounds);
     print!("{table}");
-    let _ = fs::write(root().join("target/compare.txt"), &table);
+    let _ = fs::write(root().join("target/compare.txt"), format!("{host_table}{table}"));
     println!("(also in target/compare.txt; guest logs in {})", guest.dir.display());
-    Ok(if missing == 0 && guest.code == 0 { 0 } else { 1 })
+    Ok(if missing == 0 && host_missing == 0 && guest.code == 0 { 0 } else { 1 })
+}
+
+/// Runs a server and, a second later, its client; the client's output.
+fn pair(server: &[String], client: &[String], env: &[(&str, &str)]) -> Result<String> {
+    let spawn = |argv: &[String]| {
+        let mut c = Command::new(&argv[0]);
+        c.args(&argv[1..]).envs(env.iter().copied()).stdin(Stdio::null());
+        c
+    };
+    let mut srv =
+        spawn(server).stdout(Stdio::null()).stderr(Stdio::null()).spawn().map_err(|e| format!("{}: {e}", server[0]))?;
+    std::thread::sleep(Duration::from_secs(1));
+    let out = spawn(client).output().map_err(|e| format!("{}: {e}", client[0]));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while srv.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = srv.kill();
+    let _ = srv.wait();
+    let out = out?;
+    Ok(format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+}
+
+/// Part 1: our TCP transport and UCX over TCP on loopback, interleaved.
+fn host(rounds: usize) -> Result<(String, usize)> {
+    let bin = root().join("target/release/gpu-rdma").display().to_string();
+    let cases = host_cases();
+    println!(
+        "xtask: compare: {} cases x {rounds} rounds on this machine: gpu-rdma over TCP and UCX over TCP",
+        cases.len()
+    );
+    let words = |s: String| s.split_whitespace().map(str::to_owned).collect::<Vec<_>>();
+    let mut figures: Vec<[Vec<f64>; 2]> = cases.iter().map(|_| [Vec::new(), Vec::new()]).collect();
+    let mut missing = 0;
+    for round in 0..rounds {
+        for (i, c) in cases.iter().enumerate() {
+            for k in 0..2 {
+                let ucx_turn = (round + i + k) % 2 == 0;
+                let log = if ucx_turn {
+                    let server = words(ucx_cmd(c, 13390));
+                    let client = words(ucx_cmd(c, 13390).replace("ucx_perftest ", "ucx_perftest 127.0.0.1 "));
+                    pair(&server, &client, &[("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", "lo")])?
+                } else {
+                    let server =
+                        words(format!("{bin} bench {} --transport tcp -p 18590 -s {} -n {}", c.test, c.size, c.iters));
+                    let mut client = server.clone();
+                    client.push("127.0.0.1".into());
+                    pair(&server, &client, &[])?
+                };
+                let v = if ucx_turn { ucx_figure(&log, c.is_bw()) } else { figure(&log, c.size, c.is_bw()) };
+                match v {
+                    Some(v) => figures[i][usize::from(ucx_turn)].push(v),
+                    None => {
+                        missing += 1;
+                        println!(
+                            "  no figure from {} (round {round}):\n{log}",
+                            if ucx_turn { "ucx" } else { "gpu-rdma" }
+                        );
+                    }
+                }
+            }
+        }
+    }
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "\nthis machine, TCP on loopback\n{:<10} {:>9} {:>7}  {:>14} {:>14}  {:>7}",
+        "test", "bytes", "iters", "ucx (tcp)", "gpu-rdma (tcp)", "ratio"
+    );
+    for (c, [ours, ucx]) in cases.iter().zip(figures) {
+        let (g, u) = (median(ours), median(ucx));
+        let unit = if c.is_bw() { "MiB/s" } else { "us" };
+        let show = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{v:.2} {unit}"));
+        let ratio = match (g, u) {
+            (Some(g), Some(u)) if u > 0.0 => format!("{:.2}x", g / u),
+            _ => "-".to_owned(),
+        };
+        let _ =
+            writeln!(out, "{:<10} {:>9} {:>7}  {:>14} {:>14}  {:>7}", c.test, c.size, c.iters, show(u), show(g), ratio);
+    }
+    let _ = writeln!(
+        out,
+        "medians of {rounds} rounds; UCX: ucp_put_bw / tag_lat (median latency, one-way); gpu-rdma: write-bw / send-lat"
+    );
+    Ok((out, missing))
 }
 
 /// The table, and how many runs gave no figure.
@@ -130,17 +269,17 @@ fn report(dir: &Path, cases: &[Case], rounds: usize) -> (String, usize) {
     let mut missing = 0;
     let _ = writeln!(
         out,
-        "\n{:<10} {:>9} {:>7}  {:>14} {:>14}  {:>7}  goal",
-        "test", "bytes", "iters", "perftest", "gpu-rdma", "ratio"
+        "\nrxe0 in the soft-RoCE guest\n{:<10} {:>9} {:>7}  {:>14} {:>14} {:>14}  {:>7}  {:>7}  goal (vs perftest)",
+        "test", "bytes", "iters", "perftest", "ucx", "gpu-rdma", "vs pt", "vs ucx"
     );
     for c in cases {
-        let mut med = [None, None];
-        for (k, tool) in ["perftest", "gpu-rdma"].iter().enumerate() {
+        let mut med = [None, None, None];
+        for (k, tool) in ["perftest", "gpu-rdma", "ucx"].iter().enumerate() {
             let vals: Vec<f64> = (0..rounds)
                 .filter_map(|r| {
                     let log =
                         fs::read_to_string(dir.join(format!("{}-{tool}-{r}.client", c.name()))).unwrap_or_default();
-                    let v = figure(&log, c.size, c.is_bw());
+                    let v = if *tool == "ucx" { ucx_figure(&log, c.is_bw()) } else { figure(&log, c.size, c.is_bw()) };
                     if v.is_none() {
                         missing += 1;
                     }
@@ -152,8 +291,12 @@ fn report(dir: &Path, cases: &[Case], rounds: usize) -> (String, usize) {
         let unit = if c.is_bw() { "MiB/s" } else { "us" };
         let show = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{v:.2} {unit}"));
         let ratio = match med {
-            [Some(p), Some(g)] if p > 0.0 => Some(g / p),
+            [Some(p), Some(g), _] if p > 0.0 => Some(g / p),
             _ => None,
+        };
+        let vs_ucx = match med {
+            [_, Some(g), Some(u)] if u > 0.0 => format!("{:.2}x", g / u),
+            _ => "-".to_owned(),
         };
         // Bandwidth: higher is better, at least 1.00x from 64 KiB. Latency:
         // lower is better, at most 1.05x up to 4 KiB.
@@ -164,17 +307,23 @@ fn report(dir: &Path, cases: &[Case], rounds: usize) -> (String, usize) {
         };
         let _ = writeln!(
             out,
-            "{:<10} {:>9} {:>7}  {:>14} {:>14}  {:>7}  {goal} {}",
+            "{:<10} {:>9} {:>7}  {:>14} {:>14} {:>14}  {:>7}  {:>7}  {goal} {}",
             c.test,
             c.size,
             c.iters,
             show(med[0]),
+            show(med[2]),
             show(med[1]),
             ratio.map_or("-".to_owned(), |r| format!("{r:.2}x")),
+            vs_ucx,
             if met { "met" } else { "MISSED" }
         );
     }
-    let _ = writeln!(out, "medians of {rounds} rounds; bandwidth: BW average; latency: t_typical (median), one-way");
+    let _ = writeln!(
+        out,
+        "medians of {rounds} rounds; bandwidth: BW average; latency: t_typical (median), one-way; \
+         UCX: ucp_put_bw, ucp_get, tag_lat (median)"
+    );
     (out, missing)
 }
 
@@ -194,5 +343,10 @@ mod tests {
         assert_eq!(figure("65536 1000 1 2 3", 65536, true), None, "no header, no figure");
         assert_eq!(median(vec![3.0, 1.0, 2.0]), Some(2.0));
         assert_eq!(median(vec![4.0, 1.0]), Some(2.5));
+        let ucx = "|    Stage     | # iterations | 50.0%ile | average | overall |  average |  overall |\n\
+                   Final:                  2000      4.011     8.168     8.168        7.47       7.47      122436      122436\n";
+        assert_eq!(ucx_figure(ucx, false), Some(4.011));
+        assert_eq!(ucx_figure(ucx, true), Some(7.47));
+        assert_eq!(ucx_figure("no final line", true), None);
     }
 }

@@ -26,6 +26,8 @@ pub const BUILD_PACKAGES: &[&str] = &[
 const VM_PACKAGES: &[&str] = &[
     "ibverbs-utils",
     "perftest",
+    // UCX's ucx_perftest, the second anchor of `cargo xtask compare`.
+    "ucx-utils",
     "qemu-system-x86",
     "busybox-static",
     "kmod",
