@@ -86,20 +86,31 @@ pub(crate) struct Held {
 
 type Orphan = Box<dyn Any + Send>;
 
-enum Slot {
+enum OpSlot {
     Free,
-    Busy { opcode: Opcode, held: Held, bytes: Option<u64>, first_error: Option<Completion>, orphan: Option<Orphan> },
-    Done { outcome: Result<Completion> },
+    Busy {
+        opcode: Opcode,
+        held: Held,
+        bytes: Option<u64>,
+        first_error: Option<Completion>,
+        orphan: Option<Orphan>,
+    },
+    /// Finished: the completion that decides the outcome (the first error
+    /// of a chain, else the final request's), turned into a `Result` only
+    /// when taken, so completing moves no error value around.
+    Done {
+        effective: Completion,
+    },
 }
 
-struct Entry {
+struct OpEntry {
     generation: u32,
-    slot: Slot,
+    slot: OpSlot,
 }
 
 /// The table. Never shrinks; reuses slots.
 pub(crate) struct OpTable {
-    entries: Vec<Entry>,
+    entries: Vec<OpEntry>,
     free: Vec<u32>,
     busy: usize,
     orphans: usize,
@@ -125,7 +136,7 @@ impl OpTable {
     /// device's byte count is only defined for receives), `None` for a
     /// receive.
     pub(crate) fn start(&mut self, opcode: Opcode, held: Held, bytes: Option<u64>) -> OpId {
-        let slot = Slot::Busy { opcode, held, bytes, first_error: None, orphan: None };
+        let slot = OpSlot::Busy { opcode, held, bytes, first_error: None, orphan: None };
         self.busy += 1;
         if let Some(index) = self.free.pop() {
             let e = &mut self.entries[index as usize];
@@ -134,17 +145,17 @@ impl OpTable {
             OpId { index, generation: e.generation }
         } else {
             let index = self.entries.len() as u32;
-            self.entries.push(Entry { generation: 0, slot });
+            self.entries.push(OpEntry { generation: 0, slot });
             OpId { index, generation: 0 }
         }
     }
 
-    fn entry(&mut self, id: OpId) -> Option<&mut Entry> {
+    fn entry(&mut self, id: OpId) -> Option<&mut OpEntry> {
         self.entries.get_mut(id.index as usize).filter(|e| e.generation == id.generation)
     }
 
     fn release(&mut self, index: u32) {
-        self.entries[index as usize].slot = Slot::Free;
+        self.entries[index as usize].slot = OpSlot::Free;
         self.free.push(index);
     }
 
@@ -153,7 +164,7 @@ impl OpTable {
     #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
     pub(crate) fn abort(&mut self, id: OpId) -> Held {
         let Some(e) = self.entry(id) else { return Held::default() };
-        let Slot::Busy { held, .. } = e.slot else { return Held::default() };
+        let OpSlot::Busy { held, .. } = e.slot else { return Held::default() };
         self.busy -= 1;
         self.release(id.index);
         held
@@ -162,16 +173,13 @@ impl OpTable {
     /// Records one completion. Returns the queue resources to release (when
     /// it was the operation's final request) and an orphaned buffer that may
     /// now be dropped.
-    ///
-    /// `lost` is why the connection broke, if it did: flushed operations
-    /// then fail with [`Error::ConnectionLost`] rather than a flush status.
-    pub(crate) fn complete(&mut self, raw: &RawCompletion, lost: Option<&str>) -> (Held, Option<Orphan>) {
+    pub(crate) fn complete(&mut self, raw: &RawCompletion) -> (Held, Option<Orphan>) {
         let (id, last) = OpId::from_wr_id(raw.wr_id);
         let Some(entry) = self.entry(id) else {
             tracing::warn!(wr_id = raw.wr_id, "completion for an unknown work request");
             return (Held::default(), None);
         };
-        let Slot::Busy { opcode, held, bytes, first_error, orphan } = &mut entry.slot else {
+        let OpSlot::Busy { opcode, held, bytes, first_error, orphan } = &mut entry.slot else {
             tracing::warn!(wr_id = raw.wr_id, "completion for an operation that is not in flight");
             return (Held::default(), None);
         };
@@ -198,39 +206,45 @@ impl OpTable {
         let held = *held;
         let orphan = orphan.take();
         let effective = first_error.take().unwrap_or(completion);
-        let outcome = match (effective.result(), lost) {
+        if orphan.is_some() {
+            self.orphans -= 1;
+            self.release(id.index);
+        } else {
+            entry.slot = OpSlot::Done { effective };
+        }
+        self.busy -= 1;
+        (held, orphan)
+    }
+
+    /// The outcome of a finished operation. `lost` is why the connection
+    /// broke, if it did (the first reason, which never changes): a flushed
+    /// operation then fails with [`Error::ConnectionLost`] rather than a
+    /// flush status.
+    fn outcome(effective: Completion, lost: Option<&str>) -> Result<Completion> {
+        match (effective.result(), lost) {
             (Ok(c), _) => Ok(c),
             (Err(CompletionError { status: WcStatus::WrFlush, opcode, .. }), Some(reason)) => {
                 Err(Error::ConnectionLost { reason: format!("{reason}; the {opcode} was flushed") })
             }
             (Err(e), _) => Err(Error::Completion(e)),
-        };
-        if orphan.is_some() {
-            self.orphans -= 1;
-            self.release(id.index);
-        } else {
-            entry.slot = Slot::Done { outcome };
         }
-        self.busy -= 1;
-        (held, orphan)
     }
 
     /// Whether the operation has an outcome to take.
     pub(crate) fn is_done(&self, id: OpId) -> bool {
         self.entries
             .get(id.index as usize)
-            .is_some_and(|e| e.generation == id.generation && matches!(e.slot, Slot::Done { .. }))
+            .is_some_and(|e| e.generation == id.generation && matches!(e.slot, OpSlot::Done { .. }))
     }
 
-    /// Takes a finished operation's outcome, freeing its slot.
-    pub(crate) fn take(&mut self, id: OpId) -> Option<Result<Completion>> {
+    /// Takes a finished operation's outcome, freeing its slot. `lost` is
+    /// why the connection broke, if it did.
+    pub(crate) fn take(&mut self, id: OpId, lost: Option<&str>) -> Option<Result<Completion>> {
         let e = self.entry(id)?;
-        if !matches!(e.slot, Slot::Done { .. }) {
-            return None;
-        }
-        let Slot::Done { outcome } = std::mem::replace(&mut e.slot, Slot::Free) else { unreachable!() };
+        let OpSlot::Done { effective } = e.slot else { return None };
+        e.slot = OpSlot::Free;
         self.free.push(id.index);
-        Some(outcome)
+        Some(Self::outcome(effective, lost))
     }
 
     /// The handle of an operation was dropped. If it is still in flight its
@@ -241,16 +255,16 @@ impl OpTable {
             return Some(buffer);
         };
         match &mut e.slot {
-            Slot::Busy { orphan, .. } => {
+            OpSlot::Busy { orphan, .. } => {
                 *orphan = Some(buffer);
                 self.orphans += 1;
                 None
             }
-            Slot::Done { .. } => {
+            OpSlot::Done { .. } => {
                 self.release(id.index);
                 Some(buffer)
             }
-            Slot::Free => Some(buffer),
+            OpSlot::Free => Some(buffer),
         }
     }
 
@@ -259,7 +273,7 @@ impl OpTable {
     pub(crate) fn take_orphans(&mut self) -> Vec<Orphan> {
         let mut out = Vec::new();
         for e in &mut self.entries {
-            if let Slot::Busy { orphan, .. } = &mut e.slot {
+            if let OpSlot::Busy { orphan, .. } = &mut e.slot {
                 if let Some(o) = orphan.take() {
                     out.push(o);
                 }
@@ -293,15 +307,15 @@ mod tests {
         let a = t.start(Opcode::Write, held, None);
         assert_eq!(t.in_flight(), 1);
         assert!(!t.is_done(a));
-        assert_eq!(t.complete(&raw(a, true, WcStatus::Success), None).0, held);
+        assert_eq!(t.complete(&raw(a, true, WcStatus::Success)).0, held);
         assert!(t.is_done(a));
-        assert_eq!(t.take(a).unwrap().unwrap().opcode, Opcode::Write);
-        assert!(t.take(a).is_none());
+        assert_eq!(t.take(a, None).unwrap().unwrap().opcode, Opcode::Write);
+        assert!(t.take(a, None).is_none());
         let b = t.start(Opcode::Read, held, None);
         assert_eq!(b.index, a.index);
         assert_ne!(b.generation, a.generation);
         // A stale completion for the old generation is ignored.
-        assert_eq!(t.complete(&raw(a, true, WcStatus::Success), None).0, Held::default());
+        assert_eq!(t.complete(&raw(a, true, WcStatus::Success)).0, Held::default());
         assert!(!t.is_done(b));
     }
 
@@ -309,11 +323,11 @@ mod tests {
     fn a_batch_reports_the_first_error_at_its_final_request() {
         let mut t = OpTable::new();
         let a = t.start(Opcode::Write, Held { send_wrs: 3, recv_wrs: 0 }, None);
-        t.complete(&raw(a, false, WcStatus::RemoteAccess), None);
+        t.complete(&raw(a, false, WcStatus::RemoteAccess));
         assert!(!t.is_done(a), "not done before its final request");
-        let (held, _) = t.complete(&raw(a, true, WcStatus::WrFlush), None);
+        let (held, _) = t.complete(&raw(a, true, WcStatus::WrFlush));
         assert_eq!(held.send_wrs, 3);
-        let err = t.take(a).unwrap().unwrap_err();
+        let err = t.take(a, None).unwrap().unwrap_err();
         assert!(err.is_remote_access(), "{err}");
     }
 
@@ -321,8 +335,8 @@ mod tests {
     fn flushes_after_a_lost_connection_say_so() {
         let mut t = OpTable::new();
         let a = t.start(Opcode::Recv, Held { send_wrs: 0, recv_wrs: 1 }, None);
-        t.complete(&raw(a, true, WcStatus::WrFlush), Some("the peer closed the connection"));
-        match t.take(a).unwrap() {
+        t.complete(&raw(a, true, WcStatus::WrFlush));
+        match t.take(a, Some("the peer closed the connection")).unwrap() {
             Err(Error::ConnectionLost { reason }) => {
                 assert!(reason.contains("peer closed"), "{reason}")
             }
@@ -336,12 +350,12 @@ mod tests {
         let a = t.start(Opcode::Send, Held { send_wrs: 1, recv_wrs: 0 }, None);
         assert!(t.orphan(a, Box::new(vec![1u8, 2, 3])).is_none(), "kept while in flight");
         assert_eq!(t.orphans(), 1);
-        let (_, orphan) = t.complete(&raw(a, true, WcStatus::Success), None);
+        let (_, orphan) = t.complete(&raw(a, true, WcStatus::Success));
         assert!(orphan.is_some(), "released at completion");
         assert_eq!((t.orphans(), t.in_flight()), (0, 0));
 
         let b = t.start(Opcode::Send, Held::default(), None);
-        t.complete(&raw(b, true, WcStatus::Success), None);
+        t.complete(&raw(b, true, WcStatus::Success));
         assert!(t.orphan(b, Box::new(1u32)).is_some(), "already done: dropped at once");
         let c = t.start(Opcode::Send, Held::default(), None);
         t.orphan(c, Box::new(2u32));

@@ -23,7 +23,7 @@ use crate::memory::{Exposed, LocalBuffer, LocalSlice, Memory, RemoteRegion, Remo
 use crate::ops::{Due, OpId};
 use crate::transport::{self, ConnTransport, Posted, RemoteOp, WorkItem};
 
-pub(crate) struct Shared {
+pub(crate) struct ConnShared {
     transport: ConnTransport,
     info: ConnectionInfo,
     peer_regions: Vec<RemoteRegion>,
@@ -50,7 +50,7 @@ pub(crate) struct Shared {
 /// buffers of operations still in flight are released once the device can
 /// no longer touch them.
 pub struct Connection {
-    shared: Arc<Shared>,
+    shared: Arc<ConnShared>,
 }
 
 impl Connection {
@@ -62,7 +62,7 @@ impl Connection {
     ) -> Result<Self> {
         let est = transport::establish(&domain.inner.mem, stream, opts, is_server)?;
         Ok(Connection {
-            shared: Arc::new(Shared {
+            shared: Arc::new(ConnShared {
                 transport: est.transport,
                 info: est.info,
                 peer_regions: est.peer_regions,
@@ -449,7 +449,7 @@ impl<B: LocalBuffer> Batch<'_, B> {
 /// the buffer stays with the connection until the device is done with it.
 #[must_use = "an operation's outcome and buffer come back through its Pending"]
 pub struct Pending<B: Send + 'static> {
-    shared: Arc<Shared>,
+    shared: Arc<ConnShared>,
     buf: Option<B>,
     stage: Stage,
     /// Runs once the operation succeeded, before the success is reported
@@ -475,24 +475,24 @@ enum Stage {
 }
 
 impl<B: Send + 'static> Pending<B> {
-    fn with(shared: &Arc<Shared>, buf: B, stage: Stage) -> Self {
+    fn with(shared: &Arc<ConnShared>, buf: B, stage: Stage) -> Self {
         Pending { shared: Arc::clone(shared), buf: Some(buf), stage, after: None }
     }
 
-    fn new(shared: &Arc<Shared>, id: OpId, buf: B) -> Self {
+    fn new(shared: &Arc<ConnShared>, id: OpId, buf: B) -> Self {
         Pending::with(shared, buf, Stage::InFlight(id))
     }
 
-    fn failed(shared: &Arc<Shared>, buf: B, error: Error) -> Self {
+    fn failed(shared: &Arc<ConnShared>, buf: B, error: Error) -> Self {
         Pending::with(shared, buf, Stage::Failed(Some(Box::new(error))))
     }
 
-    fn stuck(shared: &Arc<Shared>, id: OpId, buf: B, error: Error) -> Self {
+    fn stuck(shared: &Arc<ConnShared>, id: OpId, buf: B, error: Error) -> Self {
         Pending::with(shared, buf, Stage::Stuck(id, Some(Box::new(error))))
     }
 
     #[cfg(feature = "cuda")]
-    fn staged(shared: &Arc<Shared>, pipeline: crate::staging::Pipeline, buf: B) -> Self {
+    fn staged(shared: &Arc<ConnShared>, pipeline: crate::staging::Pipeline, buf: B) -> Self {
         let pipeline = Arc::new(std::sync::Mutex::new(pipeline));
         shared.staged.add(&pipeline);
         Pending::with(shared, buf, Stage::Staged(pipeline))
@@ -590,7 +590,11 @@ impl<B: Send + 'static> Pending<B> {
             if self.staged_in_progress() {
                 self.wait_moving_staged(id, &mut due, timeout)?;
             } else {
-                self.shared.transport.wait(id, &mut due, WHAT)?;
+                // The common case: wait and take the outcome in one step.
+                match self.shared.transport.wait_take(id, &mut due, WHAT)? {
+                    Ok(c) => self.succeed(c),
+                    Err(e) => self.stage = Stage::Failed(Some(Box::new(e))),
+                }
             }
         }
         #[cfg(feature = "cuda")]
@@ -651,8 +655,10 @@ impl<B: Send + 'static> Pending<B> {
             self.progress_staged();
         }
         if let Stage::InFlight(id) = self.stage {
-            if !self.shared.transport.poll(id)? {
-                return Ok(None);
+            match self.shared.transport.poll_take(id)? {
+                None => return Ok(None),
+                Some(Ok(c)) => self.succeed(c),
+                Some(Err(e)) => self.stage = Stage::Failed(Some(Box::new(e))),
             }
         }
         self.report().transpose()

@@ -198,6 +198,17 @@ impl ConnTransport {
         dispatch!(self, t => t.wait_done(id, due, what))
     }
 
+    /// Drives progress until `id` is done and takes its outcome; `Err` when
+    /// the deadline passed first (still in flight).
+    pub(crate) fn wait_take(&self, id: OpId, due: &mut Due, what: &'static str) -> Result<Result<Completion>> {
+        dispatch!(self, t => t.wait_take(id, due, what))
+    }
+
+    /// Polls once; `id`'s outcome if it is done.
+    pub(crate) fn poll_take(&self, id: OpId) -> Result<Option<Result<Completion>>> {
+        dispatch!(self, t => t.poll_take(id))
+    }
+
     /// Polls once; whether `id` is done.
     pub(crate) fn poll(&self, id: OpId) -> Result<bool> {
         dispatch!(self, t => t.poll_done(id))

@@ -222,7 +222,7 @@ impl QueueCore {
     /// come back, and an orphaned buffer is handed out to be dropped (the
     /// device is done with it).
     pub(crate) fn complete(&mut self, raw: &RawCompletion) -> Option<Orphan> {
-        let (held, orphan) = self.table.complete(raw, self.lost.as_deref());
+        let (held, orphan) = self.table.complete(raw);
         self.release(held);
         orphan
     }
@@ -234,7 +234,7 @@ impl QueueCore {
 
     /// Takes a finished operation's outcome.
     pub(crate) fn take(&mut self, id: OpId) -> Option<Result<Completion>> {
-        self.table.take(id)
+        self.table.take(id, self.lost.as_deref())
     }
 
     /// The handle of `id` was dropped: keeps `buffer` until the operation

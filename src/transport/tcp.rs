@@ -394,7 +394,7 @@ struct ReadDst {
     len: u64,
 }
 
-struct State {
+struct TcpState {
     /// Operations, credits, the lost state.
     q: QueueCore,
     stopping: bool,
@@ -416,7 +416,7 @@ struct State {
 }
 
 struct Inner {
-    state: Mutex<State>,
+    state: Mutex<TcpState>,
     /// The sender thread waits here: queued messages, control frames,
     /// stopping.
     work: Condvar,
@@ -467,7 +467,7 @@ fn raw(wr_id: u64, status: WcStatus) -> RawCompletion {
 }
 
 impl Inner {
-    fn lock(&self) -> MutexGuard<'_, State> {
+    fn lock(&self) -> MutexGuard<'_, TcpState> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -480,13 +480,13 @@ impl Inner {
     }
 
     /// Records a completion; frees the queue room it held. Wakes waiters.
-    fn complete(&self, st: &mut State, c: &RawCompletion) {
+    fn complete(&self, st: &mut TcpState, c: &RawCompletion) {
         drop(st.q.complete(c));
         self.events.notify_all();
     }
 
     /// The connection broke: say why, and fail what no thread is touching.
-    fn break_with(&self, st: &mut State, reason: String) {
+    fn break_with(&self, st: &mut TcpState, reason: String) {
         if st.q.lose(|| reason.clone()) {
             tracing::info!("TCP connection lost: {reason}");
         }
@@ -513,7 +513,7 @@ impl Inner {
     /// keeps at most its send-queue depth of requests outstanding, so more
     /// queued replies than that means it ignores its depth or does not read
     /// what it is sent: the connection breaks rather than buffering more.
-    fn reply(&self, st: &mut State, ctl: Ctl) -> Step {
+    fn reply(&self, st: &mut TcpState, ctl: Ctl) -> Step {
         if st.control.len() >= self.peer_depth {
             let why = format!(
                 "the peer has more than {} requests awaiting replies (its send-queue depth): \
@@ -576,7 +576,7 @@ impl TcpConn {
         let limits =
             Limits { domain_id, send_depth: send_depth(opts), recv_depth: opts.recv_queue_depth.max(1), max_message };
         let inner = Arc::new(Inner {
-            state: Mutex::new(State {
+            state: Mutex::new(TcpState {
                 q: QueueCore::new(limits),
                 stopping: false,
                 next_seq: 1,
@@ -767,6 +767,28 @@ impl TcpConn {
             }
             st = self.inner.events.wait_timeout(st, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
         }
+    }
+
+    /// Waits until `id` is done, then takes its outcome. `Err` when the
+    /// deadline passed first (the operation is still in flight).
+    pub(crate) fn wait_take(&self, id: OpId, due: &mut Due, what: &'static str) -> Result<Result<Completion>> {
+        let mut st = self.inner.lock();
+        loop {
+            if let Some(outcome) = st.q.take(id) {
+                return Ok(outcome);
+            }
+            let now = Instant::now();
+            let deadline = due.at_from(now);
+            if now >= deadline {
+                return Err(Error::Timeout { what, after: due.timeout() });
+            }
+            st = self.inner.events.wait_timeout(st, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+        }
+    }
+
+    /// Takes `id`'s outcome if it is done.
+    pub(crate) fn poll_take(&self, id: OpId) -> Result<Option<Result<Completion>>> {
+        Ok(self.inner.lock().q.take(id))
     }
 
     pub(crate) fn poll_done(&self, id: OpId) -> Result<bool> {

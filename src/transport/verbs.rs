@@ -31,7 +31,7 @@ const POLL_BATCH: usize = 32;
 /// Completion-queue polls between clock reads while busy-polling.
 const SPINS_PER_CLOCK: u32 = 64;
 
-struct State {
+struct VerbsState {
     // Declared first: dropped (destroyed) before the table's orphaned buffers.
     qp: Option<QueuePair>,
     /// Operations, credits, the lost state.
@@ -48,7 +48,7 @@ struct State {
 
 /// One connection's verbs resources.
 pub(crate) struct VerbsConn {
-    state: Mutex<State>,
+    state: Mutex<VerbsState>,
     cq: CompletionQueue,
     socket: TcpStream,
     max_inline: u32,
@@ -175,7 +175,7 @@ impl Prepared {
         };
         tracing::debug!(?info, "verbs connection established");
         let conn = VerbsConn {
-            state: Mutex::new(State {
+            state: Mutex::new(VerbsState {
                 qp: Some(qp),
                 q: QueueCore::new(Limits {
                     domain_id,
@@ -198,14 +198,14 @@ impl Prepared {
 }
 
 impl VerbsConn {
-    fn lock(&self) -> MutexGuard<'_, State> {
+    fn lock(&self) -> MutexGuard<'_, VerbsState> {
         // A panic while holding the lock cannot leave the table half-updated in
         // a way that breaks memory safety; keep going.
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Polls the completion queue once and records what it finds.
-    fn progress(&self, st: &mut State) -> Result<usize> {
+    fn progress(&self, st: &mut VerbsState) -> Result<usize> {
         let mut wcs = std::mem::take(&mut st.wcs);
         if wcs.len() < POLL_BATCH {
             wcs.resize(POLL_BATCH, WorkCompletion::EMPTY);
@@ -240,7 +240,7 @@ impl VerbsConn {
         Ok(n)
     }
 
-    fn check_grace(&self, st: &mut State) {
+    fn check_grace(&self, st: &mut VerbsState) {
         if let Some(at) = st.peer_gone {
             if at.elapsed() >= PEER_GRACE {
                 st.peer_gone = None;
@@ -257,7 +257,7 @@ impl VerbsConn {
 
     /// Looks at the socket after poll(2) said it is readable: the peer said
     /// bye, closed, or died.
-    fn check_peer(&self, st: &mut State) {
+    fn check_peer(&self, st: &mut VerbsState) {
         if st.q.lost().is_some() {
             return;
         }
@@ -274,7 +274,7 @@ impl VerbsConn {
     }
 
     /// Waits, driving progress, until `ready` holds or the deadline passes.
-    fn wait_until(&self, due: &mut Due, mut ready: impl FnMut(&mut State) -> bool) -> Result<bool> {
+    fn wait_until(&self, due: &mut Due, mut ready: impl FnMut(&mut VerbsState) -> bool) -> Result<bool> {
         // Both fixed at the first clock read, not before: a wait that ends
         // within SPINS_PER_CLOCK polls never reads the clock.
         let mut spin_until: Option<Instant> = None;
@@ -328,6 +328,36 @@ impl VerbsConn {
         } else {
             Err(Error::Timeout { what, after: due.timeout() })
         }
+    }
+
+    /// Drives progress until `id` is done, then takes its outcome (one
+    /// lock for the check and the take). `Err` when the deadline passed
+    /// first (the operation is still in flight) or polling failed.
+    pub(crate) fn wait_take(&self, id: OpId, due: &mut Due, what: &'static str) -> Result<Result<Completion>> {
+        if let Some(outcome) = self.lock().q.take(id) {
+            return Ok(outcome);
+        }
+        let mut outcome = None;
+        if self.wait_until(due, |st| {
+            outcome = st.q.take(id);
+            outcome.is_some()
+        })? {
+            if let Some(outcome) = outcome {
+                return Ok(outcome);
+            }
+        }
+        Err(Error::Timeout { what, after: due.timeout() })
+    }
+
+    /// Polls once (unless `id` was already reaped) and takes its outcome if
+    /// it is done.
+    pub(crate) fn poll_take(&self, id: OpId) -> Result<Option<Result<Completion>>> {
+        let mut st = self.lock();
+        if let Some(outcome) = st.q.take(id) {
+            return Ok(Some(outcome));
+        }
+        self.progress(&mut st)?;
+        Ok(st.q.take(id))
     }
 
     pub(crate) fn poll_done(&self, id: OpId) -> Result<bool> {
@@ -439,13 +469,18 @@ impl VerbsConn {
     }
 
     /// Waits until `n` send-queue requests fit (driving progress), up to `due`.
-    fn send_room<'a>(&'a self, mut st: MutexGuard<'a, State>, n: u32, due: &mut Due) -> Result<MutexGuard<'a, State>> {
+    fn send_room<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, VerbsState>,
+        n: u32,
+        due: &mut Due,
+    ) -> Result<MutexGuard<'a, VerbsState>> {
         loop {
             if st.q.send_room(n)? {
                 return Ok(st);
             }
             drop(st);
-            let room = |s: &mut State| s.q.send_room(n).unwrap_or(true);
+            let room = |s: &mut VerbsState| s.q.send_room(n).unwrap_or(true);
             if !self.wait_until(due, room)? {
                 return Err(self.lock().q.send_full());
             }
