@@ -239,7 +239,7 @@
 //! |---|---|---|
 //! | `verbs` | yes | ibverbs through `rdma-sys`; building needs rdma-core headers (`libibverbs-dev`) |
 //! | `cuda` | yes | CUDA through `cudarc`, loaded at run time: building needs no CUDA, and a machine without a GPU gets [`Error::CudaUnavailable`] with the reason from every CUDA call, never a panic |
-//! | `cli` | yes | the `gpu-rdma` command-line tool (`clap`, `tracing-subscriber`) |
+//! | `cli` | no | the `gpu-rdma` command-line tool (`clap`, `serde_json`, `tracing-subscriber`): `cargo run --features cli --bin gpu-rdma` |
 //!
 //! `cargo build --no-default-features` builds on a machine without
 //! rdma-core; [`Domain::open`] then says the crate was built without verbs.

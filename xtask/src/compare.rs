@@ -137,7 +137,7 @@ pub fn command(args: &[String]) -> Result<i32> {
         }
     }
     let kernel = setup::setup()?;
-    run_cmd(cargo().args(["build", "--release", "--bin", "gpu-rdma"]))?;
+    run_cmd(cargo().args(["build", "--release", "--features", "cli", "--bin", "gpu-rdma"]))?;
     let (host_table, host_missing) = host(rounds)?;
     print!("{host_table}");
     if host_only {

@@ -64,7 +64,17 @@ pub fn command(args: &[String]) -> Result<i32> {
     fs::create_dir_all(dir.join("bin")).map_err(|e| e.to_string())?;
     fs::create_dir_all(dir.join("lib")).map_err(|e| e.to_string())?;
 
-    run(cargo().args(["build", "--profile", "gpu-check", "--bin", "gpu-rdma", "--example", "gpu_to_gpu"]))?;
+    run(cargo().args([
+        "build",
+        "--profile",
+        "gpu-check",
+        "--features",
+        "cli",
+        "--bin",
+        "gpu-rdma",
+        "--example",
+        "gpu_to_gpu",
+    ]))?;
     // The `gpu-check` profile's outputs, copied into bin/ under stable names.
     let profile_dir = root().join("target/gpu-check");
     copy(&profile_dir.join("gpu-rdma"), &dir.join("bin/gpu-rdma"))?;

@@ -103,7 +103,7 @@ fn runs_in_guest(name: &str) -> bool {
 /// The test executables that run in the guest, built for this machine.
 fn guest_test_executables() -> Result<Vec<PathBuf>> {
     let out = cargo()
-        .args(["test", "--no-run", "--message-format=json-render-diagnostics"])
+        .args(["test", "--features", "cli", "--no-run", "--message-format=json-render-diagnostics"])
         .stderr(Stdio::inherit())
         .output()
         .map_err(|e| e.to_string())?;
@@ -178,6 +178,8 @@ fn build_release_tools() -> Result<()> {
         "transfer",
         "--example",
         "gpu_to_gpu",
+        "--features",
+        "cli",
         "--bin",
         "gpu-rdma",
     ]))
@@ -264,7 +266,18 @@ pub fn run() -> Result<i32> {
     if run_cmd(cargo().args(["fmt", "--all", "--", "--check"])).is_err() {
         failures.push("cargo fmt --check".into());
     }
-    if run_cmd(cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"])).is_err() {
+    if run_cmd(cargo().args([
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--features",
+        "gpu-rdma/cli",
+        "--",
+        "-D",
+        "warnings",
+    ]))
+    .is_err()
+    {
         failures.push("cargo clippy -D warnings".into());
     }
     if run_cmd(cargo().args(["clippy", "--lib", "--no-default-features", "--", "-D", "warnings"])).is_err() {
@@ -275,7 +288,7 @@ pub fn run() -> Result<i32> {
     if crate::layers::command(&[]) != Ok(0) {
         failures.push("cargo xtask layers: an import cycle, or an import a layer may not make".into());
     }
-    let (host_ok, host_out) = run_tee(cargo().args(["test", "--workspace"]))?;
+    let (host_ok, host_out) = run_tee(cargo().args(["test", "--workspace", "--features", "gpu-rdma/cli"]))?;
     let host = Tally::parse(&host_out);
     if !host_ok {
         failures.push("cargo test".into());
