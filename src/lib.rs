@@ -361,6 +361,7 @@ pub mod bootstrap;
 mod completion;
 mod config;
 mod connection;
+mod deadline;
 mod domain;
 mod error;
 mod host_memory;

@@ -8,37 +8,9 @@
 #![forbid(unsafe_code)]
 
 use std::any::Any;
-use std::time::{Duration, Instant};
 
 use crate::completion::{Completion, CompletionError, Opcode, WcStatus};
 use crate::error::{Error, Result};
-
-/// A deadline that reads the clock only when first asked: a wait that is
-/// over within a few polls never reads it. (Reading the clock is a system
-/// call and an emulated timer read on machines without a usable TSC, such
-/// as many virtual machines.)
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Due {
-    timeout: Duration,
-    at: Option<Instant>,
-}
-
-impl Due {
-    /// `timeout` from when the clock is first read.
-    pub(crate) fn after(timeout: Duration) -> Due {
-        Due { timeout, at: None }
-    }
-
-    /// The timeout it was made with.
-    pub(crate) fn timeout(&self) -> Duration {
-        self.timeout
-    }
-
-    /// The deadline, fixing it from `now` if it is not fixed yet.
-    pub(crate) fn at_from(&mut self, now: Instant) -> Instant {
-        *self.at.get_or_insert_with(|| now.checked_add(self.timeout).unwrap_or(now + Duration::from_secs(86_400 * 365)))
-    }
-}
 
 /// Identifies one operation: slot index and generation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

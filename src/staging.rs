@@ -27,10 +27,11 @@ use std::sync::{Arc, Mutex, Weak};
 
 use crate::completion::{Completion, Opcode, WcStatus};
 use crate::cuda::{CudaDevice, CudaEvent, CudaStream, PinnedHost, copy_dtoh_async, copy_htod_async};
+use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::memory::{Access, LocalParts, Memory, RemoteSlice};
 use crate::memory::{MemoryDomain, Registration};
-use crate::ops::{Due, OpId};
+use crate::ops::OpId;
 use crate::transport::{ConnTransport, Posted, RemoteOp, WorkItem};
 
 /// Smallest slot: one GPU page.
@@ -385,7 +386,10 @@ impl Pipeline {
         let parts = self.steps[step].slot.as_ref().map(|s| s.parts(n, self.domain_id));
         let posted = match self.op {
             StagedOp::Recv => t.post_recv(parts),
-            _ => t.post_send(&[WorkItem { local: parts, op }], Due::after(self.post_timeout)),
+            _ => t.post_send(
+                &[WorkItem { local: parts, op }],
+                Deadline::lazy(self.post_timeout, "room in the send queue"),
+            ),
         };
         match posted {
             Posted::Ok(id) => self.steps[step].state = StepState::Net(id),

@@ -4,40 +4,13 @@
 
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 
 use super::wire::{self, FrameKind, HEADER_LEN, Hello, encode_frame};
+pub use crate::deadline::Deadline;
 use crate::error::{AuthFailure, BootstrapError, Error, Result};
-
-/// A deadline and what to call it in a timeout error.
-#[derive(Clone, Copy, Debug)]
-pub struct Deadline {
-    at: Instant,
-    total: Duration,
-    what: &'static str,
-}
-
-impl Deadline {
-    /// `total` from now, awaiting `what`.
-    pub fn after(total: Duration, what: &'static str) -> Self {
-        Deadline { at: Instant::now() + total, total, what }
-    }
-
-    /// The same instant, awaiting something else.
-    pub fn for_(self, what: &'static str) -> Self {
-        Deadline { what, ..self }
-    }
-
-    fn remaining(&self) -> Option<Duration> {
-        self.at.checked_duration_since(Instant::now()).filter(|d| !d.is_zero())
-    }
-
-    fn expired(&self) -> Error {
-        Error::Timeout { what: self.what, after: self.total }
-    }
-}
 
 /// Reads exactly `buf.len()` bytes before the deadline. Returns how many
 /// bytes arrived before the peer closed (less than `buf.len()` on EOF).
@@ -168,6 +141,7 @@ mod tests {
     use super::*;
     use std::net::TcpListener;
     use std::thread;
+    use std::time::Instant;
 
     fn pair() -> (TcpStream, TcpStream) {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();

@@ -14,13 +14,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::completion::Completion;
+use crate::deadline::Deadline;
 use crate::domain::Domain;
 use crate::error::{Error, Result};
 #[cfg(feature = "cuda")]
 use crate::memory::LocalParts;
 use crate::memory::{Counter, Live};
 use crate::memory::{Exposed, LocalBuffer, LocalSlice, Memory, RemoteRegion, RemoteSlice};
-use crate::ops::{Due, OpId};
+use crate::ops::OpId;
 use crate::transport::{self, ConnTransport, Posted, RemoteOp, WorkItem};
 
 pub(crate) struct ConnShared {
@@ -105,8 +106,8 @@ impl Connection {
         self.shared.peer_regions.iter().find(|r| r.tag == tag).copied()
     }
 
-    fn deadline(&self) -> Due {
-        Due::after(self.shared.op_timeout)
+    fn deadline(&self) -> Deadline {
+        Deadline::lazy(self.shared.op_timeout, "room in the send queue")
     }
 
     fn post_items<B: Send + 'static>(&self, buf: B, items: Result<&[WorkItem]>) -> Pending<B> {
@@ -585,13 +586,13 @@ impl<B: Send + 'static> Pending<B> {
     /// # Errors
     /// As [`wait`](Self::wait).
     pub fn wait_timeout(&mut self, timeout: Duration) -> Result<Completion> {
-        let mut due = Due::after(timeout);
+        let mut due = Deadline::lazy(timeout, WHAT);
         if let Stage::InFlight(id) = self.stage {
             if self.staged_in_progress() {
                 self.wait_moving_staged(id, &mut due, timeout)?;
             } else {
                 // The common case: wait and take the outcome in one step.
-                match self.shared.transport.wait_take(id, &mut due, WHAT)? {
+                match self.shared.transport.wait_take(id, &mut due)? {
                     Ok(c) => self.succeed(c),
                     Err(e) => self.stage = Stage::Failed(Some(Box::new(e))),
                 }
@@ -616,7 +617,7 @@ impl<B: Send + 'static> Pending<B> {
 
     /// Waits for a posted request in short slices, moving the connection's
     /// staged operations along in between.
-    fn wait_moving_staged(&self, id: OpId, due: &mut Due, timeout: Duration) -> Result<()> {
+    fn wait_moving_staged(&self, id: OpId, due: &mut Deadline, timeout: Duration) -> Result<()> {
         loop {
             let copying = self.progress_staged();
             if self.shared.transport.poll(id)? || self.nap(Some(id), due, timeout, copying)? {
@@ -628,7 +629,7 @@ impl<B: Send + 'static> Pending<B> {
     /// One short sleep of a wait that also moves staged operations: on
     /// request `id` when there is one (returning whether it finished), for
     /// a moment otherwise. [`Error::Timeout`] once `due` has passed.
-    fn nap(&self, id: Option<OpId>, due: &mut Due, timeout: Duration, copying: bool) -> Result<bool> {
+    fn nap(&self, id: Option<OpId>, due: &mut Deadline, timeout: Duration, copying: bool) -> Result<bool> {
         let now = std::time::Instant::now();
         let deadline = due.at_from(now);
         if now >= deadline {
@@ -638,8 +639,8 @@ impl<B: Send + 'static> Pending<B> {
             std::thread::sleep(Duration::from_micros(20));
             return Ok(false);
         };
-        let mut slice = Due::after(deadline.min(now + staged_slice(copying)) - now);
-        match self.shared.transport.wait(id, &mut slice, WHAT) {
+        let mut slice = Deadline::lazy(deadline.min(now + staged_slice(copying)) - now, WHAT);
+        match self.shared.transport.wait(id, &mut slice) {
             Ok(()) => Ok(true),
             Err(Error::Timeout { .. }) => Ok(false),
             Err(e) => Err(e),

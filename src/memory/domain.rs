@@ -173,16 +173,20 @@ impl MemoryDomain {
         access: Access,
         relaxed: bool,
     ) -> Result<Registration> {
-        #[cfg(feature = "verbs")]
+        #[cfg(all(feature = "verbs", gpu_rdma_dmabuf_mr))]
         if let Some(v) = &self.verbs {
             // SAFETY: forwarded contract.
-            return unsafe { v.register_dmabuf(fd, offset, len, iova, access, relaxed) };
+            return Ok(Registration::Verbs(unsafe {
+                MemoryRegion::register_dmabuf(&v.pd, fd, offset, len, iova, access, relaxed)?
+            }));
         }
         let _ = (fd, offset, len, iova, access, relaxed);
-        Err(Error::NotSupported {
-            op: "ibv_reg_dmabuf_mr (no RDMA device in this domain)",
-            source: std::io::Error::from_raw_os_error(libc::EOPNOTSUPP),
-        })
+        let op = if self.has_verbs() {
+            "ibv_reg_dmabuf_mr (absent from the rdma-core headers this crate was built with)"
+        } else {
+            "ibv_reg_dmabuf_mr (no RDMA device in this domain)"
+        };
+        Err(Error::NotSupported { op, source: std::io::Error::from_raw_os_error(libc::EOPNOTSUPP) })
     }
 
     /// Registers a staged region's host mirror with `access`; the
@@ -191,7 +195,11 @@ impl MemoryDomain {
     pub(crate) fn register_mirror(&self, mem: crate::cuda::PinnedHost, access: Access) -> Result<Registration> {
         #[cfg(feature = "verbs")]
         if let Some(v) = &self.verbs {
-            return v.register_mirror(mem, access);
+            use crate::memory::Memory;
+            // SAFETY: `mem` moves into the registration, which deregisters before it
+            // frees (or leaks) the memory.
+            let mr = unsafe { MemoryRegion::register(&v.pd, mem.as_ptr(), mem.len(), access)? };
+            return Ok(Registration::Mirror { mr, mem });
         }
         let _ = access;
         Ok(Registration::PlainMirror { mem })
@@ -206,7 +214,7 @@ impl MemoryDomain {
         #[cfg(feature = "verbs")]
         if let Some(v) = &self.verbs {
             // SAFETY: forwarded contract.
-            return unsafe { v.register(ptr, len, access, false) };
+            return Ok(Registration::Verbs(unsafe { MemoryRegion::register_with(&v.pd, ptr, len, access, false)? }));
         }
         let _ = (ptr, len, access);
         Ok(Registration::Plain)
@@ -232,7 +240,7 @@ impl MemoryDomain {
         #[cfg(feature = "verbs")]
         if let Some(v) = &self.verbs {
             // SAFETY: forwarded contract.
-            return unsafe { v.register(ptr, len, access, relaxed) };
+            return Ok(Registration::Verbs(unsafe { MemoryRegion::register_with(&v.pd, ptr, len, access, relaxed)? }));
         }
         let _ = (ptr, len, access, relaxed);
         Err(self.no_nic_for_gpu("peermem"))
@@ -293,58 +301,6 @@ impl Nic {
             gid: self.gid.entry.gid.to_string(),
             gid_reason: self.gid.reason.clone(),
         }
-    }
-
-    /// # Safety
-    /// As [`MemoryRegion::register`].
-    pub(crate) unsafe fn register(
-        &self,
-        ptr: *mut u8,
-        len: usize,
-        access: Access,
-        relaxed: bool,
-    ) -> Result<Registration> {
-        // SAFETY: forwarded contract.
-        Ok(Registration::Verbs(unsafe { MemoryRegion::register_with(&self.pd, ptr, len, access, relaxed)? }))
-    }
-
-    /// # Safety
-    /// As [`MemoryRegion::register_dmabuf`].
-    #[cfg(feature = "cuda")]
-    pub(crate) unsafe fn register_dmabuf(
-        &self,
-        fd: std::os::fd::BorrowedFd<'_>,
-        offset: u64,
-        len: usize,
-        iova: u64,
-        access: Access,
-        relaxed: bool,
-    ) -> Result<Registration> {
-        #[cfg(gpu_rdma_dmabuf_mr)]
-        {
-            // SAFETY: forwarded contract.
-            Ok(Registration::Verbs(unsafe {
-                MemoryRegion::register_dmabuf(&self.pd, fd, offset, len, iova, access, relaxed)?
-            }))
-        }
-        #[cfg(not(gpu_rdma_dmabuf_mr))]
-        {
-            let _ = (fd, offset, len, iova, access, relaxed);
-            Err(Error::NotSupported {
-                op: "ibv_reg_dmabuf_mr (absent from the rdma-core headers this crate was built with)",
-                source: std::io::Error::from_raw_os_error(libc::EOPNOTSUPP),
-            })
-        }
-    }
-
-    /// Registers a staged region's host mirror; the registration owns it.
-    #[cfg(feature = "cuda")]
-    pub(crate) fn register_mirror(&self, mem: crate::cuda::PinnedHost, access: Access) -> Result<Registration> {
-        use crate::memory::Memory;
-        // SAFETY: `mem` moves into the registration, which deregisters before it
-        // frees (or leaks) the memory.
-        let mr = unsafe { MemoryRegion::register(&self.pd, mem.as_ptr(), mem.len(), access)? };
-        Ok(Registration::Mirror { mr, mem })
     }
 }
 

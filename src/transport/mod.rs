@@ -6,11 +6,12 @@
 
 use std::net::TcpStream;
 
-use crate::bootstrap::{self, Deadline, Hello};
+use crate::bootstrap::{self, Hello};
 use crate::completion::Completion;
+use crate::deadline::Deadline;
 use crate::error::{BootstrapError, Error, Result};
 use crate::memory::{LocalParts, MemoryDomain, RemoteRegion};
-use crate::ops::{Due, OpId};
+use crate::ops::OpId;
 use crate::options::{ConnectOptions, ConnectionInfo, TransportPolicy};
 
 mod queue;
@@ -181,7 +182,7 @@ impl ConnTransport {
         }
     }
 
-    pub(crate) fn post_send(&self, items: &[WorkItem], due: Due) -> Posted {
+    pub(crate) fn post_send(&self, items: &[WorkItem], due: Deadline) -> Posted {
         dispatch!(self, t => t.post_send(items, due))
     }
 
@@ -189,19 +190,19 @@ impl ConnTransport {
         dispatch!(self, t => t.post_recv(local))
     }
 
-    pub(crate) fn post_inline(&self, data: &[u8], imm: Option<u32>, due: Due) -> Posted {
+    pub(crate) fn post_inline(&self, data: &[u8], imm: Option<u32>, due: Deadline) -> Posted {
         dispatch!(self, t => t.post_inline(data, imm, due))
     }
 
     /// Drives progress until `id` is done or the deadline passes.
-    pub(crate) fn wait(&self, id: OpId, due: &mut Due, what: &'static str) -> Result<()> {
-        dispatch!(self, t => t.wait_done(id, due, what))
+    pub(crate) fn wait(&self, id: OpId, due: &mut Deadline) -> Result<()> {
+        dispatch!(self, t => t.wait_done(id, due))
     }
 
     /// Drives progress until `id` is done and takes its outcome; `Err` when
     /// the deadline passed first (still in flight).
-    pub(crate) fn wait_take(&self, id: OpId, due: &mut Due, what: &'static str) -> Result<Result<Completion>> {
-        dispatch!(self, t => t.wait_take(id, due, what))
+    pub(crate) fn wait_take(&self, id: OpId, due: &mut Deadline) -> Result<Result<Completion>> {
+        dispatch!(self, t => t.wait_take(id, due))
     }
 
     /// Polls once; `id`'s outcome if it is done.

@@ -45,12 +45,13 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::queue::{Limits, Posted, QueueCore, RemoteOp, WorkItem};
-use crate::bootstrap::{self, Deadline, MAX_TCP_QUEUE_DEPTH, TcpEndpoint};
+use crate::bootstrap::{self, MAX_TCP_QUEUE_DEPTH, TcpEndpoint};
 use crate::completion::{Completion, Opcode, WcStatus};
+use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::memory::keys::{KeyEntry, KeyTable};
 use crate::memory::{Access, LocalParts};
-use crate::ops::{Due, OpId, RawCompletion};
+use crate::ops::{OpId, RawCompletion};
 use crate::options::{ConnectOptions, ConnectionInfo, Transport};
 
 /// The largest message (send, or write with immediate) this side accepts.
@@ -668,7 +669,7 @@ impl TcpConn {
         opcode: Opcode,
         count: usize,
         bytes: u64,
-        mut due: Due,
+        mut due: Deadline,
         mut next: impl FnMut(usize) -> (OutKind, u64, u64),
     ) -> Posted {
         let n = count as u32;
@@ -701,7 +702,7 @@ impl TcpConn {
         Posted::Ok(id)
     }
 
-    pub(crate) fn post_send(&self, items: &[WorkItem], due: Due) -> Posted {
+    pub(crate) fn post_send(&self, items: &[WorkItem], due: Deadline) -> Posted {
         let Some(last) = items.last() else {
             return Posted::Refused(Error::InvalidArgument("nothing to post".into()));
         };
@@ -718,7 +719,7 @@ impl TcpConn {
         self.enqueue(last.op.opcode(), items.len(), bytes, due, |i| Self::message(&items[i]))
     }
 
-    pub(crate) fn post_inline(&self, data: &[u8], imm: Option<u32>, due: Due) -> Posted {
+    pub(crate) fn post_inline(&self, data: &[u8], imm: Option<u32>, due: Deadline) -> Posted {
         if data.len() as u64 > u64::from(MAX_INLINE) {
             return Posted::Refused(Error::MessageTooLarge { len: data.len() as u64, max: u64::from(MAX_INLINE) });
         }
@@ -754,7 +755,7 @@ impl TcpConn {
         Posted::Ok(id)
     }
 
-    pub(crate) fn wait_done(&self, id: OpId, due: &mut Due, what: &'static str) -> Result<()> {
+    pub(crate) fn wait_done(&self, id: OpId, due: &mut Deadline) -> Result<()> {
         let mut st = self.inner.lock();
         loop {
             if st.q.is_done(id) {
@@ -763,7 +764,7 @@ impl TcpConn {
             let now = Instant::now();
             let deadline = due.at_from(now);
             if now >= deadline {
-                return Err(Error::Timeout { what, after: due.timeout() });
+                return Err(due.expired());
             }
             st = self.inner.events.wait_timeout(st, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
         }
@@ -771,7 +772,7 @@ impl TcpConn {
 
     /// Waits until `id` is done, then takes its outcome. `Err` when the
     /// deadline passed first (the operation is still in flight).
-    pub(crate) fn wait_take(&self, id: OpId, due: &mut Due, what: &'static str) -> Result<Result<Completion>> {
+    pub(crate) fn wait_take(&self, id: OpId, due: &mut Deadline) -> Result<Result<Completion>> {
         let mut st = self.inner.lock();
         loop {
             if let Some(outcome) = st.q.take(id) {
@@ -780,7 +781,7 @@ impl TcpConn {
             let now = Instant::now();
             let deadline = due.at_from(now);
             if now >= deadline {
-                return Err(Error::Timeout { what, after: due.timeout() });
+                return Err(due.expired());
             }
             st = self.inner.events.wait_timeout(st, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
         }

@@ -9,12 +9,13 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::queue::{Limits, Posted, QueueCore, RemoteOp, WorkItem};
-use crate::bootstrap::{self, Deadline, VerbsEndpoint};
+use crate::bootstrap::{self, VerbsEndpoint};
 use crate::completion::{Completion, Opcode};
+use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::memory::domain::Nic;
 use crate::memory::{Access, LocalParts};
-use crate::ops::{Due, OpId, RawCompletion};
+use crate::ops::{OpId, RawCompletion};
 use crate::options::{ConnectOptions, ConnectionInfo, Transport};
 use crate::verbs::{
     self, CompletionChannel, CompletionQueue, LinkLayer, Mtu, PortAttr, QpCaps, QpState, QueuePair, QueuePairBuilder,
@@ -274,7 +275,7 @@ impl VerbsConn {
     }
 
     /// Waits, driving progress, until `ready` holds or the deadline passes.
-    fn wait_until(&self, due: &mut Due, mut ready: impl FnMut(&mut VerbsState) -> bool) -> Result<bool> {
+    fn wait_until(&self, due: &mut Deadline, mut ready: impl FnMut(&mut VerbsState) -> bool) -> Result<bool> {
         // Both fixed at the first clock read, not before: a wait that ends
         // within SPINS_PER_CLOCK polls never reads the clock.
         let mut spin_until: Option<Instant> = None;
@@ -322,18 +323,18 @@ impl VerbsConn {
         }
     }
 
-    pub(crate) fn wait_done(&self, id: OpId, due: &mut Due, what: &'static str) -> Result<()> {
+    pub(crate) fn wait_done(&self, id: OpId, due: &mut Deadline) -> Result<()> {
         if self.lock().q.is_done(id) || self.wait_until(due, |st| st.q.is_done(id))? {
             Ok(())
         } else {
-            Err(Error::Timeout { what, after: due.timeout() })
+            Err(due.expired())
         }
     }
 
     /// Drives progress until `id` is done, then takes its outcome (one
     /// lock for the check and the take). `Err` when the deadline passed
     /// first (the operation is still in flight) or polling failed.
-    pub(crate) fn wait_take(&self, id: OpId, due: &mut Due, what: &'static str) -> Result<Result<Completion>> {
+    pub(crate) fn wait_take(&self, id: OpId, due: &mut Deadline) -> Result<Result<Completion>> {
         if let Some(outcome) = self.lock().q.take(id) {
             return Ok(outcome);
         }
@@ -346,7 +347,7 @@ impl VerbsConn {
                 return Ok(outcome);
             }
         }
-        Err(Error::Timeout { what, after: due.timeout() })
+        Err(due.expired())
     }
 
     /// Polls once (unless `id` was already reaped) and takes its outcome if
@@ -473,7 +474,7 @@ impl VerbsConn {
         &'a self,
         mut st: MutexGuard<'a, VerbsState>,
         n: u32,
-        due: &mut Due,
+        due: &mut Deadline,
     ) -> Result<MutexGuard<'a, VerbsState>> {
         loop {
             if st.q.send_room(n)? {
@@ -488,7 +489,7 @@ impl VerbsConn {
         }
     }
 
-    pub(crate) fn post_send(&self, items: &[WorkItem], mut due: Due) -> Posted {
+    pub(crate) fn post_send(&self, items: &[WorkItem], mut due: Deadline) -> Posted {
         let Some(last) = items.last() else {
             return Posted::Refused(Error::InvalidArgument("nothing to post".into()));
         };
@@ -549,7 +550,7 @@ impl VerbsConn {
         }
     }
 
-    pub(crate) fn post_inline(&self, data: &[u8], imm: Option<u32>, mut due: Due) -> Posted {
+    pub(crate) fn post_inline(&self, data: &[u8], imm: Option<u32>, mut due: Deadline) -> Posted {
         if data.len() as u64 > u64::from(self.max_inline) {
             return Posted::Refused(Error::MessageTooLarge { len: data.len() as u64, max: u64::from(self.max_inline) });
         }

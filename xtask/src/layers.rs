@@ -8,7 +8,8 @@
 //! own submodules; leaves may use each other, the cycle check keeps them
 //! honest; the crate root is a facade of re-exports and does not count):
 //!
-//! 0. leaves: `error`, `completion`, `units`, `access`, `remote`, `deadline`,
+//! 0. leaves: `error`, `completion`, `units`, `access`, `remote`, `deadline`
+//!    (the one deadline type),
 //!    `host_memory`, `poll`, `config` (what a domain is opened with)
 //! 1. `verbs`, `cuda`: the only users of rdma-sys and cudarc
 //! 2. `topology` (pure functions over sysfs, procfs, nvidia-smi)
