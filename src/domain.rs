@@ -23,7 +23,7 @@ pub(crate) struct DomainInner {
     pub(crate) mem: Arc<MemoryDomain>,
     /// Staging machinery per GPU (streams, pinned registered buffers).
     #[cfg(feature = "cuda")]
-    pub(crate) staging: crate::staging::StagingHome,
+    pub(crate) staging: crate::protocol::staged::StagingHome,
     /// GPU registration's per-domain state (path reports logged, GPU-NIC links).
     #[cfg(feature = "cuda")]
     pub(crate) gpu_paths: crate::memory::gpu::GpuPaths,
@@ -54,7 +54,7 @@ impl Domain {
         let domain = Domain {
             inner: Arc::new(DomainInner {
                 #[cfg(feature = "cuda")]
-                staging: crate::staging::StagingHome::new(Arc::clone(&mem)),
+                staging: crate::protocol::staged::StagingHome::new(Arc::clone(&mem)),
                 mem,
                 #[cfg(feature = "cuda")]
                 gpu_paths: Default::default(),

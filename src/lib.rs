@@ -369,6 +369,8 @@ pub mod memory;
 mod ops;
 mod options;
 mod poll;
+#[cfg(feature = "cuda")]
+mod protocol;
 mod remote;
 pub mod topology;
 mod transport;
@@ -387,5 +389,3 @@ pub use memory::{
 };
 #[cfg(feature = "cuda")]
 pub mod cuda;
-#[cfg(feature = "cuda")]
-mod staging;

@@ -35,7 +35,7 @@ pub(crate) struct ConnShared {
     domain: Domain,
     /// Staged GPU operations in progress, moved along by every wait.
     #[cfg(feature = "cuda")]
-    staged: crate::staging::StagedSet,
+    staged: crate::protocol::staged::StagedSet,
     _live: Live,
 }
 
@@ -71,7 +71,7 @@ impl Connection {
                 staging: (opts.staging_chunk, opts.staging_depth),
                 domain: domain.clone(),
                 #[cfg(feature = "cuda")]
-                staged: crate::staging::StagedSet::default(),
+                staged: crate::protocol::staged::StagedSet::default(),
                 _live: domain.live(Counter::Connections),
             }),
         })
@@ -143,8 +143,8 @@ impl Connection {
     /// `None` for a receive.
     #[cfg(feature = "cuda")]
     fn gpu<B: LocalBuffer>(&self, local: LocalSlice<B>, parts: LocalParts, op: Option<RemoteOp>) -> Pending<B> {
-        use crate::memory::path::MemPath;
-        use crate::staging::{Pipeline, StagedOp};
+        use crate::protocol::staged::Pipeline;
+        use crate::protocol::{Route, check_staged, route};
         let Some(cuda) = local.buffer().cuda() else {
             return Pending::failed(
                 &self.shared,
@@ -155,32 +155,17 @@ impl Connection {
         let device = cuda.device().clone();
         // The TCP transport reaches only host memory: GPU memory goes through
         // the staging pipeline whatever path it is registered by.
-        if parts.path == Some(MemPath::Staged) || self.shared.transport.is_tcp() {
-            // The same checks as a direct post (the right granted, the same
-            // length), before anything is copied.
-            if let Some(Err(e)) = op.map(|op| op.check_remote(parts.len as u64)) {
+        if route(&parts, self.shared.transport.is_tcp()) == Route::Staged {
+            // The checks a direct post gets, before anything is copied.
+            if let Err(e) = check_staged(op, parts.len as u64, self.shared.info.max_message_size) {
                 return Pending::failed(&self.shared, local.into_inner(), e);
-            }
-            let staged = match op {
-                None => StagedOp::Recv,
-                Some(RemoteOp::Send) => StagedOp::Send { imm: None },
-                Some(RemoteOp::SendWithImm(imm)) => StagedOp::Send { imm: Some(imm) },
-                Some(RemoteOp::Write(r)) => StagedOp::Write { remote: r, imm: None },
-                Some(RemoteOp::WriteWithImm(r, imm)) => StagedOp::Write { remote: r, imm: Some(imm) },
-                Some(RemoteOp::Read(r)) => StagedOp::Read { remote: r },
-            };
-            if let StagedOp::Send { .. } = staged {
-                if parts.len as u64 > self.shared.info.max_message_size {
-                    let e = Error::MessageTooLarge { len: parts.len as u64, max: self.shared.info.max_message_size };
-                    return Pending::failed(&self.shared, local.into_inner(), e);
-                }
             }
             let (chunk, depth) = self.shared.staging;
             // Started at once: receives must be posted before the peer sends,
             // and copies should run while the caller does other work. Later
             // steps advance whenever the operation is waited on or polled.
             let mut pipeline = match Pipeline::new(
-                staged,
+                op,
                 &self.shared.domain.inner.staging,
                 &device,
                 parts,
@@ -194,7 +179,7 @@ impl Connection {
             // Outgoing: the copies out of the GPU wait for the producer fence.
             // Incoming: the copies into it wait for the consumer fence (work
             // still reading what they overwrite).
-            let started = if matches!(staged, StagedOp::Send { .. } | StagedOp::Write { .. }) {
+            let started = if op.is_some_and(RemoteOp::outbound) {
                 cuda.order_after_ready(pipeline.out_stream())
             } else {
                 cuda.order_after_ready(pipeline.in_stream())
@@ -465,7 +450,7 @@ enum Stage {
     InFlight(OpId),
     /// A staged GPU operation: copies and network steps in flight.
     #[cfg(feature = "cuda")]
-    Staged(Arc<std::sync::Mutex<crate::staging::Pipeline>>),
+    Staged(Arc<std::sync::Mutex<crate::protocol::staged::Pipeline>>),
     /// Part of it reached the device and the connection broke: the buffer
     /// stays until the connection is torn down. The error is reported once.
     Stuck(OpId, Option<Box<Error>>),
@@ -493,14 +478,14 @@ impl<B: Send + 'static> Pending<B> {
     }
 
     #[cfg(feature = "cuda")]
-    fn staged(shared: &Arc<ConnShared>, pipeline: crate::staging::Pipeline, buf: B) -> Self {
+    fn staged(shared: &Arc<ConnShared>, pipeline: crate::protocol::staged::Pipeline, buf: B) -> Self {
         let pipeline = Arc::new(std::sync::Mutex::new(pipeline));
         shared.staged.add(&pipeline);
         Pending::with(shared, buf, Stage::Staged(pipeline))
     }
 
     /// Moves the connection's staged operations along (see
-    /// [`StagedSet`](crate::staging::StagedSet)).
+    /// [`StagedSet`](crate::protocol::staged::StagedSet)).
     /// Returns whether a copy is still in flight.
     fn progress_staged(&self) -> bool {
         #[cfg(feature = "cuda")]

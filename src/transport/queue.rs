@@ -33,6 +33,12 @@ impl RemoteOp {
         matches!(self, RemoteOp::Read(_))
     }
 
+    /// Whether the data flows from local memory to the peer.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn outbound(self) -> bool {
+        matches!(self, RemoteOp::Send | RemoteOp::SendWithImm(_) | RemoteOp::Write(_) | RemoteOp::WriteWithImm(..))
+    }
+
     pub(crate) fn opcode(self) -> Opcode {
         match self {
             RemoteOp::Send => Opcode::Send,

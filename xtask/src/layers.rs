@@ -16,7 +16,7 @@
 //! 3. `memory` (registration, the key table, regions), `bootstrap`
 //! 4. `ops` (the queue core), `options` (what a connection is set up with)
 //! 5. `transport`
-//! 6. `protocol`, `staging` (direct or staged, the progress engine)
+//! 6. `protocol` (per GPU operation: direct or staged, and the staged pipeline)
 //! 7. `domain` (a device, its memory, its staging pools)
 //! 8. `connection` (the public API, options in use, establishment)
 //! 9. `bench`
@@ -39,7 +39,7 @@ pub fn layer(module: &str) -> Option<u8> {
         "memory" | "bootstrap" => 3,
         "ops" | "options" => 4,
         "transport" => 5,
-        "protocol" | "staging" => 6,
+        "protocol" => 6,
         "domain" => 7,
         "connection" => 8,
         "bench" => 9,

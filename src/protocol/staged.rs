@@ -29,7 +29,7 @@ use crate::completion::{Completion, Opcode, WcStatus};
 use crate::cuda::{CudaDevice, CudaEvent, CudaStream, PinnedHost, copy_dtoh_async, copy_htod_async};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
-use crate::memory::{Access, LocalParts, Memory, RemoteSlice};
+use crate::memory::{Access, LocalParts, Memory};
 use crate::memory::{MemoryDomain, Registration};
 use crate::ops::OpId;
 use crate::transport::{ConnTransport, Posted, RemoteOp, WorkItem};
@@ -194,36 +194,23 @@ impl Stager {
     }
 }
 
-/// What a staged operation does.
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum StagedOp {
-    Send { imm: Option<u32> },
-    Recv,
-    Write { remote: RemoteSlice, imm: Option<u32> },
-    Read { remote: RemoteSlice },
+/// What a staged operation does: the operation as posted (`None`: a
+/// receive). The same [`RemoteOp`] the direct path posts, so the kind is
+/// never converted back and forth.
+type Op = Option<RemoteOp>;
+
+fn opcode(op: Op) -> Opcode {
+    op.map_or(Opcode::Recv, RemoteOp::opcode)
 }
 
-impl StagedOp {
-    fn opcode(self) -> Opcode {
-        match self {
-            StagedOp::Send { imm: None } => Opcode::Send,
-            StagedOp::Send { imm: Some(_) } => Opcode::SendWithImm,
-            StagedOp::Recv => Opcode::Recv,
-            StagedOp::Write { imm: None, .. } => Opcode::Write,
-            StagedOp::Write { imm: Some(_), .. } => Opcode::WriteWithImm,
-            StagedOp::Read { .. } => Opcode::Read,
-        }
-    }
+/// Whether the data flows GPU -> network (copy out first).
+fn outbound(op: Op) -> bool {
+    op.is_some_and(RemoteOp::outbound)
+}
 
-    /// Whether the data flows GPU -> network (copy out first).
-    fn outbound(self) -> bool {
-        matches!(self, StagedOp::Send { .. } | StagedOp::Write { .. })
-    }
-
-    /// Whether the operation is one message (one slot, one step).
-    fn single(self) -> bool {
-        matches!(self, StagedOp::Send { .. } | StagedOp::Recv)
-    }
+/// Whether the operation is one message (one slot, one step).
+fn single(op: Op) -> bool {
+    matches!(op, None | Some(RemoteOp::Send | RemoteOp::SendWithImm(_)))
 }
 
 enum StepState {
@@ -245,7 +232,7 @@ struct Step {
 
 /// One staged operation in progress.
 pub(crate) struct Pipeline {
-    op: StagedOp,
+    op: Op,
     stager: Arc<Stager>,
     domain_id: u64,
     dev: u64,
@@ -270,7 +257,7 @@ pub(crate) struct Pipeline {
 impl Pipeline {
     /// Plans a staged operation on `local` (a range of GPU memory).
     pub(crate) fn new(
-        op: StagedOp,
+        op: Op,
         home: &StagingHome,
         device: &CudaDevice,
         local: LocalParts,
@@ -340,7 +327,7 @@ impl Pipeline {
         }
         let last = self.last.unwrap_or(Completion {
             wr_id: 0,
-            opcode: self.op.opcode(),
+            opcode: opcode(self.op),
             status: WcStatus::Success,
             byte_len: 0,
             imm: None,
@@ -348,8 +335,8 @@ impl Pipeline {
             vendor_err: 0,
         });
         Ok(Completion {
-            opcode: if self.op.outbound() || matches!(self.op, StagedOp::Read { .. }) {
-                self.op.opcode()
+            opcode: if outbound(self.op) || matches!(self.op, Some(RemoteOp::Read(_))) {
+                opcode(self.op)
             } else {
                 last.opcode
             },
@@ -366,16 +353,16 @@ impl Pipeline {
 
     fn remote_op(&self, off: usize, n: usize, last: bool) -> RemoteOp {
         match self.op {
-            StagedOp::Send { imm: Some(imm) } => RemoteOp::SendWithImm(imm),
-            StagedOp::Send { imm: None } | StagedOp::Recv => RemoteOp::Send,
-            StagedOp::Write { remote, imm } => {
-                let r = remote.sub(off as u64, n as u64);
-                match imm {
-                    Some(imm) if last => RemoteOp::WriteWithImm(r, imm),
-                    _ => RemoteOp::Write(r),
-                }
+            None => RemoteOp::Send,
+            Some(op @ (RemoteOp::Send | RemoteOp::SendWithImm(_))) => op,
+            // Chunks of a write land in order; only the last carries the immediate.
+            Some(RemoteOp::WriteWithImm(remote, imm)) if last => {
+                RemoteOp::WriteWithImm(remote.sub(off as u64, n as u64), imm)
             }
-            StagedOp::Read { remote } => RemoteOp::Read(remote.sub(off as u64, n as u64)),
+            Some(RemoteOp::Write(remote) | RemoteOp::WriteWithImm(remote, _)) => {
+                RemoteOp::Write(remote.sub(off as u64, n as u64))
+            }
+            Some(RemoteOp::Read(remote)) => RemoteOp::Read(remote.sub(off as u64, n as u64)),
         }
     }
 
@@ -385,8 +372,8 @@ impl Pipeline {
         let op = self.remote_op(off, n, last);
         let parts = self.steps[step].slot.as_ref().map(|s| s.parts(n, self.domain_id));
         let posted = match self.op {
-            StagedOp::Recv => t.post_recv(parts),
-            _ => t.post_send(
+            None => t.post_recv(parts),
+            Some(_) => t.post_send(
                 &[WorkItem { local: parts, op }],
                 Deadline::lazy(self.post_timeout, "room in the send queue"),
             ),
@@ -433,7 +420,7 @@ impl Pipeline {
             return Ok(());
         }
         while self.error.is_none() && self.steps.len() < self.depth && self.has_more() {
-            let n = if self.op.single() { self.len } else { (self.len - self.next).min(self.chunk) };
+            let n = if single(self.op) { self.len } else { (self.len - self.next).min(self.chunk) };
             let off = self.next;
             self.next += n;
             self.started = true;
@@ -445,7 +432,7 @@ impl Pipeline {
                 }
             };
             let mut step = Step { off, len: n, slot: Some(slot), state: StepState::Done };
-            if self.op.outbound() {
+            if outbound(self.op) {
                 let dst = step.slot.as_ref().map_or(0, Slot::addr) as *mut u8;
                 // SAFETY: the slot stays owned by this step (or, if the pipeline is
                 // abandoned, the streams are synchronized first); the GPU range is
@@ -488,7 +475,7 @@ impl Pipeline {
                         match t.take(id) {
                             Some(Ok(c)) => {
                                 self.last = Some(c);
-                                if self.op.outbound() {
+                                if outbound(self.op) {
                                     self.moved += self.steps[i].len as u64;
                                     self.steps[i].state = StepState::Done;
                                 } else {
