@@ -1,0 +1,394 @@
+//! The client's loops: bandwidth and latency at one size, the whole run,
+//! and its ends of the parameter check and of the test.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use crate::completion::Completion;
+use crate::connection::{Connection, Pending};
+use crate::error::{Error, Result};
+use crate::memory::{LocalBuffer, RemoteRegion, RemoteSlice};
+
+use super::params::{DONE, LocalMode, Params, Test};
+use super::report::{BwRow, LatRow, MIB, Row, peak_rate};
+
+/// Sends of a ping-pong whose completions nobody waits for on the timed
+/// path (perftest does not wait for them either): polled when cheap, waited
+/// for only when too many are outstanding, and at the end. A failure still
+/// surfaces, from here or as the connection's error on the next receive.
+pub(super) struct Trailing<B: Send + 'static> {
+    q: VecDeque<Pending<B>>,
+}
+
+impl<B: Send + 'static> Trailing<B> {
+    const MAX: usize = 16;
+
+    pub(super) fn new() -> Self {
+        Trailing { q: VecDeque::with_capacity(Self::MAX + 1) }
+    }
+
+    pub(super) fn push(&mut self, p: Pending<B>, timeout: Duration) -> Result<()> {
+        self.q.push_back(p);
+        loop {
+            let len = self.q.len();
+            let Some(front) = self.q.front_mut() else { return Ok(()) };
+            if front.poll()?.is_none() {
+                if len <= Self::MAX {
+                    return Ok(());
+                }
+                front.wait_timeout(timeout)?;
+            }
+            self.q.pop_front();
+        }
+    }
+
+    pub(super) fn drain(&mut self, timeout: Duration) -> Result<()> {
+        while let Some(mut p) = self.q.pop_front() {
+            p.wait_timeout(timeout)?;
+        }
+        Ok(())
+    }
+}
+
+enum InFlight<B: Send + 'static> {
+    One(Pending<B>),
+    Chain(Pending<Vec<B>>),
+}
+
+impl<B: Send + 'static> InFlight<B> {
+    fn wait(&mut self, timeout: Duration) -> Result<Completion> {
+        match self {
+            InFlight::One(p) => p.wait_timeout(timeout),
+            InFlight::Chain(p) => p.wait_timeout(timeout),
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+enum BwOp {
+    Write(RemoteSlice),
+    Read(RemoteSlice),
+    Send,
+}
+
+fn post_one<B: LocalBuffer + Clone>(conn: &Connection, op: BwOp, local: &B, size: usize) -> Pending<B> {
+    let l = local.clone().slice(..size);
+    match op {
+        BwOp::Write(r) => conn.write(l, &r),
+        BwOp::Read(r) => conn.read(l, &r),
+        BwOp::Send => conn.send(l),
+    }
+}
+
+fn post_chain<B: LocalBuffer + Clone>(conn: &Connection, op: BwOp, local: &B, size: usize, n: u64) -> Pending<Vec<B>> {
+    let mut b = conn.batch();
+    for _ in 0..n {
+        let l = local.clone().slice(..size);
+        b = match op {
+            BwOp::Write(r) => b.write(l, &r),
+            BwOp::Read(r) => b.read(l, &r),
+            BwOp::Send => b.send(l),
+        };
+    }
+    b.post()
+}
+
+/// Timestamps for the timed loops that cost next to nothing to take: the
+/// time-stamp counter on x86-64 (as perftest uses), converted with its rate
+/// measured against the system clock over the same run; elsewhere,
+/// nanoseconds of [`Instant`]. (On machines without a usable TSC clock
+/// source, such as emulated ones, every `Instant::now` is a system call and
+/// a timer read that would land inside the measurement.)
+pub(super) struct Stopwatch {
+    start: Instant,
+    start_ticks: u64,
+}
+
+impl Stopwatch {
+    fn start() -> Stopwatch {
+        let start = Instant::now();
+        let mut w = Stopwatch { start, start_ticks: 0 };
+        w.start_ticks = w.ticks();
+        w
+    }
+
+    #[inline]
+    fn ticks(&self) -> u64 {
+        #[cfg(target_arch = "x86_64")]
+        {
+            // SAFETY: RDTSC exists on every x86-64 processor and has no
+            // preconditions.
+            unsafe { core::arch::x86_64::_rdtsc() }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            self.start.elapsed().as_nanos() as u64
+        }
+    }
+
+    /// Seconds per tick, from the run so far.
+    fn seconds_per_tick(&self) -> f64 {
+        let secs = self.start.elapsed().as_secs_f64();
+        let ticks = self.ticks().wrapping_sub(self.start_ticks);
+        if ticks == 0 { 0.0 } else { secs / ticks as f64 }
+    }
+}
+
+/// The client's side of a bandwidth test at one size: `iters` operations
+/// of `size` bytes from the start of `local` (and of the remote region),
+/// at most `tx_depth` in flight, in signalled chains of `cq_mod`.
+///
+/// # Errors
+/// The first failed operation's error; [`Error::Timeout`] when one takes
+/// longer than `timeout`.
+#[allow(clippy::too_many_arguments)]
+pub fn bandwidth<B: LocalBuffer + Clone>(
+    conn: &Connection,
+    test: Test,
+    local: &B,
+    mode: LocalMode,
+    remote: Option<&RemoteRegion>,
+    size: usize,
+    params: &Params,
+    timeout: Duration,
+) -> Result<BwRow> {
+    let target = || match remote {
+        Some(r) => r.slice(0..size as u64),
+        None => Err(Error::InvalidArgument(format!("{test} needs the server's region"))),
+    };
+    let op = match test {
+        Test::WriteBw => BwOp::Write(target()?),
+        Test::ReadBw => BwOp::Read(target()?),
+        Test::SendBw => BwOp::Send,
+        other => return Err(Error::InvalidArgument(format!("{other} is not a bandwidth test"))),
+    };
+    let iters = u64::from(params.iters);
+    let depth = u64::from(params.tx_depth.min(conn.info().send_queue_depth)).max(1);
+    let chain = if mode.batch { u64::from(params.cq_mod).clamp(1, depth) } else { 1 };
+    let mut inflight: VecDeque<(InFlight<B>, u64)> = VecDeque::with_capacity((depth / chain + 1) as usize);
+    let mut stamps: Vec<(u64, u64)> = Vec::with_capacity((iters / chain + 2) as usize);
+    let (mut posted, mut completed, mut outstanding) = (0u64, 0u64, 0u64);
+    let clock = Stopwatch::start();
+    while completed < iters {
+        while posted < iters && outstanding + chain.min(iters - posted) <= depth {
+            let n = chain.min(iters - posted);
+            let p = if mode.batch {
+                InFlight::Chain(post_chain(conn, op, local, size, n))
+            } else {
+                InFlight::One(post_one(conn, op, local, size))
+            };
+            inflight.push_back((p, n));
+            posted += n;
+            outstanding += n;
+        }
+        let Some((mut p, n)) = inflight.pop_front() else { break };
+        p.wait(timeout)?;
+        completed += n;
+        outstanding -= n;
+        stamps.push((completed, clock.ticks()));
+    }
+    let per_tick = clock.seconds_per_tick();
+    let stamps: Vec<(u64, f64)> =
+        stamps.iter().map(|&(n, t)| (n, t.wrapping_sub(clock.start_ticks) as f64 * per_tick)).collect();
+    let secs = stamps.last().map_or(0.0, |s| s.1).max(1e-9);
+    Ok(BwRow {
+        bytes: size,
+        iterations: iters,
+        // Completions are seen in bursts after a wait: a window of several
+        // queue depths keeps a burst from passing for a peak.
+        bw_peak_mib_s: peak_rate(&stamps, size, (iters / 10).max(4 * depth).min(iters)) / MIB,
+        bw_average_mib_s: (iters as f64 * size as f64) / secs / MIB,
+        msg_rate_mpps: iters as f64 / secs / 1e6,
+    })
+}
+
+/// The client's side of a latency test at one size.
+///
+/// # Errors
+/// The first failed operation's error, or a timeout.
+#[allow(clippy::too_many_arguments)]
+pub fn latency<B: LocalBuffer + Clone>(
+    conn: &Connection,
+    test: Test,
+    local: &B,
+    mode: LocalMode,
+    remote: Option<&RemoteRegion>,
+    size: usize,
+    params: &Params,
+    timeout: Duration,
+) -> Result<LatRow> {
+    let iters = params.iters as usize;
+    // Ticks per sample, converted once the run is over.
+    let mut ticks: Vec<u64> = Vec::with_capacity(iters);
+    let clock = Stopwatch::start();
+    // Ping-pongs report one way, half the round trip, as perftest does.
+    let halve = test != Test::ReadLat;
+    let inline = mode.inline && size <= conn.info().max_inline as usize;
+    let zeros = vec![0u8; if inline { size } else { 0 }];
+    let (mut sent_inline, mut sent) = (Trailing::new(), Trailing::new());
+    match test {
+        Test::SendLat => {
+            // The next receive is posted, and the previous send looked at,
+            // while the reply is on the way: off the path from a reply to the
+            // next send. Only as many receives as replies: a spare one would
+            // swallow the next size's first reply.
+            let (mut last_inline, mut last) = (None, None);
+            let mut rx = (iters > 0).then(|| conn.recv(local.clone().slice(..size)));
+            for i in 0..iters {
+                let t0 = clock.ticks();
+                if inline {
+                    let tx = conn.send_inline(&zeros, None);
+                    if let Some(p) = last_inline.replace(tx) {
+                        sent_inline.push(p, timeout)?;
+                    }
+                } else {
+                    let tx = conn.send(local.clone().slice(..size));
+                    if let Some(p) = last.replace(tx) {
+                        sent.push(p, timeout)?;
+                    }
+                }
+                let next = (i + 1 < iters).then(|| conn.recv(local.clone().slice(..size)));
+                if let Some(mut r) = std::mem::replace(&mut rx, next) {
+                    r.wait_timeout(timeout)?;
+                }
+                ticks.push(clock.ticks().wrapping_sub(t0));
+            }
+            if let Some(p) = last_inline {
+                sent_inline.push(p, timeout)?;
+            }
+            if let Some(p) = last {
+                sent.push(p, timeout)?;
+            }
+        }
+        Test::WriteLat => {
+            let rs = remote
+                .ok_or_else(|| Error::InvalidArgument("write-lat needs the server's region".into()))?
+                .slice(0..size as u64)?;
+            for _ in 0..iters {
+                let mut rx = conn.recv_imm();
+                let t0 = clock.ticks();
+                let tx = conn.write_with_imm(local.clone().slice(..size), &rs, size as u32);
+                rx.wait_timeout(timeout)?;
+                ticks.push(clock.ticks().wrapping_sub(t0));
+                sent.push(tx, timeout)?;
+            }
+        }
+        Test::ReadLat => {
+            let rs = remote
+                .ok_or_else(|| Error::InvalidArgument("read-lat needs the server's region".into()))?
+                .slice(0..size as u64)?;
+            for _ in 0..iters {
+                let t0 = clock.ticks();
+                conn.read(local.clone().slice(..size), &rs).wait_timeout(timeout)?;
+                ticks.push(clock.ticks().wrapping_sub(t0));
+            }
+        }
+        other => return Err(Error::InvalidArgument(format!("{other} is not a latency test"))),
+    }
+    sent_inline.drain(timeout)?;
+    sent.drain(timeout)?;
+    let us = clock.seconds_per_tick() * 1e6 / if halve { 2.0 } else { 1.0 };
+    let mut samples: Vec<f64> = ticks.iter().map(|&t| t as f64 * us).collect();
+    Ok(LatRow::from_samples(size, &mut samples))
+}
+
+/// The client: sends `params`, runs every size, tells the server it is
+/// done, and returns the rows. `remote` is the server's advertised region
+/// (for write and read tests); `local` holds at least the largest size.
+///
+/// # Errors
+/// A refused or mismatched handshake, a failed operation, a timeout.
+pub fn run_client<B: LocalBuffer + Clone>(
+    conn: &Connection,
+    params: &Params,
+    local: &B,
+    mode: LocalMode,
+    remote: Option<&RemoteRegion>,
+    timeout: Duration,
+    mut on_row: impl FnMut(&Row),
+) -> Result<Vec<Row>> {
+    params.validate()?;
+    if local.buffer_len() < params.max_size() {
+        return Err(Error::InvalidArgument(format!(
+            "the local buffer has {} bytes, the largest size is {}",
+            local.buffer_len(),
+            params.max_size()
+        )));
+    }
+    if let Some(r) = remote {
+        if r.len < params.max_size() as u64 {
+            return Err(Error::InvalidArgument(format!(
+                "the server's buffer has {} bytes, the largest size here is {}: give both sides the same -s/-a",
+                r.len,
+                params.max_size()
+            )));
+        }
+    }
+    agree(conn, params, timeout)?;
+    let mut rows = Vec::with_capacity(params.sizes.len());
+    for &size in &params.sizes {
+        let row = if params.test.is_bw() {
+            Row::Bw(bandwidth(conn, params.test, local, mode, remote, size, params, timeout)?)
+        } else {
+            Row::Lat(latency(conn, params.test, local, mode, remote, size, params, timeout)?)
+        };
+        on_row(&row);
+        rows.push(row);
+    }
+    finish(conn, timeout)?;
+    Ok(rows)
+}
+
+/// The client's half of the parameter check: returns once a [`run_server`]
+/// with the same `params` is serving (then the client's operations may
+/// start; [`finish`] ends the test).
+///
+/// # Errors
+/// [`Error::InvalidArgument`] when the server runs with other parameters;
+/// a failed operation or a timeout.
+pub fn agree(conn: &Connection, params: &Params, timeout: Duration) -> Result<()> {
+    // The parameters' digest goes as an immediate; the server answers with
+    // DONE when they match its own, anything else when they do not.
+    let mut verdict = conn.recv_imm();
+    conn.send_inline(&[], Some(params.digest())).wait_timeout(timeout)?;
+    let answer = verdict.wait_timeout(timeout)?;
+    if answer.imm != Some(DONE) {
+        return Err(Error::InvalidArgument(
+            "the server runs another test, other sizes or another iteration count: give both sides the same flags"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Tells a [`serve`]ing peer that the test is over, and returns once it
+/// is: the server answers with the number of receives it still has posted
+/// and this side fills them, so that the connection carries nothing of the
+/// test into whatever runs on it next.
+///
+/// # Errors
+/// A failed send or a timeout.
+pub fn finish(conn: &Connection, timeout: Duration) -> Result<()> {
+    let mut answer = conn.recv_imm();
+    conn.send_inline(&[], Some(DONE)).wait_timeout(timeout)?;
+    let left = answer.wait_timeout(timeout)?.imm.unwrap_or(0);
+    let mut fill = Trailing::new();
+    for _ in 0..left {
+        fill.push(conn.send_inline(&[], None), timeout)?;
+    }
+    fill.drain(timeout)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_stopwatch_agrees_with_the_system_clock() {
+        let w = Stopwatch::start();
+        let t0 = w.ticks();
+        std::thread::sleep(Duration::from_millis(30));
+        let secs = w.ticks().wrapping_sub(t0) as f64 * w.seconds_per_tick();
+        assert!((0.025..0.5).contains(&secs), "{secs}");
+    }
+}

@@ -1,0 +1,195 @@
+//! Results in perftest's columns and units.
+
+use std::fmt;
+
+use serde::Serialize;
+
+/// One bandwidth result, perftest's columns.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct BwRow {
+    /// Message size.
+    pub bytes: usize,
+    /// Messages.
+    pub iterations: u64,
+    /// The best rate over any stretch of a tenth of the run (at least four
+    /// send-queue depths), MiB/s.
+    pub bw_peak_mib_s: f64,
+    /// All bytes over all the time, MiB/s.
+    pub bw_average_mib_s: f64,
+    /// Millions of messages per second.
+    pub msg_rate_mpps: f64,
+}
+
+impl BwRow {
+    /// perftest's header line.
+    pub const HEADER: &'static str = " #bytes     #iterations    BW peak[MB/sec]    BW average[MB/sec]   MsgRate[Mpps]";
+}
+
+impl fmt::Display for BwRow {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            " {:<10} {:<10}       {:>10.2}         {:>10.2}           {:.6}",
+            self.bytes, self.iterations, self.bw_peak_mib_s, self.bw_average_mib_s, self.msg_rate_mpps
+        )
+    }
+}
+
+/// One latency result, perftest's columns, in microseconds.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct LatRow {
+    /// Message size.
+    pub bytes: usize,
+    /// Samples.
+    pub iterations: u64,
+    /// Fastest.
+    pub t_min: f64,
+    /// Slowest.
+    pub t_max: f64,
+    /// Median.
+    pub t_typical: f64,
+    /// Mean.
+    pub t_avg: f64,
+    /// Standard deviation.
+    pub t_stdev: f64,
+    /// 99th percentile.
+    pub p99: f64,
+    /// 99.9th percentile.
+    pub p99_9: f64,
+}
+
+impl LatRow {
+    /// perftest's header line.
+    pub const HEADER: &'static str = " #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]    t_stdev[usec]   99% percentile[usec]   99.9% percentile[usec]";
+
+    /// The statistics of `samples` (microseconds; reordered).
+    pub fn from_samples(bytes: usize, samples: &mut [f64]) -> LatRow {
+        samples.sort_by(f64::total_cmp);
+        let n = samples.len();
+        let at = |q: f64| {
+            if n == 0 {
+                return 0.0;
+            }
+            let i = ((q * n as f64).ceil() as usize).clamp(1, n) - 1;
+            samples[i]
+        };
+        let avg = if n == 0 { 0.0 } else { samples.iter().sum::<f64>() / n as f64 };
+        let var = if n < 2 { 0.0 } else { samples.iter().map(|s| (s - avg) * (s - avg)).sum::<f64>() / (n - 1) as f64 };
+        LatRow {
+            bytes,
+            iterations: n as u64,
+            t_min: samples.first().copied().unwrap_or(0.0),
+            t_max: samples.last().copied().unwrap_or(0.0),
+            t_typical: at(0.5),
+            t_avg: avg,
+            t_stdev: var.sqrt(),
+            p99: at(0.99),
+            p99_9: at(0.999),
+        }
+    }
+}
+
+impl fmt::Display for LatRow {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            " {:<7} {:<10}   {:>8.2}       {:>8.2}     {:>8.2}           {:>8.2}        {:>8.2}         {:>8.2}               {:>8.2}",
+            self.bytes,
+            self.iterations,
+            self.t_min,
+            self.t_max,
+            self.t_typical,
+            self.t_avg,
+            self.t_stdev,
+            self.p99,
+            self.p99_9
+        )
+    }
+}
+
+/// A result row of either kind.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(untagged)]
+pub enum Row {
+    /// From a bandwidth test.
+    Bw(BwRow),
+    /// From a latency test.
+    Lat(LatRow),
+}
+
+impl fmt::Display for Row {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Row::Bw(r) => r.fmt(f),
+            Row::Lat(r) => r.fmt(f),
+        }
+    }
+}
+
+/// The best rate over any stretch of at least `window` completed
+/// operations, from `(completed, seconds since the start)` stamps
+/// (perftest's peak is its best short stretch too). The average when the
+/// run is shorter than a window.
+pub(super) fn peak_rate(stamps: &[(u64, f64)], size: usize, window: u64) -> f64 {
+    let point = |i: usize| if i == 0 { (0, 0.0) } else { stamps[i - 1] };
+    let mut best = 0.0f64;
+    let mut j = 0;
+    for k in 1..=stamps.len() {
+        let (done, t) = point(k);
+        // The latest start that still leaves a whole window.
+        while j + 1 < k && done - point(j + 1).0 >= window {
+            j += 1;
+        }
+        let (from, t0) = point(j);
+        let secs = t - t0;
+        if done - from >= window && secs > 0.0 {
+            best = best.max((done - from) as f64 * size as f64 / secs);
+        }
+    }
+    if best == 0.0 {
+        if let Some(&(done, secs)) = stamps.last() {
+            if secs > 0.0 {
+                best = done as f64 * size as f64 / secs;
+            }
+        }
+    }
+    best
+}
+
+pub(super) const MIB: f64 = (1u64 << 20) as f64;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn latency_statistics_match_their_definitions() {
+        let mut s: Vec<f64> = (1..=1000).rev().map(f64::from).collect();
+        let r = LatRow::from_samples(2, &mut s);
+        assert_eq!((r.t_min, r.t_max, r.t_typical, r.p99, r.p99_9), (1.0, 1000.0, 500.0, 990.0, 999.0));
+        assert!((r.t_avg - 500.5).abs() < 1e-9);
+        assert!((r.t_stdev - 288.819).abs() < 1e-3, "{}", r.t_stdev);
+        let one = LatRow::from_samples(8, &mut [3.0]);
+        assert_eq!((one.t_typical, one.p99_9, one.t_stdev), (3.0, 3.0, 0.0));
+    }
+
+    #[test]
+    fn the_peak_is_the_best_tenth_and_at_least_the_average() {
+        let ms = 1e-3;
+        // 100 messages of 1 MiB: the first half at 1 per ms, the second at 2 per ms.
+        let mut stamps = Vec::new();
+        for i in 1..=50u64 {
+            stamps.push((i, ms * i as f64));
+        }
+        for i in 1..=50u64 {
+            stamps.push((50 + i, ms * 50.0 + ms * i as f64 / 2.0));
+        }
+        let peak = peak_rate(&stamps, 1 << 20, 10) / MIB;
+        let avg = 100.0 / 0.075;
+        assert!(peak > avg, "{peak} vs {avg}");
+        assert!((peak - 2000.0).abs() < 1.0, "{peak}");
+        // A window longer than the run: the average.
+        let whole = peak_rate(&stamps, 1 << 20, 1000) / MIB;
+        assert!((whole - avg).abs() < 1.0, "{whole} vs {avg}");
+    }
+}

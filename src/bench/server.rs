@@ -1,0 +1,188 @@
+//! The server: the parameter check, serving a test, its end.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use crate::connection::{Connection, Pending};
+use crate::error::{Error, Result};
+use crate::memory::{Exposed, HostMemory, LocalBuffer, RemoteRegion};
+
+use super::client::Trailing;
+use super::params::{DONE, LocalMode, Params, Test};
+
+/// Where the server's memory is, for the write ping-pong: a write with
+/// immediate into GPU memory is complete once it is visible on the GPU.
+pub trait Landing: LocalBuffer + Clone {
+    /// A receive for the peer's next write with immediate into `self`.
+    fn await_write(&self, conn: &Connection) -> Pending<()>;
+}
+
+impl Landing for Exposed<HostMemory> {
+    fn await_write(&self, conn: &Connection) -> Pending<()> {
+        conn.recv_imm()
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl Landing for Exposed<crate::cuda::CudaBuffer> {
+    fn await_write(&self, conn: &Connection) -> Pending<()> {
+        conn.recv_write(self)
+    }
+}
+
+/// A shared region is never a write target here: a plain receive.
+impl<M: crate::memory::Memory> Landing for crate::memory::Shared<M> {
+    fn await_write(&self, conn: &Connection) -> Pending<()> {
+        conn.recv_imm()
+    }
+}
+
+/// The server: checks the client's parameters against `params`, then
+/// serves the test until the client says it is done. `local` is the
+/// server's exposed region (or receive buffer, for the send tests);
+/// `client` the client's advertised region (the write ping-pong writes
+/// back into it). `timeout` bounds each wait for the client.
+///
+/// # Errors
+/// A parameter mismatch (also reported to the client), a failed operation,
+/// a timeout, a lost connection.
+pub fn run_server<B: Landing>(
+    conn: &Connection,
+    params: &Params,
+    local: &B,
+    mode: LocalMode,
+    client: Option<&RemoteRegion>,
+    timeout: Duration,
+) -> Result<()> {
+    params.validate()?;
+    let max = params.max_size();
+    if local.buffer_len() < max {
+        return Err(Error::InvalidArgument(format!(
+            "the local buffer has {} bytes, the largest size is {max}",
+            local.buffer_len()
+        )));
+    }
+    let first = conn.recv_imm().wait_timeout(timeout)?;
+    let agree = first.imm == Some(params.digest());
+    // What the test receives is posted before the verdict goes out, so the
+    // client's first message finds it.
+    let verdict = |conn: &Connection| -> Result<()> {
+        conn.send_inline(&[], Some(if agree { DONE } else { 0 })).wait_timeout(timeout)?;
+        if agree {
+            Ok(())
+        } else {
+            Err(Error::InvalidArgument(
+                "the client runs another test, other sizes or another iteration count: give both sides the same flags"
+                    .into(),
+            ))
+        }
+    };
+    serve(conn, params.test, local, mode, client, timeout, verdict)
+}
+
+/// The server's side of `test` without the parameter exchange: posts what
+/// the test receives, calls `ready`, then serves until the client's
+/// [`finish`]. `local` must hold the largest message.
+///
+/// # Errors
+/// What `ready` returns, a failed operation, a timeout, a lost connection.
+pub fn serve<B: Landing>(
+    conn: &Connection,
+    test: Test,
+    local: &B,
+    mode: LocalMode,
+    client: Option<&RemoteRegion>,
+    timeout: Duration,
+    ready: impl FnOnce(&Connection) -> Result<()>,
+) -> Result<()> {
+    let whole = local.buffer_len();
+    match test {
+        Test::WriteBw | Test::ReadBw | Test::ReadLat => {
+            // Passive: the client's operations need nothing from this side.
+            let done = conn.recv_imm();
+            ready(conn)?;
+            wait_done(done, timeout)?;
+            end_of_test::<B>(conn, VecDeque::new(), timeout)
+        }
+        Test::SendBw => {
+            let depth = conn.info().recv_queue_depth.clamp(1, 512) as usize;
+            let mut posted: VecDeque<Pending<B>> =
+                (0..depth).map(|_| conn.recv(local.clone().slice(..whole))).collect();
+            ready(conn)?;
+            loop {
+                let Some(mut p) = posted.pop_front() else { unreachable!("receives are always posted") };
+                let c = p.wait_timeout(timeout)?;
+                if c.imm == Some(DONE) {
+                    // The receives still posted would swallow what this
+                    // connection receives next: the client fills them.
+                    return end_of_test(conn, posted, timeout);
+                }
+                posted.push_back(conn.recv(local.clone().slice(..whole)));
+            }
+        }
+        Test::SendLat => {
+            let zeros = vec![0u8; conn.info().max_inline as usize];
+            let (mut sent_inline, mut sent) = (Trailing::new(), Trailing::new());
+            // Two receives posted, so that the reply goes out first and the
+            // receive is replenished after it, off the path from a message to
+            // its reply.
+            let mut posted: VecDeque<Pending<B>> = (0..2).map(|_| conn.recv(local.clone().slice(..whole))).collect();
+            ready(conn)?;
+            loop {
+                let Some(mut rx) = posted.pop_front() else { unreachable!("receives are always posted") };
+                let c = rx.wait_timeout(timeout)?;
+                if c.imm == Some(DONE) {
+                    sent_inline.drain(timeout)?;
+                    sent.drain(timeout)?;
+                    return end_of_test(conn, posted, timeout);
+                }
+                let n = c.byte_len as usize;
+                if mode.inline && n <= zeros.len() {
+                    let tx = conn.send_inline(&zeros[..n], None);
+                    posted.push_back(conn.recv(local.clone().slice(..whole)));
+                    sent_inline.push(tx, timeout)?;
+                } else {
+                    let tx = conn.send(local.clone().slice(..n));
+                    posted.push_back(conn.recv(local.clone().slice(..whole)));
+                    sent.push(tx, timeout)?;
+                }
+            }
+        }
+        Test::WriteLat => {
+            let client = client.ok_or_else(|| {
+                Error::InvalidArgument("write-lat: the client advertised no region to write back into".into())
+            })?;
+            let mut sent = Trailing::new();
+            let mut rx = local.await_write(conn);
+            ready(conn)?;
+            loop {
+                let c = rx.wait_timeout(timeout)?;
+                let Some(imm) = c.imm.filter(|i| *i != DONE) else {
+                    sent.drain(timeout)?;
+                    return end_of_test::<B>(conn, VecDeque::new(), timeout);
+                };
+                rx = local.await_write(conn);
+                let n = imm as usize;
+                let rs = client.slice(0..n as u64)?;
+                sent.push(conn.write_with_imm(local.clone().slice(..n), &rs, imm), timeout)?;
+            }
+        }
+    }
+}
+
+/// The server's end of [`finish`]: says how many receives `posted` holds
+/// and waits for the client to fill them.
+fn end_of_test<B: LocalBuffer>(conn: &Connection, mut posted: VecDeque<Pending<B>>, timeout: Duration) -> Result<()> {
+    let left = u32::try_from(posted.len()).map_err(|_| Error::InvalidArgument("too many receives posted".into()))?;
+    conn.send_inline(&[], Some(left)).wait_timeout(timeout)?;
+    posted.iter_mut().try_for_each(|p| p.wait_timeout(timeout).map(drop))
+}
+
+fn wait_done(mut p: Pending<()>, timeout: Duration) -> Result<()> {
+    match p.wait_timeout(timeout)?.imm {
+        Some(DONE) => Ok(()),
+        other => {
+            Err(Error::InvalidArgument(format!("expected the client's end-of-test message, got immediate {other:?}")))
+        }
+    }
+}
