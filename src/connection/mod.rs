@@ -573,15 +573,12 @@ impl<B: Send + 'static> Pending<B> {
     pub fn wait_timeout(&mut self, timeout: Duration) -> Result<Completion> {
         let mut due = Deadline::lazy(timeout, WHAT);
         if let Stage::InFlight(id) = self.stage {
-            if self.staged_in_progress() {
-                self.wait_moving_staged(id, &mut due, timeout)?;
-            } else {
+            if !self.staged_in_progress() {
                 // The common case: wait and take the outcome in one step.
-                match self.shared.transport.wait_take(id, &mut due)? {
-                    Ok(c) => self.succeed(c),
-                    Err(e) => self.stage = Stage::Failed(Some(Box::new(e))),
-                }
+                let outcome = self.shared.transport.wait_take(id, &mut due)?;
+                return self.settle(outcome);
             }
+            self.wait_moving_staged(id, &mut due, timeout)?;
         }
         #[cfg(feature = "cuda")]
         while let Stage::Staged(p) = &self.stage {
@@ -597,7 +594,26 @@ impl<B: Send + 'static> Pending<B> {
             // Sleep on the network step, briefly: copies finish meanwhile too.
             self.nap(waiting_on, &mut due, timeout, copying)?;
         }
-        self.report().unwrap_or(Err(Error::Timeout { what: WHAT, after: timeout }))
+        self.report().unwrap_or_else(|| Err(Error::Timeout { what: WHAT, after: timeout }))
+    }
+
+    /// Records the outcome just taken from the transport and reports it
+    /// (an error once, as [`report`](Self::report) does).
+    fn settle(&mut self, outcome: Result<Completion>) -> Result<Completion> {
+        match outcome {
+            Ok(c) if self.after.is_none() => {
+                self.stage = Stage::Succeeded(c);
+                Ok(c)
+            }
+            Ok(c) => {
+                self.succeed(c);
+                self.report().unwrap_or_else(|| Ok(c))
+            }
+            Err(e) => {
+                self.stage = Stage::Failed(None);
+                Err(e)
+            }
+        }
     }
 
     /// Waits for a posted request in short slices, moving the connection's
@@ -641,11 +657,10 @@ impl<B: Send + 'static> Pending<B> {
             self.progress_staged();
         }
         if let Stage::InFlight(id) = self.stage {
-            match self.shared.transport.poll_take(id)? {
-                None => return Ok(None),
-                Some(Ok(c)) => self.succeed(c),
-                Some(Err(e)) => self.stage = Stage::Failed(Some(Box::new(e))),
-            }
+            return match self.shared.transport.poll_take(id)? {
+                None => Ok(None),
+                Some(outcome) => self.settle(outcome).map(Some),
+            };
         }
         self.report().transpose()
     }
