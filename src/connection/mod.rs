@@ -594,7 +594,7 @@ impl<B: Send + 'static> Pending<B> {
             // Sleep on the network step, briefly: copies finish meanwhile too.
             self.nap(waiting_on, &mut due, timeout, copying)?;
         }
-        self.report().unwrap_or_else(|| Err(Error::Timeout { what: WHAT, after: timeout }))
+        self.report().unwrap_or(Err(Error::Timeout { what: WHAT, after: timeout }))
     }
 
     /// Records the outcome just taken from the transport and reports it
@@ -607,7 +607,7 @@ impl<B: Send + 'static> Pending<B> {
             }
             Ok(c) => {
                 self.succeed(c);
-                self.report().unwrap_or_else(|| Ok(c))
+                self.report().unwrap_or(Ok(c))
             }
             Err(e) => {
                 self.stage = Stage::Failed(None);
