@@ -9,7 +9,8 @@
 //!    (`UCX_TLS=rc_verbs,ud_verbs,self`) and gpu-rdma.
 //!
 //! Absolute speeds in the guest mean nothing; the ratios do.
-//! `--host` runs part 1 only.
+//! `--host` runs part 1 only; `--from DIR --rounds N` prints part 2's table
+//! again from a kept guest run.
 
 use std::fmt::Write as _;
 use std::fs;
@@ -96,6 +97,16 @@ B=target/release/gpu-rdma
 /// bandwidth test, typical latency (usec) for a latency test. perftest's and
 /// gpu-rdma's tables share their columns.
 pub fn figure(log: &str, size: u64, bw: bool) -> Option<f64> {
+    column(log, size, if bw { 3 } else { 4 })
+}
+
+/// The minimum latency (usec) a latency test's client printed for `size`.
+pub fn min_latency(log: &str, size: u64) -> Option<f64> {
+    column(log, size, 2)
+}
+
+/// Column `index` of the row for `size` in a perftest-style table.
+fn column(log: &str, size: u64, index: usize) -> Option<f64> {
     let mut after_header = false;
     for line in log.lines() {
         if line.contains("#bytes") {
@@ -107,7 +118,7 @@ pub fn figure(log: &str, size: u64, bw: bool) -> Option<f64> {
         }
         let f: Vec<&str> = line.split_whitespace().collect();
         if f.first().and_then(|s| s.parse::<u64>().ok()) == Some(size) {
-            return f.get(if bw { 3 } else { 4 }).and_then(|s| s.parse().ok());
+            return f.get(index).and_then(|s| s.parse().ok());
         }
     }
     None
@@ -125,6 +136,7 @@ fn median(mut v: Vec<f64>) -> Option<f64> {
 pub fn command(args: &[String]) -> Result<i32> {
     let mut rounds = 3;
     let mut host_only = false;
+    let mut from = None;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
@@ -133,8 +145,15 @@ pub fn command(args: &[String]) -> Result<i32> {
                 rounds = n.parse().map_err(|_| format!("--rounds {n}: not a number"))?;
             }
             "--host" => host_only = true,
-            _ => return Err(format!("compare takes --rounds N (default 3) and --host; got {args:?}")),
+            "--from" => from = Some(it.next().ok_or("--from needs the folder of a guest run")?.clone()),
+            _ => return Err(format!("compare takes --rounds N (default 3), --host and --from DIR; got {args:?}")),
         }
+    }
+    if let Some(dir) = from {
+        // The table again from a kept guest run's logs, without running anything.
+        let (table, missing) = report(Path::new(&dir), &cases(), rounds);
+        print!("{table}");
+        return Ok(i32::from(missing != 0));
     }
     let kernel = setup::setup()?;
     run_cmd(cargo().args(["build", "--release", "--features", "cli", "--bin", "gpu-rdma"]))?;
@@ -318,11 +337,42 @@ fn report(dir: &Path, cases: &[Case], rounds: usize) -> (String, usize) {
             vs_ucx,
             if met { "met" } else { "MISSED" }
         );
+        if !c.is_bw() {
+            // The minimum too: steadier than the median in an emulated machine.
+            let mins = ["perftest", "gpu-rdma"].map(|tool| {
+                median(
+                    (0..rounds)
+                        .filter_map(|r| {
+                            let log = fs::read_to_string(dir.join(format!("{}-{tool}-{r}.client", c.name())))
+                                .unwrap_or_default();
+                            min_latency(&log, c.size)
+                        })
+                        .collect(),
+                )
+            });
+            let ratio = match mins {
+                [Some(p), Some(g)] if p > 0.0 => Some(g / p),
+                _ => None,
+            };
+            let _ = writeln!(
+                out,
+                "{:<10} {:>9} {:>7}  {:>14} {:>14} {:>14}  {:>7}  {:>7}  <= 1.05x {}",
+                "  (min)",
+                c.size,
+                c.iters,
+                show(mins[0]),
+                "-",
+                show(mins[1]),
+                ratio.map_or("-".to_owned(), |r| format!("{r:.2}x")),
+                "-",
+                if ratio.is_some_and(|r| r <= 1.05) { "met" } else { "MISSED" }
+            );
+        }
     }
     let _ = writeln!(
         out,
-        "medians of {rounds} rounds; bandwidth: BW average; latency: t_typical (median), one-way; \
-         UCX: ucp_put_bw, ucp_get, tag_lat (median)"
+        "medians of {rounds} rounds; bandwidth: BW average; latency: t_typical (median) and, under (min), \
+         t_min, one-way; UCX: ucp_put_bw, ucp_get, tag_lat (median)"
     );
     (out, missing)
 }
@@ -340,6 +390,7 @@ mod tests {
                    2       1000          29.87          1408.71      54.77    \t       60.42\n";
         assert_eq!(figure(lat, 2, false), Some(54.77));
         assert_eq!(figure(lat, 4096, false), None);
+        assert_eq!(min_latency(lat, 2), Some(29.87));
         assert_eq!(figure("65536 1000 1 2 3", 65536, true), None, "no header, no figure");
         assert_eq!(median(vec![3.0, 1.0, 2.0]), Some(2.0));
         assert_eq!(median(vec![4.0, 1.0]), Some(2.5));
