@@ -58,26 +58,53 @@ pub(crate) struct Held {
 
 type Orphan = Box<dyn Any + Send>;
 
-enum OpSlot {
+/// Where an entry is in its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
     Free,
-    Busy {
-        opcode: Opcode,
-        held: Held,
-        bytes: Option<u64>,
-        first_error: Option<Completion>,
-        orphan: Option<Orphan>,
-    },
-    /// Finished: the completion that decides the outcome (the first error
-    /// of a chain, else the final request's), turned into a `Result` only
-    /// when taken, so completing moves no error value around.
-    Done {
-        effective: Completion,
-    },
+    /// Posted; completions may arrive.
+    Busy,
+    /// Finished; the outcome waits to be taken.
+    Done,
 }
 
+/// One slot, flat: a phase and the fields each phase uses, so the hot
+/// operations set fields instead of rewriting a large enum.
 struct OpEntry {
     generation: u32,
-    slot: OpSlot,
+    phase: Phase,
+    opcode: Opcode,
+    held: Held,
+    /// What a send-queue operation moves in all (its completion reports
+    /// it; the device's byte count is only defined for receives); `None`
+    /// for a receive.
+    bytes: Option<u64>,
+    /// Busy: the first error of a chain, if one arrived.
+    first_error: Option<Completion>,
+    /// Done: the completion that decides the outcome (the first error of a
+    /// chain, else the final request's), turned into a `Result` only when
+    /// taken.
+    effective: Completion,
+    /// Busy: the buffer of a dropped handle, kept until the final completion.
+    orphan: Option<Orphan>,
+}
+
+const NO_COMPLETION: Completion = Completion {
+    wr_id: 0,
+    opcode: Opcode::Send,
+    status: WcStatus::Success,
+    byte_len: 0,
+    imm: None,
+    qp_num: 0,
+    vendor_err: 0,
+};
+
+/// A completion for no operation in flight (a stale or foreign work
+/// request id): logged, out of the way of the fast path.
+#[cold]
+#[inline(never)]
+fn stray(wr_id: u64) {
+    tracing::warn!(wr_id, "completion for a work request that is not in flight");
 }
 
 /// The table. Never shrinks; reuses slots.
@@ -108,26 +135,39 @@ impl OpTable {
     /// device's byte count is only defined for receives), `None` for a
     /// receive.
     pub(crate) fn start(&mut self, opcode: Opcode, held: Held, bytes: Option<u64>) -> OpId {
-        let slot = OpSlot::Busy { opcode, held, bytes, first_error: None, orphan: None };
         self.busy += 1;
         if let Some(index) = self.free.pop() {
             let e = &mut self.entries[index as usize];
             e.generation = e.generation.wrapping_add(1) & GEN_MASK;
-            e.slot = slot;
+            e.phase = Phase::Busy;
+            e.opcode = opcode;
+            e.held = held;
+            e.bytes = bytes;
+            e.first_error = None;
             OpId { index, generation: e.generation }
         } else {
             let index = self.entries.len() as u32;
-            self.entries.push(OpEntry { generation: 0, slot });
+            self.entries.push(OpEntry {
+                generation: 0,
+                phase: Phase::Busy,
+                opcode,
+                held,
+                bytes,
+                first_error: None,
+                effective: NO_COMPLETION,
+                orphan: None,
+            });
             OpId { index, generation: 0 }
         }
     }
 
-    fn entry(&mut self, id: OpId) -> Option<&mut OpEntry> {
-        self.entries.get_mut(id.index as usize).filter(|e| e.generation == id.generation)
+    /// The entry of `id` if it is in `phase`.
+    fn entry(&mut self, id: OpId, phase: Phase) -> Option<&mut OpEntry> {
+        self.entries.get_mut(id.index as usize).filter(|e| e.generation == id.generation && e.phase == phase)
     }
 
     fn release(&mut self, index: u32) {
-        self.entries[index as usize].slot = OpSlot::Free;
+        self.entries[index as usize].phase = Phase::Free;
         self.free.push(index);
     }
 
@@ -135,8 +175,8 @@ impl OpTable {
     /// queue resources it held.
     #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
     pub(crate) fn abort(&mut self, id: OpId) -> Held {
-        let Some(e) = self.entry(id) else { return Held::default() };
-        let OpSlot::Busy { held, .. } = e.slot else { return Held::default() };
+        let Some(e) = self.entry(id, Phase::Busy) else { return Held::default() };
+        let held = e.held;
         self.busy -= 1;
         self.release(id.index);
         held
@@ -147,44 +187,45 @@ impl OpTable {
     /// now be dropped.
     pub(crate) fn complete(&mut self, raw: &RawCompletion) -> (Held, Option<Orphan>) {
         let (id, last) = OpId::from_wr_id(raw.wr_id);
-        let Some(entry) = self.entry(id) else {
-            tracing::warn!(wr_id = raw.wr_id, "completion for an unknown work request");
+        let busy = |e: &&mut OpEntry| e.generation == id.generation && e.phase == Phase::Busy;
+        let Some(e) = self.entries.get_mut(id.index as usize).filter(busy) else {
+            stray(raw.wr_id);
             return (Held::default(), None);
         };
-        let OpSlot::Busy { opcode, held, bytes, first_error, orphan } = &mut entry.slot else {
-            tracing::warn!(wr_id = raw.wr_id, "completion for an operation that is not in flight");
-            return (Held::default(), None);
-        };
-        let opcode = match *opcode {
-            Opcode::Recv if raw.by_write_imm => Opcode::RecvWriteWithImm,
-            other => other,
-        };
-        let completion = Completion {
+        let completion = || Completion {
             wr_id: raw.wr_id & !FINAL_BIT,
-            opcode,
+            opcode: match e.opcode {
+                Opcode::Recv if raw.by_write_imm => Opcode::RecvWriteWithImm,
+                other => other,
+            },
             status: raw.status,
-            byte_len: bytes.map_or(raw.byte_len, |b| u32::try_from(b).unwrap_or(u32::MAX)),
+            byte_len: e.bytes.map_or(raw.byte_len, |b| u32::try_from(b).unwrap_or(u32::MAX)),
             imm: raw.imm,
             qp_num: raw.qp_num,
             vendor_err: raw.vendor_err,
         };
         if !last {
             // An unsignaled part of a batch reports only errors; keep the first.
-            if !raw.status.is_success() && first_error.is_none() {
-                *first_error = Some(completion);
+            if !raw.status.is_success() && e.first_error.is_none() {
+                e.first_error = Some(completion());
             }
             return (Held::default(), None);
         }
-        let held = *held;
-        let orphan = orphan.take();
-        let effective = first_error.take().unwrap_or(completion);
-        if orphan.is_some() {
-            self.orphans -= 1;
-            self.release(id.index);
-        } else {
-            entry.slot = OpSlot::Done { effective };
-        }
+        let effective = match e.first_error.take() {
+            Some(first) => first,
+            None => completion(),
+        };
+        let held = e.held;
+        let orphan = e.orphan.take();
         self.busy -= 1;
+        if orphan.is_some() {
+            e.phase = Phase::Free;
+            self.orphans -= 1;
+            self.free.push(id.index);
+        } else {
+            e.effective = effective;
+            e.phase = Phase::Done;
+        }
         (held, orphan)
     }
 
@@ -192,7 +233,18 @@ impl OpTable {
     /// broke, if it did (the first reason, which never changes): a flushed
     /// operation then fails with [`Error::ConnectionLost`] rather than a
     /// flush status.
+    #[inline]
     fn outcome(effective: Completion, lost: Option<&str>) -> Result<Completion> {
+        if effective.status.is_success() {
+            return Ok(effective);
+        }
+        Self::failure(effective, lost)
+    }
+
+    /// [`outcome`](Self::outcome)'s error, out of the way of the fast path.
+    #[cold]
+    #[inline(never)]
+    fn failure(effective: Completion, lost: Option<&str>) -> Result<Completion> {
         match (effective.result(), lost) {
             (Ok(c), _) => Ok(c),
             (Err(CompletionError { status: WcStatus::WrFlush, opcode, .. }), Some(reason)) => {
@@ -204,17 +256,15 @@ impl OpTable {
 
     /// Whether the operation has an outcome to take.
     pub(crate) fn is_done(&self, id: OpId) -> bool {
-        self.entries
-            .get(id.index as usize)
-            .is_some_and(|e| e.generation == id.generation && matches!(e.slot, OpSlot::Done { .. }))
+        self.entries.get(id.index as usize).is_some_and(|e| e.generation == id.generation && e.phase == Phase::Done)
     }
 
     /// Takes a finished operation's outcome, freeing its slot. `lost` is
     /// why the connection broke, if it did.
     pub(crate) fn take(&mut self, id: OpId, lost: Option<&str>) -> Option<Result<Completion>> {
-        let e = self.entry(id)?;
-        let OpSlot::Done { effective } = e.slot else { return None };
-        e.slot = OpSlot::Free;
+        let e = self.entry(id, Phase::Done)?;
+        e.phase = Phase::Free;
+        let effective = e.effective;
         self.free.push(id.index);
         Some(Self::outcome(effective, lost))
     }
@@ -223,20 +273,20 @@ impl OpTable {
     /// buffer is kept until it completes; if it finished, the slot is freed
     /// and the buffer handed back to be dropped by the caller.
     pub(crate) fn orphan(&mut self, id: OpId, buffer: Orphan) -> Option<Orphan> {
-        let Some(e) = self.entry(id) else {
+        let Some(e) = self.entries.get_mut(id.index as usize).filter(|e| e.generation == id.generation) else {
             return Some(buffer);
         };
-        match &mut e.slot {
-            OpSlot::Busy { orphan, .. } => {
-                *orphan = Some(buffer);
+        match e.phase {
+            Phase::Busy => {
+                e.orphan = Some(buffer);
                 self.orphans += 1;
                 None
             }
-            OpSlot::Done { .. } => {
+            Phase::Done => {
                 self.release(id.index);
                 Some(buffer)
             }
-            OpSlot::Free => Some(buffer),
+            Phase::Free => Some(buffer),
         }
     }
 
@@ -245,10 +295,8 @@ impl OpTable {
     pub(crate) fn take_orphans(&mut self) -> Vec<Orphan> {
         let mut out = Vec::new();
         for e in &mut self.entries {
-            if let OpSlot::Busy { orphan, .. } = &mut e.slot {
-                if let Some(o) = orphan.take() {
-                    out.push(o);
-                }
+            if let Some(o) = e.orphan.take() {
+                out.push(o);
             }
         }
         self.orphans = 0;
