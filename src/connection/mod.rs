@@ -494,6 +494,11 @@ impl<B: Send + 'static> Pending<B> {
         false
     }
 
+    #[inline(never)]
+    fn progress_staged_cold(&self) {
+        self.progress_staged();
+    }
+
     /// Whether a wait must also move staged operations along.
     fn staged_in_progress(&self) -> bool {
         #[cfg(feature = "cuda")]
@@ -571,13 +576,23 @@ impl<B: Send + 'static> Pending<B> {
     /// # Errors
     /// As [`wait`](Self::wait).
     pub fn wait_timeout(&mut self, timeout: Duration) -> Result<Completion> {
-        let mut due = Deadline::lazy(timeout, WHAT);
         if let Stage::InFlight(id) = self.stage {
             if !self.staged_in_progress() {
                 // The common case: wait and take the outcome in one step.
+                let mut due = Deadline::lazy(timeout, WHAT);
                 let outcome = self.shared.transport.wait_take(id, &mut due)?;
                 return self.settle(outcome);
             }
+        }
+        self.wait_slow(timeout)
+    }
+
+    /// [`wait_timeout`](Self::wait_timeout) for a staged operation, one
+    /// posted while staged ones are in progress, or one already finished.
+    #[inline(never)]
+    fn wait_slow(&mut self, timeout: Duration) -> Result<Completion> {
+        let mut due = Deadline::lazy(timeout, WHAT);
+        if let Stage::InFlight(id) = self.stage {
             self.wait_moving_staged(id, &mut due, timeout)?;
         }
         #[cfg(feature = "cuda")]
@@ -599,12 +614,22 @@ impl<B: Send + 'static> Pending<B> {
 
     /// Records the outcome just taken from the transport and reports it
     /// (an error once, as [`report`](Self::report) does).
+    #[inline]
     fn settle(&mut self, outcome: Result<Completion>) -> Result<Completion> {
         match outcome {
             Ok(c) if self.after.is_none() => {
                 self.stage = Stage::Succeeded(c);
                 Ok(c)
             }
+            other => self.settle_slow(other),
+        }
+    }
+
+    /// [`settle`](Self::settle) with an after-hook to run, or an error.
+    #[cold]
+    #[inline(never)]
+    fn settle_slow(&mut self, outcome: Result<Completion>) -> Result<Completion> {
+        match outcome {
             Ok(c) => {
                 self.succeed(c);
                 self.report().unwrap_or(Ok(c))
@@ -654,7 +679,7 @@ impl<B: Send + 'static> Pending<B> {
     /// As [`wait`](Self::wait), without the timeout.
     pub fn poll(&mut self) -> Result<Option<Completion>> {
         if self.staged_in_progress() {
-            self.progress_staged();
+            self.progress_staged_cold();
         }
         if let Stage::InFlight(id) = self.stage {
             return match self.shared.transport.poll_take(id)? {
@@ -716,6 +741,18 @@ fn staged_slice(copying: bool) -> Duration {
 
 impl<B: Send + 'static> Drop for Pending<B> {
     fn drop(&mut self) {
+        if let Stage::Succeeded(_) | Stage::Failed(_) = self.stage {
+            return;
+        }
+        self.drop_unfinished();
+    }
+}
+
+impl<B: Send + 'static> Pending<B> {
+    /// Dropped before the device was done: the buffer stays with the connection.
+    #[cold]
+    #[inline(never)]
+    fn drop_unfinished(&mut self) {
         #[cfg(feature = "cuda")]
         if let Stage::Staged(p) = &self.stage {
             // Copies are waited for; slots still on the network stay with the
