@@ -22,6 +22,14 @@ use crate::verbs::{
     RecvWr, RtrAttr, RtsAttr, SendOp, SendWr, Sge, WaitOutcome, WcOpcode, WorkCompletion,
 };
 
+/// The connection broke: a work request failed (the queue pair is in the
+/// error state).
+#[cold]
+#[inline(never)]
+fn lose_after(q: &mut QueueCore, status: crate::completion::WcStatus) {
+    q.lose(|| format!("the queue pair went to the error state after a work request failed with {status}"));
+}
+
 fn random_psn() -> u32 {
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u128(Instant::now().elapsed().as_nanos() ^ u128::from(std::process::id()));
@@ -229,9 +237,7 @@ impl VerbsConn {
                 by_write_imm: wc.opcode == WcOpcode::RecvRdmaWithImm,
             };
             if !wc.status.is_success() {
-                st.q.lose(|| {
-                    format!("the queue pair went to the error state after a work request failed with {}", wc.status)
-                });
+                lose_after(&mut st.q, wc.status);
             }
             // The device is done with an orphan's memory: its final request completed.
             drop(st.q.complete(&raw));
@@ -276,6 +282,21 @@ impl VerbsConn {
 
     /// Waits, driving progress, until `ready` holds or the deadline passes.
     fn wait_until(&self, due: &mut Deadline, mut ready: impl FnMut(&mut VerbsState) -> bool) -> Result<bool> {
+        // Most waits end at the first poll.
+        {
+            let mut st = self.lock();
+            self.progress(&mut st)?;
+            if ready(&mut st) {
+                return Ok(true);
+            }
+        }
+        self.wait_until_slow(due, ready)
+    }
+
+    /// [`wait_until`](Self::wait_until) past its first poll: spinning, then
+    /// sleeping on the completion channel and the peer's socket.
+    #[inline(never)]
+    fn wait_until_slow(&self, due: &mut Deadline, mut ready: impl FnMut(&mut VerbsState) -> bool) -> Result<bool> {
         // Both fixed at the first clock read, not before: a wait that ends
         // within SPINS_PER_CLOCK polls never reads the clock.
         let mut spin_until: Option<Instant> = None;
@@ -471,6 +492,20 @@ impl VerbsConn {
 
     /// Waits until `n` send-queue requests fit (driving progress), up to `due`.
     fn send_room<'a>(
+        &'a self,
+        st: MutexGuard<'a, VerbsState>,
+        n: u32,
+        due: &mut Deadline,
+    ) -> Result<MutexGuard<'a, VerbsState>> {
+        if st.q.send_room(n)? {
+            return Ok(st);
+        }
+        self.send_room_slow(st, n, due)
+    }
+
+    /// [`send_room`](Self::send_room) when the queue is full: waits for completions.
+    #[inline(never)]
+    fn send_room_slow<'a>(
         &'a self,
         mut st: MutexGuard<'a, VerbsState>,
         n: u32,
