@@ -12,8 +12,10 @@
 //!   arguments, here, on the best path this machine has; `demo --vm`: two
 //!   processes on rxe0 in the guest.
 //! - `bench`: the criterion suite `benches/ops.rs` in the guest, on rxe0.
-//! - `compare`: perftest and `gpu-rdma bench` interleaved on rxe0 in the
-//!   guest; medians and ratios.
+//! - `compare`: `gpu-rdma bench` beside perftest and UCX, interleaved on
+//!   rxe0 in the guest, and beside UCX over TCP here; medians and ratios.
+//! - `instructions`: the instructions of one `send-lat` iteration under
+//!   callgrind, `ib_send_lat` beside `gpu-rdma bench`, on rxe0.
 //! - `gpu-check`: the GPU checks as one folder (binaries, the rdma-core
 //!   libraries they link, `run.sh`) for a GPU machine without Rust; runs
 //!   them when this machine has a GPU.
@@ -21,6 +23,7 @@
 mod bench;
 mod compare;
 mod gpu;
+mod instructions;
 mod layers;
 mod setup;
 mod test;
@@ -42,7 +45,9 @@ commands:
   demo [--vm]           the transfer example with no arguments here: best path, write/read/send, verified;
                           --vm: two processes on rxe0 in the guest, 256 MiB each way
   bench                 the criterion suite benches/ops.rs on rxe0 in the guest (verbs and TCP)
-  compare [--rounds N]  perftest and gpu-rdma bench interleaved on rxe0: bandwidth, latency, ratios
+  compare [--rounds N] [--host] [--from DIR]
+                        gpu-rdma bench beside perftest and UCX on rxe0 (and UCX over TCP here): medians, ratios
+  instructions          instructions per send-lat iteration under callgrind, ib_send_lat beside gpu-rdma
   layers [--cycles]     the library's module graph: fails on a cycle or an import a layer may not make
                           (--cycles: on a cycle only, reporting the rest)
   gpu-check [--run]     build the GPU checks into target/gpu-bundle (binaries, libraries, run.sh)
@@ -60,6 +65,7 @@ fn main() -> ExitCode {
         Some("compare") => compare::command(&args[1..]),
         Some("bench") => bench::command(&args[1..]),
         Some("layers") => layers::command(&args[1..]),
+        Some("instructions") => instructions::command(&args[1..]),
         Some("-h" | "--help" | "help") | None => {
             print!("{USAGE}");
             Ok(0)
