@@ -79,10 +79,11 @@ struct OpEntry {
     /// it; the device's byte count is only defined for receives); `None`
     /// for a receive.
     bytes: Option<u64>,
-    /// Busy: the first error of a chain, if one arrived.
-    first_error: Option<Completion>,
-    /// Done: the completion that decides the outcome (the first error of a
-    /// chain, else the final request's), turned into a `Result` only when
+    /// Busy: whether an earlier request of the chain failed (`effective`
+    /// holds its completion then).
+    failed_early: bool,
+    /// The completion that decides the outcome: the first error of a
+    /// chain, else the final request's; turned into a `Result` only when
     /// taken.
     effective: Completion,
     /// Busy: the buffer of a dropped handle, kept until the final completion.
@@ -143,7 +144,7 @@ impl OpTable {
             e.opcode = opcode;
             e.held = held;
             e.bytes = bytes;
-            e.first_error = None;
+            e.failed_early = false;
             OpId { index, generation: e.generation }
         } else {
             let index = self.entries.len() as u32;
@@ -153,7 +154,7 @@ impl OpTable {
                 opcode,
                 held,
                 bytes,
-                first_error: None,
+                failed_early: false,
                 effective: NO_COMPLETION,
                 orphan: None,
             });
@@ -206,15 +207,15 @@ impl OpTable {
         };
         if !last {
             // An unsignaled part of a batch reports only errors; keep the first.
-            if !raw.status.is_success() && e.first_error.is_none() {
-                e.first_error = Some(completion());
+            if !raw.status.is_success() && !e.failed_early {
+                e.effective = completion();
+                e.failed_early = true;
             }
             return (Held::default(), None);
         }
-        let effective = match e.first_error.take() {
-            Some(first) => first,
-            None => completion(),
-        };
+        if !e.failed_early {
+            e.effective = completion();
+        }
         let held = e.held;
         let orphan = e.orphan.take();
         self.busy -= 1;
@@ -223,7 +224,6 @@ impl OpTable {
             self.orphans -= 1;
             self.free.push(id.index);
         } else {
-            e.effective = effective;
             e.phase = Phase::Done;
         }
         (held, orphan)
