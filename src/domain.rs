@@ -197,8 +197,9 @@ impl Domain {
     /// [`Exposed::publish`] and [`Connection::recv_write`](crate::Connection::recv_write)).
     ///
     /// # Errors
-    /// The error and the region back when `access` has no remote right or
-    /// the region belongs to another domain, or the device refuses.
+    /// The error and the region back when `access` has no remote right
+    /// ([`Error::InvalidArgument`]), the region belongs to another domain
+    /// ([`Error::DomainMismatch`]), or the device refuses.
     // The error hands the region back by value, as the caller gave it.
     #[allow(clippy::result_large_err)]
     pub fn expose<M: Memory>(
@@ -218,7 +219,12 @@ impl Domain {
         }
         if region.domain_id() != self.id() {
             return Err(BufError {
-                error: Error::InvalidArgument("the region is registered with another domain".into()),
+                error: Error::DomainMismatch {
+                    what: "region",
+                    registered: region.domain_id(),
+                    used_with: "domain",
+                    expected: self.id(),
+                },
                 buffer: region,
             });
         }

@@ -160,6 +160,26 @@ pub enum Error {
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
 
+    /// A buffer or region registered with one domain was used with another
+    /// (a connection of another domain, or another domain's `expose`): its
+    /// keys mean nothing there. Nothing was posted; the buffer comes back.
+    #[error("the {what} is registered with domain {registered}, and this {used_with} belongs to domain {expected}")]
+    DomainMismatch {
+        /// `buffer` or `region`.
+        what: &'static str,
+        /// The domain it is registered with ([`Domain::id`](crate::Domain::id)).
+        registered: u64,
+        /// `connection` or `domain`.
+        used_with: &'static str,
+        /// The domain of the connection or domain it was given to.
+        expected: u64,
+    },
+
+    /// An operation's error was already returned by an earlier wait or
+    /// poll of the same handle.
+    #[error("this operation failed and its error was already returned")]
+    AlreadyReported,
+
     /// The crate was built without a feature this call needs.
     #[error("gpu-rdma was built without the `{feature}` feature; rebuild with `--features {feature}`")]
     FeatureDisabled {

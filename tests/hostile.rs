@@ -505,3 +505,40 @@ fn the_tcp_receiver_survives_hostile_frame_streams() {
     assert!(largest <= (1 << 20) + 4096, "an allocation of {largest} bytes");
     drop(original);
 }
+
+/// A buffer or region of one domain used with another domain's connection
+/// or `expose`: a typed error naming both domains, nothing posted, the
+/// buffer back; the error is handed out once, and the connection still works.
+#[test]
+fn a_buffer_of_another_domain_is_refused_with_a_typed_error_and_comes_back() {
+    let tcp = || Domain::with_config(&DomainConfig::default().transport(TransportPolicy::Tcp)).unwrap();
+    let (a, b) = (tcp(), tcp());
+    assert_ne!(a.id(), b.id());
+    let e = b.expose(a.alloc(4096).unwrap(), Access::REMOTE_WRITE, 1).unwrap_err();
+    match e.error {
+        gpu_rdma::Error::DomainMismatch { what: "region", registered, used_with: "domain", expected } => {
+            assert_eq!((registered, expected), (a.id(), b.id()));
+        }
+        other => panic!("{other:?}"),
+    }
+    let foreign = e.buffer;
+    assert_eq!(foreign.domain_id(), a.id());
+
+    let target = b.expose(b.alloc(4096).unwrap(), Access::REMOTE_WRITE, 2).unwrap();
+    let (server, client) = common::pair_on(&b, &b, common::opts().advertise(&target), common::opts());
+    let remote = client.remote_region(2).expect("advertised").slice(0..4096).unwrap();
+    let mut p = client.write(foreign, &remote);
+    match p.wait() {
+        Err(gpu_rdma::Error::DomainMismatch { what: "buffer", registered, used_with: "connection", expected }) => {
+            assert_eq!((registered, expected), (a.id(), b.id()));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(p.wait(), Err(gpu_rdma::Error::AlreadyReported)), "the error is handed out once");
+    assert_eq!(p.into_buffer().expect("nothing was posted").len(), 4096);
+    assert!(client.broken().is_none(), "refused locally: the connection is fine");
+    // The connection still carries a write from its own domain.
+    let (_c, own) = client.write(b.alloc(4096).unwrap(), &remote).finish().unwrap();
+    assert_eq!(own.len(), 4096);
+    drop(server);
+}

@@ -552,10 +552,7 @@ impl<B: Send + 'static> Pending<B> {
             #[cfg(feature = "cuda")]
             Stage::Staged(_) => None,
             Stage::Succeeded(c) => Some(Ok(*c)),
-            Stage::Stuck(_, e) | Stage::Failed(e) => Some(Err(e.take().map_or_else(
-                || Error::InvalidArgument("this operation failed and its error was already returned".into()),
-                |e| *e,
-            ))),
+            Stage::Stuck(_, e) | Stage::Failed(e) => Some(Err(e.take().map_or(Error::AlreadyReported, |e| *e))),
         }
     }
 

@@ -142,9 +142,12 @@ impl QueueCore {
     /// Checks a local buffer: it must be registered in this connection's domain.
     pub(crate) fn check_local(&self, local: &LocalParts) -> Result<()> {
         if local.domain != self.limits.domain_id {
-            return Err(Error::InvalidArgument(
-                "the buffer is registered with another domain than this connection's".into(),
-            ));
+            return Err(Error::DomainMismatch {
+                what: "buffer",
+                registered: local.domain,
+                used_with: "connection",
+                expected: self.limits.domain_id,
+            });
         }
         Ok(())
     }
@@ -467,7 +470,10 @@ mod tests {
         let ok = WorkItem { local: Some(local(64, DOMAIN)), op: RemoteOp::Write(remote(Access::REMOTE_WRITE)) };
         assert_eq!(q.check_item(&ok).unwrap(), 64);
         let foreign = WorkItem { local: Some(local(64, DOMAIN + 1)), ..ok };
-        assert!(matches!(q.check_item(&foreign), Err(Error::InvalidArgument(m)) if m.contains("another domain")));
+        assert!(matches!(
+            q.check_item(&foreign),
+            Err(Error::DomainMismatch { registered, expected: DOMAIN, .. }) if registered == DOMAIN + 1
+        ));
         let no_right = WorkItem { op: RemoteOp::Read(remote(Access::REMOTE_WRITE)), ..ok };
         assert!(matches!(q.check_item(&no_right), Err(Error::AccessDenied { .. })));
         let short = WorkItem { local: Some(local(32, DOMAIN)), ..ok };
