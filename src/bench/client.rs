@@ -339,7 +339,7 @@ pub fn run_client<B: LocalBuffer + Clone>(
     Ok(rows)
 }
 
-/// The client's half of the parameter check: returns once a [`run_server`]
+/// The client's half of the parameter check: returns once a [`run_server`](super::run_server)
 /// with the same `params` is serving (then the client's operations may
 /// start; [`finish`] ends the test).
 ///
@@ -361,7 +361,7 @@ pub fn agree(conn: &Connection, params: &Params, timeout: Duration) -> Result<()
     Ok(())
 }
 
-/// Tells a [`serve`]ing peer that the test is over, and returns once it
+/// Tells a [`serve`](super::serve)ing peer that the test is over, and returns once it
 /// is: the server answers with the number of receives it still has posted
 /// and this side fills them, so that the connection carries nothing of the
 /// test into whatever runs on it next.

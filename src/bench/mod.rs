@@ -1,11 +1,11 @@
 //! The measurement loops behind `gpu-rdma bench`, in perftest's terms, on
-//! any [`Connection`]: bandwidth by write, read and send with many requests
+//! any [`Connection`](crate::Connection): bandwidth by write, read and send with many requests
 //! in flight, and latency by ping-pong (send, write with immediate) or by
 //! one read at a time. The criterion benches use them too.
 //!
 //! Both ends run the same [`Params`] (as with perftest, both sides are given
 //! the same flags); the client sends its [`Params`] first and the server
-//! refuses a mismatch with [`Error::InvalidArgument`] on both sides instead
+//! refuses a mismatch with [`Error::InvalidArgument`](crate::Error::InvalidArgument) on both sides instead
 //! of measuring something else.
 //!
 //! How the loops stay out of the way:

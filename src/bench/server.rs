@@ -82,7 +82,7 @@ pub fn run_server<B: Landing>(
 
 /// The server's side of `test` without the parameter exchange: posts what
 /// the test receives, calls `ready`, then serves until the client's
-/// [`finish`]. `local` must hold the largest message.
+/// [`finish`](super::finish). `local` must hold the largest message.
 ///
 /// # Errors
 /// What `ready` returns, a failed operation, a timeout, a lost connection.
