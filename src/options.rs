@@ -42,7 +42,9 @@ pub struct ConnectOptions {
     /// InfiniBand service level (default 0).
     pub service_level: u8,
     /// Busy-poll this long before sleeping on the completion channel
-    /// (default 50 us). Zero sleeps at once; long values trade CPU for latency.
+    /// (default 50 us; on TCP, look again this long, yielding the CPU,
+    /// before sleeping). Zero sleeps at once; long values trade CPU for
+    /// latency.
     pub spin: Duration,
     /// The largest handshake message accepted (default 1 MiB).
     pub max_handshake_payload: u32,

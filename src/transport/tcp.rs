@@ -440,6 +440,8 @@ struct Inner {
     /// The peer's send-queue depth: the most replies (acknowledgements, read
     /// responses) its outstanding requests can need.
     peer_depth: usize,
+    /// How long a wait looks again (yielding) before it sleeps.
+    spin: Duration,
     /// Inline copies' buffers, reused (at most the send-queue depth kept).
     inline_pool: Mutex<Vec<Vec<u8>>>,
     /// How long a peer's send waits here for a receive; `None`: forever
@@ -602,6 +604,7 @@ impl TcpConn {
             // beat the sender back to the pool). The pool grows only to the
             // concurrency actually used, then stays.
             inline_pool: Mutex::new((0..INLINE_POOL).map(|_| Vec::with_capacity(MAX_INLINE as usize)).collect()),
+            spin: opts.spin,
             // The peer's retry count, this side's timer, as on verbs.
             rnr_budget: (theirs.rnr_retry < 7)
                 .then(|| rnr_timer(opts.min_rnr_timer) * (u32::from(theirs.rnr_retry) + 1)),
@@ -774,6 +777,26 @@ impl TcpConn {
     /// deadline passed first (the operation is still in flight).
     pub(crate) fn wait_take(&self, id: OpId, due: &mut Deadline) -> Result<Result<Completion>> {
         let mut st = self.inner.lock();
+        if let Some(outcome) = st.q.take(id) {
+            return Ok(outcome);
+        }
+        if !self.inner.spin.is_zero() {
+            // Look again for a moment, yielding the CPU (to this side's
+            // receiver thread, among others), before sleeping: a reply often
+            // lands within microseconds, and waking from a condition
+            // variable costs more than that.
+            drop(st);
+            let now = Instant::now();
+            let until = due.at_from(now).min(now + self.inner.spin);
+            loop {
+                std::thread::yield_now();
+                let s = self.inner.lock();
+                if s.q.is_done(id) || Instant::now() >= until {
+                    st = s;
+                    break;
+                }
+            }
+        }
         loop {
             if let Some(outcome) = st.q.take(id) {
                 return Ok(outcome);
