@@ -380,7 +380,9 @@ pub mod verbs;
 
 pub use completion::{Completion, CompletionError, Opcode, WcStatus};
 pub use config::{Transport, TransportPolicy};
-pub use connection::{Batch, ConnectOptions, Connection, ConnectionInfo, Listener, MAX_CONCURRENT_HANDSHAKES, Pending};
+pub use connection::{
+    Batch, ConnectOptions, Connection, ConnectionInfo, ConnectionStats, Listener, MAX_CONCURRENT_HANDSHAKES, Pending,
+};
 pub use domain::{BufError, Domain, DomainConfig, DomainInfo, DomainStats};
 pub use error::{AuthFailure, BootstrapError, Error, Result};
 pub use memory::{

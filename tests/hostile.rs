@@ -537,6 +537,9 @@ fn a_buffer_of_another_domain_is_refused_with_a_typed_error_and_comes_back() {
     assert!(matches!(p.wait(), Err(gpu_rdma::Error::AlreadyReported)), "the error is handed out once");
     assert_eq!(p.into_buffer().expect("nothing was posted").len(), 4096);
     assert!(client.broken().is_none(), "refused locally: the connection is fine");
+    let stats = client.stats();
+    assert_eq!((stats.in_flight, stats.orphaned), (0, 0), "nothing was posted");
+    assert_eq!(stats, gpu_rdma::ConnectionStats::default());
     // The connection still carries a write from its own domain.
     let (_c, own) = client.write(b.alloc(4096).unwrap(), &remote).finish().unwrap();
     assert_eq!(own.len(), 4096);

@@ -332,9 +332,16 @@ impl Connection {
     }
 
     /// Operations in flight, and how many of those have had their
-    /// [`Pending`] dropped.
+    /// [`Pending`] dropped: [`stats`](Self::stats) as a pair.
     pub fn in_flight(&self) -> (usize, usize) {
-        self.shared.transport.stats()
+        let s = self.stats();
+        (s.in_flight, s.orphaned)
+    }
+
+    /// What the connection's queues hold now.
+    pub fn stats(&self) -> ConnectionStats {
+        let (in_flight, orphaned) = self.shared.transport.stats();
+        ConnectionStats { in_flight, orphaned }
     }
 
     /// Closes the connection: tells the peer, and fails what is outstanding.
@@ -424,6 +431,17 @@ impl<B: LocalBuffer> Batch<'_, B> {
         }
         pending
     }
+}
+
+/// What a connection's queues hold ([`Connection::stats`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ConnectionStats {
+    /// Operations posted whose final completion has not arrived.
+    pub in_flight: usize,
+    /// Of those, the ones whose [`Pending`] was dropped: their buffers stay
+    /// with the connection until the device is done with them.
+    pub orphaned: usize,
 }
 
 /// An operation in flight. Holds its buffer until the device is done.
