@@ -310,10 +310,13 @@ unsafe fn send_frame(
     ptr: *const u8,
     len: usize,
     gate: Option<&RwLock<bool>>,
+    already: usize,
 ) -> io::Result<bool> {
     let head = header.encode();
-    let mut head_sent = 0;
-    let mut sent = 0;
+    // The first `already` bytes of the frame went out earlier (a posting
+    // thread's attempt that the socket cut short).
+    let mut head_sent = already.min(HEADER);
+    let mut sent = already.saturating_sub(HEADER).min(len);
     while head_sent < HEADER || sent < len {
         let guard = gate.map(|g| g.read().unwrap_or_else(|e| e.into_inner()));
         if guard.as_ref().is_some_and(|alive| !**alive) {
@@ -355,7 +358,7 @@ unsafe fn send_frame(
 
 fn send_header(fd: RawFd, header: &Header) -> io::Result<()> {
     // SAFETY: no payload.
-    unsafe { send_frame(fd, header, std::ptr::null(), 0, None) }.map(drop)
+    unsafe { send_frame(fd, header, std::ptr::null(), 0, None, 0) }.map(drop)
 }
 
 // ---- the connection ----
@@ -374,6 +377,9 @@ struct Out {
     kind: OutKind,
     addr: u64,
     len: u64,
+    /// Bytes of its first frame already on the wire: a posting thread sent
+    /// them and the socket took no more (see [`TcpConn::send_direct`]).
+    skip: usize,
 }
 
 /// A frame the receiver asks the sender to send.
@@ -406,9 +412,15 @@ struct TcpState {
     /// request id. Entered before sending, since the acknowledgement may
     /// arrive before the sender thread has returned from its last call.
     awaiting: HashMap<u32, u64>,
-    /// The message the sender thread is writing now: its memory is in use,
-    /// so only the sender thread may fail it.
+    /// The message being written now (by the sender thread, or by a posting
+    /// thread sending directly): its memory is in use, so only its writer
+    /// may fail it.
     sending: Option<u32>,
+    /// A thread is writing to the socket: frames never interleave.
+    writing: bool,
+    /// A message whose first bytes a posting thread wrote before the socket
+    /// filled up: the sender thread finishes it before anything else.
+    resume: Option<Out>,
     /// Read requests queued or sent: seq -> destination.
     reads: HashMap<u32, ReadDst>,
     recvs: VecDeque<Recv>,
@@ -587,6 +599,8 @@ impl TcpConn {
                 control: VecDeque::new(),
                 awaiting: HashMap::new(),
                 sending: None,
+                writing: false,
+                resume: None,
                 reads: HashMap::new(),
                 recvs: VecDeque::new(),
                 sender_done: false,
@@ -699,9 +713,59 @@ impl TcpConn {
             if let OutKind::ReadReq { .. } = kind {
                 st.reads.insert(seq, ReadDst { wr_id, addr, len });
             }
-            st.queue.push_back(Out { seq, wr_id, kind, addr, len });
+            st.queue.push_back(Out { seq, wr_id, kind, addr, len, skip: 0 });
+        }
+        let socket_free = !st.writing && st.resume.is_none() && st.control.is_empty() && !st.stopping;
+        if count == 1 && socket_free && st.queue.len() == 1 && matches!(st.queue[0].kind, OutKind::Inline { .. }) {
+            if let Some(o) = st.queue.pop_front() {
+                return self.send_direct(st, o, id);
+            }
         }
         self.inner.work.notify_one();
+        Posted::Ok(id)
+    }
+
+    /// Sends a small message from the posting thread while the socket is
+    /// free: no hand-off to the sender thread, a wake-up saved on the
+    /// latency path. Never blocks: what the socket does not take at once,
+    /// the sender thread finishes before anything else.
+    fn send_direct(&self, mut st: MutexGuard<'_, TcpState>, mut o: Out, id: OpId) -> Posted {
+        st.writing = true;
+        st.sending = Some(o.seq);
+        st.awaiting.insert(o.seq, o.wr_id);
+        drop(st);
+        let written = try_send_inline(self.inner.fd, &o);
+        let mut st = self.inner.lock();
+        st.sending = None;
+        st.writing = false;
+        let whole = HEADER + o.len as usize;
+        let mut done = None;
+        match written {
+            Ok(n) if n < whole && st.q.lost().is_none() => {
+                o.skip = n;
+                st.resume = Some(o);
+            }
+            r => {
+                // Sent, or not and the connection broke: as the sender thread
+                // does, this writer fails its message if the connection broke
+                // meanwhile (its flush skipped it), unless already acknowledged.
+                if (r.is_err() || st.q.lost().is_some()) && st.awaiting.remove(&o.seq).is_some() {
+                    self.inner.complete(&mut st, &raw(o.wr_id, WcStatus::WrFlush));
+                }
+                if let Err(e) = r {
+                    self.inner.break_with(&mut st, format!("sending to the peer failed: {e}"));
+                }
+                done = Some(o);
+            }
+        }
+        self.inner.work.notify_all();
+        drop(st);
+        if let Some(Out { kind: OutKind::Inline { data, .. }, .. }) = done {
+            let mut pool = self.inner.inline_pool.lock().unwrap_or_else(|e| e.into_inner());
+            if pool.len() < self.inner.limits.send_depth as usize {
+                pool.push(data);
+            }
+        }
         Posted::Ok(id)
     }
 
@@ -907,11 +971,24 @@ fn sender(inner: &Inner) {
         let work = {
             let mut st = inner.lock();
             loop {
+                if st.writing {
+                    // A posting thread is sending its message directly.
+                    st = inner.work.wait(st).unwrap_or_else(|e| e.into_inner());
+                    continue;
+                }
+                if let Some(o) = st.resume.take() {
+                    // The rest of a frame a posting thread began: first, so
+                    // the stream stays whole.
+                    st.writing = true;
+                    st.sending = Some(o.seq);
+                    break Work::Out(o);
+                }
                 if let Some(c) = st.control.pop_front() {
                     if st.q.lost().is_some() {
                         // Shutdown may be waiting for the control queue to drain.
                         inner.events.notify_all();
                     }
+                    st.writing = true;
                     break Work::Ctl(c);
                 }
                 if st.stopping || st.q.lost().is_some() {
@@ -926,6 +1003,7 @@ fn sender(inner: &Inner) {
                 }
                 if let Some(o) = st.queue.pop_front() {
                     st.sending = Some(o.seq);
+                    st.writing = true;
                     if !matches!(o.kind, OutKind::ReadReq { .. }) {
                         st.awaiting.insert(o.seq, o.wr_id);
                     }
@@ -935,14 +1013,20 @@ fn sender(inner: &Inner) {
             }
         };
         let outcome = match work {
-            Work::Ctl(Ctl::Ack { seq, status }) => {
-                send_header(fd, &Header { op: Op::Ack as u8, seq, total: status, ..Header::default() })
+            Work::Ctl(c) => {
+                let r = match c {
+                    Ctl::Ack { seq, status } => {
+                        send_header(fd, &Header { op: Op::Ack as u8, seq, total: status, ..Header::default() })
+                    }
+                    Ctl::Bye => {
+                        let _ = send_header(fd, &Header { op: Op::Bye as u8, ..Header::default() });
+                        Ok(())
+                    }
+                    Ctl::ReadResp { seq, entry, addr, len } => send_read_response(fd, seq, &entry, addr, len),
+                };
+                inner.lock().writing = false;
+                r
             }
-            Work::Ctl(Ctl::Bye) => {
-                let _ = send_header(fd, &Header { op: Op::Bye as u8, ..Header::default() });
-                Ok(())
-            }
-            Work::Ctl(Ctl::ReadResp { seq, entry, addr, len }) => send_read_response(fd, seq, &entry, addr, len),
             Work::Out(mut o) => {
                 let r = send_message(fd, &o);
                 if let OutKind::Inline { data, .. } = &mut o.kind {
@@ -953,6 +1037,7 @@ fn sender(inner: &Inner) {
                 }
                 let mut st = inner.lock();
                 st.sending = None;
+                st.writing = false;
                 // Not (all) sent, or the connection broke meanwhile (and its flush
                 // skipped this message): this thread owned it, so it fails it, unless
                 // the acknowledgement already completed it.
@@ -970,6 +1055,48 @@ fn sender(inner: &Inner) {
             let mut st = inner.lock();
             inner.break_with(&mut st, format!("sending to the peer failed: {e}"));
             // Keep serving the control queue until stopped (the frames fail fast).
+        }
+    }
+}
+
+/// One attempt, without blocking, to write an inline message's whole frame
+/// (header and data); how many bytes of it the socket took.
+fn try_send_inline(fd: RawFd, o: &Out) -> io::Result<usize> {
+    let OutKind::Inline { data, imm } = &o.kind else {
+        return Ok(0);
+    };
+    let flags = FIRST | LAST | if imm.is_some() { IMM } else { 0 };
+    let h = Header {
+        op: Op::Send as u8,
+        flags,
+        seq: o.seq,
+        key: 0,
+        imm: imm.unwrap_or(0),
+        addr: 0,
+        len: data.len() as u32,
+        total: data.len() as u32,
+    };
+    let head = h.encode();
+    let mut iov = [
+        libc::iovec { iov_base: head.as_ptr() as *mut libc::c_void, iov_len: HEADER },
+        libc::iovec { iov_base: data.as_ptr() as *mut libc::c_void, iov_len: data.len() },
+    ];
+    // SAFETY: a zeroed msghdr is valid; the iovecs and what they point to
+    // (the header on this stack, the message's own copy) outlive the call.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = iov.as_mut_ptr();
+    msg.msg_iovlen = iov.len();
+    loop {
+        // SAFETY: valid socket, message and buffers; MSG_NOSIGNAL instead of SIGPIPE.
+        let n = unsafe { libc::sendmsg(fd, &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+        if n >= 0 {
+            return Ok(n as usize);
+        }
+        let e = io::Error::last_os_error();
+        match e.kind() {
+            io::ErrorKind::WouldBlock => return Ok(0),
+            io::ErrorKind::Interrupted => {}
+            _ => return Err(e),
         }
     }
 }
@@ -1014,7 +1141,7 @@ fn send_message(fd: RawFd, o: &Out) -> io::Result<()> {
         // SAFETY: the message's source is a registered buffer owned by its
         // operation until this thread reports the operation complete, or an
         // inline copy owned by `o`.
-        unsafe { send_frame(fd, &h, ptr.add(off as usize), n as usize, None)? };
+        unsafe { send_frame(fd, &h, ptr.add(off as usize), n as usize, None, if off == 0 { o.skip } else { 0 })? };
         off += n;
         if off >= len {
             return Ok(());
@@ -1037,7 +1164,7 @@ fn send_read_response(fd: RawFd, seq: u32, entry: &KeyEntry, addr: u64, len: u64
         };
         // SAFETY: the range was checked against the exposure, whose memory stays
         // valid while its gate says alive (revocation waits for the gate).
-        let whole = unsafe { send_frame(fd, &h, (addr + off) as *const u8, n as usize, Some(&entry.alive))? };
+        let whole = unsafe { send_frame(fd, &h, (addr + off) as *const u8, n as usize, Some(&entry.alive), 0)? };
         if !whole {
             // Revoked mid-way: the frame is cut, the stream cannot be resynchronized.
             return Err(io::Error::other("an exposed region was withdrawn during a read"));
@@ -1380,6 +1507,91 @@ fn on_ack(inner: &Inner, h: &Header) -> Step {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An inline message's frame, as the peer must read it.
+    fn inline_out(seq: u32, data: &[u8]) -> (Out, Vec<u8>) {
+        let o = Out {
+            seq,
+            wr_id: 1,
+            kind: OutKind::Inline { data: data.to_vec(), imm: Some(7) },
+            addr: 0,
+            len: data.len() as u64,
+            skip: 0,
+        };
+        let h = Header {
+            op: Op::Send as u8,
+            flags: FIRST | LAST | IMM,
+            seq,
+            key: 0,
+            imm: 7,
+            addr: 0,
+            len: data.len() as u32,
+            total: data.len() as u32,
+        };
+        let mut frame = h.encode().to_vec();
+        frame.extend_from_slice(data);
+        (o, frame)
+    }
+
+    fn read_exactly(r: &mut std::os::unix::net::UnixStream, n: usize) -> Vec<u8> {
+        use std::io::Read;
+        let mut buf = vec![0u8; n];
+        r.read_exact(&mut buf).unwrap();
+        buf
+    }
+
+    #[test]
+    fn a_frame_resumed_after_any_prefix_reaches_the_peer_whole() {
+        let (mut rx, tx) = std::os::unix::net::UnixStream::pair().unwrap();
+        let data: Vec<u8> = (0..200u8).collect();
+        let (mut o, frame) = inline_out(9, &data);
+        for skip in [0, 1, HEADER - 1, HEADER, HEADER + 1, HEADER + 150, frame.len()] {
+            o.skip = skip;
+            // The prefix goes out as a posting thread would have sent it.
+            {
+                use std::io::Write;
+                (&tx).write_all(&frame[..skip]).unwrap();
+            }
+            send_message(tx.as_raw_fd(), &o).unwrap();
+            assert_eq!(read_exactly(&mut rx, frame.len()), frame, "resumed after {skip} bytes");
+        }
+    }
+
+    #[test]
+    fn a_direct_send_into_a_full_socket_is_finished_by_the_writer_and_stays_whole() {
+        let (mut rx, tx) = std::os::unix::net::UnixStream::pair().unwrap();
+        let small: libc::c_int = 4096;
+        // SAFETY: a valid socket and a c_int option value of the right size.
+        let rc = unsafe {
+            libc::setsockopt(
+                tx.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_SNDBUF,
+                (&small as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        assert_eq!(rc, 0);
+        // Fill the socket until a direct attempt cannot send a whole frame.
+        let data = vec![0xabu8; 1000];
+        let mut frames = Vec::new();
+        let partial = loop {
+            let (mut o, frame) = inline_out(frames.len() as u32 + 1, &data);
+            let n = try_send_inline(tx.as_raw_fd(), &o).unwrap();
+            frames.push(frame);
+            if n < HEADER + data.len() {
+                o.skip = n;
+                break o;
+            }
+            assert!(frames.len() < 10_000, "the socket never filled");
+        };
+        // The sender thread's part: the rest, blocking until the peer reads.
+        let writer = std::thread::spawn(move || send_message(tx.as_raw_fd(), &partial).map(|()| tx));
+        for (i, frame) in frames.iter().enumerate() {
+            assert_eq!(&read_exactly(&mut rx, frame.len()), frame, "frame {i} of {}", frames.len());
+        }
+        drop(writer.join().unwrap().unwrap());
+    }
 
     #[test]
     fn headers_round_trip() {
