@@ -487,10 +487,14 @@ impl<B: Send + 'static> Pending<B> {
         Pending::with(shared, buf, Stage::InFlight(id))
     }
 
+    #[cold]
+    #[inline(never)]
     fn failed(shared: &Arc<ConnShared>, buf: B, error: Error) -> Self {
         Pending::with(shared, buf, Stage::Failed(Some(Box::new(error))))
     }
 
+    #[cold]
+    #[inline(never)]
     fn stuck(shared: &Arc<ConnShared>, id: OpId, buf: B, error: Error) -> Self {
         Pending::with(shared, buf, Stage::Stuck(id, Some(Box::new(error))))
     }
@@ -633,7 +637,12 @@ impl<B: Send + 'static> Pending<B> {
     fn settle(&mut self, outcome: Result<Completion>) -> Result<Completion> {
         match outcome {
             Ok(c) if self.after.is_none() => {
-                self.stage = Stage::Succeeded(c);
+                let before = std::mem::replace(&mut self.stage, Stage::Succeeded(c));
+                match before {
+                    // An id: nothing to drop (and no drop glue on the hot path).
+                    Stage::InFlight(_) => std::mem::forget(before),
+                    other => drop(other),
+                }
                 Ok(c)
             }
             other => self.settle_slow(other),

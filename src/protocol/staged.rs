@@ -558,6 +558,7 @@ impl StagedSet {
 
     /// Whether no staged operation may be in progress (the common case:
     /// then waits need not come here).
+    #[inline]
     pub(crate) fn is_empty(&self) -> bool {
         self.live.load(Ordering::Acquire) == 0
     }

@@ -167,6 +167,7 @@ macro_rules! dispatch {
 
 impl ConnTransport {
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    #[inline]
     pub(crate) fn is_tcp(&self) -> bool {
         matches!(self, ConnTransport::Tcp(_))
     }
@@ -174,6 +175,7 @@ impl ConnTransport {
     /// Lets the peer use the region under `key` through this connection
     /// (TCP; a verbs remote key is valid on every queue pair of its
     /// protection domain).
+    #[inline]
     pub(crate) fn grant(&self, key: u32) {
         match self {
             #[cfg(feature = "verbs")]
@@ -182,59 +184,72 @@ impl ConnTransport {
         }
     }
 
+    #[inline]
     pub(crate) fn post_send(&self, items: &[WorkItem], due: Deadline) -> Posted {
         dispatch!(self, t => t.post_send(items, due))
     }
 
+    #[inline]
     pub(crate) fn post_recv(&self, local: Option<LocalParts>) -> Posted {
         dispatch!(self, t => t.post_recv(local))
     }
 
+    #[inline]
     pub(crate) fn post_inline(&self, data: &[u8], imm: Option<u32>, due: Deadline) -> Posted {
         dispatch!(self, t => t.post_inline(data, imm, due))
     }
 
     /// Drives progress until `id` is done or the deadline passes.
+    #[inline]
     pub(crate) fn wait(&self, id: OpId, due: &mut Deadline) -> Result<()> {
         dispatch!(self, t => t.wait_done(id, due))
     }
 
     /// Drives progress until `id` is done and takes its outcome; `Err` when
     /// the deadline passed first (still in flight).
+    #[inline]
     pub(crate) fn wait_take(&self, id: OpId, due: &mut Deadline) -> Result<Result<Completion>> {
         dispatch!(self, t => t.wait_take(id, due))
     }
 
     /// Polls once; `id`'s outcome if it is done.
+    #[inline]
     pub(crate) fn poll_take(&self, id: OpId) -> Result<Option<Result<Completion>>> {
         dispatch!(self, t => t.poll_take(id))
     }
 
     /// Polls once; whether `id` is done.
+    #[inline]
     pub(crate) fn poll(&self, id: OpId) -> Result<bool> {
         dispatch!(self, t => t.poll_done(id))
     }
 
+    #[inline]
     pub(crate) fn take(&self, id: OpId) -> Option<Result<Completion>> {
         dispatch!(self, t => t.take(id))
     }
 
+    #[inline]
     pub(crate) fn orphan(&self, id: OpId, buffer: Box<dyn std::any::Any + Send>) {
         dispatch!(self, t => t.orphan(id, buffer))
     }
 
+    #[inline]
     pub(crate) fn progress(&self) -> Result<usize> {
         dispatch!(self, t => t.progress_now())
     }
 
+    #[inline]
     pub(crate) fn broken(&self) -> Option<String> {
         dispatch!(self, t => t.broken())
     }
 
+    #[inline]
     pub(crate) fn shutdown(&self, reason: &str) {
         dispatch!(self, t => t.shutdown(reason))
     }
 
+    #[inline]
     pub(crate) fn stats(&self) -> (usize, usize) {
         dispatch!(self, t => t.stats())
     }
