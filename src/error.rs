@@ -175,6 +175,21 @@ pub enum Error {
         expected: u64,
     },
 
+    /// One post needs more send-queue requests than the queue holds (a
+    /// batch of many operations, or writes split at the message size): it
+    /// can never fit. Post it in parts. Nothing was posted.
+    #[error("the post needs {requests} send-queue requests, and the send queue holds {depth}: post it in parts")]
+    TooManyRequests {
+        /// Requests the post needs.
+        requests: u64,
+        /// The send queue's depth.
+        depth: u32,
+    },
+
+    /// A batch with no operations was posted.
+    #[error("the batch holds no operations")]
+    EmptyBatch,
+
     /// An operation's error was already returned by an earlier wait or
     /// poll of the same handle.
     #[error("this operation failed and its error was already returned")]

@@ -545,3 +545,32 @@ fn a_buffer_of_another_domain_is_refused_with_a_typed_error_and_comes_back() {
     assert_eq!(own.len(), 4096);
     drop(server);
 }
+
+/// A batch that can never fit the send queue, and an empty one: typed
+/// errors, nothing posted, every buffer back, the connection fine.
+#[test]
+fn a_batch_larger_than_the_send_queue_or_empty_is_refused_with_a_typed_error() {
+    let d = Domain::with_config(&DomainConfig::default().transport(TransportPolicy::Tcp)).unwrap();
+    let target = d.expose(d.alloc(4096).unwrap(), Access::REMOTE_WRITE, 3).unwrap();
+    let (_server, client) = common::pair_on(&d, &d, common::opts().advertise(&target), common::opts());
+    let remote = client.remote_region(3).expect("advertised").slice(0..64).unwrap();
+    let depth = client.info().send_queue_depth;
+    let mut batch = client.batch();
+    for _ in 0..=depth {
+        batch = batch.write(d.alloc(64).unwrap(), &remote);
+    }
+    let mut p = batch.post();
+    match p.wait() {
+        Err(gpu_rdma::Error::TooManyRequests { requests, depth: d }) => {
+            assert_eq!((requests, d), (u64::from(depth) + 1, depth));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(p.into_buffer().expect("nothing was posted").len(), depth as usize + 1);
+    let mut empty = client.batch::<gpu_rdma::Region>().post();
+    assert!(matches!(empty.wait(), Err(gpu_rdma::Error::EmptyBatch)), "an empty batch");
+    assert!(client.broken().is_none());
+    // A batch that fits still goes through.
+    let (_, bufs) = client.batch().write(d.alloc(64).unwrap(), &remote).post().finish().unwrap();
+    assert_eq!(bufs.len(), 1);
+}

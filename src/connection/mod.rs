@@ -395,7 +395,9 @@ impl<B: LocalBuffer> Batch<'_, B> {
         self
     }
 
-    /// Posts them all; the buffers come back together, in order.
+    /// Posts them all; the buffers come back together, in order. A batch
+    /// needing more send-queue requests than the queue holds fails with
+    /// [`Error::TooManyRequests`], an empty one with [`Error::EmptyBatch`].
     pub fn post(self) -> Pending<Vec<B>> {
         #[cfg(feature = "cuda")]
         let mut flush: Vec<crate::cuda::CudaDevice> = Vec::new();

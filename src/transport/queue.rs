@@ -179,10 +179,7 @@ impl QueueCore {
             return Err(e);
         }
         if n > self.limits.send_depth {
-            return Err(Error::InvalidArgument(format!(
-                "the operation needs {n} send-queue requests, the queue holds {}",
-                self.limits.send_depth
-            )));
+            return Err(Error::TooManyRequests { requests: u64::from(n), depth: self.limits.send_depth });
         }
         Ok(self.send_used + n <= self.limits.send_depth)
     }
@@ -321,7 +318,7 @@ mod tests {
         q.complete(&done(b, true, WcStatus::Success));
         assert_eq!(q.credits(), (0, 0));
         // More than the queue holds can never be posted.
-        assert!(matches!(q.send_room(5), Err(Error::InvalidArgument(_))));
+        assert!(matches!(q.send_room(5), Err(Error::TooManyRequests { requests: 5, depth: 4 })));
         // A completion seen twice (or a stale one) returns nothing twice.
         q.complete(&done(b, true, WcStatus::Success));
         assert_eq!(q.credits(), (0, 0));

@@ -771,7 +771,7 @@ impl TcpConn {
 
     pub(crate) fn post_send(&self, items: &[WorkItem], due: Deadline) -> Posted {
         let Some(last) = items.last() else {
-            return Posted::Refused(Error::InvalidArgument("nothing to post".into()));
+            return Posted::Refused(Error::EmptyBatch);
         };
         let mut bytes = 0;
         {

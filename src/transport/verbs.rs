@@ -526,7 +526,7 @@ impl VerbsConn {
 
     pub(crate) fn post_send(&self, items: &[WorkItem], mut due: Deadline) -> Posted {
         let Some(last) = items.last() else {
-            return Posted::Refused(Error::InvalidArgument("nothing to post".into()));
+            return Posted::Refused(Error::EmptyBatch);
         };
         let opcode = last.op.opcode();
         let mut st = self.lock();
@@ -534,7 +534,7 @@ impl VerbsConn {
         // the items and the connection's fixed limits.
         let (mut scratch, mut sges) = (std::mem::take(&mut st.scratch), std::mem::take(&mut st.sges));
         let planned = self.plan(&st.q, items, &mut scratch, &mut sges);
-        let n = scratch.len() as u32;
+        let n = u32::try_from(scratch.len()).unwrap_or(u32::MAX);
         let room = planned.and_then(|bytes| self.send_room(st, n, &mut due).map(|st| (st, bytes)));
         let (mut st, bytes) = match room {
             Ok(ok) => ok,
