@@ -22,6 +22,18 @@ use crate::verbs::{
     RecvWr, RtrAttr, RtsAttr, SendOp, SendWr, Sge, WaitOutcome, WcOpcode, WorkCompletion,
 };
 
+/// The request for `op` at byte `off` of its remote range (a chunk of a
+/// split write or read; sends and writes with immediate are one message).
+fn send_op(op: RemoteOp, off: u64) -> SendOp {
+    match op {
+        RemoteOp::Send => SendOp::Send,
+        RemoteOp::SendWithImm(imm) => SendOp::SendWithImm(imm),
+        RemoteOp::Write(r) => SendOp::Write { remote_addr: r.addr() + off, rkey: r.rkey() },
+        RemoteOp::WriteWithImm(r, imm) => SendOp::WriteWithImm { remote_addr: r.addr(), rkey: r.rkey(), imm },
+        RemoteOp::Read(r) => SendOp::Read { remote_addr: r.addr() + off, rkey: r.rkey() },
+    }
+}
+
 /// The connection broke: a work request failed (the queue pair is in the
 /// error state).
 #[cold]
@@ -469,15 +481,7 @@ impl VerbsConn {
             for c in 0..chunks {
                 let off = c * max_message;
                 let n = (len - off).min(max_message);
-                let op = match item.op {
-                    RemoteOp::Send => SendOp::Send,
-                    RemoteOp::SendWithImm(imm) => SendOp::SendWithImm(imm),
-                    RemoteOp::Write(r) => SendOp::Write { remote_addr: r.addr() + off, rkey: r.rkey() },
-                    RemoteOp::WriteWithImm(r, imm) => {
-                        SendOp::WriteWithImm { remote_addr: r.addr(), rkey: r.rkey(), imm }
-                    }
-                    RemoteOp::Read(r) => SendOp::Read { remote_addr: r.addr() + off, rkey: r.rkey() },
-                };
+                let op = send_op(item.op, off);
                 let inline = cpu_readable && n > 0 && n <= u64::from(self.max_inline) && !op.writes_local();
                 if n > 0 {
                     scratch.push((op, sges.len(), inline));
@@ -524,10 +528,55 @@ impl VerbsConn {
         }
     }
 
+    /// One operation of one message (the common case): checked and posted
+    /// as a single request built on the stack, with no plan. `None` when it
+    /// must be split (a write or read longer than a message).
+    fn post_single(&self, item: &WorkItem, due: &mut Deadline) -> Option<Posted> {
+        let st = self.lock();
+        let len = match st.q.check_item(item) {
+            Ok(len) => len,
+            Err(e) => return Some(Posted::Refused(e)),
+        };
+        if len > st.q.limits().max_message {
+            return None;
+        }
+        let (addr, lkey, cpu_readable) =
+            item.local.as_ref().map_or((0, 0, true), |l| (l.addr, l.lkey, l.path.is_none()));
+        let op = send_op(item.op, 0);
+        // As in `plan`: only host memory goes inline, and never a read's destination.
+        let inline = cpu_readable && len > 0 && len <= u64::from(self.max_inline) && !op.writes_local();
+        let mut st = match self.send_room(st, 1, due) {
+            Ok(st) => st,
+            Err(e) => return Some(Posted::Refused(e)),
+        };
+        let id = st.q.start_send(item.op.opcode(), 1, len);
+        let sge = [Sge::new(addr, len as u32, lkey)];
+        let list: &[Sge] = if len > 0 { &sge } else { &[] };
+        let wr = SendWr::new(id.wr_id(true), op, list).signaled(true).inline(inline);
+        let qp = st.qp.as_mut().expect("the queue pair lives as long as the connection");
+        // SAFETY: as in `post_send`: the entry names a checked range of a
+        // registered buffer of this domain, owned by the caller's `Pending` (or,
+        // once that is dropped, by the table) until this request completes or
+        // the queue pair is destroyed; inline data is copied during the call.
+        let outcome = unsafe { qp.post_send([wr]) };
+        Some(match outcome {
+            Ok(()) => Posted::Ok(id),
+            Err(e) => {
+                st.q.abort(id);
+                Posted::Refused(e.error)
+            }
+        })
+    }
+
     pub(crate) fn post_send(&self, items: &[WorkItem], mut due: Deadline) -> Posted {
         let Some(last) = items.last() else {
             return Posted::Refused(Error::EmptyBatch);
         };
+        if let [item] = items {
+            if let Some(posted) = self.post_single(item, &mut due) {
+                return posted;
+            }
+        }
         let opcode = last.op.opcode();
         let mut st = self.lock();
         // Planned once, outside the wait for room: the plan depends only on
