@@ -10,7 +10,7 @@ use std::net::{TcpListener, TcpStream};
 use std::thread;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use gpu_rdma::{Access, ConnectOptions, Domain, DomainConfig, LocalBuffer, TransportPolicy};
+use gpu_rdma::{Access, ConnectOptions, Domain, DomainConfig, TransportPolicy};
 
 const SIZES: [usize; 4] = [1 << 20, 4 << 20, 16 << 20, 64 << 20];
 

@@ -378,6 +378,7 @@ pub mod units;
 #[cfg(feature = "verbs")]
 pub mod verbs;
 
+pub use bootstrap::Secret;
 pub use completion::{Completion, CompletionError, Opcode, WcStatus};
 pub use config::{Transport, TransportPolicy};
 pub use connection::{

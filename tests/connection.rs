@@ -21,8 +21,8 @@ use std::time::{Duration, Instant};
 
 use gpu_rdma::bootstrap::{self, FrameKind, Hello, Secret};
 use gpu_rdma::{
-    Access, AuthFailure, BootstrapError, ConnectOptions, Domain, DomainConfig, DomainStats, Error, HostMemory,
-    LocalBuffer, Memory, Opcode, RemoteSlice, WcStatus,
+    Access, AuthFailure, BootstrapError, ConnectOptions, Domain, DomainConfig, DomainStats, Error, HostMemory, Memory,
+    Opcode, RemoteSlice, WcStatus,
 };
 
 use common::{Kind, device, domain, opts, pair, pair_on, pattern};

@@ -574,3 +574,23 @@ fn a_batch_larger_than_the_send_queue_or_empty_is_refused_with_a_typed_error() {
     let (_, bufs) = client.batch().write(d.alloc(64).unwrap(), &remote).post().finish().unwrap();
     assert_eq!(bufs.len(), 1);
 }
+
+/// What a new user reaches without importing traits or module paths:
+/// `.slice()` on regions and exposed regions, and `gpu_rdma::Secret`. A
+/// slice out of bounds is a typed error with the buffer back.
+#[test]
+fn slices_and_the_secret_need_no_extra_imports() {
+    let secret = gpu_rdma::Secret::new(b"a shared secret").unwrap();
+    let opts = common::opts().secret(secret);
+    let d = Domain::with_config(&DomainConfig::default().transport(TransportPolicy::Tcp)).unwrap();
+    let target = d.expose(d.alloc(4096).unwrap(), Access::REMOTE_WRITE | Access::REMOTE_READ, 4).unwrap();
+    let (_server, client) = common::pair_on(&d, &d, opts.clone().advertise(&target), opts);
+    let remote = client.remote_region(4).expect("advertised").slice(0..512).unwrap();
+    let (_, region) = client.write(d.alloc(1024).unwrap().slice(512..1024), &remote).finish().unwrap();
+    assert_eq!(region.len(), 1024);
+    let mut p = client.read(region.slice(1000..1512), &remote);
+    assert!(matches!(p.wait(), Err(gpu_rdma::Error::OutOfBounds { side: "local", .. })));
+    assert_eq!(p.into_buffer().unwrap().len(), 1024);
+    let (_, back) = client.read(target.clone().slice(0..512), &remote).finish().unwrap();
+    assert_eq!(back.tag(), 4);
+}

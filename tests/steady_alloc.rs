@@ -12,7 +12,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use common::{Kind, domain};
-use gpu_rdma::{Access, LocalBuffer};
+use gpu_rdma::Access;
 
 struct Counting;
 

@@ -115,6 +115,12 @@ impl<M: Memory> Region<M> {
         &self.mem
     }
 
+    /// A byte range of it, for an operation (the same as
+    /// [`LocalBuffer::slice`], without importing the trait).
+    pub fn slice(self, range: impl RangeBounds<usize>) -> LocalSlice<Self> {
+        LocalSlice::new(self, range)
+    }
+
     /// The identity of the domain it is registered with (as
     /// [`Domain::id`](crate::Domain::id) says).
     pub fn domain_id(&self) -> u64 {
@@ -610,6 +616,12 @@ impl<M: Memory> Exposed<M> {
     /// The tag it was exposed with.
     pub fn tag(&self) -> u64 {
         self.inner.tag
+    }
+
+    /// A byte range of it, for an operation (the same as
+    /// [`LocalBuffer::slice`], without importing the trait).
+    pub fn slice(self, range: impl RangeBounds<usize>) -> LocalSlice<Self> {
+        LocalSlice::new(self, range)
     }
 
     /// Revokes the remote key and returns the region, when this is the last
