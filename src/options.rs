@@ -80,9 +80,22 @@ impl Default for ConnectOptions {
             staging_chunk: 4 << 20,
             transport: TransportPolicy::Auto,
             staging_depth: 4,
-            secret: crate::bootstrap::Secret::from_env(),
+            secret: secret_from_env(),
         }
     }
+}
+
+/// `GPU_RDMA_SECRET`, said once per process when it is used, so a secret
+/// from the environment is never applied silently.
+fn secret_from_env() -> Option<crate::bootstrap::Secret> {
+    static SAID: std::sync::Once = std::sync::Once::new();
+    let secret = crate::bootstrap::Secret::from_env();
+    if secret.is_some() {
+        SAID.call_once(|| {
+            tracing::info!("connections authenticate with the shared secret in GPU_RDMA_SECRET");
+        });
+    }
+    secret
 }
 
 impl ConnectOptions {
@@ -130,6 +143,47 @@ impl ConnectOptions {
     /// Sets the transport for this connection.
     pub fn transport(mut self, transport: TransportPolicy) -> Self {
         self.transport = transport;
+        self
+    }
+
+    /// Sets the largest send that goes inline (asked of the device; the
+    /// connection reports what it granted).
+    pub fn max_inline(mut self, bytes: u32) -> Self {
+        self.max_inline = bytes;
+        self
+    }
+
+    /// Sets the transport's retry timer code, retry count and
+    /// receiver-not-ready retries (see the fields).
+    pub fn retries(mut self, ack_timeout: u8, retry_count: u8, rnr_retry: u8) -> Self {
+        self.ack_timeout = ack_timeout;
+        self.retry_count = retry_count;
+        self.rnr_retry = rnr_retry;
+        self
+    }
+
+    /// Sets the receiver-not-ready timer code this side asks peers to wait.
+    pub fn min_rnr_timer(mut self, code: u8) -> Self {
+        self.min_rnr_timer = code;
+        self
+    }
+
+    /// Sets the traffic class (RoCE: DSCP) and the InfiniBand service level.
+    pub fn qos(mut self, traffic_class: u8, service_level: u8) -> Self {
+        self.traffic_class = traffic_class;
+        self.service_level = service_level;
+        self
+    }
+
+    /// Sets the largest handshake message accepted.
+    pub fn max_handshake_payload(mut self, bytes: u32) -> Self {
+        self.max_handshake_payload = bytes;
+        self
+    }
+
+    /// Uses no shared secret, even when `GPU_RDMA_SECRET` is set.
+    pub fn no_secret(mut self) -> Self {
+        self.secret = None;
         self
     }
 

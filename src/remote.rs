@@ -33,6 +33,36 @@ pub struct RemoteRegion {
 }
 
 impl RemoteRegion {
+    /// The tag it was exposed with.
+    pub fn tag(&self) -> u64 {
+        self.tag
+    }
+
+    /// Start address at the peer.
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether the length is zero.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Remote key.
+    pub fn rkey(&self) -> u32 {
+        self.rkey
+    }
+
+    /// The rights the peer granted.
+    pub fn access(&self) -> Access {
+        self.access
+    }
+
     /// The whole region.
     pub fn whole(&self) -> RemoteSlice {
         RemoteSlice { addr: self.addr, len: self.len, rkey: self.rkey, access: self.access }

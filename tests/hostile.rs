@@ -594,3 +594,38 @@ fn slices_and_the_secret_need_no_extra_imports() {
     let (_, back) = client.read(target.clone().slice(0..512), &remote).finish().unwrap();
     assert_eq!(back.tag(), 4);
 }
+
+/// Every connection option has a builder; a peer's region reads through
+/// getters as a slice does; zero-byte operations work; `stats` counts what
+/// the device already finished as done.
+#[test]
+fn options_build_regions_read_and_zero_byte_operations_work() {
+    let o = ConnectOptions::default()
+        .max_inline(128)
+        .retries(17, 5, 3)
+        .min_rnr_timer(9)
+        .qos(46, 2)
+        .max_handshake_payload(4096)
+        .no_secret();
+    assert_eq!((o.max_inline, o.ack_timeout, o.retry_count, o.rnr_retry), (128, 17, 5, 3));
+    assert_eq!((o.min_rnr_timer, o.traffic_class, o.service_level, o.max_handshake_payload), (9, 46, 2, 4096));
+    assert!(o.secret.is_none());
+
+    let d = Domain::with_config(&DomainConfig::default().transport(TransportPolicy::Tcp)).unwrap();
+    let target = d.expose(d.alloc(4096).unwrap(), Access::REMOTE_WRITE | Access::REMOTE_READ, 5).unwrap();
+    let (server, client) = common::pair_on(&d, &d, common::opts().advertise(&target), common::opts());
+    let r = client.remote_region(5).expect("advertised");
+    assert_eq!((r.tag(), r.addr(), r.len(), r.rkey(), r.access()), (r.tag, r.addr, r.len, r.rkey, r.access));
+    assert!(!r.is_empty());
+    let empty = r.slice(0..0).unwrap();
+    let (c, _) = client.write(d.alloc(64).unwrap().slice(0..0), &empty).finish().unwrap();
+    assert_eq!(c.byte_len, 0);
+    let (c, _) = client.read(d.alloc(64).unwrap().slice(0..0), &empty).finish().unwrap();
+    assert_eq!(c.byte_len, 0);
+    let rx = server.recv(d.alloc(64).unwrap());
+    client.send(d.alloc(64).unwrap().slice(0..0)).finish().unwrap();
+    let (c, _) = rx.finish().unwrap();
+    assert_eq!(c.byte_len, 0, "a zero-byte send consumes a receive");
+    let stats = client.stats();
+    assert_eq!((stats.in_flight, stats.orphaned), (0, 0));
+}

@@ -46,6 +46,11 @@ pub(crate) struct ConnShared {
 /// is done with it. Thread-safe: operations may be posted and waited on
 /// from several threads.
 ///
+/// Zero-byte operations are allowed on every transport (an empty slice, or
+/// [`send_inline`](Connection::send_inline) of no bytes): a zero-byte send
+/// or write with immediate consumes one receive at the peer, a plain
+/// zero-byte write or read touches no memory.
+///
 /// Dropping the connection (or [`close`](Connection::close)) tells the peer,
 /// and fails everything still outstanding with [`Error::ConnectionLost`];
 /// buffers of operations still in flight are released once the device can
@@ -338,8 +343,10 @@ impl Connection {
         (s.in_flight, s.orphaned)
     }
 
-    /// What the connection's queues hold now.
+    /// What the connection's queues hold now (completions the device has
+    /// already reported count as done: it polls once first).
     pub fn stats(&self) -> ConnectionStats {
+        let _ = self.shared.transport.progress();
         let (in_flight, orphaned) = self.shared.transport.stats();
         ConnectionStats { in_flight, orphaned }
     }
