@@ -494,6 +494,32 @@ impl Inner {
         self.keys.lookup(key)
     }
 
+    /// The writer of `o` is done with the socket: frees it for the others.
+    /// If the write failed, or the connection broke meanwhile (and its flush
+    /// skipped this message, which was in use), the writer owned the message,
+    /// so it fails it, unless the acknowledgement already completed it.
+    fn end_write(&self, st: &mut TcpState, o: &Out, write_failed: bool) {
+        st.sending = None;
+        st.writing = false;
+        if write_failed || st.q.lost().is_some() {
+            let pending = st.awaiting.remove(&o.seq).is_some() || st.reads.remove(&o.seq).is_some();
+            if pending {
+                self.complete(st, &raw(o.wr_id, WcStatus::WrFlush));
+            }
+        }
+    }
+
+    /// Returns an inline message's copy to the pool (at most the send-queue
+    /// depth kept), so inline sends allocate nothing in steady state.
+    fn recycle(&self, o: &mut Out) {
+        if let OutKind::Inline { data, .. } = &mut o.kind {
+            let mut pool = self.inline_pool.lock().unwrap_or_else(|e| e.into_inner());
+            if pool.len() < self.limits.send_depth as usize {
+                pool.push(std::mem::take(data));
+            }
+        }
+    }
+
     /// Records a completion; frees the queue room it held. Wakes waiters.
     fn complete(&self, st: &mut TcpState, c: &RawCompletion) {
         drop(st.q.complete(c));
@@ -736,22 +762,17 @@ impl TcpConn {
         drop(st);
         let written = try_send_inline(self.inner.fd, &o);
         let mut st = self.inner.lock();
-        st.sending = None;
-        st.writing = false;
         let whole = HEADER + o.len as usize;
         let mut done = None;
         match written {
             Ok(n) if n < whole && st.q.lost().is_none() => {
+                st.sending = None;
+                st.writing = false;
                 o.skip = n;
                 st.resume = Some(o);
             }
             r => {
-                // Sent, or not and the connection broke: as the sender thread
-                // does, this writer fails its message if the connection broke
-                // meanwhile (its flush skipped it), unless already acknowledged.
-                if (r.is_err() || st.q.lost().is_some()) && st.awaiting.remove(&o.seq).is_some() {
-                    self.inner.complete(&mut st, &raw(o.wr_id, WcStatus::WrFlush));
-                }
+                self.inner.end_write(&mut st, &o, r.is_err());
                 if let Err(e) = r {
                     self.inner.break_with(&mut st, format!("sending to the peer failed: {e}"));
                 }
@@ -760,11 +781,8 @@ impl TcpConn {
         }
         self.inner.work.notify_all();
         drop(st);
-        if let Some(Out { kind: OutKind::Inline { data, .. }, .. }) = done {
-            let mut pool = self.inner.inline_pool.lock().unwrap_or_else(|e| e.into_inner());
-            if pool.len() < self.inner.limits.send_depth as usize {
-                pool.push(data);
-            }
+        if let Some(mut o) = done {
+            self.inner.recycle(&mut o);
         }
         Posted::Ok(id)
     }
@@ -823,54 +841,56 @@ impl TcpConn {
     }
 
     pub(crate) fn wait_done(&self, id: OpId, due: &mut Deadline) -> Result<()> {
-        let mut st = self.inner.lock();
-        loop {
-            if st.q.is_done(id) {
-                return Ok(());
-            }
-            let now = Instant::now();
-            let deadline = due.at_from(now);
-            if now >= deadline {
-                return Err(due.expired());
-            }
-            st = self.inner.events.wait_timeout(st, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
-        }
+        self.wait_for(due, false, |st| st.q.is_done(id).then_some(()))
     }
 
     /// Waits until `id` is done, then takes its outcome. `Err` when the
     /// deadline passed first (the operation is still in flight).
     pub(crate) fn wait_take(&self, id: OpId, due: &mut Deadline) -> Result<Result<Completion>> {
+        self.wait_for(due, true, |st| st.q.take(id))
+    }
+
+    /// Waits until `ready` gives a value, up to `due`. With `spin`, looks
+    /// again for the connection's spin time first, yielding the CPU (to this
+    /// side's receiver thread, among others), before sleeping: a reply often
+    /// lands within microseconds, and waking from a condition variable costs
+    /// more than that.
+    fn wait_for<T>(
+        &self,
+        due: &mut Deadline,
+        spin: bool,
+        mut ready: impl FnMut(&mut TcpState) -> Option<T>,
+    ) -> Result<T> {
         let mut st = self.inner.lock();
-        if let Some(outcome) = st.q.take(id) {
-            return Ok(outcome);
+        if let Some(v) = ready(&mut st) {
+            return Ok(v);
         }
-        if !self.inner.spin.is_zero() {
-            // Look again for a moment, yielding the CPU (to this side's
-            // receiver thread, among others), before sleeping: a reply often
-            // lands within microseconds, and waking from a condition
-            // variable costs more than that.
+        if spin && !self.inner.spin.is_zero() {
             drop(st);
             let now = Instant::now();
             let until = due.at_from(now).min(now + self.inner.spin);
             loop {
                 std::thread::yield_now();
-                let s = self.inner.lock();
-                if s.q.is_done(id) || Instant::now() >= until {
+                let mut s = self.inner.lock();
+                if let Some(v) = ready(&mut s) {
+                    return Ok(v);
+                }
+                if Instant::now() >= until {
                     st = s;
                     break;
                 }
             }
         }
         loop {
-            if let Some(outcome) = st.q.take(id) {
-                return Ok(outcome);
-            }
             let now = Instant::now();
             let deadline = due.at_from(now);
             if now >= deadline {
                 return Err(due.expired());
             }
             st = self.inner.events.wait_timeout(st, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+            if let Some(v) = ready(&mut st) {
+                return Ok(v);
+            }
         }
     }
 
@@ -1029,25 +1049,8 @@ fn sender(inner: &Inner) {
             }
             Work::Out(mut o) => {
                 let r = send_message(fd, &o);
-                if let OutKind::Inline { data, .. } = &mut o.kind {
-                    let mut pool = inner.inline_pool.lock().unwrap_or_else(|e| e.into_inner());
-                    if pool.len() < inner.limits.send_depth as usize {
-                        pool.push(std::mem::take(data));
-                    }
-                }
-                let mut st = inner.lock();
-                st.sending = None;
-                st.writing = false;
-                // Not (all) sent, or the connection broke meanwhile (and its flush
-                // skipped this message): this thread owned it, so it fails it, unless
-                // the acknowledgement already completed it.
-                let failed = r.is_err() || st.q.lost().is_some();
-                if failed {
-                    let pending = st.awaiting.remove(&o.seq).is_some() || st.reads.remove(&o.seq).is_some();
-                    if pending {
-                        inner.complete(&mut st, &raw(o.wr_id, WcStatus::WrFlush));
-                    }
-                }
+                inner.recycle(&mut o);
+                inner.end_write(&mut inner.lock(), &o, r.is_err());
                 r
             }
         };

@@ -468,10 +468,6 @@ impl VerbsConn {
             let len = q.check_item(item)?;
             bytes += len;
             let (addr, lkey) = item.local.as_ref().map_or((0, 0), |l| (l.addr, l.lkey));
-            // Inline data is copied by the CPU at post time (the provider
-            // memcpy's from the address): only host memory may go inline.
-            // GPU memory is never CPU-readable through its device address.
-            let cpu_readable = item.local.as_ref().is_none_or(|l| l.path.is_none());
             // Writes and reads longer than a message are split; the rest is
             // one message (`check_item` held them to the limit).
             let chunks = match item.op {
@@ -482,7 +478,7 @@ impl VerbsConn {
                 let off = c * max_message;
                 let n = (len - off).min(max_message);
                 let op = send_op(item.op, off);
-                let inline = cpu_readable && n > 0 && n <= u64::from(self.max_inline) && !op.writes_local();
+                let inline = self.goes_inline(item, n, op);
                 if n > 0 {
                     scratch.push((op, sges.len(), inline));
                     sges.push(Sge::new(addr + off, n as u32, lkey));
@@ -528,6 +524,16 @@ impl VerbsConn {
         }
     }
 
+    /// Whether `n` bytes of `item`'s buffer go inline as request `op`.
+    /// Inline data is copied by the CPU at post time (the provider memcpy's
+    /// from the address): only host memory may go inline (GPU memory is never
+    /// CPU-readable through its device address), and never a read's
+    /// destination.
+    fn goes_inline(&self, item: &WorkItem, n: u64, op: SendOp) -> bool {
+        let cpu_readable = item.local.as_ref().is_none_or(|l| l.path.is_none());
+        cpu_readable && n > 0 && n <= u64::from(self.max_inline) && !op.writes_local()
+    }
+
     /// One operation of one message (the common case): checked and posted
     /// as a single request built on the stack, with no plan. `None` when it
     /// must be split (a write or read longer than a message).
@@ -540,11 +546,9 @@ impl VerbsConn {
         if len > st.q.limits().max_message {
             return None;
         }
-        let (addr, lkey, cpu_readable) =
-            item.local.as_ref().map_or((0, 0, true), |l| (l.addr, l.lkey, l.path.is_none()));
+        let (addr, lkey) = item.local.as_ref().map_or((0, 0), |l| (l.addr, l.lkey));
         let op = send_op(item.op, 0);
-        // As in `plan`: only host memory goes inline, and never a read's destination.
-        let inline = cpu_readable && len > 0 && len <= u64::from(self.max_inline) && !op.writes_local();
+        let inline = self.goes_inline(item, len, op);
         let mut st = match self.send_room(st, 1, due) {
             Ok(st) => st,
             Err(e) => return Some(Posted::Refused(e)),
