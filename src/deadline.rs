@@ -40,6 +40,17 @@ impl Deadline {
         Deadline { total, at: None, what }
     }
 
+    /// No wait at all: a post that would have to wait for room is refused
+    /// at once ([`Error::QueueFull`]).
+    pub(crate) fn immediate(what: &'static str) -> Self {
+        Deadline { total: Duration::ZERO, at: None, what }
+    }
+
+    /// Whether this deadline allows no wait at all.
+    pub(crate) fn is_immediate(&self) -> bool {
+        self.total.is_zero()
+    }
+
     /// The same instant, awaiting something else.
     pub fn for_(self, what: &'static str) -> Self {
         Deadline { what, ..self }

@@ -369,7 +369,6 @@ pub mod memory;
 mod ops;
 mod options;
 mod poll;
-#[cfg(feature = "cuda")]
 mod protocol;
 mod remote;
 pub mod topology;
@@ -383,6 +382,7 @@ pub use completion::{Completion, CompletionError, Opcode, WcStatus};
 pub use config::{Transport, TransportPolicy};
 pub use connection::{
     Batch, ConnectOptions, Connection, ConnectionInfo, ConnectionStats, Listener, MAX_CONCURRENT_HANDSHAKES, Pending,
+    Transfer, TransferFailed, Transferred,
 };
 pub use domain::{BufError, Domain, DomainConfig, DomainInfo, DomainStats};
 pub use error::{AuthFailure, BootstrapError, Error, Result};
@@ -390,5 +390,6 @@ pub use memory::{
     Access, Exposed, HostMemory, LocalBuffer, LocalSlice, Memory, MemoryKind, Region, RemoteRegion, RemoteSlice,
     Shared, WithdrawError,
 };
+pub use protocol::list::{PageLayout, Piece};
 #[cfg(feature = "cuda")]
 pub mod cuda;

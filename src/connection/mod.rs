@@ -4,9 +4,11 @@
 #![forbid(unsafe_code)]
 
 mod establish;
+mod transfer;
 
 pub use crate::options::{ConnectOptions, ConnectionInfo};
 pub use establish::{Listener, MAX_CONCURRENT_HANDSHAKES};
+pub use transfer::{Transfer, TransferFailed, Transferred};
 
 use std::fmt;
 use std::net::TcpStream;

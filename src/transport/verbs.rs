@@ -515,6 +515,11 @@ impl VerbsConn {
             if st.q.send_room(n)? {
                 return Ok(st);
             }
+            if due.is_immediate() {
+                // A try-post: one look at the completions, no waiting.
+                self.progress(&mut st)?;
+                return if st.q.send_room(n)? { Ok(st) } else { Err(st.q.send_full()) };
+            }
             drop(st);
             let room = |s: &mut VerbsState| s.q.send_room(n).unwrap_or(true);
             if !self.wait_until(due, room)? {

@@ -1,0 +1,296 @@
+//! Transfer lists: many pieces between one local buffer and one remote
+//! range in one call, verified byte for byte over the whole remote (or
+//! local) range, so a misplaced, missing or extra byte shows; refused
+//! whole on bad input, with nothing moved and the buffer back; dropped
+//! mid-flight safely; failing promptly when the peer goes away.
+//!
+//! Each test runs on both transports: `tcp::name` in plain `cargo test`,
+//! `verbs::name` on an RDMA device (`--ignored`, `GPU_RDMA_TEST_DEVICE`;
+//! `cargo xtask test` runs them on soft-RoCE).
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use gpu_rdma::{Access, Domain, Error, PageLayout, Piece, Region};
+
+use common::{Kind, domain, first_difference, pair, pattern};
+
+/// xorshift64*: deterministic pieces, so a failure reproduces.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+fn filled(d: &Domain, data: &[u8]) -> Region {
+    let mut r = d.alloc(data.len()).unwrap();
+    r.copy_from_slice(data);
+    r
+}
+
+/// `n` pieces of 1..=`max_len` bytes: disjoint on the `disjoint` side
+/// (laid out with random gaps, then shuffled), anywhere on the other side
+/// (`other_len` bytes), with runs contiguous on both sides now and then
+/// (merged by the planner). Returns the pieces and the disjoint side's span.
+fn random_pieces(rng: &mut Rng, n: usize, max_len: u64, other_len: u64) -> (Vec<(u64, u64, u64)>, u64) {
+    let mut out: Vec<(u64, u64, u64)> = Vec::with_capacity(n);
+    let mut at = 0u64;
+    while out.len() < n {
+        let len = 1 + rng.below(max_len);
+        let contiguous = rng.below(5) == 0;
+        let (disjoint, other) = match out.last() {
+            Some(&(d, o, l)) if contiguous && o + l + len <= other_len => (d + l, o + l),
+            _ => (at + rng.below(64), rng.below(other_len - len)),
+        };
+        out.push((disjoint, other, len));
+        at = disjoint + len;
+    }
+    // Shuffle runs apart only partly: keep a contiguous pair together
+    // sometimes, so the planner sees both cases.
+    for i in (1..out.len()).rev() {
+        if rng.below(2) == 0 {
+            let j = rng.below(i as u64 + 1) as usize;
+            out.swap(i, j);
+        }
+    }
+    (out, at)
+}
+
+fn a_list_of_ten_thousand_random_pieces_is_written_byte_for_byte(t: Kind) {
+    let d = domain(t);
+    let (s, c) = pair(&d);
+    let mut rng = Rng(0x5eed_0001);
+    let local_len = 1 << 20;
+    let (pieces, span) = random_pieces(&mut rng, 10_000, 1024, local_len);
+    let target = d.expose(d.alloc(span as usize).unwrap(), Access::REMOTE_WRITE, 0).unwrap();
+    let remote = s.grant(&target).whole();
+    let data = pattern(local_len as usize, 11);
+    let list: Vec<Piece> = pieces.iter().map(|&(r, l, len)| Piece::new(l, r, len)).collect();
+    let mut expect = vec![0u8; span as usize];
+    for p in &list {
+        expect[p.remote as usize..(p.remote + p.len) as usize]
+            .copy_from_slice(&data[p.local as usize..(p.local + p.len) as usize]);
+    }
+    let transfer = c.write_list(filled(&d, &data), &remote, list.iter().copied());
+    let total: u64 = list.iter().map(|p| p.len).sum();
+    assert_eq!(transfer.len(), total);
+    let (done, back) = transfer.finish().unwrap();
+    assert_eq!(done.bytes, total);
+    let depth = c.info().send_queue_depth as usize;
+    assert!(done.requests < 10_000, "adjacent pieces were merged: {} requests", done.requests);
+    assert!(done.requests > depth, "the list is longer than the send queue ({depth})");
+    assert!(done.posts > 1 && done.posts < done.requests, "chains of requests: {done:?}");
+    assert_eq!(&back[..], &data[..], "the local buffer is unchanged");
+    let mut got = vec![0u8; span as usize];
+    target.read_at(0, &mut got).unwrap();
+    assert_eq!(first_difference(&got, &expect), None, "the remote range differs from the list's result");
+    drop(s);
+}
+
+fn a_list_of_ten_thousand_random_pieces_is_read_byte_for_byte(t: Kind) {
+    let d = domain(t);
+    let (s, c) = pair(&d);
+    let mut rng = Rng(0x5eed_0002);
+    let remote_len = 1 << 20;
+    let (pieces, span) = random_pieces(&mut rng, 10_000, 700, remote_len);
+    let source = pattern(remote_len as usize, 12);
+    let exposed = d.expose(filled(&d, &source), Access::REMOTE_READ, 0).unwrap();
+    let remote = s.grant(&exposed).whole();
+    let list: Vec<Piece> = pieces.iter().map(|&(l, r, len)| Piece::new(l, r, len)).collect();
+    let mut expect = vec![0u8; span as usize];
+    for p in &list {
+        expect[p.local as usize..(p.local + p.len) as usize]
+            .copy_from_slice(&source[p.remote as usize..(p.remote + p.len) as usize]);
+    }
+    let total: u64 = list.iter().map(|p| p.len).sum();
+    let (done, back) = c.read_list(d.alloc(span as usize).unwrap(), &remote, list).finish().unwrap();
+    assert_eq!(done.bytes, total);
+    assert_eq!(first_difference(&back, &expect), None, "the local buffer differs from the list's result");
+    drop(s);
+}
+
+fn pages_of_a_paged_pool_land_where_the_layout_says(t: Kind) {
+    let d = domain(t);
+    let (s, c) = pair(&d);
+    // Local pool: 64 pages of 4 KiB with 1 KiB of padding between them;
+    // remote pool: 128 pages packed.
+    let page = 4096u64;
+    let layout =
+        PageLayout { page_len: page, local_base: 512, local_stride: page + 1024, remote_base: 0, remote_stride: page };
+    let local_len = 512 + 64 * (page + 1024);
+    let data = pattern(local_len as usize, 13);
+    let target = d.expose(d.alloc(128 * page as usize).unwrap(), Access::REMOTE_WRITE, 0).unwrap();
+    let remote = s.grant(&target).whole();
+    let local_pages: Vec<u32> = (0..64).rev().collect();
+    let remote_pages: Vec<u32> = (0..64).map(|i| 127 - 2 * i).collect();
+    let pieces = Piece::pages(&layout, &local_pages, &remote_pages).unwrap();
+    let (done, _) = c.write_list(filled(&d, &data), &remote, pieces).finish().unwrap();
+    assert_eq!(done.bytes, 64 * page);
+    let mut got = vec![0u8; 128 * page as usize];
+    target.read_at(0, &mut got).unwrap();
+    for (l, r) in local_pages.iter().zip(&remote_pages) {
+        let from = (512 + u64::from(*l) * (page + 1024)) as usize;
+        let to = (u64::from(*r) * page) as usize;
+        assert_eq!(&got[to..to + page as usize], &data[from..from + page as usize], "page {l} -> {r}");
+    }
+    let untouched = (0..128u32).filter(|p| !remote_pages.contains(p));
+    for p in untouched {
+        let at = (u64::from(p) * page) as usize;
+        assert!(got[at..at + page as usize].iter().all(|&b| b == 0), "page {p} was not in the list");
+    }
+}
+
+fn a_bad_piece_refuses_the_whole_list_moves_nothing_and_returns_the_buffer(t: Kind) {
+    let d = domain(t);
+    let (s, c) = pair(&d);
+    let target = d.expose(d.alloc(64 * 1024).unwrap(), Access::REMOTE_WRITE, 0).unwrap();
+    let remote = s.grant(&target).whole();
+    let data = pattern(8192, 14);
+    let mut pieces: Vec<Piece> = (0..100).map(|i| Piece::new(i * 64, i * 64, 64)).collect();
+    // One piece past the end of the remote range, last in the list.
+    pieces.push(Piece::new(0, 64 * 1024 - 10, 11));
+    let failed = c.write_list(filled(&d, &data), &remote, pieces).finish().unwrap_err();
+    assert!(matches!(failed.error, Error::OutOfBounds { side: "remote", .. }), "{failed}");
+    let back = failed.buffer.expect("nothing was posted: the buffer is back");
+    assert_eq!(&back[..], &data[..]);
+    let mut got = vec![0u8; 64 * 1024];
+    target.read_at(0, &mut got).unwrap();
+    assert!(got.iter().all(|&b| b == 0), "nothing of a refused list reached the peer");
+    // Local side, and an overflowing piece: the same.
+    let failed = c.write_list(back, &remote, [Piece::new(8190, 0, 4)]).finish().unwrap_err();
+    assert!(matches!(failed.error, Error::OutOfBounds { side: "local", .. }), "{failed}");
+    let back = failed.buffer.unwrap();
+    let failed = c.write_list(back, &remote, [Piece::new(u64::MAX, 0, 2)]).finish().unwrap_err();
+    assert!(matches!(failed.error, Error::OutOfBounds { .. }), "{failed}");
+    // A list on a region without the right is refused before posting too.
+    let read_only = d.expose(d.alloc(4096).unwrap(), Access::REMOTE_READ, 0).unwrap();
+    let ro = s.grant(&read_only).whole();
+    let failed = c.write_list(failed.buffer.unwrap(), &ro, [Piece::new(0, 0, 16)]).finish().unwrap_err();
+    assert!(matches!(failed.error, Error::AccessDenied { .. }), "{failed}");
+    assert!(failed.buffer.is_some());
+    // `?` works: the failure converts into the crate's error.
+    let as_error = || -> gpu_rdma::Result<()> {
+        c.write_list(d.alloc(16).unwrap(), &remote, [Piece::new(0, 0, 32)]).finish()?;
+        Ok(())
+    };
+    assert!(matches!(as_error(), Err(Error::OutOfBounds { .. })));
+    // The connection still works.
+    c.write_list(d.alloc(16).unwrap(), &remote, [Piece::new(0, 0, 16)]).finish().unwrap();
+}
+
+fn an_empty_list_finishes_at_once(t: Kind) {
+    let d = domain(t);
+    let (s, c) = pair(&d);
+    let target = d.expose(d.alloc(64).unwrap(), Access::REMOTE_WRITE, 0).unwrap();
+    let remote = s.grant(&target).whole();
+    let (done, _) = c.write_list(d.alloc(64).unwrap(), &remote, []).finish().unwrap();
+    assert_eq!((done.bytes, done.requests, done.posts), (0, 0, 0));
+    let (done, _) = c.write_list(d.alloc(64).unwrap(), &remote, [Piece::new(3, 3, 0)]).finish().unwrap();
+    assert_eq!(done.bytes, 0);
+}
+
+fn dropping_a_list_mid_flight_keeps_the_buffer_until_the_device_is_done(t: Kind) {
+    let d = domain(t);
+    let (s, c) = pair(&d);
+    let len = 8 << 20;
+    let target = d.expose(d.alloc(len).unwrap(), Access::REMOTE_WRITE, 0).unwrap();
+    let remote = s.grant(&target).whole();
+    let before = d.stats();
+    for round in 0..20u64 {
+        let pieces = (0..4096u64).map(|i| Piece::new(i * 2048, (i * 7919 % 4096) * 2048, 2048));
+        let transfer = c.write_list(filled(&d, &pattern(len, round)), &remote, pieces);
+        if round % 2 == 1 {
+            std::thread::yield_now();
+        }
+        drop(transfer);
+    }
+    // Everything dropped; the connection drains what was posted.
+    let until = Instant::now() + Duration::from_secs(30);
+    while c.stats().in_flight > 0 {
+        assert!(Instant::now() < until, "posted requests never finished: {:?}", c.stats());
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(c.stats().orphaned, 0);
+    assert_eq!(d.stats().regions, before.regions, "every dropped list's buffer was released");
+    // And the connection is healthy.
+    let data = pattern(4096, 99);
+    c.write_list(filled(&d, &data), &remote, [Piece::new(0, 0, 4096)]).finish().unwrap();
+    let mut got = vec![0u8; 4096];
+    target.read_at(0, &mut got).unwrap();
+    assert_eq!(got, data);
+}
+
+fn a_peer_that_goes_away_mid_list_fails_the_list_promptly(t: Kind) {
+    let d = domain(t);
+    let (s, c) = pair(&d);
+    let len = 16 << 20;
+    let target = d.expose(d.alloc(len).unwrap(), Access::REMOTE_WRITE, 0).unwrap();
+    let remote = s.grant(&target).whole();
+    // 4 GiB in 4 KiB pieces, over and over the same 16 MiB: far longer
+    // than the moment the peer stays.
+    let pages = len as u64 / 4096;
+    let pieces = (0..1u64 << 20).map(|i| Piece::new((i % pages) * 4096, ((i * 31) % pages) * 4096, 4096));
+    let mut transfer = c.write_list(filled(&d, &pattern(len, 15)), &remote, pieces);
+    // Part of it through (each poll posts at most a queue's worth), then
+    // the peer goes.
+    for _ in 0..10 {
+        assert!(transfer.poll().unwrap().is_none(), "4 GiB cannot be done yet");
+    }
+    let left_at = Instant::now();
+    drop(s);
+    drop(target);
+    let outcome = transfer.wait();
+    let took = left_at.elapsed();
+    eprintln!("the list ended with {outcome:?}, {took:?} after the peer left");
+    assert!(
+        matches!(outcome, Err(Error::ConnectionLost { .. } | Error::Completion(_))),
+        "expected the connection lost, got {outcome:?}"
+    );
+    assert!(took < Duration::from_secs(1), "the failure took {took:?} after the peer left");
+    // Settled: the buffer comes back (the error was already handed out).
+    let f = transfer.finish().unwrap_err();
+    assert!(matches!(f.error, Error::AlreadyReported), "{}", f.error);
+    assert_eq!(f.buffer.expect("settled: the buffer is back").len(), len);
+}
+
+macro_rules! both {
+    ($($name:ident),* $(,)?) => {
+        mod tcp {
+            $(
+                #[test]
+                fn $name() {
+                    super::$name(super::Kind::Tcp)
+                }
+            )*
+        }
+        mod verbs {
+            $(
+                #[test]
+                #[ignore = "verbs: needs an RDMA device: GPU_RDMA_TEST_DEVICE=<dev> and --ignored (cargo xtask test runs it on soft-RoCE)"]
+                fn $name() {
+                    super::$name(super::Kind::Verbs)
+                }
+            )*
+        }
+    };
+}
+
+both!(
+    a_list_of_ten_thousand_random_pieces_is_written_byte_for_byte,
+    a_list_of_ten_thousand_random_pieces_is_read_byte_for_byte,
+    pages_of_a_paged_pool_land_where_the_layout_says,
+    a_bad_piece_refuses_the_whole_list_moves_nothing_and_returns_the_buffer,
+    an_empty_list_finishes_at_once,
+    dropping_a_list_mid_flight_keeps_the_buffer_until_the_device_is_done,
+    a_peer_that_goes_away_mid_list_fails_the_list_promptly,
+);
