@@ -195,6 +195,16 @@ pub enum Error {
     #[error("this operation failed and its error was already returned")]
     AlreadyReported,
 
+    /// The peer's transfer list that was to notify `tag` failed; its
+    /// reason, as the peer reported it ([`Inbox`](crate::Inbox) waits).
+    #[error("the peer's transfer for notification tag {tag} failed: {reason}")]
+    PeerTransferFailed {
+        /// The notification's tag.
+        tag: u32,
+        /// Why, in the peer's words.
+        reason: String,
+    },
+
     /// The crate was built without a feature this call needs.
     #[error("gpu-rdma was built without the `{feature}` feature; rebuild with `--features {feature}`")]
     FeatureDisabled {

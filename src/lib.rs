@@ -381,8 +381,8 @@ pub use bootstrap::Secret;
 pub use completion::{Completion, CompletionError, Opcode, WcStatus};
 pub use config::{Transport, TransportPolicy};
 pub use connection::{
-    Batch, ConnectOptions, Connection, ConnectionInfo, ConnectionStats, Listener, MAX_CONCURRENT_HANDSHAKES, Pending,
-    Transfer, TransferFailed, Transferred,
+    Batch, ConnectOptions, Connection, ConnectionInfo, ConnectionStats, Inbox, InboxStats, Listener,
+    MAX_CONCURRENT_HANDSHAKES, Note, Pending, Transfer, TransferFailed, Transferred,
 };
 pub use domain::{BufError, Domain, DomainConfig, DomainInfo, DomainStats};
 pub use error::{AuthFailure, BootstrapError, Error, Result};
@@ -391,5 +391,6 @@ pub use memory::{
     Shared, WithdrawError,
 };
 pub use protocol::list::{PageLayout, Piece};
+pub use protocol::notify::MAX_NOTIFY_PAYLOAD;
 #[cfg(feature = "cuda")]
 pub mod cuda;

@@ -263,6 +263,122 @@ fn a_peer_that_goes_away_mid_list_fails_the_list_promptly(t: Kind) {
     assert_eq!(f.buffer.expect("settled: the buffer is back").len(), len);
 }
 
+fn notifications_are_counted_right_under_eight_concurrent_transfers(t: Kind) {
+    let d = domain(t);
+    let (s, c) = pair(&d);
+    let mut inbox = s.inbox(32).unwrap();
+    let page = 4096u64;
+    let pages_each = 300u64;
+    let target = d.expose(d.alloc((8 * pages_each * page) as usize).unwrap(), Access::REMOTE_WRITE, 0).unwrap();
+    let remote = s.grant(&target).whole();
+    let datas: Vec<Vec<u8>> = (0..8).map(|k| pattern((pages_each * page) as usize, 200 + k)).collect();
+    // Transfer k writes its pages, scattered (every 8th page from k), and
+    // notifies tag k % 3 with a payload naming k: short (inline) for odd
+    // k, 3000 bytes (from a registered buffer) for even k.
+    let payload = |k: u64| -> Vec<u8> {
+        let n = if k % 2 == 0 { 3000 } else { 8 };
+        (0..n).map(|i| (k as u8).wrapping_add(i as u8)).collect()
+    };
+    std::thread::scope(|scope| {
+        for k in 0..8u64 {
+            let (c, d, data, remote) = (&c, &d, &datas[k as usize], &remote);
+            scope.spawn(move || {
+                let pieces = (0..pages_each).map(|i| Piece::new(i * page, (i * 8 + k) * page, page));
+                c.write_list_notify(filled(d, data), remote, pieces, (k % 3) as u32, &payload(k)).finish().unwrap();
+            });
+        }
+        // Waited in an order unlike any sending order; each note's
+        // transfer has landed whole when the note is taken.
+        let mut seen = Vec::new();
+        for (tag, n) in [(2u32, 2usize), (0, 3), (1, 3)] {
+            let notes = inbox.wait(tag, n).unwrap();
+            assert_eq!(notes.len(), n);
+            for note in notes {
+                assert_eq!(note.tag, tag);
+                let k = u64::from(note.payload[0]);
+                assert_eq!(&note.payload[..], &payload(k)[..], "tag {tag}");
+                assert_eq!(k % 3, u64::from(tag));
+                for i in 0..pages_each {
+                    let mut got = vec![0u8; page as usize];
+                    target.read_at(((i * 8 + k) * page) as usize, &mut got).unwrap();
+                    let want = &datas[k as usize][(i * page) as usize..((i + 1) * page) as usize];
+                    assert!(got == want, "transfer {k}'s page {i} had not landed when its notification was seen");
+                }
+                seen.push(k);
+            }
+        }
+        seen.sort_unstable();
+        assert_eq!(seen, (0..8).collect::<Vec<_>>());
+    });
+    assert_eq!(inbox.count(0) + inbox.count(1) + inbox.count(2), 0);
+    let st = inbox.stats();
+    assert_eq!((st.received, st.malformed, st.queued), (8, 0, 0));
+}
+
+fn a_list_that_fails_fails_the_peers_wait_at_once(t: Kind) {
+    let d = domain(t);
+    let (s, c) = pair(&d);
+    let mut inbox = s.inbox(4).unwrap();
+    let target = d.expose(d.alloc(4096).unwrap(), Access::REMOTE_WRITE, 0).unwrap();
+    let remote = s.grant(&target).whole();
+    let failed = c.write_list_notify(d.alloc(4096).unwrap(), &remote, [Piece::new(0, 4000, 200)], 7, b"k").finish();
+    assert!(matches!(failed.as_ref().map_err(|f| &f.error), Err(Error::OutOfBounds { .. })));
+    let started = Instant::now();
+    match inbox.wait_timeout(7, 1, Duration::from_secs(20)) {
+        Err(Error::PeerTransferFailed { tag: 7, reason }) => assert!(reason.contains("outside"), "{reason}"),
+        other => panic!("expected the peer's failure, got {other:?}"),
+    }
+    assert!(started.elapsed() < Duration::from_secs(1), "took {:?}", started.elapsed());
+    // Taken: the next transfer with that tag is waited for normally, and a
+    // notification with no pieces at all works.
+    c.write_list_notify(d.alloc(4096).unwrap(), &remote, [Piece::new(0, 0, 4096)], 7, b"ok").finish().unwrap();
+    c.write_list_notify(d.alloc(1).unwrap(), &remote, [], 8, b"").finish().unwrap();
+    assert_eq!(&inbox.wait(7, 1).unwrap()[0].payload[..], b"ok");
+    assert!(inbox.wait(8, 1).unwrap()[0].payload.is_empty());
+}
+
+fn a_peer_that_goes_away_fails_the_inbox_wait_promptly(t: Kind) {
+    let d = domain(t);
+    let (s, c) = pair(&d);
+    let mut inbox = s.inbox(4).unwrap();
+    let target = d.expose(d.alloc(4096).unwrap(), Access::REMOTE_WRITE, 0).unwrap();
+    let remote = s.grant(&target).whole();
+    c.write_list_notify(d.alloc(4096).unwrap(), &remote, [Piece::new(0, 0, 4096)], 1, b"").finish().unwrap();
+    let left_at = std::thread::scope(|scope| {
+        let h = scope.spawn(|| {
+            std::thread::sleep(Duration::from_millis(100));
+            let at = Instant::now();
+            drop(c);
+            at
+        });
+        // One arrived; the second never will.
+        let outcome = inbox.wait_timeout(1, 2, Duration::from_secs(30));
+        let ended = Instant::now();
+        let at = h.join().unwrap();
+        assert!(matches!(outcome, Err(Error::ConnectionLost { .. })), "{outcome:?}");
+        ended.saturating_duration_since(at)
+    });
+    assert!(left_at < Duration::from_secs(1), "the wait failed {left_at:?} after the peer left");
+    // What arrived before the loss is still there.
+    assert_eq!(inbox.try_take(1, 1).unwrap().unwrap().len(), 1);
+}
+
+fn messages_that_are_not_notifications_are_dropped_and_counted(t: Kind) {
+    let d = domain(t);
+    let (s, c) = pair(&d);
+    let mut inbox = s.inbox(4).unwrap();
+    c.send_inline(b"no immediate", None).wait().unwrap();
+    c.send_inline(b"garbage with an immediate", Some(3)).wait().unwrap();
+    c.send_inline(&[0x67, 0x4e, 1, 0, 0, 0, 0, 9], Some(3)).wait().unwrap();
+    let target = d.expose(d.alloc(64).unwrap(), Access::REMOTE_WRITE, 0).unwrap();
+    let remote = s.grant(&target).whole();
+    c.write_list_notify(d.alloc(64).unwrap(), &remote, [Piece::new(0, 0, 64)], 3, b"real").finish().unwrap();
+    let notes = inbox.wait(3, 1).unwrap();
+    assert_eq!(&notes[0].payload[..], b"real");
+    let st = inbox.stats();
+    assert_eq!((st.received, st.malformed), (1, 3));
+}
+
 macro_rules! both {
     ($($name:ident),* $(,)?) => {
         mod tcp {
@@ -293,4 +409,8 @@ both!(
     an_empty_list_finishes_at_once,
     dropping_a_list_mid_flight_keeps_the_buffer_until_the_device_is_done,
     a_peer_that_goes_away_mid_list_fails_the_list_promptly,
+    notifications_are_counted_right_under_eight_concurrent_transfers,
+    a_list_that_fails_fails_the_peers_wait_at_once,
+    a_peer_that_goes_away_fails_the_inbox_wait_promptly,
+    messages_that_are_not_notifications_are_dropped_and_counted,
 );

@@ -4,10 +4,12 @@
 #![forbid(unsafe_code)]
 
 mod establish;
+mod inbox;
 mod transfer;
 
 pub use crate::options::{ConnectOptions, ConnectionInfo};
 pub use establish::{Listener, MAX_CONCURRENT_HANDSHAKES};
+pub use inbox::{Inbox, InboxStats, Note};
 pub use transfer::{Transfer, TransferFailed, Transferred};
 
 use std::fmt;
@@ -33,8 +35,9 @@ pub(crate) struct ConnShared {
     op_timeout: Duration,
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     staging: (usize, usize),
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     domain: Domain,
+    /// Registered buffers for notification messages too long to go inline.
+    note_pool: std::sync::Mutex<Vec<crate::Region<crate::HostMemory>>>,
     /// Staged GPU operations in progress, moved along by every wait.
     #[cfg(feature = "cuda")]
     staged: crate::protocol::staged::StagedSet,
@@ -77,6 +80,7 @@ impl Connection {
                 op_timeout: opts.op_timeout,
                 staging: (opts.staging_chunk, opts.staging_depth),
                 domain: domain.clone(),
+                note_pool: std::sync::Mutex::new(Vec::new()),
                 #[cfg(feature = "cuda")]
                 staged: crate::protocol::staged::StagedSet::default(),
                 _live: domain.live(Counter::Connections),
@@ -125,11 +129,7 @@ impl Connection {
     }
 
     fn pending<B: Send + 'static>(&self, buf: B, posted: Posted) -> Pending<B> {
-        match posted {
-            Posted::Ok(id) => Pending::new(&self.shared, id, buf),
-            Posted::Refused(e) => Pending::failed(&self.shared, buf, e),
-            Posted::Stuck(id, e) => Pending::stuck(&self.shared, id, buf, e),
-        }
+        Pending::posted(&self.shared, buf, posted)
     }
 
     fn one<B: LocalBuffer>(&self, local: LocalSlice<B>, op: RemoteOp) -> Pending<B> {
@@ -496,6 +496,15 @@ impl<B: Send + 'static> Pending<B> {
 
     fn new(shared: &Arc<ConnShared>, id: OpId, buf: B) -> Self {
         Pending::with(shared, buf, Stage::InFlight(id))
+    }
+
+    /// The handle for a post that ended as `posted`.
+    pub(crate) fn posted(shared: &Arc<ConnShared>, buf: B, posted: Posted) -> Self {
+        match posted {
+            Posted::Ok(id) => Pending::new(shared, id, buf),
+            Posted::Refused(e) => Pending::failed(shared, buf, e),
+            Posted::Stuck(id, e) => Pending::stuck(shared, id, buf, e),
+        }
     }
 
     #[cold]

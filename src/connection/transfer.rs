@@ -18,7 +18,9 @@ use crate::error::{Error, Result};
 use crate::memory::{LocalBuffer, LocalParts, LocalSlice, RemoteSlice};
 use crate::ops::OpId;
 use crate::protocol::list::{self, Piece};
+use crate::protocol::notify::{self, Status};
 use crate::transport::{Posted, RemoteOp, WorkItem};
+use crate::{HostMemory, Region};
 
 /// What a transfer list does with its pieces.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -72,7 +74,25 @@ pub struct Transfer<B: Send + 'static> {
     bytes: u64,
     /// Runs once everything succeeded (a GPU read's flush).
     after: Option<Box<dyn FnOnce() -> Result<()> + Send>>,
+    /// The notification to send after the last piece.
+    note: Option<NoteOut>,
 }
+
+/// A notification on its way out.
+struct NoteOut {
+    tag: u32,
+    /// The encoded message.
+    msg: Vec<u8>,
+    /// Posted (or given up on): nothing more to send.
+    sent: bool,
+    /// Its request, while in flight.
+    id: Option<OpId>,
+    /// The registered copy of a message too long to go inline.
+    region: Option<Region<HostMemory>>,
+}
+
+/// Notification buffers kept per connection for reuse.
+const NOTE_POOL: usize = 16;
 
 /// What a wait on a transfer is for, in its timeout error.
 const WHAT: &str = "a transfer list to complete";
@@ -94,7 +114,29 @@ impl Connection {
         remote: &RemoteSlice,
         pieces: impl IntoIterator<Item = Piece>,
     ) -> Transfer<B> {
-        Transfer::start(self, local.into(), *remote, pieces, Direction::Write)
+        Transfer::start(self, local.into(), *remote, pieces, Direction::Write, None)
+    }
+
+    /// [`write_list`](Self::write_list), then a notification for the
+    /// peer's [`Inbox`](crate::Inbox): `tag` and up to
+    /// [`MAX_NOTIFY_PAYLOAD`](crate::MAX_NOTIFY_PAYLOAD) bytes of `payload`
+    /// (longer is cut), posted after the last piece, so the peer sees it only
+    /// once every piece has landed. If the list fails, the peer's wait for
+    /// `tag` fails too ([`Error::PeerTransferFailed`], or the connection
+    /// lost): at once, not at its timeout. An empty list sends just the
+    /// notification.
+    pub fn write_list_notify<B: LocalBuffer>(
+        &self,
+        local: impl Into<LocalSlice<B>>,
+        remote: &RemoteSlice,
+        pieces: impl IntoIterator<Item = Piece>,
+        tag: u32,
+        payload: &[u8],
+    ) -> Transfer<B> {
+        let mut msg = Vec::new();
+        notify::encode(Status::Done, payload, &mut msg);
+        let note = NoteOut { tag, msg, sent: false, id: None, region: None };
+        Transfer::start(self, local.into(), *remote, pieces, Direction::Write, Some(note))
     }
 
     /// Reads a list of pieces of `remote` into `local`: as
@@ -105,7 +147,7 @@ impl Connection {
         remote: &RemoteSlice,
         pieces: impl IntoIterator<Item = Piece>,
     ) -> Transfer<B> {
-        Transfer::start(self, local.into(), *remote, pieces, Direction::Read)
+        Transfer::start(self, local.into(), *remote, pieces, Direction::Read, None)
     }
 }
 
@@ -116,6 +158,7 @@ impl<B: LocalBuffer> Transfer<B> {
         remote: RemoteSlice,
         pieces: impl IntoIterator<Item = Piece>,
         direction: Direction,
+        note: Option<NoteOut>,
     ) -> Self {
         let shared = &conn.shared;
         let info = &shared.info;
@@ -139,6 +182,7 @@ impl<B: LocalBuffer> Transfer<B> {
             done: Transferred::default(),
             bytes: 0,
             after: None,
+            note,
         };
         let parts = match local.resolve() {
             Ok(p) => p,
@@ -208,6 +252,63 @@ impl<B: Send + 'static> Transfer<B> {
                 break;
             }
         }
+        if !self.failed && self.next == self.pieces.len() {
+            self.post_note(Deadline::immediate("room in the send queue"));
+        }
+    }
+
+    /// Posts the notification, up to `due`. Whether it is out (or there
+    /// is none to send).
+    fn post_note(&mut self, due: Deadline) -> bool {
+        let immediate = due.is_immediate();
+        let Some(note) = self.note.as_mut().filter(|n| !n.sent) else {
+            return true;
+        };
+        match Self::send_note(&self.shared, note, due) {
+            Posted::Ok(id) => {
+                note.sent = true;
+                note.id = Some(id);
+                self.in_flight.push_back(id);
+                true
+            }
+            Posted::Refused(Error::QueueFull { .. }) if immediate => false,
+            Posted::Refused(e) => {
+                self.fail(e);
+                false
+            }
+            Posted::Stuck(id, e) => {
+                note.sent = true;
+                note.id = Some(id);
+                self.in_flight.push_back(id);
+                self.fail(e);
+                false
+            }
+        }
+    }
+
+    /// Posts `note`'s message: inline when it fits, else from a registered
+    /// buffer of the connection's pool (kept in `note` until it completes).
+    fn send_note(shared: &ConnShared, note: &mut NoteOut, due: Deadline) -> Posted {
+        if note.msg.len() <= shared.info.max_inline as usize {
+            return shared.transport.post_inline(&note.msg, Some(note.tag), due);
+        }
+        let region = match note.region.take() {
+            Some(r) => Ok(r),
+            None => {
+                let pooled = shared.note_pool.lock().unwrap_or_else(|e| e.into_inner()).pop();
+                pooled.map_or_else(|| shared.domain.alloc(notify::MAX_MESSAGE), Ok)
+            }
+        };
+        let mut region = match region {
+            Ok(r) => r,
+            Err(e) => return Posted::Refused(e),
+        };
+        region.as_mut_slice()[..note.msg.len()].copy_from_slice(&note.msg);
+        let parts = LocalParts { len: note.msg.len(), ..crate::memory::parts_of(&region) };
+        let posted =
+            shared.transport.post_send(&[WorkItem { local: Some(parts), op: RemoteOp::SendWithImm(note.tag) }], due);
+        note.region = Some(region);
+        posted
     }
 
     /// Posts the next chain, waiting for room up to `due`. Whether one was
@@ -249,16 +350,37 @@ impl<B: Send + 'static> Transfer<B> {
         }
     }
 
+    /// Records the first error; nothing more is posted. A notification
+    /// not yet sent becomes a failure notification, sent at once (best
+    /// effort: on a broken connection the peer learns of it anyway).
     fn fail(&mut self, e: Error) {
-        if !self.failed {
-            self.failed = true;
-            self.error = Some(e);
+        if self.failed {
+            return;
         }
+        self.failed = true;
+        if let Some(note) = self.note.as_mut().filter(|n| !n.sent) {
+            notify::encode(Status::Failed, e.to_string().as_bytes(), &mut note.msg);
+            note.sent = true;
+            let due = Deadline::lazy(self.shared.op_timeout, "room in the send queue");
+            if let Posted::Ok(id) | Posted::Stuck(id, _) = Self::send_note(&self.shared, note, due) {
+                note.id = Some(id);
+                self.in_flight.push_back(id);
+            }
+        }
+        self.error = Some(e);
     }
 
     /// Records a chain's outcome.
     fn record(&mut self, outcome: Result<crate::Completion>) {
-        self.in_flight.pop_front();
+        let id = self.in_flight.pop_front();
+        if let Some(note) = self.note.as_mut().filter(|n| n.id.is_some() && n.id == id) {
+            if let Some(region) = note.region.take() {
+                let mut pool = self.shared.note_pool.lock().unwrap_or_else(|e| e.into_inner());
+                if pool.len() < NOTE_POOL {
+                    pool.push(region);
+                }
+            }
+        }
         if let Err(e) = outcome {
             self.fail(e);
         }
@@ -280,7 +402,8 @@ impl<B: Send + 'static> Transfer<B> {
 
     /// Whether nothing is in flight and nothing more will be posted.
     fn settled(&self) -> bool {
-        self.in_flight.is_empty() && (self.failed || self.next == self.pieces.len())
+        let note_out = self.note.as_ref().is_none_or(|n| n.sent);
+        self.in_flight.is_empty() && (self.failed || (self.next == self.pieces.len() && note_out))
     }
 
     /// The outcome of a settled transfer (an error is handed out once).
@@ -346,7 +469,12 @@ impl<B: Send + 'static> Transfer<B> {
             let Some(&id) = self.in_flight.front() else {
                 // Nothing of ours in flight, and the queue full of other
                 // operations: wait for room, as any post does.
-                self.post_chain(Deadline::lazy(slice, "room in the send queue"));
+                let due = Deadline::lazy(slice, "room in the send queue");
+                if self.next < self.pieces.len() {
+                    self.post_chain(due);
+                } else {
+                    self.post_note(due);
+                }
                 continue;
             };
             let mut due = Deadline::lazy(slice, WHAT);
@@ -447,7 +575,8 @@ impl<B: Send + 'static> Drop for Transfer<B> {
         }
         // Several posts may still read or write the buffer: each holds a
         // share of it, and the last one done drops it.
-        let holder = Arc::new(Mutex::new(self.buf.take()));
+        let note = self.note.as_mut().and_then(|n| n.region.take());
+        let holder = Arc::new(Mutex::new((self.buf.take(), note)));
         for id in self.in_flight.drain(..) {
             self.shared.transport.orphan(id, Box::new(Arc::clone(&holder)));
         }

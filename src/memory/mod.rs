@@ -28,8 +28,8 @@ pub use crate::host_memory::HostMemory;
 pub use crate::remote::{RemoteRegion, RemoteSlice};
 pub use domain::DomainStats;
 pub(crate) use domain::{Counter, Live, MemoryDomain};
-pub(crate) use region::LocalParts;
 pub use region::{Exposed, LocalBuffer, LocalSlice, Region, Shared, WithdrawError};
+pub(crate) use region::{LocalParts, parts_of};
 pub(crate) use registration::Registration;
 
 /// Where memory lives.

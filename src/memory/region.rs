@@ -671,6 +671,11 @@ mod sealed {
 
 pub(crate) use sealed::LocalParts;
 
+/// Where all of `buf` is, for posting.
+pub(crate) fn parts_of<B: LocalBuffer>(buf: &B) -> LocalParts {
+    buf.parts()
+}
+
 /// A buffer operations can use locally: [`Region`] and [`Exposed`].
 ///
 /// Operations take it by value (an [`Exposed`] by clone) and give it back

@@ -3,6 +3,8 @@
 //! - Transfer lists ([`list`]): many pieces between one local buffer and
 //!   one remote range, planned here (checked, coalesced, split) and posted
 //!   by the engine in [`Transfer`](crate::Transfer).
+//! - Notifications ([`notify`]): the message a list sends after its last
+//!   piece, and its codec.
 //!
 //! For GPU memory, chosen once per operation (host memory is always direct):
 //! - Direct: the operation is posted as it is; the NIC reads or writes the
@@ -16,6 +18,7 @@
 //! checks a device makes are made once, in `route`, for both.
 
 pub(crate) mod list;
+pub(crate) mod notify;
 #[cfg(feature = "cuda")]
 mod route;
 #[cfg(feature = "cuda")]
