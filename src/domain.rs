@@ -27,6 +27,8 @@ pub(crate) struct DomainInner {
     /// GPU registration's per-domain state (path reports logged, GPU-NIC links).
     #[cfg(feature = "cuda")]
     pub(crate) gpu_paths: crate::memory::gpu::GpuPaths,
+    /// Wakes what awaits operations (futures, completion sets, callbacks).
+    pub(crate) engine: crate::transport::engine::Engine,
 }
 
 impl Domain {
@@ -58,6 +60,7 @@ impl Domain {
                 mem,
                 #[cfg(feature = "cuda")]
                 gpu_paths: Default::default(),
+                engine: crate::transport::engine::Engine::new()?,
             }),
         };
         tracing::info!("gpu-rdma domain: {}", domain.info());

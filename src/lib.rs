@@ -381,8 +381,8 @@ pub use bootstrap::Secret;
 pub use completion::{Completion, CompletionError, Opcode, WcStatus};
 pub use config::{Transport, TransportPolicy};
 pub use connection::{
-    Batch, ConnectOptions, Connection, ConnectionInfo, ConnectionStats, Inbox, InboxStats, Listener,
-    MAX_CONCURRENT_HANDSHAKES, Note, Pending, Transfer, TransferFailed, Transferred,
+    Batch, CompletionSet, ConnectOptions, Connection, ConnectionInfo, ConnectionStats, Finished, Inbox, InboxStats,
+    Listener, MAX_CONCURRENT_HANDSHAKES, Note, Pending, Transfer, TransferFailed, Transferred,
 };
 pub use domain::{BufError, Domain, DomainConfig, DomainInfo, DomainStats};
 pub use error::{AuthFailure, BootstrapError, Error, Result};

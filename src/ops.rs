@@ -8,6 +8,7 @@
 #![forbid(unsafe_code)]
 
 use std::any::Any;
+use std::task::Waker;
 
 use crate::completion::{Completion, CompletionError, Opcode, WcStatus};
 use crate::error::{Error, Result};
@@ -88,6 +89,8 @@ struct OpEntry {
     effective: Completion,
     /// Busy: the buffer of a dropped handle, kept until the final completion.
     orphan: Option<Orphan>,
+    /// Busy: who to wake at the final completion (a future awaiting it).
+    waker: Option<Waker>,
 }
 
 const NO_COMPLETION: Completion = Completion {
@@ -157,6 +160,7 @@ impl OpTable {
                 failed_early: false,
                 effective: NO_COMPLETION,
                 orphan: None,
+                waker: None,
             });
             OpId { index, generation: 0 }
         }
@@ -218,6 +222,9 @@ impl OpTable {
         }
         let held = e.held;
         let orphan = e.orphan.take();
+        if let Some(waker) = e.waker.take() {
+            waker.wake();
+        }
         self.busy -= 1;
         if orphan.is_some() {
             e.phase = Phase::Free;
@@ -254,6 +261,17 @@ impl OpTable {
         }
     }
 
+    /// Wakes `waker` when `id` finishes (replacing an earlier one).
+    /// Whether it was registered: `false` when `id` is not in flight.
+    pub(crate) fn register(&mut self, id: OpId, waker: &Waker) -> bool {
+        let Some(e) = self.entry(id, Phase::Busy) else { return false };
+        match &mut e.waker {
+            Some(w) if w.will_wake(waker) => {}
+            slot => *slot = Some(waker.clone()),
+        }
+        true
+    }
+
     /// Whether the operation has an outcome to take.
     pub(crate) fn is_done(&self, id: OpId) -> bool {
         self.entries.get(id.index as usize).is_some_and(|e| e.generation == id.generation && e.phase == Phase::Done)
@@ -278,6 +296,7 @@ impl OpTable {
         };
         match e.phase {
             Phase::Busy => {
+                e.waker = None;
                 e.orphan = Some(buffer);
                 self.orphans += 1;
                 None

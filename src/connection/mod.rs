@@ -6,11 +6,13 @@
 mod establish;
 mod inbox;
 mod transfer;
+mod waiting;
 
 pub use crate::options::{ConnectOptions, ConnectionInfo};
 pub use establish::{Listener, MAX_CONCURRENT_HANDSHAKES};
 pub use inbox::{Inbox, InboxStats, Note};
 pub use transfer::{Transfer, TransferFailed, Transferred};
+pub use waiting::{CompletionSet, Finished};
 
 use std::fmt;
 use std::net::TcpStream;
@@ -470,6 +472,8 @@ pub struct Pending<B: Send + 'static> {
     /// Runs once the operation succeeded, before the success is reported
     /// (flushing remote writes into GPU memory, copying a staged mirror in).
     after: Option<Hook>,
+    /// While awaited as a future: its deadline and timer.
+    awaiting: Option<Box<crate::transport::engine::Awaiting>>,
 }
 
 type Hook = Box<dyn FnOnce() -> Result<()> + Send>;
@@ -491,7 +495,7 @@ enum Stage {
 
 impl<B: Send + 'static> Pending<B> {
     fn with(shared: &Arc<ConnShared>, buf: B, stage: Stage) -> Self {
-        Pending { shared: Arc::clone(shared), buf: Some(buf), stage, after: None }
+        Pending { shared: Arc::clone(shared), buf: Some(buf), stage, after: None, awaiting: None }
     }
 
     fn new(shared: &Arc<ConnShared>, id: OpId, buf: B) -> Self {
@@ -785,6 +789,9 @@ fn staged_slice(copying: bool) -> Duration {
 
 impl<B: Send + 'static> Drop for Pending<B> {
     fn drop(&mut self) {
+        if let Some(aw) = self.awaiting.take() {
+            aw.disarm(&self.shared.domain.inner.engine);
+        }
         if let Stage::Succeeded(_) | Stage::Failed(_) = self.stage {
             return;
         }

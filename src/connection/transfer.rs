@@ -9,7 +9,10 @@
 
 use std::collections::VecDeque;
 use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use super::{ConnShared, Connection};
@@ -19,6 +22,7 @@ use crate::memory::{LocalBuffer, LocalParts, LocalSlice, RemoteSlice};
 use crate::ops::OpId;
 use crate::protocol::list::{self, Piece};
 use crate::protocol::notify::{self, Status};
+use crate::transport::engine::{Awaiting, LOOK_AGAIN};
 use crate::transport::{Posted, RemoteOp, WorkItem};
 use crate::{HostMemory, Region};
 
@@ -76,6 +80,8 @@ pub struct Transfer<B: Send + 'static> {
     after: Option<Box<dyn FnOnce() -> Result<()> + Send>>,
     /// The notification to send after the last piece.
     note: Option<NoteOut>,
+    /// While awaited as a future: its deadline and timer.
+    awaiting: Option<Box<Awaiting>>,
 }
 
 /// A notification on its way out.
@@ -183,6 +189,7 @@ impl<B: LocalBuffer> Transfer<B> {
             bytes: 0,
             after: None,
             note,
+            awaiting: None,
         };
         let parts = match local.resolve() {
             Ok(p) => p,
@@ -531,6 +538,72 @@ impl<B: Send + 'static> Transfer<B> {
     }
 }
 
+impl<B: Send + 'static> Transfer<B> {
+    /// One look: posts what fits, takes what finished; when not done,
+    /// `waker` is registered on the oldest post in flight and a timer armed
+    /// at the deadline (the operation timeout without progress).
+    fn poll_waker(&mut self, waker: &Waker) -> Poll<Result<Transferred>> {
+        let shared = Arc::clone(&self.shared);
+        let engine = &shared.domain.inner.engine;
+        let mut progressed = false;
+        let mut told = false;
+        loop {
+            let posted = self.next;
+            self.pump();
+            self.reap();
+            progressed |= self.next != posted;
+            if self.settled() {
+                if let Some(aw) = self.awaiting.take() {
+                    aw.disarm(&self.shared.domain.inner.engine);
+                }
+                return Poll::Ready(self.outcome());
+            }
+            let Some(&id) = self.in_flight.front() else { break };
+            match shared.transport.poll_register(id, waker, engine) {
+                Ok(Some(outcome)) => {
+                    self.record(outcome);
+                    progressed = true;
+                }
+                Ok(None) => {
+                    told = true;
+                    break;
+                }
+                Err(e) => self.fail(e),
+            }
+        }
+        let timeout = self.shared.op_timeout;
+        if progressed {
+            if let Some(aw) = self.awaiting.take() {
+                aw.disarm(&self.shared.domain.inner.engine);
+            }
+        }
+        let aw = self.awaiting.get_or_insert_with(|| Awaiting::new(timeout));
+        let now = Instant::now();
+        if now >= aw.deadline {
+            if let Some(aw) = self.awaiting.take() {
+                aw.disarm(&self.shared.domain.inner.engine);
+            }
+            return Poll::Ready(Err(Error::Timeout { what: "a transfer list to complete", after: timeout }));
+        }
+        // Nothing of ours in flight (the queue full of others'): look again soon.
+        let at = if told { aw.deadline } else { aw.deadline.min(now + LOOK_AGAIN) };
+        aw.arm(&self.shared.domain.inner.engine, at, waker);
+        Poll::Pending
+    }
+}
+
+impl<B: Send + Unpin + 'static> Future for Transfer<B> {
+    type Output = Result<Transferred>;
+
+    /// Awaits the whole list (bounded by the operation timeout without
+    /// progress); the buffer comes back with
+    /// [`finish`](Transfer::finish) (at once, once done). Await it by
+    /// `&mut` to keep the `Transfer`.
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.get_mut().poll_waker(cx.waker())
+    }
+}
+
 /// A transfer list failed: the error, and the buffer back
 /// ([`Transfer::finish`]).
 pub struct TransferFailed<B> {
@@ -570,6 +643,9 @@ impl<B> From<TransferFailed<B>> for Error {
 
 impl<B: Send + 'static> Drop for Transfer<B> {
     fn drop(&mut self) {
+        if let Some(aw) = self.awaiting.take() {
+            aw.disarm(&self.shared.domain.inner.engine);
+        }
         if self.in_flight.is_empty() {
             return;
         }

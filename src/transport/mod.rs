@@ -14,6 +14,7 @@ use crate::memory::{LocalParts, MemoryDomain, RemoteRegion};
 use crate::ops::OpId;
 use crate::options::{ConnectOptions, ConnectionInfo, TransportPolicy};
 
+pub(crate) mod engine;
 mod queue;
 pub(crate) mod tcp;
 #[cfg(feature = "verbs")]
@@ -24,7 +25,7 @@ pub(crate) use queue::{Posted, RemoteOp, WorkItem};
 /// A connection's transport state.
 pub(crate) enum ConnTransport {
     #[cfg(feature = "verbs")]
-    Verbs(Box<verbs::VerbsConn>),
+    Verbs(std::sync::Arc<verbs::VerbsConn>),
     Tcp(tcp::TcpConn),
 }
 
@@ -147,7 +148,11 @@ pub(crate) fn establish(
         let (Some(p), Some(theirs)) = (prepared, peer.verbs) else { unreachable!("verbs chosen with both endpoints") };
         let (conn, mut info) = p.finish(backend.id(), stream, &theirs, opts, deadline)?;
         info.transport_reason = choice.reason;
-        return Ok(Established { transport: ConnTransport::Verbs(Box::new(conn)), peer_regions: peer.regions, info });
+        return Ok(Established {
+            transport: ConnTransport::Verbs(std::sync::Arc::new(conn)),
+            peer_regions: peer.regions,
+            info,
+        });
     }
     let theirs = peer.tcp.ok_or_else(|| Error::from(BootstrapError::Incompatible("the peer offers no TCP".into())))?;
     let (conn, info) =
@@ -216,6 +221,32 @@ impl ConnTransport {
     #[inline]
     pub(crate) fn poll_take(&self, id: OpId) -> Result<Option<Result<Completion>>> {
         dispatch!(self, t => t.poll_take(id))
+    }
+
+    /// Takes `id`'s outcome if it is done, else has `waker` woken when it
+    /// is: by the connection's own threads (TCP) or by `engine`, which
+    /// starts watching this connection (verbs).
+    #[inline]
+    pub(crate) fn poll_register(
+        &self,
+        id: OpId,
+        waker: &std::task::Waker,
+        engine: &engine::Engine,
+    ) -> Result<Option<Result<Completion>>> {
+        match self {
+            #[cfg(feature = "verbs")]
+            ConnTransport::Verbs(t) => {
+                let outcome = t.poll_register(id, waker)?;
+                if outcome.is_none() {
+                    engine.watch(t);
+                }
+                Ok(outcome)
+            }
+            ConnTransport::Tcp(t) => {
+                let _ = engine;
+                Ok(t.poll_register(id, waker))
+            }
+        }
     }
 
     /// Polls once; whether `id` is done.

@@ -238,6 +238,20 @@ impl QueueCore {
         self.table.is_done(id)
     }
 
+    /// Takes `id`'s outcome if it is done, else has `waker` woken when it
+    /// is (at its final completion, or the flush after a loss).
+    pub(crate) fn take_or_register(&mut self, id: OpId, waker: &std::task::Waker) -> Option<Result<Completion>> {
+        if let Some(outcome) = self.take(id) {
+            return Some(outcome);
+        }
+        if self.table.register(id, waker) {
+            None
+        } else {
+            // Neither done nor in flight: a stale id (never a live operation's).
+            Some(Err(Error::AlreadyReported))
+        }
+    }
+
     /// Takes a finished operation's outcome.
     pub(crate) fn take(&mut self, id: OpId) -> Option<Result<Completion>> {
         self.table.take(id, self.lost.as_deref())
@@ -322,6 +336,46 @@ mod tests {
         // A completion seen twice (or a stale one) returns nothing twice.
         q.complete(&done(b, true, WcStatus::Success));
         assert_eq!(q.credits(), (0, 0));
+    }
+
+    /// Counts its wakes.
+    struct Count(std::sync::atomic::AtomicUsize);
+
+    impl std::task::Wake for Count {
+        fn wake(self: std::sync::Arc<Self>) {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn a_registered_waker_is_woken_once_at_the_final_completion_or_the_flush() {
+        use std::sync::Arc;
+        use std::sync::atomic::Ordering::SeqCst;
+        let mut q = core(4, 2);
+        let count = Arc::new(Count(Default::default()));
+        let waker = std::task::Waker::from(Arc::clone(&count));
+        let a = q.start_send(Opcode::Write, 2, 8);
+        assert!(q.take_or_register(a, &waker).is_none(), "in flight: registered");
+        assert!(q.take_or_register(a, &waker).is_none(), "registering again replaces, never doubles");
+        q.complete(&done(a, false, WcStatus::Success));
+        assert_eq!(count.0.load(SeqCst), 0, "an unsignaled part wakes nobody");
+        q.complete(&done(a, true, WcStatus::Success));
+        assert_eq!(count.0.load(SeqCst), 1);
+        assert!(matches!(q.take_or_register(a, &waker), Some(Ok(_))), "done: the outcome, no registration");
+        assert!(matches!(q.take_or_register(a, &waker), Some(Err(Error::AlreadyReported))), "taken: a stale id");
+        // An orphaned operation wakes nobody (its handle is gone).
+        let b = q.start_send(Opcode::Send, 1, 1);
+        assert!(q.take_or_register(b, &waker).is_none());
+        assert!(q.orphan(b, Box::new(())).is_none());
+        q.complete(&done(b, true, WcStatus::Success));
+        assert_eq!(count.0.load(SeqCst), 1);
+        // A loss: the flush wakes with the loss as the outcome.
+        let r = q.start_recv().unwrap();
+        assert!(q.take_or_register(r, &waker).is_none());
+        q.lose(|| "the peer died".into());
+        q.complete(&done(r, true, WcStatus::WrFlush));
+        assert_eq!(count.0.load(SeqCst), 2);
+        assert!(matches!(q.take(r), Some(Err(Error::ConnectionLost { .. }))));
     }
 
     #[test]

@@ -840,6 +840,12 @@ impl TcpConn {
         Posted::Ok(id)
     }
 
+    /// Takes `id`'s outcome if it is done, else registers `waker`: the
+    /// connection's threads wake it when they complete the operation.
+    pub(crate) fn poll_register(&self, id: OpId, waker: &std::task::Waker) -> Option<Result<Completion>> {
+        self.inner.lock().q.take_or_register(id, waker)
+    }
+
     pub(crate) fn wait_done(&self, id: OpId, due: &mut Deadline) -> Result<()> {
         self.wait_for(due, false, |st| st.q.is_done(id).then_some(()))
     }

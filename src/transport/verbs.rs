@@ -74,6 +74,8 @@ pub(crate) struct VerbsConn {
     socket: TcpStream,
     max_inline: u32,
     spin: Duration,
+    /// Watched by the domain's progress engine.
+    watched: std::sync::atomic::AtomicBool,
 }
 
 const PEER_GRACE: Duration = Duration::from_millis(50);
@@ -213,6 +215,7 @@ impl Prepared {
             socket: stream,
             max_inline: caps.max_inline_data,
             spin: opts.spin,
+            watched: std::sync::atomic::AtomicBool::new(false),
         };
         Ok((conn, info))
     }
@@ -392,6 +395,51 @@ impl VerbsConn {
         }
         self.progress(&mut st)?;
         Ok(st.q.take(id))
+    }
+
+    /// Takes `id`'s outcome if it is done (polling once), else registers
+    /// `waker` for its completion. The caller has the engine watch this
+    /// connection, so the completion is seen without anyone waiting.
+    pub(crate) fn poll_register(&self, id: OpId, waker: &std::task::Waker) -> Result<Option<Result<Completion>>> {
+        let mut st = self.lock();
+        if let Some(outcome) = st.q.take(id) {
+            return Ok(Some(outcome));
+        }
+        self.progress(&mut st)?;
+        Ok(st.q.take_or_register(id, waker))
+    }
+
+    /// Marks this connection watched by the engine; whether it was not yet.
+    pub(crate) fn mark_watched(&self) -> bool {
+        !self.watched.swap(true, std::sync::atomic::Ordering::AcqRel)
+    }
+
+    /// The completion channel's descriptor.
+    pub(crate) fn channel_fd(&self) -> Option<std::os::fd::RawFd> {
+        self.cq.channel().map(verbs::CompletionChannel::fd)
+    }
+
+    /// The peer's socket's descriptor.
+    pub(crate) fn socket_fd(&self) -> std::os::fd::RawFd {
+        use std::os::fd::AsRawFd;
+        self.socket.as_raw_fd()
+    }
+
+    /// The engine saw the channel (`event`) or the socket (`peer`) readable,
+    /// or sweeps: takes the event, re-arms the queue, polls it empty (which
+    /// wakes the operations that finished) and looks at the peer.
+    pub(crate) fn engine_progress(&self, event: bool, peer: bool) {
+        if event {
+            self.cq.try_take_event();
+        }
+        if let Err(e) = self.cq.req_notify(false) {
+            tracing::warn!("arming the completion queue: {e}");
+        }
+        let mut st = self.lock();
+        while let Ok(POLL_BATCH) = self.progress(&mut st) {}
+        if peer {
+            self.check_peer(&mut st);
+        }
     }
 
     pub(crate) fn poll_done(&self, id: OpId) -> Result<bool> {

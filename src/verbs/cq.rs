@@ -342,34 +342,49 @@ impl CompletionQueue {
             }
             return Err(Error::Verbs { op: "poll(completion channel)", source: err });
         }
-        if fds[0].revents & libc::POLLIN != 0 {
-            let mut cq: *mut ffi::ibv_cq = std::ptr::null_mut();
-            let mut ctx: *mut libc::c_void = std::ptr::null_mut();
-            // SAFETY: live channel, valid out-pointers; the fd is non-blocking so
-            // this returns at once (EAGAIN when another thread took the event).
-            let rc = unsafe { ffi::ibv_get_cq_event(chan.as_raw(), &mut cq, &mut ctx) };
-            if rc == 0 {
-                if cq == self.as_raw() {
-                    let pending = self.inner.unacked.fetch_add(1, Ordering::AcqRel) + 1;
-                    if pending >= 64
-                        && self.inner.unacked.compare_exchange(pending, 0, Ordering::AcqRel, Ordering::Relaxed).is_ok()
-                    {
-                        // SAFETY: live CQ; `pending` events were returned for it and
-                        // the counter now owns none of them.
-                        unsafe { ffi::ibv_ack_cq_events(self.as_raw(), pending) };
-                    }
-                } else if !cq.is_null() {
-                    // SAFETY: an event for another live CQ sharing this channel;
-                    // acknowledged at once so that CQ can be destroyed.
-                    unsafe { ffi::ibv_ack_cq_events(cq, 1) };
-                }
-                return Ok(WaitOutcome::Event);
-            }
+        if fds[0].revents & libc::POLLIN != 0 && self.consume_event(chan) {
+            return Ok(WaitOutcome::Event);
         }
         if fds[1].revents != 0 {
             return Ok(WaitOutcome::Extra);
         }
         Ok(WaitOutcome::TimedOut)
+    }
+}
+
+impl CompletionQueue {
+    /// Takes one pending event off the channel without blocking, if there
+    /// is one (acknowledged in batches, as [`wait_event`](Self::wait_event)
+    /// does). Whether one was taken. For a caller that learned from its own
+    /// poll(2) or epoll that the channel is readable.
+    pub fn try_take_event(&self) -> bool {
+        self.inner.channel.as_ref().is_some_and(|chan| self.consume_event(chan))
+    }
+
+    fn consume_event(&self, chan: &CompletionChannel) -> bool {
+        let mut cq: *mut ffi::ibv_cq = std::ptr::null_mut();
+        let mut ctx: *mut libc::c_void = std::ptr::null_mut();
+        // SAFETY: live channel, valid out-pointers; the fd is non-blocking so
+        // this returns at once (EAGAIN when another thread took the event).
+        let rc = unsafe { ffi::ibv_get_cq_event(chan.as_raw(), &mut cq, &mut ctx) };
+        if rc != 0 {
+            return false;
+        }
+        if cq == self.as_raw() {
+            let pending = self.inner.unacked.fetch_add(1, Ordering::AcqRel) + 1;
+            if pending >= 64
+                && self.inner.unacked.compare_exchange(pending, 0, Ordering::AcqRel, Ordering::Relaxed).is_ok()
+            {
+                // SAFETY: live CQ; `pending` events were returned for it and
+                // the counter now owns none of them.
+                unsafe { ffi::ibv_ack_cq_events(self.as_raw(), pending) };
+            }
+        } else if !cq.is_null() {
+            // SAFETY: an event for another live CQ sharing this channel;
+            // acknowledged at once so that CQ can be destroyed.
+            unsafe { ffi::ibv_ack_cq_events(cq, 1) };
+        }
+        true
     }
 }
 

@@ -95,10 +95,10 @@ fn run_tee(cmd: &mut Command) -> Result<(bool, String)> {
 /// The test targets that run in the guest with `--ignored`: those named
 /// `verbs*`, the connection suite, churn, peer death (whose verbs halves
 /// are ignored here), netem (root and namespaces), the steady-state
-/// allocation count and transfer lists.
+/// allocation count, transfer lists and waiting (futures, sets, callbacks).
 fn runs_in_guest(name: &str) -> bool {
     name.starts_with("verbs")
-        || ["connection", "churn", "peer_death", "netem", "steady_alloc", "transfer"].contains(&name)
+        || ["connection", "churn", "peer_death", "netem", "steady_alloc", "transfer", "waiting"].contains(&name)
 }
 
 /// The test executables that run in the guest, built for this machine.

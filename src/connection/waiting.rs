@@ -1,0 +1,300 @@
+//! Waiting without a thread per operation: [`Pending`] and [`Transfer`]
+//! are futures (any runtime; woken by the domain's progress engine on
+//! verbs, by the connection's own threads on TCP), a [`CompletionSet`]
+//! waits for any or all of many operations from one thread, and
+//! [`Pending::on_complete`] runs a callback on the engine's thread.
+//!
+//! Every await is bounded by the connection's operation timeout (a timer
+//! on the engine). Dropping a future keeps the rule of dropping a
+//! `Pending`: the buffer stays with the connection until the device is
+//! done with it.
+
+#![forbid(unsafe_code)]
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Condvar, Mutex};
+use std::task::{Context, Poll, Wake, Waker};
+use std::time::{Duration, Instant};
+
+use super::{Pending, Stage};
+use crate::completion::Completion;
+use crate::error::{Error, Result};
+use crate::transport::engine::{Awaiting, EngineHandle, LOOK_AGAIN, Task};
+
+impl<B: Send + 'static> Pending<B> {
+    /// One look: done, or `waker` is registered for the completion
+    /// (with the engine watching) and, if `bounded`, a timer armed at the
+    /// operation's deadline.
+    pub(crate) fn poll_waker(&mut self, waker: &Waker, bounded: bool) -> Poll<Result<Completion>> {
+        let engine = &self.shared.domain.inner.engine;
+        let (outcome, told) = match self.stage {
+            Stage::InFlight(id) if !self.staged_in_progress() => {
+                match self.shared.transport.poll_register(id, waker, engine) {
+                    Ok(Some(outcome)) => (Some(self.settle(outcome)), true),
+                    Ok(None) => (None, true),
+                    Err(e) => (Some(Err(e)), true),
+                }
+            }
+            _ => (self.poll().transpose(), false),
+        };
+        if let Some(result) = outcome {
+            if let Some(aw) = self.awaiting.take() {
+                aw.disarm(&self.shared.domain.inner.engine);
+            }
+            return Poll::Ready(result);
+        }
+        let timeout = self.shared.op_timeout;
+        let aw = self.awaiting.get_or_insert_with(|| Awaiting::new(timeout));
+        let now = Instant::now();
+        if bounded && now >= aw.deadline {
+            if let Some(aw) = self.awaiting.take() {
+                aw.disarm(&self.shared.domain.inner.engine);
+            }
+            // Still in flight: it may be awaited again (with a new deadline).
+            return Poll::Ready(Err(Error::Timeout { what: WHAT, after: timeout }));
+        }
+        let at = match (told, bounded) {
+            (true, true) => Some(aw.deadline),
+            (true, false) => None,
+            (false, true) => Some(aw.deadline.min(now + LOOK_AGAIN)),
+            (false, false) => Some(now + LOOK_AGAIN),
+        };
+        if let Some(at) = at {
+            aw.arm(&self.shared.domain.inner.engine, at, waker);
+        }
+        Poll::Pending
+    }
+
+    /// Runs `f` on the domain's engine thread when the operation is done,
+    /// with its outcome and the buffer (for callers from C or Python, or an
+    /// event loop of their own). The buffer is `None` only when the
+    /// operation timed out while still in flight: it then stays with the
+    /// connection until the device is done. Keep `f` short: it runs on the
+    /// thread that wakes every other waiter of the domain, and must not
+    /// block on an operation.
+    pub fn on_complete(self, f: impl FnOnce(Result<Completion>, Option<B>) + Send + 'static) {
+        let engine = self.shared.domain.inner.engine.handle();
+        let task = Arc::new(Callback { state: Mutex::new(Some((self, f))), engine });
+        Arc::clone(&task).wake();
+    }
+}
+
+/// What a wait on an operation is for, in its timeout error.
+const WHAT: &str = "an operation to complete";
+
+impl<B: Send + Unpin + 'static> Future for Pending<B> {
+    type Output = Result<Completion>;
+
+    /// Awaits the operation (bounded by the operation timeout, after which
+    /// it is still in flight and may be awaited again); the buffer comes
+    /// back with [`into_buffer`](Pending::into_buffer). Await it by
+    /// `&mut` to keep the `Pending`.
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.get_mut().poll_waker(cx.waker(), true)
+    }
+}
+
+/// A completion callback, run on the engine.
+struct Callback<B: Send + 'static, F> {
+    state: Mutex<Option<(Pending<B>, F)>>,
+    engine: EngineHandle,
+}
+
+impl<B, F> Wake for Callback<B, F>
+where
+    B: Send + 'static,
+    F: FnOnce(Result<Completion>, Option<B>) + Send + 'static,
+{
+    fn wake(self: Arc<Self>) {
+        let engine = self.engine.clone();
+        engine.spawn(self);
+    }
+}
+
+impl<B, F> Task for Callback<B, F>
+where
+    B: Send + 'static,
+    F: FnOnce(Result<Completion>, Option<B>) + Send + 'static,
+{
+    fn run(self: Arc<Self>) {
+        let waker = Waker::from(Arc::clone(&self));
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let Some((pending, _)) = state.as_mut() else { return };
+        if let Poll::Ready(result) = pending.poll_waker(&waker, true) {
+            let Some((pending, f)) = state.take() else { return };
+            drop(state);
+            let buffer = pending.into_buffer().ok();
+            f(result, buffer);
+        }
+    }
+}
+
+/// An operation of a [`CompletionSet`] that finished.
+pub struct Finished<B> {
+    /// The key [`CompletionSet::insert`] returned.
+    pub key: usize,
+    /// Its outcome.
+    pub result: Result<Completion>,
+    /// Its buffer.
+    pub buffer: B,
+}
+
+impl<B> fmt::Debug for Finished<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Finished").field("key", &self.key).field("result", &self.result).finish()
+    }
+}
+
+/// Keys whose operations may have finished.
+#[derive(Default)]
+struct Ready {
+    keys: Mutex<VecDeque<usize>>,
+    cv: Condvar,
+}
+
+struct SlotWaker {
+    key: usize,
+    ready: Arc<Ready>,
+}
+
+impl Wake for SlotWaker {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.ready.keys.lock().unwrap_or_else(|e| e.into_inner()).push_back(self.key);
+        self.ready.cv.notify_one();
+    }
+}
+
+/// Many operations waited on from one thread: for any one of them to
+/// finish, or all. Operations on any connections of any domains may be
+/// mixed. Each is looked at only when it may have finished (it wakes the
+/// set), so waiting on thousands costs per completion, not per operation.
+///
+/// Waits are bounded by the timeout given to them, not by the operations'
+/// own timeouts. Dropping the set drops its operations as dropping their
+/// [`Pending`]s does: buffers stay with their connections until the devices
+/// are done.
+pub struct CompletionSet<B: Send + 'static> {
+    slots: Vec<Option<(Pending<B>, Waker)>>,
+    free: Vec<usize>,
+    ready: Arc<Ready>,
+    len: usize,
+}
+
+impl<B: Send + 'static> Default for CompletionSet<B> {
+    fn default() -> Self {
+        CompletionSet { slots: Vec::new(), free: Vec::new(), ready: Arc::default(), len: 0 }
+    }
+}
+
+impl<B: Send + 'static> CompletionSet<B> {
+    /// An empty set.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds an operation; its key comes back with it when it finishes
+    /// (keys of finished operations are reused).
+    pub fn insert(&mut self, pending: Pending<B>) -> usize {
+        let key = self.free.pop().unwrap_or_else(|| {
+            self.slots.push(None);
+            self.slots.len() - 1
+        });
+        let waker = Waker::from(Arc::new(SlotWaker { key, ready: Arc::clone(&self.ready) }));
+        self.slots[key] = Some((pending, waker));
+        self.len += 1;
+        // Looked at first by the next wait.
+        self.ready.keys.lock().unwrap_or_else(|e| e.into_inner()).push_back(key);
+        key
+    }
+
+    /// Operations in the set.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the set is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Looks at the operation under `key`; its result if it finished.
+    fn look(&mut self, key: usize) -> Option<Finished<B>> {
+        let (pending, waker) = self.slots.get_mut(key)?.as_mut()?;
+        let Poll::Ready(result) = pending.poll_waker(waker, false) else { return None };
+        let (pending, _) = self.slots[key].take()?;
+        self.free.push(key);
+        self.len -= 1;
+        // Unbounded polls never time out: the operation is done.
+        let buffer = pending.into_buffer().unwrap_or_else(|_| unreachable!("a finished operation keeps its buffer"));
+        Some(Finished { key, result, buffer })
+    }
+
+    /// A finished operation, without blocking; `None` if none has finished.
+    pub fn poll_any(&mut self) -> Option<Finished<B>> {
+        loop {
+            let key = self.ready.keys.lock().unwrap_or_else(|e| e.into_inner()).pop_front()?;
+            if let Some(done) = self.look(key) {
+                return Some(done);
+            }
+        }
+    }
+
+    /// Waits until any operation finishes, up to `timeout`; `None` when
+    /// the set is empty.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] when none finished in time (all stay in the set).
+    pub fn wait_any(&mut self, timeout: Duration) -> Result<Option<Finished<B>>> {
+        if self.is_empty() {
+            return Ok(None);
+        }
+        let until = Instant::now() + timeout;
+        loop {
+            if let Some(done) = self.poll_any() {
+                return Ok(Some(done));
+            }
+            let keys = self.ready.keys.lock().unwrap_or_else(|e| e.into_inner());
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(Error::Timeout { what: "any operation of the set to complete", after: timeout });
+            }
+            if keys.is_empty() {
+                drop(self.ready.cv.wait_timeout(keys, left).unwrap_or_else(|e| e.into_inner()));
+            }
+        }
+    }
+
+    /// Waits until every operation has finished, up to `timeout` in all;
+    /// returns them in the order they finished.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] when some did not finish in time: those that did
+    /// were taken out and are dropped with the error (their buffers with
+    /// them), the rest stay in the set. Use [`wait_any`](Self::wait_any)
+    /// in a loop to keep every buffer.
+    pub fn wait_all(&mut self, timeout: Duration) -> Result<Vec<Finished<B>>> {
+        let until = Instant::now() + timeout;
+        let mut out = Vec::with_capacity(self.len);
+        while !self.is_empty() {
+            let left = until.saturating_duration_since(Instant::now());
+            match self.wait_any(left)? {
+                Some(done) => out.push(done),
+                None => break,
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl<B: Send + 'static> fmt::Debug for CompletionSet<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CompletionSet").field("len", &self.len).finish()
+    }
+}

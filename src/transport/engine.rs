@@ -1,0 +1,326 @@
+//! The progress engine: one thread per domain, started on first use, that
+//! wakes what awaits operations, so no thread is spent per operation or per
+//! connection.
+//!
+//! - Verbs: it sleeps in poll(2) on the completion channel (and the peer's
+//!   socket) of every connection an awaited operation is on; on an event it
+//!   re-arms the queue, polls it empty, and the operation table wakes the
+//!   waker of each operation that finished. Every few milliseconds it also
+//!   polls each watched connection (an event taken by a thread blocked in
+//!   a wait is then not missed, and a dead peer's grace runs out).
+//! - TCP: the connection's receiver and sender threads complete operations
+//!   and wake their wakers themselves; the engine is not involved.
+//! - Timers: each awaited operation has one at its timeout, so every
+//!   await is bounded; staged GPU operations are looked at on a short timer
+//!   while their copies run.
+//! - Tasks: completion callbacks run on the engine's thread.
+
+use std::collections::{BTreeMap, VecDeque};
+#[cfg(feature = "verbs")]
+use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::task::Waker;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+#[cfg(feature = "verbs")]
+use super::verbs::VerbsConn;
+
+/// How soon an operation the engine is not told about (a staged GPU
+/// operation, whose copies complete on their own) is looked at again.
+pub(crate) const LOOK_AGAIN: Duration = Duration::from_micros(200);
+
+/// How often watched connections are polled without an event.
+#[cfg(feature = "verbs")]
+const SWEEP: Duration = Duration::from_millis(5);
+
+/// Work the engine runs on its thread (a completion callback).
+pub(crate) trait Task: Send + Sync {
+    /// Runs the task; it re-queues itself (through its waker) if not done.
+    fn run(self: Arc<Self>);
+}
+
+/// A timer's key, to cancel it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) struct TimerKey(Instant, u64);
+
+impl TimerKey {
+    /// When it fires.
+    pub(crate) fn at(&self) -> Instant {
+        self.0
+    }
+}
+
+#[derive(Default)]
+struct State {
+    #[cfg(feature = "verbs")]
+    watched: Vec<Watch>,
+    timers: BTreeMap<TimerKey, Waker>,
+    next_timer: u64,
+    tasks: VecDeque<Arc<dyn Task>>,
+    stop: bool,
+}
+
+#[cfg(feature = "verbs")]
+struct Watch {
+    conn: Weak<VerbsConn>,
+    /// The completion channel's descriptor (owned by the connection; the
+    /// engine only polls it while the connection lives).
+    channel: RawFd,
+    /// The peer's socket, until it has been seen readable once.
+    socket: Option<RawFd>,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    /// An eventfd: written to wake the thread.
+    wake: OwnedFd,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn notify(&self) {
+        let one: u64 = 1;
+        // SAFETY: writes 8 bytes from a live u64 to an eventfd this value owns.
+        let _ = unsafe { libc::write(self.wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
+    }
+
+    fn drain(&self) {
+        let mut v: u64 = 0;
+        // SAFETY: reads 8 bytes into a live u64 from a non-blocking eventfd this value owns.
+        let _ = unsafe { libc::read(self.wake.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+    }
+}
+
+/// A domain's progress engine (see the module documentation).
+pub(crate) struct Engine {
+    shared: Arc<Shared>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// A handle to queue tasks on an engine from anywhere (a waker).
+#[derive(Clone)]
+pub(crate) struct EngineHandle {
+    shared: Weak<Shared>,
+}
+
+impl EngineHandle {
+    /// Queues `task` to run on the engine's thread; dropped if the engine is gone.
+    pub(crate) fn spawn(&self, task: Arc<dyn Task>) {
+        if let Some(shared) = self.shared.upgrade() {
+            shared.lock().tasks.push_back(task);
+            shared.notify();
+        }
+    }
+}
+
+impl Engine {
+    /// An engine; its thread starts on first use.
+    ///
+    /// # Errors
+    /// [`std::io::Error`] from eventfd(2).
+    pub(crate) fn new() -> std::io::Result<Self> {
+        // SAFETY: eventfd(2) with constant flags; the result is checked.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: a fresh descriptor nothing else owns.
+        let wake = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(Engine { shared: Arc::new(Shared { state: Mutex::default(), wake }), thread: Mutex::new(None) })
+    }
+
+    fn ensure_thread(&self) {
+        let mut t = self.thread.lock().unwrap_or_else(|e| e.into_inner());
+        if t.is_none() {
+            let shared = Arc::clone(&self.shared);
+            match std::thread::Builder::new().name("gpu-rdma-engine".into()).spawn(move || run(&shared)) {
+                Ok(h) => *t = Some(h),
+                Err(e) => tracing::error!("starting the progress engine's thread failed: {e}"),
+            }
+        }
+    }
+
+    pub(crate) fn handle(&self) -> EngineHandle {
+        self.ensure_thread();
+        EngineHandle { shared: Arc::downgrade(&self.shared) }
+    }
+
+    /// Watches `conn`'s completion channel and socket (once per connection).
+    #[cfg(feature = "verbs")]
+    pub(crate) fn watch(&self, conn: &Arc<VerbsConn>) {
+        if !conn.mark_watched() {
+            return;
+        }
+        self.ensure_thread();
+        let Some(channel) = conn.channel_fd() else { return };
+        self.shared.lock().watched.push(Watch { conn: Arc::downgrade(conn), channel, socket: Some(conn.socket_fd()) });
+        self.shared.notify();
+    }
+
+    /// Wakes `waker` at `at` (unless cancelled first).
+    pub(crate) fn timer(&self, at: Instant, waker: Waker) -> TimerKey {
+        self.ensure_thread();
+        let mut st = self.shared.lock();
+        st.next_timer += 1;
+        let key = TimerKey(at, st.next_timer);
+        let earliest = st.timers.keys().next().is_none_or(|k| *k > key);
+        st.timers.insert(key, waker);
+        drop(st);
+        if earliest {
+            self.shared.notify();
+        }
+        key
+    }
+
+    /// Cancels a timer (a no-op once it fired).
+    pub(crate) fn cancel(&self, key: TimerKey) {
+        self.shared.lock().timers.remove(&key);
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.shared.lock().stop = true;
+        self.shared.notify();
+        if let Some(h) = self.thread.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
+            if h.thread().id() != std::thread::current().id() {
+                let _ = h.join();
+            }
+        }
+    }
+}
+
+/// What an awaited operation keeps while it waits: its deadline and the
+/// timer that wakes it then (or sooner, to look again).
+pub(crate) struct Awaiting {
+    pub(crate) deadline: Instant,
+    timer: Option<(TimerKey, Waker)>,
+}
+
+impl Awaiting {
+    pub(crate) fn new(timeout: Duration) -> Box<Self> {
+        Box::new(Awaiting { deadline: Instant::now() + timeout, timer: None })
+    }
+
+    /// Has `waker` woken at `at` (replacing the timer if it is for
+    /// another time or waker).
+    pub(crate) fn arm(&mut self, engine: &Engine, at: Instant, waker: &Waker) {
+        if let Some((key, w)) = &self.timer {
+            if key.at() == at && w.will_wake(waker) {
+                return;
+            }
+        }
+        if let Some((key, _)) = self.timer.take() {
+            engine.cancel(key);
+        }
+        self.timer = Some((engine.timer(at, waker.clone()), waker.clone()));
+    }
+
+    /// Cancels the timer.
+    pub(crate) fn disarm(self, engine: &Engine) {
+        if let Some((key, _)) = self.timer {
+            engine.cancel(key);
+        }
+    }
+}
+
+/// The engine's thread.
+fn run(shared: &Shared) {
+    let mut last_sweep = Instant::now();
+    loop {
+        let now = Instant::now();
+        let mut due = Vec::new();
+        let (tasks, mut fds, timeout) = {
+            let mut st = shared.lock();
+            if st.stop {
+                return;
+            }
+            while let Some(entry) = st.timers.first_entry() {
+                if entry.key().0 > now {
+                    break;
+                }
+                due.push(entry.remove());
+            }
+            let tasks: Vec<_> = st.tasks.drain(..).collect();
+            #[cfg_attr(not(feature = "verbs"), allow(unused_mut))]
+            let mut fds = vec![libc::pollfd { fd: shared.wake.as_raw_fd(), events: libc::POLLIN, revents: 0 }];
+            #[cfg(feature = "verbs")]
+            {
+                st.watched.retain(|w| w.conn.strong_count() > 0);
+                for w in &st.watched {
+                    fds.push(libc::pollfd { fd: w.channel, events: libc::POLLIN, revents: 0 });
+                    fds.push(libc::pollfd { fd: w.socket.unwrap_or(-1), events: libc::POLLIN, revents: 0 });
+                }
+            }
+            let mut timeout =
+                st.timers.keys().next().map_or(Duration::from_secs(1), |k| k.0.saturating_duration_since(now));
+            #[cfg(feature = "verbs")]
+            if !st.watched.is_empty() {
+                timeout = timeout.min(SWEEP);
+            }
+            if !st.tasks.is_empty() {
+                timeout = Duration::ZERO;
+            }
+            (tasks, fds, timeout)
+        };
+        for w in due {
+            w.wake();
+        }
+        let ran = !tasks.is_empty();
+        for t in tasks {
+            t.run();
+        }
+        if ran {
+            // Tasks may have queued timers or more tasks: look again first.
+            continue;
+        }
+        let ms = if timeout.is_zero() { 0 } else { timeout.as_millis().clamp(1, 1000) as libc::c_int };
+        // SAFETY: `fds` is a live array of pollfds; descriptors that were
+        // closed meanwhile are reported as POLLNVAL, never dereferenced.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+        if n < 0 {
+            continue;
+        }
+        if fds[0].revents != 0 {
+            shared.drain();
+        }
+        #[cfg(feature = "verbs")]
+        {
+            let sweep = last_sweep.elapsed() >= SWEEP;
+            if sweep {
+                last_sweep = Instant::now();
+            }
+            let ready: Vec<(Arc<VerbsConn>, bool, bool)> = {
+                let mut st = shared.lock();
+                let mut out = Vec::new();
+                for (i, w) in st.watched.iter_mut().enumerate() {
+                    // The list may have grown since the poll set was built.
+                    let (chan, sock) = match (fds.get(1 + 2 * i), fds.get(2 + 2 * i)) {
+                        (Some(c), Some(s)) if c.fd == w.channel => (c.revents != 0, s.revents != 0),
+                        _ => (false, false),
+                    };
+                    if sock {
+                        w.socket = None;
+                    }
+                    if chan || sock || sweep {
+                        if let Some(conn) = w.conn.upgrade() {
+                            out.push((conn, chan, sock));
+                        }
+                    }
+                }
+                out
+            };
+            for (conn, chan, sock) in ready {
+                conn.engine_progress(chan, sock);
+            }
+        }
+        #[cfg(not(feature = "verbs"))]
+        let _ = &mut last_sweep;
+        fds.clear();
+    }
+}

@@ -1,0 +1,314 @@
+//! Waiting on many operations without a thread each: futures awaited from
+//! a single-threaded tokio runtime, a completion set, callbacks, and what
+//! happens when futures are dropped, time out, or their peer goes away.
+//!
+//! Each test runs on both transports: `tcp::name` in plain `cargo test`,
+//! `verbs::name` on an RDMA device (`--ignored`, `GPU_RDMA_TEST_DEVICE`;
+//! `cargo xtask test` runs them on soft-RoCE).
+
+mod common;
+
+use std::sync::mpsc;
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
+
+use gpu_rdma::{Access, CompletionSet, Connection, Domain, Error, Opcode, Piece, Region};
+
+use common::{Kind, domain, first_difference, opts, pair_on, pattern};
+
+const OPS: usize = 1000;
+const LEN: usize = 4096;
+
+/// A pair whose queues hold all `OPS` operations at once.
+fn deep_pair(d: &Domain) -> (Connection, Connection) {
+    let o = opts().queue_depth(OPS as u32 + 24, OPS as u32 + 24);
+    pair_on(d, d, o.clone(), o)
+}
+
+fn filled(d: &Domain, data: &[u8]) -> Region {
+    let mut r = d.alloc(data.len()).unwrap();
+    r.copy_from_slice(data);
+    r
+}
+
+/// Threads of this process now.
+fn threads() -> usize {
+    std::fs::read_dir("/proc/self/task").map(|d| d.count()).unwrap_or(0)
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap()
+}
+
+fn a_thousand_operations_are_awaited_from_a_single_threaded_runtime(t: Kind) {
+    let d = domain(t);
+    let (s, c) = deep_pair(&d);
+    let target = d.expose(d.alloc(OPS * LEN).unwrap(), Access::REMOTE_WRITE | Access::REMOTE_READ, 0).unwrap();
+    let remote = s.grant(&target);
+    let datas: Vec<Vec<u8>> = (0..OPS).map(|i| pattern(LEN, i as u64)).collect();
+    let before = threads();
+    runtime().block_on(async {
+        // All posted before any is awaited: a thousand in flight at once.
+        let mut writes: Vec<_> = (0..OPS)
+            .map(|i| {
+                let slot = remote.slice((i * LEN) as u64..((i + 1) * LEN) as u64).unwrap();
+                c.write(filled(&d, &datas[i]), &slot)
+            })
+            .collect();
+        assert!(c.stats().in_flight > 0);
+        // Awaited in reverse order, on one thread.
+        for w in writes.iter_mut().rev() {
+            let done = w.await.unwrap();
+            assert_eq!(done.opcode, Opcode::Write);
+        }
+        // Reads, awaited concurrently through a join set on the same thread.
+        let mut set = tokio::task::JoinSet::new();
+        for i in 0..OPS {
+            let slot = remote.slice((i * LEN) as u64..((i + 1) * LEN) as u64).unwrap();
+            let mut read = c.read(d.alloc(LEN).unwrap(), &slot);
+            set.spawn(async move {
+                (&mut read).await.unwrap();
+                (i, read.into_buffer().unwrap())
+            });
+        }
+        let mut n = 0;
+        while let Some(joined) = set.join_next().await {
+            let (i, back) = joined.unwrap();
+            assert_eq!(first_difference(&back, &datas[i]), None, "read {i}");
+            n += 1;
+        }
+        assert_eq!(n, OPS);
+    });
+    let grown = threads().saturating_sub(before);
+    assert!(grown <= 1, "{grown} threads were started for {OPS} awaited operations (one engine at most)");
+    drop(s);
+}
+
+fn a_completion_set_waits_for_a_thousand_without_a_runtime(t: Kind) {
+    let d = domain(t);
+    let (s, c) = deep_pair(&d);
+    let mut set = CompletionSet::new();
+    // A thousand receives at one end, a thousand sends at the other, all
+    // in one set, waited for from this thread.
+    let mut recv_keys = std::collections::HashMap::new();
+    for _ in 0..OPS {
+        let key = set.insert(s.recv(d.alloc(LEN).unwrap()));
+        recv_keys.insert(key, ());
+    }
+    for i in 0..OPS {
+        set.insert(c.send(filled(&d, &pattern(LEN, 1000 + i as u64))));
+    }
+    assert_eq!(set.len(), 2 * OPS);
+    let mut sends = 0;
+    let mut received = Vec::new();
+    while let Some(done) = set.wait_any(Duration::from_secs(60)).unwrap() {
+        let c = done.result.unwrap();
+        if recv_keys.contains_key(&done.key) && c.opcode == Opcode::Recv {
+            received.push(done.buffer);
+        } else {
+            assert_eq!(c.opcode, Opcode::Send);
+            sends += 1;
+        }
+    }
+    assert!(set.is_empty());
+    assert_eq!((sends, received.len()), (OPS, OPS));
+    // Receives complete in order: message i landed in the i-th receive.
+    let by_stamp: std::collections::HashMap<Vec<u8>, u64> =
+        (0..OPS as u64).map(|i| (pattern(LEN, 1000 + i), i)).map(|(p, i)| (p[..8].to_vec(), i)).collect();
+    let mut got: Vec<u64> = received
+        .iter()
+        .map(|b| {
+            let i = by_stamp[&b[..8]];
+            assert!(b[..] == pattern(LEN, 1000 + i)[..], "message {i} arrived whole");
+            i
+        })
+        .collect();
+    got.sort_unstable();
+    assert_eq!(got, (0..OPS as u64).collect::<Vec<_>>(), "every message arrived once");
+    // wait_all, and an empty set.
+    let target = d.expose(d.alloc(64 * LEN).unwrap(), Access::REMOTE_WRITE, 0).unwrap();
+    let remote = s.grant(&target);
+    for i in 0..64 {
+        set.insert(c.write(filled(&d, &pattern(LEN, i)), &remote.slice(i * LEN as u64..(i + 1) * LEN as u64).unwrap()));
+    }
+    let all = set.wait_all(Duration::from_secs(60)).unwrap();
+    assert_eq!(all.len(), 64);
+    assert!(all.iter().all(|f| f.result.is_ok()));
+    assert!(set.wait_any(Duration::from_millis(1)).unwrap().is_none());
+}
+
+fn a_wait_on_a_set_is_bounded_and_keeps_what_did_not_finish(t: Kind) {
+    let d = domain(t);
+    let (s, c) = deep_pair(&d);
+    let mut set = CompletionSet::new();
+    set.insert(s.recv(d.alloc(64).unwrap()));
+    let started = Instant::now();
+    assert!(matches!(set.wait_any(Duration::from_millis(200)), Err(Error::Timeout { .. })));
+    assert!(started.elapsed() >= Duration::from_millis(200) && started.elapsed() < Duration::from_secs(5));
+    assert_eq!(set.len(), 1, "still in the set");
+    c.send_inline(b"late", None).wait().unwrap();
+    let done = set.wait_any(Duration::from_secs(30)).unwrap().unwrap();
+    assert_eq!(&done.buffer[..4], b"late");
+}
+
+fn callbacks_run_once_each_with_the_buffer(t: Kind) {
+    let d = domain(t);
+    let (s, c) = deep_pair(&d);
+    let (tx, rx) = mpsc::channel();
+    for i in 0..200u64 {
+        let tx = tx.clone();
+        s.recv(d.alloc(64).unwrap()).on_complete(move |result, buffer| {
+            let _ = tx.send((i, result.map(|c| c.byte_len), buffer.map(|b| b[0])));
+        });
+    }
+    for i in 0..200u8 {
+        c.send_inline(&[i; 16], None).wait().unwrap();
+    }
+    let mut seen = [false; 200];
+    for _ in 0..200 {
+        let (i, len, first) = rx.recv_timeout(Duration::from_secs(30)).expect("a callback");
+        assert_eq!(len.unwrap(), 16);
+        // Receives complete in posting order: receive i got message i.
+        assert_eq!(first, Some(i as u8));
+        assert!(!seen[i as usize], "callback {i} ran twice");
+        seen[i as usize] = true;
+    }
+    assert!(rx.recv_timeout(Duration::from_millis(100)).is_err(), "no callback ran twice");
+}
+
+fn an_awaited_operation_times_out_and_can_be_awaited_again(t: Kind) {
+    let d = domain(t);
+    let o = opts().op_timeout(Duration::from_millis(300));
+    let (s, c) = pair_on(&d, &d, o.clone(), o);
+    runtime().block_on(async {
+        let mut r = s.recv(d.alloc(64).unwrap());
+        let started = Instant::now();
+        assert!(matches!((&mut r).await, Err(Error::Timeout { .. })));
+        let took = started.elapsed();
+        assert!(took >= Duration::from_millis(300) && took < Duration::from_secs(3), "{took:?}");
+        c.send_inline(b"now", None).wait().unwrap();
+        assert_eq!((&mut r).await.unwrap().byte_len, 3);
+        assert_eq!(&r.into_buffer().unwrap()[..3], b"now");
+    });
+}
+
+/// Polls a future once with a waker that does nothing.
+fn poll_once<F: std::future::Future + Unpin>(f: &mut F) -> Poll<F::Output> {
+    let mut cx = Context::from_waker(Waker::noop());
+    std::pin::Pin::new(f).poll(&mut cx)
+}
+
+fn dropping_futures_mid_flight_keeps_buffers_until_the_device_is_done(t: Kind) {
+    let d = domain(t);
+    let (s, c) = deep_pair(&d);
+    let target = d.expose(d.alloc(OPS * LEN).unwrap(), Access::REMOTE_WRITE, 0).unwrap();
+    let remote = s.grant(&target);
+    let regions = d.stats().regions;
+    for round in 0..5u64 {
+        let mut writes: Vec<_> = (0..OPS)
+            .map(|i| {
+                c.write(
+                    filled(&d, &pattern(LEN, round)),
+                    &remote.slice((i * LEN) as u64..((i + 1) * LEN) as u64).unwrap(),
+                )
+            })
+            .collect();
+        // Polled once (a waker registered, a timer armed), then dropped.
+        for w in writes.iter_mut().step_by(2) {
+            let _ = poll_once(w);
+        }
+        let mut list = c.write_list(
+            filled(&d, &pattern(OPS * LEN, round)),
+            &remote.whole(),
+            (0..OPS as u64).map(|i| Piece::new(i * LEN as u64, i * LEN as u64, LEN as u64)),
+        );
+        let _ = poll_once(&mut list);
+        drop(list);
+        drop(writes);
+    }
+    let until = Instant::now() + Duration::from_secs(30);
+    while c.stats().in_flight > 0 {
+        assert!(Instant::now() < until, "{:?}", c.stats());
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(d.stats().regions, regions, "every dropped operation's buffer was released");
+    // Still healthy.
+    c.write(filled(&d, b"ok"), &remote.slice(0..2).unwrap()).wait().unwrap();
+}
+
+fn an_awaited_receive_fails_promptly_when_the_peer_goes_away(t: Kind) {
+    let d = domain(t);
+    let (s, c) = deep_pair(&d);
+    runtime().block_on(async {
+        let mut r = s.recv(d.alloc(64).unwrap());
+        let leaving = tokio::task::spawn_blocking(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            let at = Instant::now();
+            drop(c);
+            at
+        });
+        let outcome = (&mut r).await;
+        let ended = Instant::now();
+        let left_at = leaving.await.unwrap();
+        assert!(matches!(outcome, Err(Error::ConnectionLost { .. })), "{outcome:?}");
+        let took = ended.saturating_duration_since(left_at);
+        assert!(took < Duration::from_secs(1), "the await failed {took:?} after the peer left");
+    });
+}
+
+fn a_transfer_list_is_awaited(t: Kind) {
+    let d = domain(t);
+    let (s, c) = deep_pair(&d);
+    let len = 4 << 20;
+    let target = d.expose(d.alloc(len).unwrap(), Access::REMOTE_WRITE, 0).unwrap();
+    let remote = s.grant(&target).whole();
+    let data = pattern(len, 77);
+    let pieces: Vec<Piece> =
+        (0..(len / 1024) as u64).map(|i| Piece::new(i * 1024, ((i * 37) % 4096) * 1024, 1024)).collect();
+    let mut expect = vec![0u8; len];
+    for p in &pieces {
+        expect[p.remote as usize..(p.remote + p.len) as usize]
+            .copy_from_slice(&data[p.local as usize..(p.local + p.len) as usize]);
+    }
+    runtime().block_on(async {
+        let mut list = c.write_list(filled(&d, &data), &remote, pieces);
+        let done = (&mut list).await.unwrap();
+        assert_eq!(done.bytes, len as u64);
+    });
+    let mut got = vec![0u8; len];
+    target.read_at(0, &mut got).unwrap();
+    assert_eq!(first_difference(&got, &expect), None);
+}
+
+macro_rules! both {
+    ($($name:ident),* $(,)?) => {
+        mod tcp {
+            $(
+                #[test]
+                fn $name() {
+                    super::$name(super::Kind::Tcp)
+                }
+            )*
+        }
+        mod verbs {
+            $(
+                #[test]
+                #[ignore = "verbs: needs an RDMA device: GPU_RDMA_TEST_DEVICE=<dev> and --ignored (cargo xtask test runs it on soft-RoCE)"]
+                fn $name() {
+                    super::$name(super::Kind::Verbs)
+                }
+            )*
+        }
+    };
+}
+
+both!(
+    a_thousand_operations_are_awaited_from_a_single_threaded_runtime,
+    a_completion_set_waits_for_a_thousand_without_a_runtime,
+    a_wait_on_a_set_is_bounded_and_keeps_what_did_not_finish,
+    callbacks_run_once_each_with_the_buffer,
+    an_awaited_operation_times_out_and_can_be_awaited_again,
+    dropping_futures_mid_flight_keeps_buffers_until_the_device_is_done,
+    an_awaited_receive_fails_promptly_when_the_peer_goes_away,
+    a_transfer_list_is_awaited,
+);
