@@ -4,7 +4,8 @@
 //! `gpu-rdma bench`.
 //!
 //! - `bandwidth/<transport>/<memory>`: write, read and send, 4 KiB to 1 MiB,
-//!   128 in flight in signalled chains of 32 (`Throughput::Bytes`).
+//!   128 in flight in signalled chains of 32 (`Throughput::Bytes`); and
+//!   `list`: writes in transfer lists of 1,024 pieces (the engine's path).
 //! - `latency/<transport>/<memory>`: send and write-with-immediate
 //!   ping-pong (time per iteration is one way, half the round trip, as
 //!   perftest reports it) and one read at a time (the whole read).
@@ -61,7 +62,14 @@ fn rig<M: Memory>(name: String, d: &Domain, regions: [Region<M>; 2], mode: Local
 }
 
 fn params(test: Test, iters: u64) -> Params {
-    Params { test, sizes: vec![LEN], iters: iters.clamp(1, u64::from(u32::MAX)) as u32, tx_depth: 128, cq_mod: 32 }
+    Params {
+        test,
+        sizes: vec![LEN],
+        iters: iters.clamp(1, u64::from(u32::MAX)) as u32,
+        tx_depth: 128,
+        cq_mod: 32,
+        list: 1024,
+    }
 }
 
 /// Runs `body` on the client while the server serves `test`, then ends the
@@ -87,7 +95,7 @@ where
     Exposed<M>: Landing,
 {
     let mut g = c.benchmark_group(format!("bandwidth/{}", r.name));
-    for test in [Test::WriteBw, Test::ReadBw, Test::SendBw] {
+    for test in [Test::WriteBw, Test::ReadBw, Test::SendBw, Test::ListBw] {
         for size in BW_SIZES {
             g.throughput(Throughput::Bytes(size as u64));
             let id = BenchmarkId::new(test.name().trim_end_matches("-bw"), size);

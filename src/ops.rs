@@ -37,6 +37,17 @@ impl OpId {
     }
 }
 
+/// Whether `wr_id` names an operation's final request (the one whose
+/// completion completes it).
+pub(crate) fn is_final(wr_id: u64) -> bool {
+    wr_id & FINAL_BIT != 0
+}
+
+/// The operation a work request id belongs to, whichever request of it.
+pub(crate) fn op_of(wr_id: u64) -> u64 {
+    wr_id & !FINAL_BIT
+}
+
 /// One completion as a transport reports it.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct RawCompletion {

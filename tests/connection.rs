@@ -758,7 +758,7 @@ fn every_bench_test_runs_twice_on_one_connection_and_leaves_it_clean(t: Kind) {
     let limit = Duration::from_secs(30);
     for test in Test::ALL {
         for round in 0..2 {
-            let params = Params { test, sizes: vec![4096], iters: 40, tx_depth: 16, cq_mod: 4 };
+            let params = Params { test, sizes: vec![4096], iters: 40, tx_depth: 16, cq_mod: 4, list: 8 };
             let (served, row) = thread::scope(|sc| {
                 let server = sc.spawn(|| {
                     bench::serve(&s, test, &server_mem, LocalMode::HOST, Some(&at_server), limit, |_| Ok(()))
@@ -795,7 +795,7 @@ fn the_bench_refuses_a_client_whose_flags_differ_from_the_servers(t: Kind) {
     let (s, c) = pair(&d);
     let (server_buf, client_buf) = (d.alloc(4096).unwrap().share(), d.alloc(4096).unwrap().share());
     let limit = Duration::from_secs(30);
-    let params = |iters| Params { test: Test::SendLat, sizes: vec![64], iters, tx_depth: 16, cq_mod: 4 };
+    let params = |iters| Params { test: Test::SendLat, sizes: vec![64], iters, tx_depth: 16, cq_mod: 4, list: 8 };
     let (server, client) = thread::scope(|sc| {
         let server = sc.spawn(|| bench::run_server(&s, &params(100), &server_buf, LocalMode::HOST, None, limit));
         let client = bench::run_client(&c, &params(200), &client_buf, LocalMode::HOST, None, limit, |_| {});

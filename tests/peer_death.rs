@@ -48,7 +48,7 @@ fn spawn_peer(t: Kind, port: u16, iters: u32) -> Peer {
 }
 
 fn params(iters: u32) -> Params {
-    Params { test: Test::WriteBw, sizes: vec![1 << 20], iters, tx_depth: 128, cq_mod: 32 }
+    Params { test: Test::WriteBw, sizes: vec![1 << 20], iters, tx_depth: 128, cq_mod: 32, list: 1024 }
 }
 
 fn free_port() -> u16 {

@@ -379,6 +379,30 @@ fn messages_that_are_not_notifications_are_dropped_and_counted(t: Kind) {
     assert_eq!((st.received, st.malformed), (1, 3));
 }
 
+fn an_error_in_the_middle_of_a_chain_fails_it_with_that_error(t: Kind) {
+    let d = domain(t);
+    let (s, c) = pair(&d);
+    let target = d.expose(d.alloc(3 * 4096).unwrap(), Access::REMOTE_WRITE, 0).unwrap();
+    let remote = s.grant(&target);
+    let good = |i: u64| remote.slice(i * 4096..(i + 1) * 4096).unwrap();
+    // The middle request names a key the peer never issued.
+    let bad = gpu_rdma::RemoteSlice::from_raw_parts(good(1).addr(), 4096, good(1).rkey() ^ 0x5a5a);
+    let mut p = c
+        .batch()
+        .write(filled(&d, &[1; 4096]), &good(0))
+        .write(filled(&d, &[2; 4096]), &bad)
+        .write(filled(&d, &[3; 4096]), &good(2))
+        .post();
+    match p.wait() {
+        Err(Error::Completion(e)) => assert_eq!(e.status, gpu_rdma::WcStatus::RemoteAccess, "{e}"),
+        other => panic!("expected the middle request's remote-access error, got {other:?}"),
+    }
+    assert_eq!(p.into_buffer().unwrap().len(), 3, "every buffer back");
+    let mut got = vec![0u8; 4096];
+    target.read_at(4096, &mut got).unwrap();
+    assert!(got.iter().all(|&b| b == 0), "the refused write changed nothing");
+}
+
 macro_rules! both {
     ($($name:ident),* $(,)?) => {
         mod tcp {
@@ -413,4 +437,5 @@ both!(
     a_list_that_fails_fails_the_peers_wait_at_once,
     a_peer_that_goes_away_fails_the_inbox_wait_promptly,
     messages_that_are_not_notifications_are_dropped_and_counted,
+    an_error_in_the_middle_of_a_chain_fails_it_with_that_error,
 );

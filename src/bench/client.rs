@@ -5,9 +5,10 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use crate::completion::Completion;
-use crate::connection::{Connection, Pending};
+use crate::connection::{Connection, Pending, Transfer};
 use crate::error::{Error, Result};
 use crate::memory::{LocalBuffer, RemoteRegion, RemoteSlice};
+use crate::protocol::list::Piece;
 
 use super::params::{DONE, LocalMode, Params, Test};
 use super::report::{BwRow, LatRow, MIB, Row, peak_rate};
@@ -157,6 +158,7 @@ pub fn bandwidth<B: LocalBuffer + Clone>(
         None => Err(Error::InvalidArgument(format!("{test} needs the server's region"))),
     };
     let op = match test {
+        Test::ListBw => return list_bandwidth(conn, local, &target()?, size, params, timeout),
         Test::WriteBw => BwOp::Write(target()?),
         Test::ReadBw => BwOp::Read(target()?),
         Test::SendBw => BwOp::Send,
@@ -197,6 +199,58 @@ pub fn bandwidth<B: LocalBuffer + Clone>(
         // Completions are seen in bursts after a wait: a window of several
         // queue depths keeps a burst from passing for a peak.
         bw_peak_mib_s: peak_rate(&stamps, size, (iters / 10).max(4 * depth).min(iters)) / MIB,
+        bw_average_mib_s: (iters as f64 * size as f64) / secs / MIB,
+        msg_rate_mpps: iters as f64 / secs / 1e6,
+    })
+}
+
+/// Writes of `size` bytes in transfer lists of `params.list` pieces, two
+/// lists in flight (so one is posting while the other drains), all polled
+/// in turn as perftest busy-polls. Each piece writes the same range: not
+/// adjacent to the next, so every piece is one request on the wire.
+fn list_bandwidth<B: LocalBuffer + Clone>(
+    conn: &Connection,
+    local: &B,
+    target: &RemoteSlice,
+    size: usize,
+    params: &Params,
+    _timeout: Duration,
+) -> Result<BwRow> {
+    let iters = u64::from(params.iters);
+    let per = u64::from(params.list).clamp(1, iters.max(1));
+    let mut inflight: VecDeque<(Transfer<B>, u64)> = VecDeque::with_capacity(2);
+    let mut stamps: Vec<(u64, u64)> = Vec::with_capacity((iters / per + 2) as usize);
+    let (mut posted, mut completed) = (0u64, 0u64);
+    let clock = Stopwatch::start();
+    while completed < iters {
+        while inflight.len() < 2 && posted < iters {
+            let n = per.min(iters - posted);
+            let pieces = (0..n).map(|_| Piece::new(0, 0, size as u64));
+            inflight.push_back((conn.write_list(local.clone(), target, pieces), n));
+            posted += n;
+        }
+        // The list behind posts what fits; the front one waits for one of
+        // its posts (the operation timeout bounds it).
+        for (t, _) in inflight.iter_mut().skip(1) {
+            if let Some(Err(e)) = t.poll().transpose() {
+                return Err(e);
+            }
+        }
+        let Some((front, n)) = inflight.front_mut() else { break };
+        if front.wait_step(None)?.is_some() {
+            completed += *n;
+            inflight.pop_front();
+            stamps.push((completed, clock.ticks()));
+        }
+    }
+    let per_tick = clock.seconds_per_tick();
+    let stamps: Vec<(u64, f64)> =
+        stamps.iter().map(|&(n, t)| (n, t.wrapping_sub(clock.start_ticks) as f64 * per_tick)).collect();
+    let secs = stamps.last().map_or(0.0, |s| s.1).max(1e-9);
+    Ok(BwRow {
+        bytes: size,
+        iterations: iters,
+        bw_peak_mib_s: peak_rate(&stamps, size, (iters / 10).max(2 * per).min(iters)) / MIB,
         bw_average_mib_s: (iters as f64 * size as f64) / secs / MIB,
         msg_rate_mpps: iters as f64 / secs / 1e6,
     })

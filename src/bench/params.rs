@@ -26,12 +26,16 @@ pub enum Test {
     ReadLat,
     /// Latency by send/receive, ping-pong (`ib_send_lat`).
     SendLat,
+    /// Message rate and bandwidth by RDMA write in transfer lists of
+    /// [`Params::list`] pieces of the size each (the engine's path; compare
+    /// with `ib_write_bw` at the same size).
+    ListBw,
 }
 
 impl Test {
     /// Every test.
-    pub const ALL: [Test; 6] =
-        [Test::WriteBw, Test::ReadBw, Test::SendBw, Test::WriteLat, Test::ReadLat, Test::SendLat];
+    pub const ALL: [Test; 7] =
+        [Test::WriteBw, Test::ReadBw, Test::SendBw, Test::WriteLat, Test::ReadLat, Test::SendLat, Test::ListBw];
 
     /// `write-bw`, ...
     pub fn name(self) -> &'static str {
@@ -42,6 +46,7 @@ impl Test {
             Test::WriteLat => "write-lat",
             Test::ReadLat => "read-lat",
             Test::SendLat => "send-lat",
+            Test::ListBw => "list-bw",
         }
     }
 
@@ -54,18 +59,19 @@ impl Test {
             Test::WriteLat => "ib_write_lat",
             Test::ReadLat => "ib_read_lat",
             Test::SendLat => "ib_send_lat",
+            Test::ListBw => "ib_write_bw",
         }
     }
 
     /// Whether it measures bandwidth (else latency).
     pub fn is_bw(self) -> bool {
-        matches!(self, Test::WriteBw | Test::ReadBw | Test::SendBw)
+        matches!(self, Test::WriteBw | Test::ReadBw | Test::SendBw | Test::ListBw)
     }
 
     /// The rights the server's region is exposed with.
     pub fn server_access(self) -> Access {
         match self {
-            Test::WriteBw | Test::WriteLat => Access::REMOTE_WRITE,
+            Test::WriteBw | Test::WriteLat | Test::ListBw => Access::REMOTE_WRITE,
             Test::ReadBw | Test::ReadLat => Access::REMOTE_READ,
             Test::SendBw | Test::SendLat => Access::empty(),
         }
@@ -120,6 +126,8 @@ pub struct Params {
     pub tx_depth: u32,
     /// Requests per signalled chain (bandwidth tests).
     pub cq_mod: u32,
+    /// Pieces per transfer list (`list-bw`; a choice of the client's).
+    pub list: u32,
 }
 
 pub(super) const PARAMS_LEN: usize = 24;
@@ -145,8 +153,8 @@ impl Params {
         if self.iters < 5 {
             return bad(format!("{} iterations: at least 5, as perftest", self.iters));
         }
-        if self.tx_depth == 0 || self.cq_mod == 0 {
-            return bad("tx depth and CQ moderation must be at least 1".into());
+        if self.tx_depth == 0 || self.cq_mod == 0 || self.list == 0 {
+            return bad("tx depth, CQ moderation and list length must be at least 1".into());
         }
         if self.max_size() > u32::MAX as usize - 1 {
             return bad("sizes must be below 4 GiB".into());
@@ -202,7 +210,7 @@ mod tests {
 
     #[test]
     fn params_disagree_when_anything_that_matters_differs() {
-        let p = Params { test: Test::WriteBw, sizes: vec![65536], iters: 5000, tx_depth: 128, cq_mod: 32 };
+        let p = Params { test: Test::WriteBw, sizes: vec![65536], iters: 5000, tx_depth: 128, cq_mod: 32, list: 1024 };
         assert!(p.validate().is_ok());
         let mut q = p.clone();
         q.iters = 1000;

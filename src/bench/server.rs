@@ -97,7 +97,7 @@ pub fn serve<B: Landing>(
 ) -> Result<()> {
     let whole = local.buffer_len();
     match test {
-        Test::WriteBw | Test::ReadBw | Test::ReadLat => {
+        Test::WriteBw | Test::ReadBw | Test::ReadLat | Test::ListBw => {
             // Passive: the client's operations need nothing from this side.
             let done = conn.recv_imm();
             ready(conn)?;

@@ -456,13 +456,30 @@ impl<B: Send + 'static> Transfer<B> {
     }
 
     fn wait_inner(&mut self, total: Option<Duration>) -> Result<Transferred> {
+        loop {
+            if let Some(done) = self.wait_step(total)? {
+                return Ok(done);
+            }
+        }
+    }
+
+    /// Posts what fits, then waits for one post in flight to finish
+    /// (bounded as [`wait_timeout`](Self::wait_timeout) with `total`, or
+    /// the operation timeout): `Some` once all of it is done. For a caller
+    /// that keeps several lists going on one thread.
+    pub(crate) fn wait_step(&mut self, total: Option<Duration>) -> Result<Option<Transferred>> {
         let started = total.map(|t| (Instant::now(), t));
+        let mut waited = false;
         loop {
             self.pump();
             self.reap();
             if self.settled() {
-                return self.outcome();
+                return self.outcome().map(Some);
             }
+            if waited {
+                return Ok(None);
+            }
+            waited = true;
             let slice = match started {
                 Some((at, t)) => {
                     let left = t.saturating_sub(at.elapsed());

@@ -51,7 +51,7 @@ use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::memory::keys::{KeyEntry, KeyTable};
 use crate::memory::{Access, LocalParts};
-use crate::ops::{OpId, RawCompletion};
+use crate::ops::{OpId, RawCompletion, is_final, op_of};
 use crate::options::{ConnectOptions, ConnectionInfo, Transport};
 
 /// The largest message (send, or write with immediate) this side accepts.
@@ -127,6 +127,11 @@ impl Op {
 const FIRST: u8 = 1;
 const LAST: u8 = 2;
 const IMM: u8 = 4;
+/// Acknowledge this message: set on the final request of an operation.
+/// The others of a chain are acknowledged by that one (the receiver
+/// carries messages out in order), or fail it with an error
+/// acknowledgement of their own, as an unsignaled request does on verbs.
+const ACK: u8 = 8;
 
 /// A frame header: `op u8, flags u8, 2 reserved, seq u32, key u32, imm u32,
 /// addr u64, len u32, total u32`, little-endian. `addr` is the target
@@ -163,7 +168,7 @@ impl Header {
     /// known flag bits, a segment no longer than [`SEGMENT`].
     fn parse(b: &[u8; HEADER]) -> std::result::Result<Header, String> {
         let h = Header::decode(b);
-        if h.flags & !(FIRST | LAST | IMM) != 0 {
+        if h.flags & !(FIRST | LAST | IMM | ACK) != 0 {
             return Err(format!("a garbled frame (flags {:#04x}): the stream is out of step", h.flags));
         }
         if h.len as usize > SEGMENT {
@@ -380,6 +385,9 @@ struct Out {
     /// Bytes of its first frame already on the wire: a posting thread sent
     /// them and the socket took no more (see [`TcpConn::send_direct`]).
     skip: usize,
+    /// The sequence number of the first message of its operation (its own
+    /// for a single message): the chain an error acknowledgement falls in.
+    first: u32,
 }
 
 /// A frame the receiver asks the sender to send.
@@ -409,13 +417,19 @@ struct TcpState {
     queue: VecDeque<Out>,
     control: VecDeque<Ctl>,
     /// Being sent or sent, waiting for the acknowledgement: seq -> work
-    /// request id. Entered before sending, since the acknowledgement may
-    /// arrive before the sender thread has returned from its last call.
-    awaiting: HashMap<u32, u64>,
+    /// request id and first sequence number of its chain. Entered before
+    /// sending, since the acknowledgement may arrive before the sender thread
+    /// has returned from its last call. Only final messages (acknowledged
+    /// ones) are entered.
+    awaiting: HashMap<u32, (u64, u32)>,
     /// The message being written now (by the sender thread, or by a posting
     /// thread sending directly): its memory is in use, so only its writer
     /// may fail it.
     sending: Option<u32>,
+    /// The operation of the message being written: none of its requests is
+    /// failed by anyone but the writer (completing its final request would
+    /// hand its buffer back while the writer still reads it).
+    sending_op: Option<u64>,
     /// A thread is writing to the socket: frames never interleave.
     writing: bool,
     /// A message whose first bytes a posting thread wrote before the socket
@@ -500,13 +514,25 @@ impl Inner {
     /// so it fails it, unless the acknowledgement already completed it.
     fn end_write(&self, st: &mut TcpState, o: &Out, write_failed: bool) {
         st.sending = None;
+        st.sending_op = None;
         st.writing = false;
         if write_failed || st.q.lost().is_some() {
             let pending = st.awaiting.remove(&o.seq).is_some() || st.reads.remove(&o.seq).is_some();
             if pending {
                 self.complete(st, &raw(o.wr_id, WcStatus::WrFlush));
             }
+            if let Some(reason) = st.q.lost().map(str::to_owned) {
+                // What a break left alone while this message was in use.
+                self.break_with(st, reason);
+            }
         }
+    }
+
+    /// Marks `o` as being written.
+    fn start_write(st: &mut TcpState, o: &Out) {
+        st.writing = true;
+        st.sending = Some(o.seq);
+        st.sending_op = Some(op_of(o.wr_id));
     }
 
     /// Returns an inline message's copy to the pool (at most the send-queue
@@ -532,14 +558,24 @@ impl Inner {
             tracing::info!("TCP connection lost: {reason}");
         }
         self.dead.store(true, Ordering::Release);
+        // The operation being written keeps its requests until its writer
+        // is done (end_write fails them then).
+        let (sending, in_use) = (st.sending, st.sending_op);
         let queued: Vec<Out> = st.queue.drain(..).collect();
         for o in queued {
+            if in_use == Some(op_of(o.wr_id)) {
+                st.queue.push_back(o);
+                continue;
+            }
             st.reads.remove(&o.seq);
             self.complete(st, &raw(o.wr_id, WcStatus::WrFlush));
         }
-        let sending = st.sending;
-        let waiting: Vec<(u32, u64)> =
-            st.awaiting.iter().map(|(s, w)| (*s, *w)).filter(|(s, _)| Some(*s) != sending).collect();
+        let waiting: Vec<(u32, u64)> = st
+            .awaiting
+            .iter()
+            .map(|(s, (w, _))| (*s, *w))
+            .filter(|(s, w)| Some(*s) != sending && Some(op_of(*w)) != in_use)
+            .collect();
         for (seq, w) in waiting {
             st.awaiting.remove(&seq);
             self.complete(st, &raw(w, WcStatus::WrFlush));
@@ -625,6 +661,7 @@ impl TcpConn {
                 control: VecDeque::new(),
                 awaiting: HashMap::new(),
                 sending: None,
+                sending_op: None,
                 writing: false,
                 resume: None,
                 reads: HashMap::new(),
@@ -731,6 +768,7 @@ impl TcpConn {
             st = self.inner.events.wait_timeout(st, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
         }
         let id = st.q.start_send(opcode, n, bytes);
+        let first = st.next_seq;
         for i in 0..count {
             let (kind, addr, len) = next(i);
             let seq = st.next_seq;
@@ -739,7 +777,7 @@ impl TcpConn {
             if let OutKind::ReadReq { .. } = kind {
                 st.reads.insert(seq, ReadDst { wr_id, addr, len });
             }
-            st.queue.push_back(Out { seq, wr_id, kind, addr, len, skip: 0 });
+            st.queue.push_back(Out { seq, wr_id, kind, addr, len, skip: 0, first });
         }
         let socket_free = !st.writing && st.resume.is_none() && st.control.is_empty() && !st.stopping;
         if count == 1 && socket_free && st.queue.len() == 1 && matches!(st.queue[0].kind, OutKind::Inline { .. }) {
@@ -756,9 +794,8 @@ impl TcpConn {
     /// latency path. Never blocks: what the socket does not take at once,
     /// the sender thread finishes before anything else.
     fn send_direct(&self, mut st: MutexGuard<'_, TcpState>, mut o: Out, id: OpId) -> Posted {
-        st.writing = true;
-        st.sending = Some(o.seq);
-        st.awaiting.insert(o.seq, o.wr_id);
+        Inner::start_write(&mut st, &o);
+        st.awaiting.insert(o.seq, (o.wr_id, o.first));
         drop(st);
         let written = try_send_inline(self.inner.fd, &o);
         let mut st = self.inner.lock();
@@ -767,6 +804,7 @@ impl TcpConn {
         match written {
             Ok(n) if n < whole && st.q.lost().is_none() => {
                 st.sending = None;
+                st.sending_op = None;
                 st.writing = false;
                 o.skip = n;
                 st.resume = Some(o);
@@ -1005,8 +1043,7 @@ fn sender(inner: &Inner) {
                 if let Some(o) = st.resume.take() {
                     // The rest of a frame a posting thread began: first, so
                     // the stream stays whole.
-                    st.writing = true;
-                    st.sending = Some(o.seq);
+                    Inner::start_write(&mut st, &o);
                     break Work::Out(o);
                 }
                 if let Some(c) = st.control.pop_front() {
@@ -1028,10 +1065,9 @@ fn sender(inner: &Inner) {
                     return;
                 }
                 if let Some(o) = st.queue.pop_front() {
-                    st.sending = Some(o.seq);
-                    st.writing = true;
-                    if !matches!(o.kind, OutKind::ReadReq { .. }) {
-                        st.awaiting.insert(o.seq, o.wr_id);
+                    Inner::start_write(&mut st, &o);
+                    if !matches!(o.kind, OutKind::ReadReq { .. }) && is_final(o.wr_id) {
+                        st.awaiting.insert(o.seq, (o.wr_id, o.first));
                     }
                     break Work::Out(o);
                 }
@@ -1074,7 +1110,7 @@ fn try_send_inline(fd: RawFd, o: &Out) -> io::Result<usize> {
     let OutKind::Inline { data, imm } = &o.kind else {
         return Ok(0);
     };
-    let flags = FIRST | LAST | if imm.is_some() { IMM } else { 0 };
+    let flags = FIRST | LAST | if imm.is_some() { IMM } else { 0 } | if is_final(o.wr_id) { ACK } else { 0 };
     let h = Header {
         op: Op::Send as u8,
         flags,
@@ -1122,7 +1158,7 @@ fn send_message(fd: RawFd, o: &Out) -> io::Result<()> {
         _ => Some((o.addr as *const u8, o.len)),
     };
     let total = u32::try_from(o.len).unwrap_or(u32::MAX);
-    let imm_flag = if imm.is_some() { IMM } else { 0 };
+    let imm_flag = if imm.is_some() { IMM } else { 0 } | if is_final(o.wr_id) { ACK } else { 0 };
     let Some((ptr, len)) = payload else {
         let h = Header { op: op as u8, flags: FIRST | LAST, seq: o.seq, key, imm: 0, addr: raddr, len: 0, total };
         return send_header(fd, &h);
@@ -1398,6 +1434,9 @@ fn on_message(inner: &Inner, h: &Header, written: Option<u32>, scratch: &mut [u8
         ..raw(recv.wr_id, WcStatus::Success)
     };
     inner.complete(&mut st, &c);
+    if h.flags & ACK == 0 {
+        return Ok(());
+    }
     inner.reply(&mut st, Ctl::Ack { seq: h.seq, status: 0 })
 }
 
@@ -1442,6 +1481,9 @@ fn on_write(inner: &Inner, h: &Header, scratch: &mut [u8]) -> Step {
     }
     if h.flags & IMM != 0 {
         return on_message(inner, h, Some(h.total), scratch);
+    }
+    if h.flags & ACK == 0 {
+        return Ok(());
     }
     let mut st = inner.lock();
     inner.reply(&mut st, Ctl::Ack { seq: h.seq, status: 0 })
@@ -1492,13 +1534,37 @@ fn on_read_response(inner: &Inner, h: &Header, scratch: &mut [u8]) -> Step {
     Ok(())
 }
 
+/// The final request's work request id of the chain whose messages
+/// include `seq` (between its first message and its final one): sent and
+/// awaiting its acknowledgement, or still queued.
+#[cold]
+fn chain_of(st: &TcpState, seq: u32) -> Option<u64> {
+    let within = |first: u32, last: u32| seq.wrapping_sub(first) < last.wrapping_sub(first);
+    st.awaiting
+        .iter()
+        .find(|(last, (_, first))| within(*first, **last))
+        .map(|(_, (w, _))| *w)
+        .or_else(|| st.queue.iter().find(|o| is_final(o.wr_id) && within(o.first, o.seq)).map(|o| o.wr_id))
+}
+
 fn on_ack(inner: &Inner, h: &Header) -> Step {
     let status = WcStatus::from_raw(h.total);
     let mut st = inner.lock();
     // A refused read is answered with an acknowledgement carrying the status.
-    let wr_id = st.awaiting.remove(&h.seq).or_else(|| st.reads.remove(&h.seq).map(|r| r.wr_id));
-    let Some(wr_id) = wr_id else {
-        return Ok(());
+    let wr_id = st.awaiting.remove(&h.seq).map(|(w, _)| w).or_else(|| st.reads.remove(&h.seq).map(|r| r.wr_id));
+    let wr_id = match wr_id {
+        Some(w) => w,
+        // An error for a message not acknowledged itself: an earlier
+        // request of a chain, which fails the chain.
+        None if !status.is_success() => match chain_of(&st, h.seq) {
+            Some(final_wr_id) => op_of(final_wr_id),
+            None => {
+                let why = format!("the peer refused a request with {status}");
+                inner.break_with(&mut st, why.clone());
+                return Err(why);
+            }
+        },
+        None => return Ok(()),
     };
     if !status.is_success() {
         st.q.lose(|| format!("the connection went to the error state after a request failed with {status}"));
@@ -1526,6 +1592,7 @@ mod tests {
             addr: 0,
             len: data.len() as u64,
             skip: 0,
+            first: seq,
         };
         let h = Header {
             op: Op::Send as u8,
@@ -1638,14 +1705,14 @@ mod tests {
             if i % 2 == 0 {
                 // Plausible: a known operation, few flags, a segment-sized length.
                 b[0] %= 8;
-                b[1] &= 0x0f;
+                b[1] &= 0x1f;
                 b[4..8].copy_from_slice(&(next() as u32 % 3).to_le_bytes());
                 b[24..28].copy_from_slice(&(next() as u32 % (2 * SEGMENT as u32)).to_le_bytes());
             }
             match Header::parse(&b) {
                 Ok(h) => {
                     ok += 1;
-                    assert!(h.len as usize <= SEGMENT && h.flags & !(FIRST | LAST | IMM) == 0, "{h:?}");
+                    assert!(h.len as usize <= SEGMENT && h.flags & !(FIRST | LAST | IMM | ACK) == 0, "{h:?}");
                     assert_eq!(Header::decode(&h.encode()), h);
                     continuing += usize::from(h.continues(&first).is_ok());
                 }

@@ -53,6 +53,9 @@ pub struct BenchArgs {
     /// Requests per signalled chain (bandwidth tests).
     #[arg(short = 'Q', long, default_value_t = 32)]
     cq_mod: u32,
+    /// Pieces per transfer list (list-bw).
+    #[arg(long, default_value_t = 1024)]
+    list: u32,
     /// Use memory of this CUDA device (as perftest's --use_cuda).
     #[arg(long)]
     gpu: Option<usize>,
@@ -86,6 +89,7 @@ impl BenchArgs {
             iters: self.iters.unwrap_or(self.test.default_iters()),
             tx_depth: self.tx_depth,
             cq_mod: self.cq_mod,
+            list: self.list,
         }
     }
 
@@ -106,7 +110,8 @@ impl BenchArgs {
     fn options(&self) -> ConnectOptions {
         // Busy-poll like perftest, except on a server that only waits for the
         // end of a one-sided test: it would take a CPU from the device.
-        let passive = self.server.is_none() && matches!(self.test, Test::WriteBw | Test::ReadBw | Test::ReadLat);
+        let passive =
+            self.server.is_none() && matches!(self.test, Test::WriteBw | Test::ReadBw | Test::ReadLat | Test::ListBw);
         let timeout = Duration::from_secs(self.timeout);
         ConnectOptions::default()
             .op_timeout(timeout)
@@ -190,6 +195,11 @@ where
         (Some(domain.expose(region, access, tag).map_err(|e| e.error)?), None)
     };
     let mut opts = args.options();
+    if params.test.is_bw() && domain.info().transport == gpu_rdma::Transport::Tcp {
+        // Over TCP a bandwidth test's waiter sleeps: the connection's own
+        // threads move the bytes, and a spinning waiter takes their CPU.
+        opts = opts.spin(Duration::ZERO);
+    }
     if let Some(e) = &exposed {
         opts = opts.advertise(e);
     }
@@ -257,6 +267,7 @@ fn server_addr(server: &str, port: u16) -> Result<SocketAddr> {
 fn banner(args: &BenchArgs, params: &Params, domain: &Domain, conn: &Connection, memory: &str) -> String {
     let title = match params.test {
         Test::WriteBw => "RDMA_Write BW Test",
+        Test::ListBw => "RDMA_Write transfer-list BW Test",
         Test::ReadBw => "RDMA_Read BW Test",
         Test::SendBw => "Send BW Test",
         Test::WriteLat => "RDMA_Write (with immediate) Latency Test",
