@@ -179,6 +179,8 @@ fn build_release_tools() -> Result<()> {
         "transfer",
         "--example",
         "gpu_to_gpu",
+        "--example",
+        "kv_pages",
         "--features",
         "cli",
         "--bin",
@@ -252,6 +254,25 @@ fn doctor_ok(dir: &Path) -> std::result::Result<(), String> {
     Ok(())
 }
 
+const KV_PAGES: &str = r#"
+# The KV-cache example on rxe0: must pick verbs, verify every request.
+target/release/examples/kv_pages --async > "$VM_OUT/kv-pages.log" 2>&1
+echo "kv_pages exit $?" >> "$VM_OUT/kv-pages.log"
+echo "=== kv_pages --async (rxe0)"; sed 's/^/  /' "$VM_OUT/kv-pages.log"
+"#;
+
+/// Whether a kv_pages run verified every request over `transport`.
+fn kv_pages_verified(log: &str, transport: &str, exited: bool) -> Result<()> {
+    let path_ok = log.lines().any(|l| l.starts_with("path: ") && l.to_lowercase().contains(transport));
+    if !path_ok {
+        return Err(format!("the kv_pages example did not run over {transport}"));
+    }
+    if !exited || !log.contains("all 16 requests verified page by page") {
+        return Err("the kv_pages example did not verify all 16 requests".into());
+    }
+    Ok(())
+}
+
 const GPU_EXAMPLE: &str = r#"
 # The GPU example with the CUDA stand-in: direct path, then staged, verified.
 LD_LIBRARY_PATH="$STUB" LD_PRELOAD="$STUB/libcuda.so" target/release/examples/gpu_to_gpu --bytes 32MiB --compare > "$VM_OUT/gpu-example.log" 2>&1
@@ -311,6 +332,16 @@ pub fn run() -> Result<i32> {
     if let Err(e) = &here {
         failures.push(format!("{e} on this machine"));
     }
+    let mut kv_here = 0;
+    for extra in [None, Some("--async")] {
+        let mut cmd = Command::new(root().join("target/release/examples/kv_pages"));
+        cmd.current_dir(root()).args(extra);
+        let (ok, out) = run_tee(&mut cmd)?;
+        match kv_pages_verified(&out, "tcp", ok) {
+            Ok(()) => kv_here += 1,
+            Err(e) => failures.push(format!("{e} on this machine ({})", extra.unwrap_or("sync"))),
+        }
+    }
 
     println!("\n== tier 2 (soft-RoCE guest, rxe0): verbs tests and the transfer example");
     let exes = guest_test_executables()?;
@@ -334,6 +365,7 @@ pub fn run() -> Result<i32> {
     script.push_str(LOOPBACK);
     script.push_str(TRANSFERS);
     script.push_str(GPU_EXAMPLE);
+    script.push_str(KV_PAGES);
     script.push_str(DOCTOR);
     script.push_str("exit 0\n");
     let opts = VmOptions { timeout: Duration::from_secs(1800), keep: true, ..VmOptions::default() };
@@ -373,6 +405,11 @@ pub fn run() -> Result<i32> {
     if gpu_verified != 2 || !gpu_log.contains("gpu_to_gpu exit 0") {
         failures.push(format!("the GPU example verified {gpu_verified} of 2 transfers"));
     }
+    let kv_log = fs::read_to_string(guest.dir.join("kv-pages.log")).unwrap_or_default();
+    let kv_guest = kv_pages_verified(&kv_log, "verbs", kv_log.contains("kv_pages exit 0"));
+    if let Err(e) = &kv_guest {
+        failures.push(format!("{e} on rxe0"));
+    }
     for (op, ok) in &transfers {
         if !ok {
             failures.push(format!("transfer --op {op} did not verify"));
@@ -401,14 +438,15 @@ pub fn run() -> Result<i32> {
     );
     println!("tier 1b, CUDA stand-in: {} passed, {} failed", cuda.passed, cuda.failed);
     println!(
-        "tier 1c, the transfer example with no arguments: {} of 3 verified over TCP",
+        "tier 1c, the transfer example with no arguments: {} of 3 verified over TCP; kv_pages {kv_here} of 2 (sync, async) verified",
         here.as_ref().copied().unwrap_or(0)
     );
     println!(
-        "tier 2, rxe0 in the guest: {} passed, {} failed verbs tests; with no arguments {} of 3 verified over verbs; {verified} of 3 transfers of 256 MiB verified; GPU example {gpu_verified} of 2 verified; doctor {}",
+        "tier 2, rxe0 in the guest: {} passed, {} failed verbs tests; with no arguments {} of 3 verified over verbs; {verified} of 3 transfers of 256 MiB verified; GPU example {gpu_verified} of 2 verified; kv_pages {}; doctor {}",
         verbs.passed,
         verbs.failed,
         loopback.as_ref().copied().unwrap_or(0),
+        if kv_guest.is_ok() { "verified over verbs" } else { "FAILED" },
         if doctor.is_ok() { "right (rxe0 active, no GPU, exit 2, JSON parses)" } else { "wrong" }
     );
     for f in &failures {
