@@ -235,3 +235,85 @@ gpu_tcp_test! {
         assert!(c.broken().is_none(), "refused before posting: the connection is unchanged");
     }
 }
+
+/// Byte `i` of what a list of `pieces` leaves where each piece's bytes
+/// come from `src` at its `from` offset and land at its `to` offset.
+fn apply(pieces: &[gpu_rdma::Piece], src: &[u8], len: usize, to_remote: bool) -> Vec<u8> {
+    let mut out = vec![0u8; len];
+    for p in pieces {
+        let (from, to) = if to_remote { (p.local, p.remote) } else { (p.remote, p.local) };
+        out[to as usize..(to + p.len) as usize].copy_from_slice(&src[from as usize..(from + p.len) as usize]);
+    }
+    out
+}
+
+gpu_tcp_test! {
+    fn a_list_of_ten_thousand_random_pieces_goes_through_the_staging_pipeline_both_ways() {
+        use common::{Rng, random_pieces};
+        use gpu_rdma::Piece;
+        let d = tcp_domain();
+        let (s, c) = pair_on(&d, &d, opts(), opts());
+        // GPU -> peer: the GPU side is staged (no RDMA here).
+        let gpu_len = 1 << 20;
+        let data = pattern(gpu_len, 41);
+        let mut rng = Rng(0x5eed_0041);
+        let (raw, span) = random_pieces(&mut rng, 10_000, 600, gpu_len as u64);
+        let pieces: Vec<Piece> = raw.iter().map(|&(r, l, n)| Piece::new(l, r, n)).collect();
+        let target = d.expose(d.alloc(span as usize).unwrap(), Access::REMOTE_WRITE | Access::REMOTE_READ, 0).unwrap();
+        let remote = s.grant(&target).whole();
+        let local = gpu_region(&d, gpu_len, Some(&data));
+        assert_eq!(local.memory_path(), Some(MemPath::Staged));
+        let (done, local) = c.write_list(local, &remote, pieces.iter().copied()).finish().unwrap();
+        assert_eq!(done.bytes, pieces.iter().map(|p| p.len).sum::<u64>());
+        let mut got = vec![0u8; span as usize];
+        target.read_at(0, &mut got).unwrap();
+        assert_eq!(first_difference(&got, &apply(&pieces, &data, span as usize, true)), None, "GPU -> peer");
+        // Peer -> GPU: read the pieces back to other places of a zeroed GPU buffer.
+        let source = pattern(span as usize, 42);
+        target.write_at(0, &source).unwrap();
+        let back: Vec<Piece> = raw.iter().map(|&(r, _, n)| Piece::new(r, r, n)).collect();
+        let zero = gpu_region(&d, span as usize, Some(&vec![0u8; span as usize]));
+        let (_, zero) = c.read_list(zero, &remote, back.iter().copied()).finish().unwrap();
+        let want = apply(&back, &source, span as usize, false);
+        assert_eq!(first_difference(&read_gpu(zero.memory(), span as usize), &want), None, "peer -> GPU");
+        drop(local);
+        drop(s);
+    }
+}
+
+gpu_tcp_test! {
+    fn a_staged_list_notifies_after_its_last_piece_and_dropping_one_mid_flight_is_safe() {
+        use gpu_rdma::Piece;
+        let d = tcp_domain();
+        let (s, c) = pair_on(&d, &d, opts(), opts());
+        let mut inbox = s.inbox(4).unwrap();
+        let len = 8 << 20;
+        let data = pattern(len, 43);
+        let target = d.expose(d.alloc(len).unwrap(), Access::REMOTE_WRITE, 0).unwrap();
+        let remote = s.grant(&target).whole();
+        let pieces: Vec<Piece> = (0..(len / 4096) as u64).map(|i| Piece::new(i * 4096, ((i * 7) % 2048) * 4096, 4096)).collect();
+        let list = c.write_list_notify(gpu_region(&d, len, Some(&data)), &remote, pieces.iter().copied(), 5, b"staged");
+        let notes = inbox.wait(5, 1).unwrap();
+        // Seen only after every piece landed.
+        let mut got = vec![0u8; len];
+        target.read_at(0, &mut got).unwrap();
+        assert_eq!(first_difference(&got, &apply(&pieces, &data, len, true)), None);
+        assert_eq!(&notes[0].payload[..], b"staged");
+        list.finish().unwrap();
+        // Dropped mid-flight: copies waited for, slots kept until the network is done.
+        let regions = d.stats().regions;
+        for round in 0..3u64 {
+            let mut t = c.write_list(gpu_region(&d, len, Some(&pattern(len, round))), &remote, pieces.iter().copied());
+            let _ = t.poll();
+            drop(t);
+        }
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while c.stats().in_flight > 0 {
+            assert!(std::time::Instant::now() < until, "{:?}", c.stats());
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        assert_eq!(d.stats().regions, regions);
+        // Still healthy.
+        c.write_list(gpu_region(&d, 4096, Some(&[9; 4096])), &remote, [Piece::new(0, 0, 4096)]).finish().unwrap();
+    }
+}

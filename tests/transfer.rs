@@ -14,56 +14,12 @@ use std::time::{Duration, Instant};
 
 use gpu_rdma::{Access, Domain, Error, PageLayout, Piece, Region};
 
-use common::{Kind, domain, first_difference, pair, pattern};
-
-/// xorshift64*: deterministic pieces, so a failure reproduces.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
+use common::{Kind, Rng, domain, first_difference, pair, pattern, random_pieces};
 
 fn filled(d: &Domain, data: &[u8]) -> Region {
     let mut r = d.alloc(data.len()).unwrap();
     r.copy_from_slice(data);
     r
-}
-
-/// `n` pieces of 1..=`max_len` bytes: disjoint on the `disjoint` side
-/// (laid out with random gaps, then shuffled), anywhere on the other side
-/// (`other_len` bytes), with runs contiguous on both sides now and then
-/// (merged by the planner). Returns the pieces and the disjoint side's span.
-fn random_pieces(rng: &mut Rng, n: usize, max_len: u64, other_len: u64) -> (Vec<(u64, u64, u64)>, u64) {
-    let mut out: Vec<(u64, u64, u64)> = Vec::with_capacity(n);
-    let mut at = 0u64;
-    while out.len() < n {
-        let len = 1 + rng.below(max_len);
-        let contiguous = rng.below(5) == 0;
-        let (disjoint, other) = match out.last() {
-            Some(&(d, o, l)) if contiguous && o + l + len <= other_len => (d + l, o + l),
-            _ => (at + rng.below(64), rng.below(other_len - len)),
-        };
-        out.push((disjoint, other, len));
-        at = disjoint + len;
-    }
-    // Shuffle runs apart only partly: keep a contiguous pair together
-    // sometimes, so the planner sees both cases.
-    for i in (1..out.len()).rev() {
-        if rng.below(2) == 0 {
-            let j = rng.below(i as u64 + 1) as usize;
-            out.swap(i, j);
-        }
-    }
-    (out, at)
 }
 
 fn a_list_of_ten_thousand_random_pieces_is_written_byte_for_byte(t: Kind) {
@@ -403,6 +359,35 @@ fn an_error_in_the_middle_of_a_chain_fails_it_with_that_error(t: Kind) {
     assert!(got.iter().all(|&b| b == 0), "the refused write changed nothing");
 }
 
+fn a_list_nobody_waits_on_is_carried_to_the_end_by_the_engine(t: Kind) {
+    let d = domain(t);
+    let (s, c) = pair(&d);
+    let mut inbox = s.inbox(4).unwrap();
+    let len = 16 << 20;
+    let data = pattern(len, 51);
+    let target = d.expose(d.alloc(len).unwrap(), Access::REMOTE_WRITE, 0).unwrap();
+    let remote = s.grant(&target).whole();
+    // Far more than the send queue holds, in small pieces: many posts, none
+    // of them waited for by this thread until the peer has seen the end.
+    let pieces: Vec<Piece> =
+        (0..(len / 1024) as u64).map(|i| Piece::new(i * 1024, ((i * 13) % 16384) * 1024, 1024)).collect();
+    let list = c.write_list_notify(filled(&d, &data), &remote, pieces.iter().copied(), 9, b"done");
+    let notes =
+        inbox.wait_timeout(9, 1, Duration::from_secs(60)).expect("the engine carried the list to its notification");
+    assert_eq!(&notes[0].payload[..], b"done");
+    assert!(list.is_done() || c.stats().in_flight <= 1, "only the notification's completion may still be on its way");
+    let mut got = vec![0u8; len];
+    target.read_at(0, &mut got).unwrap();
+    let mut want = vec![0u8; len];
+    for p in &pieces {
+        want[p.remote as usize..(p.remote + p.len) as usize]
+            .copy_from_slice(&data[p.local as usize..(p.local + p.len) as usize]);
+    }
+    assert_eq!(first_difference(&got, &want), None);
+    let (done, _) = list.finish().unwrap();
+    assert_eq!(done.bytes, len as u64);
+}
+
 macro_rules! both {
     ($($name:ident),* $(,)?) => {
         mod tcp {
@@ -438,4 +423,5 @@ both!(
     a_peer_that_goes_away_fails_the_inbox_wait_promptly,
     messages_that_are_not_notifications_are_dropped_and_counted,
     an_error_in_the_middle_of_a_chain_fails_it_with_that_error,
+    a_list_nobody_waits_on_is_carried_to_the_end_by_the_engine,
 );

@@ -11,7 +11,7 @@ use std::collections::VecDeque;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
@@ -46,14 +46,9 @@ pub struct Transferred {
     pub posts: usize,
 }
 
-/// A transfer list in flight: see [`Connection::write_list`].
-///
-/// It posts more of the list whenever it is waited on or polled. Dropping
-/// it before it is done is safe: what is not posted yet is never posted,
-/// and the buffer stays with the connection until the device is done with
-/// everything that was.
-#[must_use = "a transfer list moves along only while its Transfer is waited on or polled"]
-pub struct Transfer<B: Send + 'static> {
+/// A transfer list's state, behind its handle ([`Transfer`]) and driven by
+/// whoever gets to it: a waiter, a poll, or the domain's engine.
+struct List<B: Send + 'static> {
     shared: Arc<ConnShared>,
     buf: Option<B>,
     local: LocalParts,
@@ -82,6 +77,26 @@ pub struct Transfer<B: Send + 'static> {
     note: Option<NoteOut>,
     /// While awaited as a future: its deadline and timer.
     awaiting: Option<Box<Awaiting>>,
+    /// Wakes the engine's task for this list (registered on the oldest post
+    /// in flight, or on a short timer while staged copies run).
+    driver: Option<Waker>,
+    /// A future awaiting the list, woken when the engine moved it.
+    awaiter: Option<Waker>,
+    /// Staged GPU memory: the pieces go through the staging pipeline.
+    #[cfg(feature = "cuda")]
+    staged: Option<StagedPieces>,
+}
+
+/// The pieces of a list on staged GPU memory in progress: one staging
+/// pipeline per piece (copies overlapping the network), a few at a time.
+#[cfg(feature = "cuda")]
+struct StagedPieces {
+    device: crate::cuda::CudaDevice,
+    active: Vec<crate::protocol::staged::Pipeline>,
+    /// Pipelines at once.
+    width: usize,
+    /// When a piece last started or finished.
+    progress: Instant,
 }
 
 /// A notification on its way out.
@@ -99,6 +114,136 @@ struct NoteOut {
 
 /// Notification buffers kept per connection for reuse.
 const NOTE_POOL: usize = 16;
+
+/// A transfer list in flight: see [`Connection::write_list`].
+///
+/// The domain's engine keeps it going: as posts complete, more of the list
+/// is posted, with nobody waiting (and the notification after the last
+/// piece). Waiting on it, polling it or awaiting it (it is a future) moves
+/// it along too. Dropping it before it is done is safe: nothing more is
+/// posted, and the buffer stays with the connection until the device is
+/// done with everything that was.
+#[must_use = "a transfer list's outcome and buffer come back through its Transfer"]
+pub struct Transfer<B: Send + 'static> {
+    list: Arc<Mutex<List<B>>>,
+}
+
+/// The engine's task for one list: holds it weakly, so dropping the
+/// handle drops the list (and the task finds nothing to do).
+struct Driver<B: Send + 'static> {
+    list: std::sync::Weak<Mutex<List<B>>>,
+    engine: crate::transport::engine::EngineHandle,
+}
+
+impl<B: Send + 'static> std::task::Wake for Driver<B> {
+    fn wake(self: Arc<Self>) {
+        let engine = self.engine.clone();
+        engine.spawn(self);
+    }
+}
+
+impl<B: Send + 'static> crate::transport::engine::Task for Driver<B> {
+    fn run(self: Arc<Self>) {
+        let Some(list) = self.list.upgrade() else { return };
+        // A waiter holding the list drives it meanwhile, and arms the
+        // engine again before it lets go.
+        let Ok(mut list) = list.try_lock() else { return };
+        list.drive();
+    }
+}
+
+impl<B: Send + 'static> Transfer<B> {
+    fn new(list: List<B>) -> Self {
+        let engine = list.shared.domain.inner.engine.handle();
+        let list = Arc::new(Mutex::new(list));
+        let driver = Arc::new(Driver { list: Arc::downgrade(&list), engine });
+        let t = Transfer { list };
+        {
+            let mut l = t.lock();
+            l.driver = Some(Waker::from(driver));
+            l.arm();
+        }
+        t
+    }
+
+    fn lock(&self) -> MutexGuard<'_, List<B>> {
+        self.list.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Runs `f` on the list, then leaves the engine armed.
+    fn with<T>(&self, f: impl FnOnce(&mut List<B>) -> T) -> T {
+        let mut l = self.lock();
+        let out = f(&mut l);
+        l.arm();
+        out
+    }
+
+    /// Waits until all of the list has landed (or failed). Bounded by the
+    /// connection's operation timeout without progress: each wait for the
+    /// oldest post in flight is.
+    ///
+    /// # Errors
+    /// The first error: [`Error::OutOfBounds`] (nothing was posted),
+    /// an operation's [`Error::Completion`], [`Error::ConnectionLost`]; once
+    /// an error is seen nothing more is posted, and the wait returns only
+    /// when what was posted is done. [`Error::Timeout`] when no post
+    /// finished within the operation timeout: still in flight, and may be
+    /// waited on again.
+    pub fn wait(&mut self) -> Result<Transferred> {
+        self.with(List::wait)
+    }
+
+    /// Waits up to `timeout` in all.
+    ///
+    /// # Errors
+    /// As [`wait`](Self::wait).
+    pub fn wait_timeout(&mut self, timeout: Duration) -> Result<Transferred> {
+        self.with(|l| l.wait_timeout(timeout))
+    }
+
+    /// Posts what fits, then waits for one post in flight: `Some` once all
+    /// of it is done. For a caller that keeps several lists going on one
+    /// thread.
+    pub(crate) fn wait_step(&mut self, total: Option<Duration>) -> Result<Option<Transferred>> {
+        self.with(|l| l.wait_step(total))
+    }
+
+    /// Posts what fits and takes what finished, without blocking: `Some`
+    /// once all of the list is done.
+    ///
+    /// # Errors
+    /// As [`wait`](Self::wait), without the timeout.
+    pub fn poll(&mut self) -> Result<Option<Transferred>> {
+        self.with(List::poll)
+    }
+
+    /// Whether all of it is done (as far as the last look saw).
+    pub fn is_done(&self) -> bool {
+        self.lock().is_done()
+    }
+
+    /// Bytes the list moves (after checking; 0 if it was refused).
+    pub fn len(&self) -> u64 {
+        self.lock().len()
+    }
+
+    /// Whether the list moves no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.lock().is_empty()
+    }
+
+    /// Waits, then returns what moved and the buffer, which comes back on
+    /// error too.
+    ///
+    /// # Errors
+    /// [`TransferFailed`], with the error and the buffer (`None` only when a
+    /// timeout left the list in flight: the buffer then stays with the
+    /// connection until the device is done). It converts into [`Error`],
+    /// so `?` works in a function returning [`crate::Result`].
+    pub fn finish(self) -> std::result::Result<(Transferred, B), TransferFailed<B>> {
+        self.with(List::finish)
+    }
+}
 
 /// What a wait on a transfer is for, in its timeout error.
 const WHAT: &str = "a transfer list to complete";
@@ -120,7 +265,7 @@ impl Connection {
         remote: &RemoteSlice,
         pieces: impl IntoIterator<Item = Piece>,
     ) -> Transfer<B> {
-        Transfer::start(self, local.into(), *remote, pieces, Direction::Write, None)
+        Transfer::new(List::start(self, local.into(), *remote, pieces, Direction::Write, None))
     }
 
     /// [`write_list`](Self::write_list), then a notification for the
@@ -142,7 +287,7 @@ impl Connection {
         let mut msg = Vec::new();
         notify::encode(Status::Done, payload, &mut msg);
         let note = NoteOut { tag, msg, sent: false, id: None, region: None };
-        Transfer::start(self, local.into(), *remote, pieces, Direction::Write, Some(note))
+        Transfer::new(List::start(self, local.into(), *remote, pieces, Direction::Write, Some(note)))
     }
 
     /// Reads a list of pieces of `remote` into `local`: as
@@ -153,11 +298,11 @@ impl Connection {
         remote: &RemoteSlice,
         pieces: impl IntoIterator<Item = Piece>,
     ) -> Transfer<B> {
-        Transfer::start(self, local.into(), *remote, pieces, Direction::Read, None)
+        Transfer::new(List::start(self, local.into(), *remote, pieces, Direction::Read, None))
     }
 }
 
-impl<B: LocalBuffer> Transfer<B> {
+impl<B: LocalBuffer> List<B> {
     fn start(
         conn: &Connection,
         local: LocalSlice<B>,
@@ -169,7 +314,7 @@ impl<B: LocalBuffer> Transfer<B> {
         let shared = &conn.shared;
         let info = &shared.info;
         let depth = info.send_queue_depth.max(1) as usize;
-        let mut t = Transfer {
+        let mut t = List {
             shared: Arc::clone(shared),
             buf: None,
             local: LocalParts { addr: 0, len: 0, lkey: 0, domain: 0, path: None },
@@ -190,6 +335,10 @@ impl<B: LocalBuffer> Transfer<B> {
             after: None,
             note,
             awaiting: None,
+            driver: None,
+            awaiter: None,
+            #[cfg(feature = "cuda")]
+            staged: None,
         };
         let parts = match local.resolve() {
             Ok(p) => p,
@@ -234,12 +383,19 @@ impl<B: LocalBuffer> Transfer<B> {
         let Some(cuda) = local.buffer().cuda() else {
             return Err(Error::InvalidArgument("GPU path without a GPU buffer".into()));
         };
-        if route(&parts, self.shared.transport.is_tcp()) == Route::Staged {
-            return Err(Error::InvalidArgument(
-                "transfer lists on staged GPU memory are not supported yet: post each piece with write or read".into(),
-            ));
-        }
+        // The producer's fence (outgoing) or the consumers' (incoming), once
+        // for the whole list, before any byte moves.
         cuda.wait_ready()?;
+        if route(&parts, self.shared.transport.is_tcp()) == Route::Staged {
+            let width = self.shared.staging.1.max(1);
+            self.staged = Some(StagedPieces {
+                device: cuda.device().clone(),
+                active: Vec::new(),
+                width,
+                progress: Instant::now(),
+            });
+            return Ok(());
+        }
         if self.direction == Direction::Read {
             let device = cuda.device().clone();
             self.after = Some(Box::new(move || device.flush_remote_writes()));
@@ -248,11 +404,16 @@ impl<B: LocalBuffer> Transfer<B> {
     }
 }
 
-impl<B: Send + 'static> Transfer<B> {
+impl<B: Send + 'static> List<B> {
     /// Posts what the send queue takes now, without waiting: at most a
     /// queue's worth, so a poll stays short even where the device finishes
     /// requests as fast as they are posted.
     fn pump(&mut self) {
+        #[cfg(feature = "cuda")]
+        if self.staged.is_some() {
+            self.pump_staged();
+            return;
+        }
         let depth = self.shared.info.send_queue_depth.max(1) as usize;
         for _ in 0..depth.div_ceil(self.chain) {
             if !self.post_chain(Deadline::immediate("room in the send queue")) {
@@ -261,6 +422,107 @@ impl<B: Send + 'static> Transfer<B> {
         }
         if !self.failed && self.next == self.pieces.len() {
             self.post_note(Deadline::immediate("room in the send queue"));
+        }
+    }
+
+    /// Staged GPU memory: moves the pipelines along, takes the finished
+    /// ones, starts more; the notification once every piece is done.
+    #[cfg(feature = "cuda")]
+    fn pump_staged(&mut self) {
+        use crate::protocol::staged::Pipeline;
+        let Some(mut st) = self.staged.take() else { return };
+        let t = &self.shared.transport;
+        let mut error = None;
+        let mut i = 0;
+        while i < st.active.len() {
+            let p = &mut st.active[i];
+            if let Err(e) = p.advance_owned(t) {
+                // A CUDA failure: what is on the network stays with the connection.
+                p.abandon(t);
+                st.active.swap_remove(i);
+                error.get_or_insert(e);
+                continue;
+            }
+            if p.finished() {
+                if let Err(e) = p.outcome() {
+                    error.get_or_insert(e);
+                }
+                st.active.swap_remove(i);
+                st.progress = Instant::now();
+                continue;
+            }
+            i += 1;
+        }
+        let (chunk, depth) = self.shared.staging;
+        while error.is_none() && !self.failed && st.active.len() < st.width && self.next < self.pieces.len() {
+            let p = self.pieces[self.next];
+            let parts = LocalParts { addr: self.local.addr + p.local, len: p.len as usize, ..self.local };
+            let remote = self.remote.sub(p.remote, p.len);
+            let op = match self.direction {
+                Direction::Write => RemoteOp::Write(remote),
+                Direction::Read => RemoteOp::Read(remote),
+            };
+            let home = &self.shared.domain.inner.staging;
+            match Pipeline::new(Some(op), home, &st.device, parts, chunk, depth, self.shared.op_timeout) {
+                Ok(mut pipeline) => {
+                    let started = pipeline.advance(t);
+                    match started {
+                        Ok(()) => st.active.push(pipeline),
+                        Err(e) => {
+                            pipeline.abandon(t);
+                            error = Some(e);
+                        }
+                    }
+                }
+                Err(e) => error = Some(e),
+            }
+            self.next += 1;
+            self.done.posts += 1;
+            self.done.requests += 1;
+            st.progress = Instant::now();
+        }
+        let idle = st.active.is_empty();
+        self.staged = Some(st);
+        if let Some(e) = error {
+            self.fail(e);
+        }
+        // After every piece has landed: the pipelines post their writes over
+        // time, so the notification waits for all of them to finish.
+        if !self.failed && self.next == self.pieces.len() && idle {
+            self.post_note(Deadline::immediate("room in the send queue"));
+        }
+    }
+
+    /// Staged pieces still in progress.
+    fn staged_active(&self) -> usize {
+        #[cfg(feature = "cuda")]
+        return self.staged.as_ref().map_or(0, |s| s.active.len());
+        #[cfg(not(feature = "cuda"))]
+        0
+    }
+
+    /// Waits a moment for staged pieces: on a network step of one of them,
+    /// else briefly (a copy finishes by itself). [`Error::Timeout`] after
+    /// the operation timeout without a piece starting or finishing.
+    #[cfg(feature = "cuda")]
+    fn nap_staged(&mut self) -> Result<()> {
+        let Some(st) = self.staged.as_ref() else { return Ok(()) };
+        if st.progress.elapsed() > self.shared.op_timeout {
+            return Err(Error::Timeout { what: WHAT, after: self.shared.op_timeout });
+        }
+        let copying = st.active.iter().any(crate::protocol::staged::Pipeline::copying);
+        match st.active.iter().find_map(crate::protocol::staged::Pipeline::waiting_on) {
+            Some(id) => {
+                let slice = if copying { Duration::from_micros(20) } else { Duration::from_millis(1) };
+                match self.shared.transport.wait(id, &mut Deadline::lazy(slice, WHAT)) {
+                    Ok(()) | Err(Error::Timeout { .. }) => Ok(()),
+                    Err(e) => Err(e),
+                }
+            }
+            None => {
+                std::thread::sleep(Duration::from_micros(20));
+                Ok(())
+            }
         }
     }
 
@@ -410,7 +672,9 @@ impl<B: Send + 'static> Transfer<B> {
     /// Whether nothing is in flight and nothing more will be posted.
     fn settled(&self) -> bool {
         let note_out = self.note.as_ref().is_none_or(|n| n.sent);
-        self.in_flight.is_empty() && (self.failed || (self.next == self.pieces.len() && note_out))
+        self.in_flight.is_empty()
+            && self.staged_active() == 0
+            && (self.failed || (self.next == self.pieces.len() && note_out))
     }
 
     /// The outcome of a settled transfer (an error is handed out once).
@@ -443,7 +707,7 @@ impl<B: Send + 'static> Transfer<B> {
     /// when what was posted is done. [`Error::Timeout`] when no post
     /// finished within the operation timeout: still in flight, and may be
     /// waited on again.
-    pub fn wait(&mut self) -> Result<Transferred> {
+    fn wait(&mut self) -> Result<Transferred> {
         self.wait_inner(None)
     }
 
@@ -451,13 +715,19 @@ impl<B: Send + 'static> Transfer<B> {
     ///
     /// # Errors
     /// As [`wait`](Self::wait).
-    pub fn wait_timeout(&mut self, timeout: Duration) -> Result<Transferred> {
+    fn wait_timeout(&mut self, timeout: Duration) -> Result<Transferred> {
         self.wait_inner(Some(timeout))
     }
 
     fn wait_inner(&mut self, total: Option<Duration>) -> Result<Transferred> {
+        let started = Instant::now();
         loop {
-            if let Some(done) = self.wait_step(total)? {
+            let left = match total {
+                Some(t) if started.elapsed() >= t => return Err(Error::Timeout { what: WHAT, after: t }),
+                Some(t) => Some(t - started.elapsed()),
+                None => None,
+            };
+            if let Some(done) = self.wait_step(left)? {
                 return Ok(done);
             }
         }
@@ -490,6 +760,15 @@ impl<B: Send + 'static> Transfer<B> {
                 }
                 None => self.shared.op_timeout,
             };
+            #[cfg(feature = "cuda")]
+            if self.staged_active() > 0 {
+                match self.nap_staged() {
+                    Err(e @ Error::Timeout { .. }) => return Err(e),
+                    Err(e) => self.fail(e),
+                    Ok(()) => {}
+                }
+                continue;
+            }
             let Some(&id) = self.in_flight.front() else {
                 // Nothing of ours in flight, and the queue full of other
                 // operations: wait for room, as any post does.
@@ -515,36 +794,29 @@ impl<B: Send + 'static> Transfer<B> {
     ///
     /// # Errors
     /// As [`wait`](Self::wait), without the timeout.
-    pub fn poll(&mut self) -> Result<Option<Transferred>> {
+    fn poll(&mut self) -> Result<Option<Transferred>> {
         self.pump();
         self.reap();
         if self.settled() { self.outcome().map(Some) } else { Ok(None) }
     }
 
     /// Whether all of it is done (as far as the last wait or poll saw).
-    pub fn is_done(&self) -> bool {
+    fn is_done(&self) -> bool {
         self.settled()
     }
 
     /// Bytes the list moves (after checking; 0 if it was refused).
-    pub fn len(&self) -> u64 {
+    fn len(&self) -> u64 {
         self.bytes
     }
 
     /// Whether the list moves no bytes.
-    pub fn is_empty(&self) -> bool {
+    fn is_empty(&self) -> bool {
         self.bytes == 0
     }
 
-    /// Waits, then returns what moved and the buffer, which comes back on
-    /// error too.
-    ///
-    /// # Errors
-    /// [`TransferFailed`], with the error and the buffer (`None` only when a
-    /// timeout left the list in flight: the buffer then stays with the
-    /// connection until the device is done). It converts into [`Error`],
-    /// so `?` works in a function returning [`crate::Result`].
-    pub fn finish(mut self) -> std::result::Result<(Transferred, B), TransferFailed<B>> {
+    /// Waits, then hands out what moved and the buffer.
+    fn finish(&mut self) -> std::result::Result<(Transferred, B), TransferFailed<B>> {
         match self.wait() {
             Ok(done) => Ok((done, self.buf.take().expect("the buffer is present until taken"))),
             Err(error) => {
@@ -553,57 +825,89 @@ impl<B: Send + 'static> Transfer<B> {
             }
         }
     }
+
+    /// Leaves the engine a way back: its waker on the oldest post in flight
+    /// (taking outcomes that are already in), or a short timer while staged
+    /// copies run or the queue is full of other operations. Wakes an
+    /// awaiting future once the list is settled.
+    fn arm(&mut self) {
+        let Some(driver) = self.driver.clone() else { return };
+        let shared = Arc::clone(&self.shared);
+        let engine = &shared.domain.inner.engine;
+        loop {
+            if self.settled() {
+                if let Some(w) = self.awaiter.take() {
+                    w.wake();
+                }
+                return;
+            }
+            let front = if self.staged_active() > 0 { None } else { self.in_flight.front().copied() };
+            let Some(id) = front else {
+                engine.timer(Instant::now() + LOOK_AGAIN, driver);
+                return;
+            };
+            match shared.transport.poll_register(id, &driver, engine) {
+                Ok(Some(outcome)) => {
+                    self.record(outcome);
+                    self.pump();
+                    self.reap();
+                }
+                Ok(None) => return,
+                Err(e) => self.fail(e),
+            }
+        }
+    }
+
+    /// The engine's turn: post what fits, take what finished, arm again,
+    /// and tell an awaiting future.
+    fn drive(&mut self) {
+        self.pump();
+        self.reap();
+        self.arm();
+        if let Some(w) = &self.awaiter {
+            w.wake_by_ref();
+        }
+    }
 }
 
-impl<B: Send + 'static> Transfer<B> {
+impl<B: Send + 'static> List<B> {
     /// One look: posts what fits, takes what finished; when not done,
     /// `waker` is registered on the oldest post in flight and a timer armed
     /// at the deadline (the operation timeout without progress).
     fn poll_waker(&mut self, waker: &Waker) -> Poll<Result<Transferred>> {
-        let shared = Arc::clone(&self.shared);
-        let engine = &shared.domain.inner.engine;
-        let mut progressed = false;
-        let mut told = false;
-        loop {
-            let posted = self.next;
-            self.pump();
-            self.reap();
-            progressed |= self.next != posted;
-            if self.settled() {
-                if let Some(aw) = self.awaiting.take() {
-                    aw.disarm(&self.shared.domain.inner.engine);
-                }
-                return Poll::Ready(self.outcome());
+        let posted = self.next;
+        let before = self.in_flight.len();
+        self.pump();
+        self.reap();
+        // The engine's waker goes on the oldest post; this future is woken
+        // by the engine whenever it moved the list.
+        match &self.awaiter {
+            Some(w) if w.will_wake(waker) => {}
+            _ => self.awaiter = Some(waker.clone()),
+        }
+        self.arm();
+        if self.settled() {
+            self.awaiter = None;
+            if let Some(aw) = self.awaiting.take() {
+                aw.disarm(&self.shared.domain.inner.engine);
             }
-            let Some(&id) = self.in_flight.front() else { break };
-            match shared.transport.poll_register(id, waker, engine) {
-                Ok(Some(outcome)) => {
-                    self.record(outcome);
-                    progressed = true;
-                }
-                Ok(None) => {
-                    told = true;
-                    break;
-                }
-                Err(e) => self.fail(e),
-            }
+            return Poll::Ready(self.outcome());
         }
         let timeout = self.shared.op_timeout;
-        if progressed {
+        if self.next != posted || self.in_flight.len() != before {
+            // Progress: the deadline (no progress for the timeout) starts again.
             if let Some(aw) = self.awaiting.take() {
                 aw.disarm(&self.shared.domain.inner.engine);
             }
         }
         let aw = self.awaiting.get_or_insert_with(|| Awaiting::new(timeout));
-        let now = Instant::now();
-        if now >= aw.deadline {
+        if Instant::now() >= aw.deadline {
             if let Some(aw) = self.awaiting.take() {
                 aw.disarm(&self.shared.domain.inner.engine);
             }
             return Poll::Ready(Err(Error::Timeout { what: "a transfer list to complete", after: timeout }));
         }
-        // Nothing of ours in flight (the queue full of others'): look again soon.
-        let at = if told { aw.deadline } else { aw.deadline.min(now + LOOK_AGAIN) };
+        let at = aw.deadline;
         aw.arm(&self.shared.domain.inner.engine, at, waker);
         Poll::Pending
     }
@@ -617,7 +921,7 @@ impl<B: Send + Unpin + 'static> Future for Transfer<B> {
     /// [`finish`](Transfer::finish) (at once, once done). Await it by
     /// `&mut` to keep the `Transfer`.
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        self.get_mut().poll_waker(cx.waker())
+        self.get_mut().lock().poll_waker(cx.waker())
     }
 }
 
@@ -658,10 +962,18 @@ impl<B> From<TransferFailed<B>> for Error {
     }
 }
 
-impl<B: Send + 'static> Drop for Transfer<B> {
+impl<B: Send + 'static> Drop for List<B> {
     fn drop(&mut self) {
         if let Some(aw) = self.awaiting.take() {
             aw.disarm(&self.shared.domain.inner.engine);
+        }
+        // Staged pieces: their copies are waited for (the GPU buffer may go
+        // then), their slots still on the network stay with the connection.
+        #[cfg(feature = "cuda")]
+        if let Some(st) = self.staged.as_mut() {
+            for p in &mut st.active {
+                p.abandon(&self.shared.transport);
+            }
         }
         if self.in_flight.is_empty() {
             return;
@@ -677,6 +989,13 @@ impl<B: Send + 'static> Drop for Transfer<B> {
 }
 
 impl<B: Send + 'static> fmt::Debug for Transfer<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let this = self.lock();
+        this.fmt(f)
+    }
+}
+
+impl<B: Send + 'static> fmt::Debug for List<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Transfer")
             .field("direction", &self.direction)

@@ -111,3 +111,47 @@ pub fn first_difference(a: &[u8], b: &[u8]) -> Option<usize> {
     }
     Some(a.iter().zip(b).position(|(x, y)| x != y).unwrap_or(a.len().min(b.len())))
 }
+
+/// xorshift64*: deterministic pieces, so a failure reproduces.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// `n` pieces of 1..=`max_len` bytes: disjoint on the `disjoint` side
+/// (laid out with random gaps, then shuffled), anywhere on the other side
+/// (`other_len` bytes), with runs contiguous on both sides now and then
+/// (merged by the planner). Returns the pieces and the disjoint side's span.
+pub fn random_pieces(rng: &mut Rng, n: usize, max_len: u64, other_len: u64) -> (Vec<(u64, u64, u64)>, u64) {
+    let mut out: Vec<(u64, u64, u64)> = Vec::with_capacity(n);
+    let mut at = 0u64;
+    while out.len() < n {
+        let len = 1 + rng.below(max_len);
+        let contiguous = rng.below(5) == 0;
+        let (disjoint, other) = match out.last() {
+            Some(&(d, o, l)) if contiguous && o + l + len <= other_len => (d + l, o + l),
+            _ => (at + rng.below(64), rng.below(other_len - len)),
+        };
+        out.push((disjoint, other, len));
+        at = disjoint + len;
+    }
+    // Shuffle runs apart only partly: keep a contiguous pair together
+    // sometimes, so the planner sees both cases.
+    for i in (1..out.len()).rev() {
+        if rng.below(2) == 0 {
+            let j = rng.below(i as u64 + 1) as usize;
+            out.swap(i, j);
+        }
+    }
+    (out, at)
+}
