@@ -1,4 +1,6 @@
-//! Churn: thousands of connect / transfer / disconnect cycles, then the
+//! Churn: thousands of connect / transfer / disconnect cycles (each with a
+//! transfer list and an operation awaited as a future, dropped mid-flight
+//! every other time), then the
 //! process's open file descriptors, the domain's live resources (and, on
 //! verbs, the kernel's count of queue pairs, completion queues and memory
 //! regions) are back where they started, and resident memory has not
@@ -13,7 +15,9 @@ mod common;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use gpu_rdma::{Access, ConnectOptions, Domain};
+use std::future::Future;
+
+use gpu_rdma::{Access, ConnectOptions, Domain, Piece};
 
 use common::{Kind, domain, pattern};
 
@@ -80,6 +84,19 @@ fn cycle(d: &Domain, listener: &gpu_rdma::Listener, target: &gpu_rdma::Exposed, 
     let mut rx = s.recv(d.alloc(64).unwrap());
     c.send_inline(&i.to_le_bytes(), None).wait().unwrap();
     assert_eq!(rx.wait().unwrap().byte_len, 8);
+    // A transfer list (longer than the queue) dropped mid-flight or
+    // finished, and an operation polled once as a future and dropped: the
+    // engine's tasks, timers and watches leave nothing behind.
+    let pieces = (0..64u64).map(|k| Piece::new(k * 64, ((k * 7) % 64) * 64, 64));
+    let list = c.write_list(d.alloc(4096).unwrap(), &remote.slice(0..4096).unwrap(), pieces);
+    if i % 2 == 0 {
+        drop(list);
+    } else {
+        list.finish().unwrap_or_else(|e| panic!("cycle {i}: list: {e}"));
+    }
+    let mut op = c.write(d.alloc(64).unwrap(), &remote.slice(0..64).unwrap());
+    let _ = std::pin::Pin::new(&mut op).poll(&mut std::task::Context::from_waker(std::task::Waker::noop()));
+    drop(op);
     // Alternate who closes first.
     if i % 2 == 0 {
         drop(c);

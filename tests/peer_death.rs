@@ -18,7 +18,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use gpu_rdma::bench::{self, LocalMode, Params, Test};
-use gpu_rdma::{ConnectOptions, Connection, Domain, Error};
+use gpu_rdma::{ConnectOptions, Connection, Domain, Error, Piece};
 
 use common::{Kind, domain, pair};
 
@@ -226,4 +226,83 @@ fn tcp_a_peer_killed_while_its_send_waits_for_a_receive_is_seen() {
 #[ignore = "verbs: needs an RDMA device: GPU_RDMA_TEST_DEVICE=<dev> and --ignored (cargo xtask test runs it on soft-RoCE)"]
 fn verbs_a_peer_killed_while_its_send_waits_for_a_receive_is_seen() {
     death_during_an_unmatched_send(Kind::Verbs);
+}
+
+/// A peer killed while a long transfer list runs to it, with operations
+/// awaited as futures beside it (some dropped mid-flight): the list's wait
+/// and every future end with a typed error within a second of the kill.
+fn death_mid_list(t: Kind) {
+    let d = domain(t);
+    let (bystander_s, bystander_c) = pair(&d);
+    let src = d.alloc(1 << 20).unwrap().share();
+    // The list waited on by this thread.
+    let port = free_port();
+    let mut peer = spawn_peer(t, port, 1_000_000);
+    let conn = connect(&d, port);
+    bench::agree(&conn, &params(1_000_000), OP_TIMEOUT).expect("the peer agrees on the test");
+    let remote = conn.remote_regions()[0].slice(0..1 << 20).unwrap();
+    // 4 GiB in 4 KiB pieces over the same 1 MiB: far longer than the peer lives.
+    let pieces = (0..1u64 << 20).map(|i| Piece::new((i % 256) * 4096, ((i * 7) % 256) * 4096, 4096));
+    let mut list = conn.write_list(src.clone(), &remote, pieces);
+    for _ in 0..10 {
+        assert!(list.poll().unwrap().is_none());
+    }
+    peer.0.kill().expect("SIGKILL the peer");
+    let killed = Instant::now();
+    let outcome = list.wait();
+    let took = killed.elapsed();
+    println!("{}: a list to a peer killed mid-list ended {took:?} after the kill with {outcome:?}", t.name());
+    assert!(matches!(outcome, Err(Error::ConnectionLost { .. } | Error::Completion(_))), "{outcome:?}");
+    assert!(took < Duration::from_secs(1), "the list failed {took:?} after the kill");
+    drop(list);
+
+    // A list and writes awaited as futures on one thread, half the writes
+    // dropped before the kill.
+    let port = free_port();
+    let mut peer = spawn_peer(t, port, 1_000_000);
+    let conn = connect(&d, port);
+    bench::agree(&conn, &params(1_000_000), OP_TIMEOUT).expect("the peer agrees on the test");
+    let remote = conn.remote_regions()[0].slice(0..1 << 20).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+    let took = rt.block_on(async {
+        let mut set = tokio::task::JoinSet::new();
+        let pieces = (0..1u64 << 20).map(|i| Piece::new((i % 256) * 4096, ((i * 7) % 256) * 4096, 4096));
+        let mut list = conn.write_list(src.clone(), &remote, pieces);
+        set.spawn(async move { (&mut list).await.map(|_| ()).map_err(|e| (e, "list")) });
+        let mut writes: Vec<_> = (0..32).map(|_| conn.write(src.clone(), &remote)).collect();
+        writes.truncate(16);
+        for mut w in writes {
+            set.spawn(async move { (&mut w).await.map(|_| ()).map_err(|e| (e, "write")) });
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        peer.0.kill().expect("SIGKILL the peer");
+        let killed = Instant::now();
+        let mut failed = 0;
+        while let Some(joined) = set.join_next().await {
+            if let Err((e, what)) = joined.expect("the task") {
+                assert!(matches!(e, Error::ConnectionLost { .. } | Error::Completion(_)), "{what}: {e}");
+                failed += 1;
+            }
+        }
+        assert!(failed >= 1, "the list to a killed peer did not fail");
+        killed.elapsed()
+    });
+    println!("{}: futures to a peer killed mid-list all ended {took:?} after the kill", t.name());
+    assert!(took < Duration::from_secs(1), "the futures ended {took:?} after the kill");
+    assert!(conn.broken().is_some());
+    // The other connection of this domain still works.
+    let mut rx = bystander_s.recv(d.alloc(64).unwrap());
+    bystander_c.send_inline(b"still here", None).wait().unwrap();
+    assert_eq!(rx.wait().unwrap().byte_len, 10);
+}
+
+#[test]
+fn tcp_a_peer_killed_mid_list_fails_the_list_and_its_futures_within_a_second() {
+    death_mid_list(Kind::Tcp);
+}
+
+#[test]
+#[ignore = "verbs: needs an RDMA device: GPU_RDMA_TEST_DEVICE=<dev> and --ignored (cargo xtask test runs it on soft-RoCE)"]
+fn verbs_a_peer_killed_mid_list_fails_the_list_and_its_futures_within_a_second() {
+    death_mid_list(Kind::Verbs);
 }

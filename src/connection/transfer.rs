@@ -126,13 +126,33 @@ const NOTE_POOL: usize = 16;
 #[must_use = "a transfer list's outcome and buffer come back through its Transfer"]
 pub struct Transfer<B: Send + 'static> {
     list: Arc<Mutex<List<B>>>,
+    driver: Arc<Driver<B>>,
 }
 
 /// The engine's task for one list: holds it weakly, so dropping the
 /// handle drops the list (and the task finds nothing to do).
+///
+/// A wake that finds the list held by a waiter is not lost: it is left
+/// in `asked`, and whoever holds the list catches up when letting go
+/// ([`Held`]'s drop), or the task itself when the list is free.
 struct Driver<B: Send + 'static> {
     list: std::sync::Weak<Mutex<List<B>>>,
     engine: crate::transport::engine::EngineHandle,
+    asked: std::sync::atomic::AtomicBool,
+}
+
+impl<B: Send + 'static> Driver<B> {
+    /// Drives the list while drives were asked for and it is free; if it
+    /// is held, its holder catches up when letting go.
+    fn catch_up(&self) {
+        use std::sync::atomic::Ordering::SeqCst;
+        let Some(list) = self.list.upgrade() else { return };
+        while self.asked.load(SeqCst) {
+            let Ok(mut l) = list.try_lock() else { return };
+            self.asked.store(false, SeqCst);
+            l.drive();
+        }
+    }
 }
 
 impl<B: Send + 'static> std::task::Wake for Driver<B> {
@@ -144,11 +164,35 @@ impl<B: Send + 'static> std::task::Wake for Driver<B> {
 
 impl<B: Send + 'static> crate::transport::engine::Task for Driver<B> {
     fn run(self: Arc<Self>) {
-        let Some(list) = self.list.upgrade() else { return };
-        // A waiter holding the list drives it meanwhile, and arms the
-        // engine again before it lets go.
-        let Ok(mut list) = list.try_lock() else { return };
-        list.drive();
+        self.asked.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.catch_up();
+    }
+}
+
+/// The list, locked by a handle; on release, drives the engine asked for
+/// meanwhile.
+struct Held<'a, B: Send + 'static> {
+    guard: Option<MutexGuard<'a, List<B>>>,
+    task: &'a Driver<B>,
+}
+
+impl<B: Send + 'static> std::ops::Deref for Held<'_, B> {
+    type Target = List<B>;
+    fn deref(&self) -> &List<B> {
+        self.guard.as_ref().expect("held until dropped")
+    }
+}
+
+impl<B: Send + 'static> std::ops::DerefMut for Held<'_, B> {
+    fn deref_mut(&mut self) -> &mut List<B> {
+        self.guard.as_mut().expect("held until dropped")
+    }
+}
+
+impl<B: Send + 'static> Drop for Held<'_, B> {
+    fn drop(&mut self) {
+        drop(self.guard.take());
+        self.task.catch_up();
     }
 }
 
@@ -156,8 +200,8 @@ impl<B: Send + 'static> Transfer<B> {
     fn new(list: List<B>) -> Self {
         let engine = list.shared.domain.inner.engine.handle();
         let list = Arc::new(Mutex::new(list));
-        let driver = Arc::new(Driver { list: Arc::downgrade(&list), engine });
-        let t = Transfer { list };
+        let driver = Arc::new(Driver { list: Arc::downgrade(&list), engine, asked: Default::default() });
+        let t = Transfer { list, driver: Arc::clone(&driver) };
         {
             let mut l = t.lock();
             l.driver = Some(Waker::from(driver));
@@ -166,8 +210,8 @@ impl<B: Send + 'static> Transfer<B> {
         t
     }
 
-    fn lock(&self) -> MutexGuard<'_, List<B>> {
-        self.list.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> Held<'_, B> {
+        Held { guard: Some(self.list.lock().unwrap_or_else(|e| e.into_inner())), task: &self.driver }
     }
 
     /// Runs `f` on the list, then leaves the engine armed.
@@ -834,6 +878,10 @@ impl<B: Send + 'static> List<B> {
         let Some(driver) = self.driver.clone() else { return };
         let shared = Arc::clone(&self.shared);
         let engine = &shared.domain.inner.engine;
+        // Where the device finishes requests as fast as they are posted
+        // (soft-RoCE), taking outcomes and posting more could go on for the
+        // whole list: after a queue's worth, the engine takes over.
+        let mut turns = self.shared.info.send_queue_depth.max(1) as usize / self.chain + 1;
         loop {
             if self.settled() {
                 if let Some(w) = self.awaiter.take() {
@@ -842,10 +890,11 @@ impl<B: Send + 'static> List<B> {
                 return;
             }
             let front = if self.staged_active() > 0 { None } else { self.in_flight.front().copied() };
-            let Some(id) = front else {
+            let Some(id) = front.filter(|_| turns > 0) else {
                 engine.timer(Instant::now() + LOOK_AGAIN, driver);
                 return;
             };
+            turns -= 1;
             match shared.transport.poll_register(id, &driver, engine) {
                 Ok(Some(outcome)) => {
                     self.record(outcome);
@@ -853,7 +902,12 @@ impl<B: Send + 'static> List<B> {
                     self.reap();
                 }
                 Ok(None) => return,
-                Err(e) => self.fail(e),
+                Err(e) => {
+                    self.fail(e);
+                    // The same request cannot be asked again: let the engine look later.
+                    engine.timer(Instant::now() + LOOK_AGAIN, driver);
+                    return;
+                }
             }
         }
     }
@@ -991,7 +1045,7 @@ impl<B: Send + 'static> Drop for List<B> {
 impl<B: Send + 'static> fmt::Debug for Transfer<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let this = self.lock();
-        this.fmt(f)
+        List::fmt(&this, f)
     }
 }
 

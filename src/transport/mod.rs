@@ -236,11 +236,11 @@ impl ConnTransport {
         match self {
             #[cfg(feature = "verbs")]
             ConnTransport::Verbs(t) => {
-                let outcome = t.poll_register(id, waker)?;
-                if outcome.is_none() {
-                    engine.watch(t);
-                }
-                Ok(outcome)
+                // Watched from the first registration on, done or not: a
+                // later one may find the operation in flight with nobody
+                // else polling (the peer's death shows only to a watcher).
+                engine.watch(t);
+                t.poll_register(id, waker)
             }
             ConnTransport::Tcp(t) => {
                 let _ = engine;
