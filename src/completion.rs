@@ -299,9 +299,77 @@ pub struct CompletionError {
     pub vendor_err: u32,
 }
 
+/// What a failed operation means, the same on every transport and device.
+/// The status a device reports for one condition differs between devices
+/// and transports (a receive smaller than its message is `LOC_LEN_ERR` on
+/// InfiniBand hardware and on TCP, `LOC_QP_OP_ERR` on soft-RoCE; the
+/// sender sees `REM_INV_REQ_ERR` or `REM_OP_ERR`): match on this rather
+/// than on [`CompletionError::status`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Failure {
+    /// A message was longer than the receive posted for it (reported to
+    /// both the receiver and the sender).
+    MessageTooLong,
+    /// The peer refused a remote access: an unknown or withdrawn key, a
+    /// range outside its region, or a right it does not grant.
+    RemoteAccess,
+    /// The peer had no receive posted, for longer than the
+    /// receiver-not-ready budget.
+    ReceiverNotReady,
+    /// The peer stopped answering (transport retries ran out).
+    PeerUnreachable,
+    /// Not carried out: the connection broke first.
+    Flushed,
+    /// A local buffer the device could not use.
+    LocalProtection,
+    /// Anything else: see the status.
+    Other,
+}
+
+impl CompletionError {
+    /// What the failure means, whatever the transport or device.
+    pub fn failure(&self) -> Failure {
+        use WcStatus as S;
+        match (self.status, self.opcode) {
+            (S::LocalLength, _) => Failure::MessageTooLong,
+            // Soft-RoCE fails a receive too small for its message so.
+            (S::LocalQpOperation, Opcode::Recv | Opcode::RecvWriteWithImm) => Failure::MessageTooLong,
+            (
+                S::RemoteInvalidRequest | S::RemoteOperation,
+                Opcode::Send | Opcode::SendWithImm | Opcode::WriteWithImm,
+            ) => Failure::MessageTooLong,
+            (S::RemoteAccess | S::RemoteInvalidRdRequest, _) => Failure::RemoteAccess,
+            (S::RnrRetryExceeded, _) => Failure::ReceiverNotReady,
+            (S::RetryExceeded, _) => Failure::PeerUnreachable,
+            (S::WrFlush, _) => Failure::Flushed,
+            (S::LocalProtection | S::LocalAccess, _) => Failure::LocalProtection,
+            _ => Failure::Other,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn one_condition_has_one_meaning_whatever_the_status() {
+        let e = |status, opcode| CompletionError { status, opcode, wr_id: 0, qp_num: 0, vendor_err: 0 };
+        for (status, opcode) in [
+            (WcStatus::LocalLength, Opcode::Recv),
+            (WcStatus::LocalQpOperation, Opcode::Recv),
+            (WcStatus::RemoteInvalidRequest, Opcode::Send),
+            (WcStatus::RemoteOperation, Opcode::SendWithImm),
+            (WcStatus::RemoteOperation, Opcode::WriteWithImm),
+        ] {
+            assert_eq!(e(status, opcode).failure(), Failure::MessageTooLong, "{status:?} on {opcode:?}");
+        }
+        assert_eq!(e(WcStatus::RemoteAccess, Opcode::Write).failure(), Failure::RemoteAccess);
+        assert_eq!(e(WcStatus::RemoteOperation, Opcode::Read).failure(), Failure::Other, "not a receive too small");
+        assert_eq!(e(WcStatus::LocalQpOperation, Opcode::Send).failure(), Failure::Other);
+        assert_eq!(e(WcStatus::WrFlush, Opcode::Read).failure(), Failure::Flushed);
+    }
 
     #[test]
     fn status_numbers_round_trip() {

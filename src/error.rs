@@ -195,10 +195,18 @@ pub enum Error {
     #[error("this operation failed and its error was already returned")]
     AlreadyReported,
 
+    /// A wait was interrupted on purpose (a [`Listener`](crate::Listener)'s
+    /// [`Interrupt`](crate::Interrupt)).
+    #[error("{what} was interrupted")]
+    Interrupted {
+        /// What was interrupted.
+        what: &'static str,
+    },
+
     /// The peer's transfer list that was to notify `tag` failed; its
     /// reason, as the peer reported it ([`Inbox`](crate::Inbox) waits).
     #[error("the peer's transfer for notification tag {tag} failed: {reason}")]
-    PeerTransferFailed {
+    PeerFailed {
         /// The notification's tag.
         tag: u32,
         /// Why, in the peer's words.
@@ -263,6 +271,16 @@ impl Error {
     pub fn wc_status(&self) -> Option<WcStatus> {
         match self {
             Error::Completion(c) => Some(c.status),
+            _ => None,
+        }
+    }
+
+    /// What an operation's failure means, the same on every transport
+    /// (see [`Failure`](crate::Failure)); `None` when this is not an
+    /// operation's completion error.
+    pub fn failure(&self) -> Option<crate::completion::Failure> {
+        match self {
+            Error::Completion(c) => Some(c.failure()),
             _ => None,
         }
     }

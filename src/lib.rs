@@ -378,11 +378,11 @@ pub mod units;
 pub mod verbs;
 
 pub use bootstrap::Secret;
-pub use completion::{Completion, CompletionError, Opcode, WcStatus};
+pub use completion::{Completion, CompletionError, Failure, Opcode, WcStatus};
 pub use config::{Transport, TransportPolicy};
 pub use connection::{
-    Batch, CompletionSet, ConnectOptions, Connection, ConnectionInfo, ConnectionStats, Finished, Inbox, InboxStats,
-    Listener, MAX_CONCURRENT_HANDSHAKES, Note, Pending, Transfer, TransferFailed, Transferred,
+    Batch, CompletionSet, ConnectOptions, Connection, ConnectionInfo, ConnectionStats, Failed, Finished, Inbox,
+    InboxStats, Interrupt, Listener, MAX_CONCURRENT_HANDSHAKES, Note, Pending, Transfer, Transferred,
 };
 pub use domain::{BufError, Domain, DomainConfig, DomainInfo, DomainStats};
 pub use error::{AuthFailure, BootstrapError, Error, Result};

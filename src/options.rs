@@ -58,6 +58,11 @@ pub struct ConnectOptions {
     /// A shared secret both sides must hold (default: none, or
     /// `GPU_RDMA_SECRET` when set); see [`secret`](Self::secret).
     pub secret: Option<crate::bootstrap::Secret>,
+    /// How long a post waits for room in a full send queue before it is
+    /// refused with [`Error::QueueFull`](crate::Error::QueueFull), its buffer
+    /// back (default `None`: the operation timeout). `Some(Duration::ZERO)`
+    /// makes every post a try-post: refused at once when the queue is full.
+    pub post_timeout: Option<Duration>,
 }
 
 impl Default for ConnectOptions {
@@ -81,6 +86,7 @@ impl Default for ConnectOptions {
             transport: TransportPolicy::Auto,
             staging_depth: 4,
             secret: secret_from_env(),
+            post_timeout: None,
         }
     }
 }
@@ -123,6 +129,14 @@ impl ConnectOptions {
     /// Sets the default operation timeout.
     pub fn op_timeout(mut self, t: Duration) -> Self {
         self.op_timeout = t;
+        self
+    }
+
+    /// Sets how long a post waits for room in a full send queue;
+    /// `Duration::ZERO` makes posts try-posts (see
+    /// [`post_timeout`](Self#structfield.post_timeout)).
+    pub fn post_timeout(mut self, t: Duration) -> Self {
+        self.post_timeout = Some(t);
         self
     }
 

@@ -375,6 +375,9 @@ fn a_send_larger_than_the_posted_receive_fails_on_both_sides(t: Kind) {
     assert!(matches!(rx_err.wc_status(), Some(WcStatus::LocalLength | WcStatus::LocalQpOperation)), "{rx_err}");
     assert!(rx_err.to_string().contains("RECV"), "{rx_err}");
     assert!(matches!(tx_err.wc_status(), Some(WcStatus::RemoteInvalidRequest | WcStatus::RemoteOperation)), "{tx_err}");
+    // One typed meaning on every transport, on both sides.
+    assert_eq!(rx_err.failure(), Some(gpu_rdma::Failure::MessageTooLong), "{rx_err}");
+    assert_eq!(tx_err.failure(), Some(gpu_rdma::Failure::MessageTooLong), "{tx_err}");
 }
 
 fn a_send_to_a_peer_without_receives_fails_within_the_rnr_budget(t: Kind) {
@@ -806,6 +809,79 @@ fn the_bench_refuses_a_client_whose_flags_differ_from_the_servers(t: Kind) {
 }
 
 /// Each test of the suite, on each transport.
+fn an_interrupted_accept_returns_at_once_and_keeps_its_connections(t: Kind) {
+    let d = domain(t);
+    let (s, c) = pair(&d);
+    let listener = d.listen("127.0.0.1:0").unwrap();
+    let stop = listener.interrupt_handle();
+    let waiting = thread::spawn(move || {
+        let t0 = Instant::now();
+        let r = listener.accept(&opts());
+        (r.map(|_| ()), t0.elapsed())
+    });
+    thread::sleep(Duration::from_millis(200));
+    let stopped_at = Instant::now();
+    stop.interrupt();
+    let (r, _) = waiting.join().unwrap();
+    assert!(matches!(r, Err(Error::Interrupted { .. })), "{r:?}");
+    assert!(
+        stopped_at.elapsed() < Duration::from_secs(1),
+        "the accept returned {:?} after the interrupt",
+        stopped_at.elapsed()
+    );
+    // Other connections of the domain are untouched.
+    let mut rx = s.recv(d.alloc(64).unwrap());
+    c.send_inline(b"still here", None).wait().unwrap();
+    assert_eq!(rx.wait().unwrap().byte_len, 10);
+}
+
+fn a_try_post_into_a_full_queue_is_refused_at_once_with_its_buffer(t: Kind) {
+    let d = domain(t);
+    let o = opts().queue_depth(4, 8).post_timeout(Duration::ZERO);
+    let (s, c) = pair_on(&d, &d, o.clone(), o);
+    // Sends to a peer with no receive posted wait (receiver not ready):
+    // four fill the send queue.
+    let held: Vec<_> = (0..4).map(|i| c.send(filled(&d, &[i; 64]))).collect();
+    let t0 = Instant::now();
+    let mut refused = c.send(filled(&d, &[9; 64]));
+    match refused.wait() {
+        Err(Error::QueueFull { queue: "send", depth }) => assert!(depth >= 4),
+        other => panic!("expected the queue full at once, got {other:?}"),
+    }
+    assert!(t0.elapsed() < Duration::from_secs(1), "a try-post waited {:?}", t0.elapsed());
+    assert_eq!(refused.into_buffer().unwrap()[0], 9, "the refused post's buffer is back");
+    // Receives posted: the four go through, in order.
+    let rx: Vec<_> = (0..4).map(|_| s.recv(d.alloc(64).unwrap())).collect();
+    for (i, mut p) in held.into_iter().enumerate() {
+        p.wait().unwrap_or_else(|e| panic!("send {i}: {e}"));
+    }
+    for (i, p) in rx.into_iter().enumerate() {
+        let (_, b) = p.finish().unwrap();
+        assert_eq!(b[0], i as u8);
+    }
+}
+
+fn into_result_keeps_the_buffer_on_error_and_works_with_the_question_mark(t: Kind) {
+    let d = domain(t);
+    let (s, c) = pair(&d);
+    let target = d.expose(d.alloc(4096).unwrap(), Access::REMOTE_WRITE, 0).unwrap();
+    let remote = s.grant(&target);
+    // A remote-access error: the key the peer never issued.
+    let bad = RemoteSlice::from_raw_parts(remote.addr(), 64, remote.rkey() ^ 0x77);
+    let failed = c.write(filled(&d, &[5; 64]), &bad).into_result().unwrap_err();
+    assert_eq!(failed.error.failure(), Some(gpu_rdma::Failure::RemoteAccess), "{}", failed.error);
+    assert_eq!(failed.buffer.expect("the buffer is back")[0], 5);
+    // Refused before posting (a local range past the buffer): the buffer is back too.
+    let failed = c.write(filled(&d, &[6; 64]).slice(0..128), &remote.slice(0..128).unwrap()).into_result().unwrap_err();
+    assert!(matches!(failed.error, Error::OutOfBounds { side: "local", .. }), "{}", failed.error);
+    assert_eq!(failed.buffer.expect("the buffer is back")[0], 6);
+    let with_q = || -> gpu_rdma::Result<()> {
+        c.write(d.alloc(64).unwrap(), &bad).into_result()?;
+        Ok(())
+    };
+    assert!(with_q().is_err());
+}
+
 macro_rules! both {
     ($($name:ident),* $(,)?) => {
         mod tcp {
@@ -861,6 +937,9 @@ both!(
     a_withdrawn_regions_key_is_a_remote_access_error_never_stale_or_reused_memory,
     the_secret_never_crosses_the_wire_and_a_peer_without_it_learns_nothing,
     the_bench_refuses_a_client_whose_flags_differ_from_the_servers,
+    an_interrupted_accept_returns_at_once_and_keeps_its_connections,
+    a_try_post_into_a_full_queue_is_refused_at_once_with_its_buffer,
+    into_result_keeps_the_buffer_on_error_and_works_with_the_question_mark,
 );
 
 #[test]

@@ -74,6 +74,33 @@ struct Handshakes {
     state: std::sync::Mutex<HandshakeState>,
     /// Write end of the wake-up pair.
     wake: std::os::unix::net::UnixStream,
+    /// Set by an [`Interrupt`]: accepting is over.
+    interrupted: std::sync::atomic::AtomicBool,
+}
+
+/// Stops a [`Listener`]'s accepting from another thread: see
+/// [`Listener::interrupt_handle`].
+#[derive(Clone)]
+pub struct Interrupt {
+    handshakes: Arc<Handshakes>,
+}
+
+impl Interrupt {
+    /// Makes a blocked [`Listener::accept`] (and every later one) return
+    /// [`Error::Interrupted`] at once. Connections already accepted are
+    /// not affected; handshakes still running finish or fail on their own.
+    pub fn interrupt(&self) {
+        self.handshakes.interrupted.store(true, std::sync::atomic::Ordering::SeqCst);
+        let _ = std::io::Write::write(&mut &self.handshakes.wake, &[1]);
+    }
+}
+
+impl fmt::Debug for Interrupt {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Interrupt")
+            .field("interrupted", &self.handshakes.interrupted.load(std::sync::atomic::Ordering::SeqCst))
+            .finish()
+    }
 }
 
 #[derive(Default)]
@@ -97,7 +124,8 @@ impl Listener {
         let (wake, wake_tx) = std::os::unix::net::UnixStream::pair()?;
         wake.set_nonblocking(true)?;
         wake_tx.set_nonblocking(true)?;
-        let handshakes = Arc::new(Handshakes { state: Default::default(), wake: wake_tx });
+        let handshakes =
+            Arc::new(Handshakes { state: Default::default(), wake: wake_tx, interrupted: Default::default() });
         Ok(Listener { domain, tcp, handshakes, wake })
     }
 
@@ -117,7 +145,9 @@ impl Listener {
     ///
     /// # Errors
     /// As [`Domain::connect`], for the peer whose handshake failed; the
-    /// listener stays usable. [`Error::Io`] when accepting fails.
+    /// listener stays usable. [`Error::Io`] when accepting fails;
+    /// [`Error::Interrupted`] once [`interrupt_handle`](Self::interrupt_handle)'s
+    /// handle was used.
     pub fn accept(&self, opts: &ConnectOptions) -> Result<Connection> {
         self.accept_until(opts, None)
     }
@@ -131,8 +161,18 @@ impl Listener {
         self.accept_until(opts, Some((Instant::now() + timeout, timeout)))
     }
 
+    /// A handle another thread uses to stop this listener's accepting
+    /// ([`Interrupt::interrupt`]): a blocked accept returns
+    /// [`Error::Interrupted`] at once.
+    pub fn interrupt_handle(&self) -> Interrupt {
+        Interrupt { handshakes: Arc::clone(&self.handshakes) }
+    }
+
     fn accept_until(&self, opts: &ConnectOptions, deadline: Option<(Instant, Duration)>) -> Result<Connection> {
         loop {
+            if self.handshakes.interrupted.load(std::sync::atomic::Ordering::SeqCst) {
+                return Err(Error::Interrupted { what: "accepting" });
+            }
             if let Some(done) = self.handshakes.lock().finished.pop_front() {
                 return done;
             }

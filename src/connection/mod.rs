@@ -9,9 +9,9 @@ mod transfer;
 mod waiting;
 
 pub use crate::options::{ConnectOptions, ConnectionInfo};
-pub use establish::{Listener, MAX_CONCURRENT_HANDSHAKES};
+pub use establish::{Interrupt, Listener, MAX_CONCURRENT_HANDSHAKES};
 pub use inbox::{Inbox, InboxStats, Note};
-pub use transfer::{Transfer, TransferFailed, Transferred};
+pub use transfer::{Failed, Transfer, Transferred};
 pub use waiting::{CompletionSet, Finished};
 
 use std::fmt;
@@ -35,6 +35,8 @@ pub(crate) struct ConnShared {
     info: ConnectionInfo,
     peer_regions: Vec<RemoteRegion>,
     op_timeout: Duration,
+    /// How long a post waits for room in the send queue.
+    post_timeout: Duration,
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     staging: (usize, usize),
     domain: Domain,
@@ -80,6 +82,7 @@ impl Connection {
                 info: est.info,
                 peer_regions: est.peer_regions,
                 op_timeout: opts.op_timeout,
+                post_timeout: opts.post_timeout.unwrap_or(opts.op_timeout),
                 staging: (opts.staging_chunk, opts.staging_depth),
                 domain: domain.clone(),
                 note_pool: std::sync::Mutex::new(Vec::new()),
@@ -120,7 +123,7 @@ impl Connection {
     }
 
     fn deadline(&self) -> Deadline {
-        Deadline::lazy(self.shared.op_timeout, "room in the send queue")
+        Deadline::lazy(self.shared.post_timeout, "room in the send queue")
     }
 
     fn post_items<B: Send + 'static>(&self, buf: B, items: Result<&[WorkItem]>) -> Pending<B> {
@@ -764,12 +767,29 @@ impl<B: Send + 'static> Pending<B> {
     }
 
     /// Waits (up to the operation timeout), then returns the completion and
+    /// the buffer, or the error and the buffer.
+    ///
+    /// # Errors
+    /// [`Failed`]: the error (as [`wait`](Self::wait)) and the buffer, which
+    /// is `None` only after a timeout with the operation still in flight
+    /// (it then stays with the connection until the device is done).
+    /// Converts into [`Error`], so `?` works.
+    pub fn into_result(mut self) -> std::result::Result<(Completion, B), Failed<B>> {
+        match self.wait() {
+            Ok(c) => Ok((c, self.buf.take().expect("the buffer is present until taken"))),
+            Err(error) => {
+                let buffer = if self.is_done() { self.buf.take() } else { None };
+                Err(Failed { error, buffer })
+            }
+        }
+    }
+
+    /// Waits (up to the operation timeout), then returns the completion and
     /// the buffer.
     ///
     /// # Errors
     /// As [`wait`](Self::wait). On error the buffer is dropped once the
-    /// device is done with it; use [`wait`](Self::wait) and
-    /// [`into_buffer`](Self::into_buffer) to keep it.
+    /// device is done with it; [`into_result`](Self::into_result) keeps it.
     pub fn finish(mut self) -> Result<(Completion, B)> {
         let c = self.wait()?;
         let buf = self.buf.take().expect("the buffer is present until taken");

@@ -280,11 +280,11 @@ impl<B: Send + 'static> Transfer<B> {
     /// error too.
     ///
     /// # Errors
-    /// [`TransferFailed`], with the error and the buffer (`None` only when a
+    /// [`Failed`], with the error and the buffer (`None` only when a
     /// timeout left the list in flight: the buffer then stays with the
     /// connection until the device is done). It converts into [`Error`],
     /// so `?` works in a function returning [`crate::Result`].
-    pub fn finish(self) -> std::result::Result<(Transferred, B), TransferFailed<B>> {
+    pub fn finish(self) -> std::result::Result<(Transferred, B), Failed<B>> {
         self.with(List::finish)
     }
 }
@@ -317,7 +317,7 @@ impl Connection {
     /// [`MAX_NOTIFY_PAYLOAD`](crate::MAX_NOTIFY_PAYLOAD) bytes of `payload`
     /// (longer is cut), posted after the last piece, so the peer sees it only
     /// once every piece has landed. If the list fails, the peer's wait for
-    /// `tag` fails too ([`Error::PeerTransferFailed`], or the connection
+    /// `tag` fails too ([`Error::PeerFailed`], or the connection
     /// lost): at once, not at its timeout. An empty list sends just the
     /// notification.
     pub fn write_list_notify<B: LocalBuffer>(
@@ -860,12 +860,12 @@ impl<B: Send + 'static> List<B> {
     }
 
     /// Waits, then hands out what moved and the buffer.
-    fn finish(&mut self) -> std::result::Result<(Transferred, B), TransferFailed<B>> {
+    fn finish(&mut self) -> std::result::Result<(Transferred, B), Failed<B>> {
         match self.wait() {
             Ok(done) => Ok((done, self.buf.take().expect("the buffer is present until taken"))),
             Err(error) => {
                 let buffer = if self.settled() { self.buf.take() } else { None };
-                Err(TransferFailed { error, buffer })
+                Err(Failed { error, buffer })
             }
         }
     }
@@ -979,9 +979,10 @@ impl<B: Send + Unpin + 'static> Future for Transfer<B> {
     }
 }
 
-/// A transfer list failed: the error, and the buffer back
-/// ([`Transfer::finish`]).
-pub struct TransferFailed<B> {
+/// An operation or transfer list failed: the error, and the buffer back
+/// ([`Transfer::finish`], [`Pending::into_result`](crate::Pending::into_result)).
+/// Converts into [`Error`], so `?` works.
+pub struct Failed<B> {
     /// What went wrong.
     pub error: Error,
     /// The buffer; `None` when it is still with the connection (a timeout
@@ -989,29 +990,29 @@ pub struct TransferFailed<B> {
     pub buffer: Option<B>,
 }
 
-impl<B> fmt::Debug for TransferFailed<B> {
+impl<B> fmt::Debug for Failed<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("TransferFailed")
+        f.debug_struct("Failed")
             .field("error", &self.error)
             .field("buffer", &self.buffer.as_ref().map(|_| "returned"))
             .finish()
     }
 }
 
-impl<B> fmt::Display for TransferFailed<B> {
+impl<B> fmt::Display for Failed<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "the transfer list failed: {}", self.error)
+        fmt::Display::fmt(&self.error, f)
     }
 }
 
-impl<B> std::error::Error for TransferFailed<B> {
+impl<B> std::error::Error for Failed<B> {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         Some(&self.error)
     }
 }
 
-impl<B> From<TransferFailed<B>> for Error {
-    fn from(f: TransferFailed<B>) -> Error {
+impl<B> From<Failed<B>> for Error {
+    fn from(f: Failed<B>) -> Error {
         f.error
     }
 }
