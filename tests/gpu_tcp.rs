@@ -317,3 +317,53 @@ gpu_tcp_test! {
         c.write_list(gpu_region(&d, 4096, Some(&[9; 4096])), &remote, [Piece::new(0, 0, 4096)]).finish().unwrap();
     }
 }
+
+gpu_tcp_test! {
+    fn eight_concurrent_staged_lists_notify_right_and_a_peer_leaving_mid_list_fails_the_rest_promptly() {
+        use gpu_rdma::Piece;
+        let d = tcp_domain();
+        let (s, c) = pair_on(&d, &d, opts(), opts());
+        let mut inbox = s.inbox(16).unwrap();
+        let page = 4096u64;
+        let per = 64u64;
+        let target = d.expose(d.alloc((8 * per * page) as usize).unwrap(), Access::REMOTE_WRITE, 0).unwrap();
+        let remote = s.grant(&target).whole();
+        let datas: Vec<Vec<u8>> = (0..8).map(|k| pattern((per * page) as usize, 300 + k)).collect();
+        // Eight staged lists in flight at once, tags k % 3, nobody waiting on them.
+        let lists: Vec<_> = (0..8u64)
+            .map(|k| {
+                let pieces = (0..per).map(move |i| Piece::new(i * page, (i * 8 + k) * page, page));
+                c.write_list_notify(gpu_region(&d, (per * page) as usize, Some(&datas[k as usize])), &remote, pieces, (k % 3) as u32, &[k as u8])
+            })
+            .collect();
+        for (tag, n) in [(1u32, 3usize), (2, 2), (0, 3)] {
+            for note in inbox.wait(tag, n).unwrap() {
+                let k = u64::from(note.payload[0]);
+                assert_eq!(k % 3, u64::from(tag));
+                for i in 0..per {
+                    let mut got = vec![0u8; page as usize];
+                    target.read_at(((i * 8 + k) * page) as usize, &mut got).unwrap();
+                    assert!(got[..] == datas[k as usize][(i * page) as usize..((i + 1) * page) as usize], "list {k} page {i}");
+                }
+            }
+        }
+        for l in lists {
+            l.finish().unwrap();
+        }
+        // The peer goes away in the middle of a long staged list.
+        let len = 8 << 20;
+        let pieces = (0..1u64 << 20).map(|i| Piece::new((i % 2048) * 4096, ((i * 7) % 512) * 4096, 4096));
+        let mut long = c.write_list(gpu_region(&d, len, None), &remote, pieces);
+        for _ in 0..20 {
+            assert!(long.poll().unwrap().is_none());
+        }
+        let left = std::time::Instant::now();
+        drop(inbox);
+        drop(s);
+        let outcome = long.wait();
+        assert!(matches!(outcome, Err(Error::ConnectionLost { .. } | Error::Completion(_))), "{outcome:?}");
+        assert!(left.elapsed() < std::time::Duration::from_secs(1), "the staged list failed {:?} after the peer left", left.elapsed());
+        let f = long.finish().unwrap_err();
+        assert!(f.buffer.is_some(), "settled: the GPU buffer is back");
+    }
+}
