@@ -206,7 +206,7 @@ pub enum Error {
     /// The peer's transfer list that was to notify `tag` failed; its
     /// reason, as the peer reported it ([`Inbox`](crate::Inbox) waits).
     #[error("the peer's transfer for notification tag {tag} failed: {reason}")]
-    PeerFailed {
+    PeerTransferFailed {
         /// The notification's tag.
         tag: u32,
         /// Why, in the peer's words.

@@ -126,6 +126,38 @@
 //! on bad input, and everything that waits for a peer has a timeout
 //! ([`ConnectOptions::handshake_timeout`], [`ConnectOptions::op_timeout`]).
 //!
+//! [`Error::failure`] gives a condition one meaning on every transport and
+//! device ([`Failure`]): a receive smaller than its message is
+//! [`Failure::MessageTooLong`] on both sides, whether the device reports
+//! `LOC_LEN_ERR`, `LOC_QP_OP_ERR`, `REM_INV_REQ_ERR` or `REM_OP_ERR`.
+//!
+//! ## Many operations at once: lists, notifications, futures
+//!
+//! - [`Connection::write_list`] / [`Connection::read_list`] move any number
+//!   of [`Piece`]s (or [`Piece::pages`] of a paged layout) between one local
+//!   buffer and one remote range with one [`Transfer`]: the list is checked
+//!   whole before anything is posted, adjacent pieces are merged, long
+//!   ones split, and the domain's engine keeps as many posts in flight as
+//!   the send queue holds, with nobody waiting. On verbs, TCP and staged
+//!   GPU memory alike.
+//! - [`Connection::write_list_notify`] sends a tagged notification (with up
+//!   to [`MAX_NOTIFY_PAYLOAD`] bytes) after the list's last piece; the
+//!   peer's [`Inbox`] counts them by tag, in any arrival order. A list that
+//!   fails sends a failure notification instead
+//!   ([`Error::PeerTransferFailed`] at the peer, at once).
+//! - [`Pending`] and [`Transfer`] implement `Future` for any runtime; one
+//!   progress engine per domain (a thread, started on first use) wakes
+//!   them: it sleeps on every awaited connection's completion channel and
+//!   peer socket (verbs), while TCP connections wake their waiters from
+//!   their own threads. Every await is bounded by the operation timeout.
+//!   [`CompletionSet`] waits for any or all of many operations from one
+//!   thread; [`Pending::on_complete`] runs a callback on the engine.
+//! - Dropping a future, a `Transfer` or a whole set mid-flight is safe: the
+//!   buffers stay with their connections until the device is done.
+//! - [`ConnectOptions::post_timeout`] `(Duration::ZERO)` makes posts
+//!   try-posts ([`Error::QueueFull`] at once, the buffer back);
+//!   [`Pending::into_result`] hands the buffer back on error too.
+//!
 //! ## Transports: verbs, or TCP with the same semantics
 //!
 //! Each connection picks its transport in the handshake: verbs (an RC queue
@@ -181,6 +213,9 @@
 //! | [`Error::Bootstrap`], [`Error::Timeout`] from connect/accept | the handshake failed | never established; a listener stays usable | check the peer, retry |
 //! | [`BootstrapError::Auth`] | the shared secrets differ, or only one side has one (both sides get it; nothing but nonces and proofs was exchanged) | never established | give both sides the same [`ConnectOptions::secret`] (or `GPU_RDMA_SECRET`) |
 //! | [`Error::NoDevice`], [`Error::DeviceNotFound`], [`Error::NoActivePort`], [`Error::NoGid`] | no usable RDMA port | - | see the reason; `gpu-rdma devices` |
+//! | [`Error::QueueFull`] | the send queue stayed full for [`ConnectOptions::post_timeout`] (zero: a try-post) | unchanged | wait for completions, post again; the buffer comes back |
+//! | [`Error::PeerTransferFailed`] from an [`Inbox`] wait | the peer's transfer list for that tag failed (its reason) | unchanged | ask again, or give up on the tag |
+//! | [`Error::Interrupted`] from accept | [`Listener::interrupt_handle`] was used | accepted connections unaffected | - |
 //!
 //! What a peer can and cannot do to this side, whatever bytes it sends:
 //!
@@ -337,7 +372,19 @@
 //! ## Threads and cleanup
 //!
 //! [`Domain`], [`Connection`], [`Exposed`] and [`Shared`] are `Send + Sync`;
-//! operations may be posted and waited on from several threads. Resources
+//! operations may be posted and waited on from several threads. Threads:
+//! one progress engine per domain (started when something is first
+//! awaited), and per TCP connection a sender and a receiver; verbs
+//! connections have none.
+//!
+//! Who may touch what, when: host memory a peer writes into is the
+//! owner's to read once the peer says so (a notification, a message, a
+//! write with immediate arrives after the data on a reliable connection);
+//! the exposer keeps its connection open while the peer's one-sided
+//! operations are to run (they go through its queue pair); a remote-access
+//! error breaks the connection it happened on, on both transports, and no
+//! other; dropping a [`Listener`] cuts off only the handshakes it has
+//! running. Resources
 //! keep their parents alive, so they may be dropped in any order: the
 //! device context, protection domain, queue pairs and registrations are
 //! released in dependency order when the last user goes.

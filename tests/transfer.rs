@@ -281,7 +281,7 @@ fn a_list_that_fails_fails_the_peers_wait_at_once(t: Kind) {
     assert!(matches!(failed.as_ref().map_err(|f| &f.error), Err(Error::OutOfBounds { .. })));
     let started = Instant::now();
     match inbox.wait_timeout(7, 1, Duration::from_secs(20)) {
-        Err(Error::PeerFailed { tag: 7, reason }) => assert!(reason.contains("outside"), "{reason}"),
+        Err(Error::PeerTransferFailed { tag: 7, reason }) => assert!(reason.contains("outside"), "{reason}"),
         other => panic!("expected the peer's failure, got {other:?}"),
     }
     assert!(started.elapsed() < Duration::from_secs(1), "took {:?}", started.elapsed());

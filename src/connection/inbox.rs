@@ -165,7 +165,7 @@ impl Inbox {
     /// Takes `n` notifications with `tag` if they have arrived.
     ///
     /// # Errors
-    /// [`Error::PeerFailed`] when a transfer that was to notify
+    /// [`Error::PeerTransferFailed`] when a transfer that was to notify
     /// `tag` failed at the peer (that failure is taken);
     /// [`Error::ConnectionLost`] when fewer than `n` arrived and no more can.
     pub fn try_take(&mut self, tag: u32, n: usize) -> Result<Option<Vec<Note>>> {
@@ -177,7 +177,7 @@ impl Inbox {
         let queue = self.by_tag.entry(tag).or_default();
         if let Some(at) = queue.iter().position(std::result::Result::is_err) {
             let reason = queue.remove(at).and_then(std::result::Result::err).unwrap_or_default();
-            return Err(Error::PeerFailed { tag, reason });
+            return Err(Error::PeerTransferFailed { tag, reason });
         }
         if queue.len() >= n {
             let notes = queue.drain(..n).map(|p| Note { tag, payload: p.unwrap_or_default() }).collect();

@@ -317,7 +317,7 @@ impl Connection {
     /// [`MAX_NOTIFY_PAYLOAD`](crate::MAX_NOTIFY_PAYLOAD) bytes of `payload`
     /// (longer is cut), posted after the last piece, so the peer sees it only
     /// once every piece has landed. If the list fails, the peer's wait for
-    /// `tag` fails too ([`Error::PeerFailed`], or the connection
+    /// `tag` fails too ([`Error::PeerTransferFailed`], or the connection
     /// lost): at once, not at its timeout. An empty list sends just the
     /// notification.
     pub fn write_list_notify<B: LocalBuffer>(
