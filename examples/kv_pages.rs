@@ -294,7 +294,7 @@ fn prefill_side(domain: &Domain, conn: &Connection, pool: Pool, args: Args) -> R
 
 /// The prefill side's transfers awaited concurrently on one thread.
 fn prefill_async(list: impl Fn(u32) -> Result<Transfer<Shared<HostMemory>>>, requests: u32) -> Result<()> {
-    let rt = tokio::runtime::Builder::new_current_thread().enable_time().build()?;
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(async {
         let mut set = tokio::task::JoinSet::new();
         for r in 0..requests {

@@ -150,6 +150,9 @@
 //!   them: it sleeps on every awaited connection's completion channel and
 //!   peer socket (verbs), while TCP connections wake their waiters from
 //!   their own threads. Every await is bounded by the operation timeout.
+//!   With the `tokio` feature, futures awaited in a tokio runtime with IO
+//!   enabled are woken through its reactor (`AsyncFd` on the completion
+//!   channel) instead of through the engine's thread.
 //!   [`CompletionSet`] waits for any or all of many operations from one
 //!   thread; [`Pending::on_complete`] runs a callback on the engine.
 //! - Dropping a future, a `Transfer` or a whole set mid-flight is safe: the
@@ -275,6 +278,7 @@
 //! | `verbs` | yes | ibverbs through `rdma-sys`; building needs rdma-core headers (`libibverbs-dev`) |
 //! | `cuda` | yes | CUDA through `cudarc`, loaded at run time: building needs no CUDA, and a machine without a GPU gets [`Error::CudaUnavailable`] with the reason from every CUDA call, never a panic |
 //! | `cli` | no | the `gpu-rdma` command-line tool (`clap`, `serde_json`, `tracing-subscriber`): `cargo run --features cli --bin gpu-rdma` |
+//! | `tokio` | no | futures awaited in a tokio runtime with IO enabled are woken through its reactor rather than the engine's thread |
 //!
 //! `cargo build --no-default-features` builds on a machine without
 //! rdma-core; [`Domain::open`] then says the crate was built without verbs.

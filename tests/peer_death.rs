@@ -263,7 +263,7 @@ fn death_mid_list(t: Kind) {
     let conn = connect(&d, port);
     bench::agree(&conn, &params(1_000_000), OP_TIMEOUT).expect("the peer agrees on the test");
     let remote = conn.remote_regions()[0].slice(0..1 << 20).unwrap();
-    let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let took = rt.block_on(async {
         let mut set = tokio::task::JoinSet::new();
         let pieces = (0..1u64 << 20).map(|i| Piece::new((i % 256) * 4096, ((i * 7) % 256) * 4096, 4096));

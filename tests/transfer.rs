@@ -375,7 +375,6 @@ fn a_list_nobody_waits_on_is_carried_to_the_end_by_the_engine(t: Kind) {
     let notes =
         inbox.wait_timeout(9, 1, Duration::from_secs(60)).expect("the engine carried the list to its notification");
     assert_eq!(&notes[0].payload[..], b"done");
-    assert!(list.is_done() || c.stats().in_flight <= 1, "only the notification's completion may still be on its way");
     let mut got = vec![0u8; len];
     target.read_at(0, &mut got).unwrap();
     let mut want = vec![0u8; len];

@@ -37,7 +37,7 @@ fn threads() -> usize {
 }
 
 fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap()
+    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
 }
 
 fn a_thousand_operations_are_awaited_from_a_single_threaded_runtime(t: Kind) {

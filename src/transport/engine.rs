@@ -16,6 +16,8 @@
 //! - Tasks: completion callbacks run on the engine's thread.
 
 use std::collections::{BTreeMap, VecDeque};
+#[cfg(feature = "tokio")]
+use std::future::Future as _;
 #[cfg(feature = "verbs")]
 use std::os::fd::RawFd;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -160,6 +162,8 @@ impl Engine {
         let Some(channel) = conn.channel_fd() else { return };
         self.shared.lock().watched.push(Watch { conn: Arc::downgrade(conn), channel, socket: Some(conn.socket_fd()) });
         self.shared.notify();
+        #[cfg(feature = "tokio")]
+        tokio_watch(conn, channel);
     }
 
     /// Wakes `waker` at `at` (unless cancelled first).
@@ -193,6 +197,82 @@ impl Drop for Engine {
             }
         }
     }
+}
+
+/// In a tokio runtime: a task on it waits for the completion channel
+/// through the runtime's reactor (`AsyncFd`), so the operations it
+/// finishes wake their futures without a hop through the engine's thread.
+/// The engine keeps watching the connection too (its peer socket, its
+/// sweeps); both may take an event, and either polls. The task lets go
+/// when the connection closes.
+#[cfg(all(feature = "tokio", feature = "verbs"))]
+fn tokio_watch(conn: &Arc<VerbsConn>, channel: RawFd) {
+    use std::task::Poll;
+    use tokio::io::Interest;
+    use tokio::io::unix::AsyncFd;
+
+    /// The connection's completion channel, with the connection that owns
+    /// it: open for as long as this value lives.
+    struct Channel(Arc<VerbsConn>, RawFd);
+    impl AsRawFd for Channel {
+        fn as_raw_fd(&self) -> RawFd {
+            self.1
+        }
+    }
+
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
+    // Registered here, in the runtime's context. A runtime built without
+    // IO (no `enable_io`) makes tokio panic: then the engine's thread
+    // alone wakes this connection's futures.
+    let channel = Channel(Arc::clone(conn), channel);
+    let registered = {
+        let _in = runtime.enter();
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            // SAFETY: the descriptor is the completion channel of the
+            // connection `Channel` holds an `Arc` of: it stays open, the same
+            // description, until the `AsyncFd` (which owns the `Channel`) is
+            // dropped, deregistering it first; `as_raw_fd` always returns it.
+            unsafe { AsyncFd::register_with_interest(channel, Interest::READABLE) }
+        }))
+    };
+    let fd = match registered {
+        Ok(Ok(fd)) => fd,
+        Ok(Err(e)) => {
+            tracing::debug!("the completion channel stays with the engine's thread: {e}");
+            return;
+        }
+        Err(_) => {
+            tracing::warn!("this tokio runtime has no IO driver (enable_io): the engine's thread wakes its futures");
+            return;
+        }
+    };
+    let closing = conn.closing();
+    runtime.spawn(async move {
+        loop {
+            let notified = closing.notified();
+            let mut notified = std::pin::pin!(notified);
+            let go_on = std::future::poll_fn(|cx| {
+                if notified.as_mut().poll(cx).is_ready() {
+                    return Poll::Ready(false);
+                }
+                match fd.poll_read_ready(cx) {
+                    Poll::Ready(Ok(mut ready)) => {
+                        ready.clear_ready();
+                        Poll::Ready(true)
+                    }
+                    Poll::Ready(Err(_)) => Poll::Ready(false),
+                    Poll::Pending => Poll::Pending,
+                }
+            })
+            .await;
+            if !go_on {
+                break;
+            }
+            fd.get_ref().0.engine_progress(true, false);
+        }
+        // Deregisters, then lets go of the connection.
+        drop(fd);
+    });
 }
 
 /// What an awaited operation keeps while it waits: its deadline and the

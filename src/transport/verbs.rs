@@ -76,6 +76,9 @@ pub(crate) struct VerbsConn {
     spin: Duration,
     /// Watched by the domain's progress engine.
     watched: std::sync::atomic::AtomicBool,
+    /// Tells a tokio task watching this connection that it is closing.
+    #[cfg(feature = "tokio")]
+    closing: std::sync::Arc<tokio::sync::Notify>,
 }
 
 const PEER_GRACE: Duration = Duration::from_millis(50);
@@ -216,6 +219,8 @@ impl Prepared {
             max_inline: caps.max_inline_data,
             spin: opts.spin,
             watched: std::sync::atomic::AtomicBool::new(false),
+            #[cfg(feature = "tokio")]
+            closing: Default::default(),
         };
         Ok((conn, info))
     }
@@ -409,6 +414,12 @@ impl VerbsConn {
         Ok(st.q.take_or_register(id, waker))
     }
 
+    /// What a tokio task watching this connection waits on to let go.
+    #[cfg(feature = "tokio")]
+    pub(crate) fn closing(&self) -> std::sync::Arc<tokio::sync::Notify> {
+        std::sync::Arc::clone(&self.closing)
+    }
+
     /// Marks this connection watched by the engine; whether it was not yet.
     pub(crate) fn mark_watched(&self) -> bool {
         !self.watched.swap(true, std::sync::atomic::Ordering::AcqRel)
@@ -430,7 +441,9 @@ impl VerbsConn {
     /// wakes the operations that finished) and looks at the peer.
     pub(crate) fn engine_progress(&self, event: bool, peer: bool) {
         if event {
-            self.cq.try_take_event();
+            // Every event there is: a watcher woken by an edge sees no
+            // second edge for events already queued.
+            while self.cq.try_take_event() {}
         }
         if let Err(e) = self.cq.req_notify(false) {
             tracing::warn!("arming the completion queue: {e}");
@@ -485,6 +498,10 @@ impl VerbsConn {
     /// Closes this side: says bye, then moves the queue pair to the error
     /// state so everything outstanding completes (flushed).
     pub(crate) fn shutdown(&self, reason: &str) {
+        // A tokio task watching the completion channel lets go of it (a
+        // permit is kept if it is not waiting right now).
+        #[cfg(feature = "tokio")]
+        self.closing.notify_one();
         let mut st = self.lock();
         if st.q.lost().is_none() {
             bootstrap::send_bye(&self.socket);

@@ -104,7 +104,10 @@ fn runs_in_guest(name: &str) -> bool {
 /// The test executables that run in the guest, built for this machine.
 fn guest_test_executables() -> Result<Vec<PathBuf>> {
     let out = cargo()
-        .args(["test", "--features", "cli", "--no-run", "--message-format=json-render-diagnostics"])
+        // With the tokio feature: futures awaited in the tests' runtimes are
+        // woken through tokio's reactor on rxe0 (the host tier runs without
+        // it, through the engine's thread).
+        .args(["test", "--features", "cli,tokio", "--no-run", "--message-format=json-render-diagnostics"])
         .stderr(Stdio::inherit())
         .output()
         .map_err(|e| e.to_string())?;
@@ -304,6 +307,9 @@ pub fn run() -> Result<i32> {
     }
     if run_cmd(cargo().args(["clippy", "--lib", "--no-default-features", "--", "-D", "warnings"])).is_err() {
         failures.push("cargo clippy --lib --no-default-features (the build without rdma-core)".into());
+    }
+    if run_cmd(cargo().args(["clippy", "--lib", "--tests", "--features", "tokio", "--", "-D", "warnings"])).is_err() {
+        failures.push("cargo clippy --features tokio".into());
     }
     // The library's module graph has no cycle and no import against the
     // layer order (see `cargo xtask layers`).
