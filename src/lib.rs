@@ -433,7 +433,7 @@ pub use completion::{Completion, CompletionError, Failure, Opcode, WcStatus};
 pub use config::{Transport, TransportPolicy};
 pub use connection::{
     Batch, CompletionSet, ConnectOptions, Connection, ConnectionInfo, ConnectionStats, Failed, Finished, Inbox,
-    InboxStats, Interrupt, Listener, MAX_CONCURRENT_HANDSHAKES, Note, Pending, Transfer, Transferred,
+    InboxStats, Interrupt, Listener, MAX_CONCURRENT_HANDSHAKES, MAX_QUEUED_NOTES, Note, Pending, Transfer, Transferred,
 };
 pub use domain::{BufError, Domain, DomainConfig, DomainInfo, DomainStats};
 pub use error::{AuthFailure, BootstrapError, Error, Result};

@@ -424,3 +424,44 @@ both!(
     an_error_in_the_middle_of_a_chain_fails_it_with_that_error,
     a_list_nobody_waits_on_is_carried_to_the_end_by_the_engine,
 );
+
+/// A peer sending notifications nobody takes cannot grow this side's
+/// memory without bound: past `MAX_QUEUED_NOTES` they are dropped and
+/// counted. (TCP only: 66,000 messages.)
+#[test]
+fn tcp_notifications_nobody_takes_are_bounded() {
+    let d = domain(Kind::Tcp);
+    let (s, c) = pair(&d);
+    let mut inbox = s.inbox(64).unwrap();
+    let total = gpu_rdma::MAX_QUEUED_NOTES as u32 + 500;
+    let sender = std::thread::spawn(move || {
+        // A valid, empty notification, each with its own tag.
+        let msg = [0x67, 0x4e, 1, 0, 0, 0, 0, 0];
+        let mut window = std::collections::VecDeque::new();
+        for tag in 0..total {
+            window.push_back(c.send_inline(&msg, Some(tag)));
+            if window.len() >= 32 {
+                window.pop_front().unwrap().wait().unwrap();
+            }
+        }
+        for mut p in window {
+            p.wait().unwrap();
+        }
+        c
+    });
+    let until = Instant::now() + Duration::from_secs(120);
+    loop {
+        inbox.poll().unwrap();
+        let st = inbox.stats();
+        if st.received + st.overflowed == u64::from(total) {
+            break;
+        }
+        assert!(Instant::now() < until, "{st:?}");
+    }
+    let _c = sender.join().unwrap();
+    let st = inbox.stats();
+    assert_eq!((st.queued, st.overflowed), (gpu_rdma::MAX_QUEUED_NOTES, 500), "{st:?}");
+    // Taking some makes room again; what was kept is intact.
+    assert_eq!(inbox.try_take(7, 1).unwrap().unwrap()[0].tag, 7);
+    assert_eq!(inbox.stats().queued, gpu_rdma::MAX_QUEUED_NOTES - 1);
+}

@@ -37,7 +37,15 @@ pub struct InboxStats {
     pub malformed: u64,
     /// Notifications received and not yet taken.
     pub queued: usize,
+    /// Notifications dropped because [`MAX_QUEUED_NOTES`] were already waiting
+    /// to be taken (a peer sending tags nobody waits for).
+    pub overflowed: u64,
 }
+
+/// Notifications an inbox keeps untaken at most (with up to 4 KiB of
+/// payload each: 256 MiB); past that, new ones are dropped and counted, so
+/// a peer cannot grow this side's memory without bound.
+pub const MAX_QUEUED_NOTES: usize = 65_536;
 
 /// Notifications arriving on one connection, counted by tag; see
 /// [`Connection::inbox`].
@@ -51,6 +59,8 @@ pub struct Inbox {
     slots: VecDeque<Pending<Region<HostMemory>>>,
     /// Per tag, what arrived and is not taken: a payload, or a failure's reason.
     by_tag: HashMap<u32, VecDeque<std::result::Result<Bytes, String>>>,
+    /// Entries in `by_tag`.
+    queued: usize,
     /// Why no more will arrive.
     lost: Option<String>,
     stats: InboxStats,
@@ -75,6 +85,7 @@ impl Connection {
             shared: Arc::clone(&self.shared),
             slots: VecDeque::with_capacity(slots),
             by_tag: HashMap::new(),
+            queued: 0,
             lost: None,
             stats: InboxStats::default(),
         };
@@ -107,8 +118,13 @@ impl Inbox {
             return;
         };
         match notify::decode(msg) {
+            Ok(_) if self.queued >= MAX_QUEUED_NOTES => {
+                self.stats.overflowed += 1;
+                tracing::warn!("{MAX_QUEUED_NOTES} notifications wait to be taken: dropped one with tag {tag}");
+            }
             Ok((status, payload)) => {
                 self.stats.received += 1;
+                self.queued += 1;
                 let entry = match status {
                     Status::Done => Ok(Bytes::copy_from_slice(payload)),
                     Status::Failed => Err(String::from_utf8_lossy(payload).into_owned()),
@@ -177,10 +193,15 @@ impl Inbox {
         let queue = self.by_tag.entry(tag).or_default();
         if let Some(at) = queue.iter().position(std::result::Result::is_err) {
             let reason = queue.remove(at).and_then(std::result::Result::err).unwrap_or_default();
+            self.queued -= 1;
             return Err(Error::PeerTransferFailed { tag, reason });
         }
         if queue.len() >= n {
-            let notes = queue.drain(..n).map(|p| Note { tag, payload: p.unwrap_or_default() }).collect();
+            let notes: Vec<Note> = queue.drain(..n).map(|p| Note { tag, payload: p.unwrap_or_default() }).collect();
+            self.queued -= notes.len();
+            if queue.is_empty() {
+                self.by_tag.remove(&tag);
+            }
             return Ok(Some(notes));
         }
         match &self.lost {
@@ -234,7 +255,7 @@ impl Inbox {
 
     /// What the inbox has seen.
     pub fn stats(&self) -> InboxStats {
-        InboxStats { queued: self.by_tag.values().map(VecDeque::len).sum(), ..self.stats }
+        InboxStats { queued: self.queued, ..self.stats }
     }
 }
 

@@ -10,7 +10,7 @@ mod waiting;
 
 pub use crate::options::{ConnectOptions, ConnectionInfo};
 pub use establish::{Interrupt, Listener, MAX_CONCURRENT_HANDSHAKES};
-pub use inbox::{Inbox, InboxStats, Note};
+pub use inbox::{Inbox, InboxStats, MAX_QUEUED_NOTES, Note};
 pub use transfer::{Failed, Transfer, Transferred};
 pub use waiting::{CompletionSet, Finished};
 
