@@ -367,3 +367,49 @@ gpu_tcp_test! {
         assert!(f.buffer.is_some(), "settled: the GPU buffer is back");
     }
 }
+
+gpu_tcp_test! {
+    fn staged_sends_reach_the_peers_receives_in_the_order_they_were_made() {
+        use common::gpu::{produce, produced};
+        let d = tcp_domain();
+        let (s, c) = pair_on(&d, &d, opts(), opts());
+        // The first message's data comes from a producer that lands 200 ms
+        // late: its copy out of the GPU waits for that fence, while the
+        // messages made after it come from another GPU (another staging
+        // stream), copied at once. They must still reach the peer's
+        // receives after it, in the order made.
+        let n = 64 << 10;
+        let dev = CudaDevice::open(0).unwrap();
+        let other = match CudaDevice::count() {
+            Ok(k) if k >= 2 => 1,
+            _ => {
+                eprintln!("one CUDA device: the later messages share the first one's staging stream");
+                0
+            }
+        };
+        let on = |ordinal: usize, data: &[u8]| {
+            let buf = CudaBuffer::alloc(&CudaDevice::open(ordinal).unwrap(), n).unwrap();
+            buf.copy_from_host(0, data).unwrap();
+            d.register_with_path(buf, Access::LOCAL_WRITE, PathPolicy::Auto).unwrap_or_else(|e| panic!("{}", e.error))
+        };
+        let stream = gpu_rdma::cuda::CudaStream::new(&dev).unwrap();
+        let first = gpu_region(&d, n, None);
+        produce(&stream, first.memory(), 0, n, 77, 200_000);
+        first.memory().ready_after(&stream).unwrap();
+        let later: Vec<Vec<u8>> = (0..7).map(|i| pattern(n, 600 + i)).collect();
+        let rx: Vec<_> = (0..8).map(|_| s.recv(d.alloc(n).unwrap())).collect();
+        let mut tx = vec![c.send(first)];
+        tx.extend(later.iter().map(|data| c.send(on(other, data))));
+        for p in tx.iter_mut().rev() {
+            let _ = p.poll();
+        }
+        for (i, mut p) in tx.into_iter().enumerate() {
+            p.wait().unwrap_or_else(|e| panic!("send {i}: {e}"));
+        }
+        for (i, p) in rx.into_iter().enumerate() {
+            let (_, got) = p.finish().unwrap();
+            let want = if i == 0 { produced(77, n) } else { later[i - 1].clone() };
+            assert_eq!(first_difference(&got, &want), None, "receive {i} got another message");
+        }
+    }
+}

