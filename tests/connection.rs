@@ -10,6 +10,7 @@
 //! connection -- --ignored`, or `cargo xtask test`, which runs them in the
 //! soft-RoCE VM.
 
+#[macro_use]
 mod common;
 
 use std::io::{Read, Write};
@@ -880,28 +881,6 @@ fn into_result_keeps_the_buffer_on_error_and_works_with_the_question_mark(t: Kin
         Ok(())
     };
     assert!(with_q().is_err());
-}
-
-macro_rules! both {
-    ($($name:ident),* $(,)?) => {
-        mod tcp {
-            $(
-                #[test]
-                fn $name() {
-                    super::$name(super::Kind::Tcp)
-                }
-            )*
-        }
-        mod verbs {
-            $(
-                #[test]
-                #[ignore = "verbs: needs an RDMA device: GPU_RDMA_TEST_DEVICE=<dev> and --ignored (cargo xtask test runs it on soft-RoCE)"]
-                fn $name() {
-                    super::$name(super::Kind::Verbs)
-                }
-            )*
-        }
-    };
 }
 
 both!(

@@ -8,6 +8,7 @@
 //! `verbs::name` on an RDMA device (`--ignored`, `GPU_RDMA_TEST_DEVICE`;
 //! `cargo xtask test` runs them on soft-RoCE).
 
+#[macro_use]
 mod common;
 
 use std::time::{Duration, Instant};
@@ -385,28 +386,6 @@ fn a_list_nobody_waits_on_is_carried_to_the_end_by_the_engine(t: Kind) {
     assert_eq!(first_difference(&got, &want), None);
     let (done, _) = list.finish().unwrap();
     assert_eq!(done.bytes, len as u64);
-}
-
-macro_rules! both {
-    ($($name:ident),* $(,)?) => {
-        mod tcp {
-            $(
-                #[test]
-                fn $name() {
-                    super::$name(super::Kind::Tcp)
-                }
-            )*
-        }
-        mod verbs {
-            $(
-                #[test]
-                #[ignore = "verbs: needs an RDMA device: GPU_RDMA_TEST_DEVICE=<dev> and --ignored (cargo xtask test runs it on soft-RoCE)"]
-                fn $name() {
-                    super::$name(super::Kind::Verbs)
-                }
-            )*
-        }
-    };
 }
 
 both!(

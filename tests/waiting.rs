@@ -6,6 +6,7 @@
 //! `verbs::name` on an RDMA device (`--ignored`, `GPU_RDMA_TEST_DEVICE`;
 //! `cargo xtask test` runs them on soft-RoCE).
 
+#[macro_use]
 mod common;
 
 use std::sync::mpsc;
@@ -280,28 +281,6 @@ fn a_transfer_list_is_awaited(t: Kind) {
     let mut got = vec![0u8; len];
     target.read_at(0, &mut got).unwrap();
     assert_eq!(first_difference(&got, &expect), None);
-}
-
-macro_rules! both {
-    ($($name:ident),* $(,)?) => {
-        mod tcp {
-            $(
-                #[test]
-                fn $name() {
-                    super::$name(super::Kind::Tcp)
-                }
-            )*
-        }
-        mod verbs {
-            $(
-                #[test]
-                #[ignore = "verbs: needs an RDMA device: GPU_RDMA_TEST_DEVICE=<dev> and --ignored (cargo xtask test runs it on soft-RoCE)"]
-                fn $name() {
-                    super::$name(super::Kind::Verbs)
-                }
-            )*
-        }
-    };
 }
 
 both!(

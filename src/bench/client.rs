@@ -189,19 +189,25 @@ pub fn bandwidth<B: LocalBuffer + Clone>(
         outstanding -= n;
         stamps.push((completed, clock.ticks()));
     }
+    // Completions are seen in bursts after a wait: a window of several
+    // queue depths keeps a burst from passing for a peak.
+    Ok(bw_row(&clock, &stamps, size, iters, 4 * depth))
+}
+
+/// A bandwidth row from completion stamps (operations done, clock ticks);
+/// the peak over windows of at least `window` operations.
+fn bw_row(clock: &Stopwatch, stamps: &[(u64, u64)], size: usize, iters: u64, window: u64) -> BwRow {
     let per_tick = clock.seconds_per_tick();
     let stamps: Vec<(u64, f64)> =
         stamps.iter().map(|&(n, t)| (n, t.wrapping_sub(clock.start_ticks) as f64 * per_tick)).collect();
     let secs = stamps.last().map_or(0.0, |s| s.1).max(1e-9);
-    Ok(BwRow {
+    BwRow {
         bytes: size,
         iterations: iters,
-        // Completions are seen in bursts after a wait: a window of several
-        // queue depths keeps a burst from passing for a peak.
-        bw_peak_mib_s: peak_rate(&stamps, size, (iters / 10).max(4 * depth).min(iters)) / MIB,
+        bw_peak_mib_s: peak_rate(&stamps, size, (iters / 10).max(window).min(iters)) / MIB,
         bw_average_mib_s: (iters as f64 * size as f64) / secs / MIB,
         msg_rate_mpps: iters as f64 / secs / 1e6,
-    })
+    }
 }
 
 /// Writes of `size` bytes in transfer lists of `params.list` pieces, two
@@ -243,17 +249,7 @@ fn list_bandwidth<B: LocalBuffer + Clone>(
             stamps.push((completed, clock.ticks()));
         }
     }
-    let per_tick = clock.seconds_per_tick();
-    let stamps: Vec<(u64, f64)> =
-        stamps.iter().map(|&(n, t)| (n, t.wrapping_sub(clock.start_ticks) as f64 * per_tick)).collect();
-    let secs = stamps.last().map_or(0.0, |s| s.1).max(1e-9);
-    Ok(BwRow {
-        bytes: size,
-        iterations: iters,
-        bw_peak_mib_s: peak_rate(&stamps, size, (iters / 10).max(2 * per).min(iters)) / MIB,
-        bw_average_mib_s: (iters as f64 * size as f64) / secs / MIB,
-        msg_rate_mpps: iters as f64 / secs / 1e6,
-    })
+    Ok(bw_row(&clock, &stamps, size, iters, 2 * per))
 }
 
 /// The client's side of a latency test at one size.

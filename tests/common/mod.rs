@@ -155,3 +155,29 @@ pub fn random_pieces(rng: &mut Rng, n: usize, max_len: u64, other_len: u64) -> (
     }
     (out, at)
 }
+
+/// Each named test function of the connection suite style, twice:
+/// `tcp::name` (runs anywhere) and `verbs::name` (`#[ignore]`d without an
+/// RDMA device; `--ignored` with `GPU_RDMA_TEST_DEVICE`).
+#[macro_export]
+macro_rules! both {
+    ($($name:ident),* $(,)?) => {
+        mod tcp {
+            $(
+                #[test]
+                fn $name() {
+                    super::$name(super::Kind::Tcp)
+                }
+            )*
+        }
+        mod verbs {
+            $(
+                #[test]
+                #[ignore = "verbs: needs an RDMA device: GPU_RDMA_TEST_DEVICE=<dev> and --ignored (cargo xtask test runs it on soft-RoCE)"]
+                fn $name() {
+                    super::$name(super::Kind::Verbs)
+                }
+            )*
+        }
+    };
+}
