@@ -416,6 +416,7 @@ mod deadline;
 mod domain;
 mod error;
 mod host_memory;
+pub mod launch;
 pub mod memory;
 mod ops;
 mod options;
