@@ -57,6 +57,17 @@ impl serde::Serialize for Transport {
     }
 }
 
+impl<'de> serde::Deserialize<'de> for Transport {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let name = <std::borrow::Cow<'de, str>>::deserialize(d)?;
+        match &*name {
+            "verbs" => Ok(Transport::Verbs),
+            "tcp" => Ok(Transport::Tcp),
+            other => Err(serde::de::Error::unknown_variant(other, &["verbs", "tcp"])),
+        }
+    }
+}
+
 /// Which transport to use.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum TransportPolicy {

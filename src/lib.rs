@@ -414,6 +414,7 @@ mod config;
 mod connection;
 mod deadline;
 mod domain;
+mod endpoint;
 mod error;
 mod host_memory;
 pub mod launch;
@@ -437,6 +438,7 @@ pub use connection::{
     InboxStats, Interrupt, Listener, MAX_CONCURRENT_HANDSHAKES, MAX_QUEUED_NOTES, Note, Pending, Transfer, Transferred,
 };
 pub use domain::{BufError, Domain, DomainConfig, DomainInfo, DomainStats};
+pub use endpoint::Endpoint;
 pub use error::{AuthFailure, BootstrapError, Error, Result};
 pub use memory::{
     Access, Exposed, HostMemory, LocalBuffer, LocalSlice, Memory, MemoryKind, Region, RemoteRegion, RemoteSlice,

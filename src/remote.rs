@@ -17,8 +17,10 @@ use crate::error::{BootstrapError, Error, Result};
 pub const REGION_LEN: usize = 32;
 
 /// What a peer needs to read or write one of our regions: sent in the
-/// handshake, or in a message of your own (see [`RemoteRegion::to_bytes`]).
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+/// handshake, or in a message of your own (see [`RemoteRegion::to_bytes`],
+/// or serde: checked on the way in as the wire form is).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(into = "RegionRepr", try_from = "RegionRepr")]
 pub struct RemoteRegion {
     /// A tag chosen by the owner, to tell regions apart.
     pub tag: u64,
@@ -106,6 +108,37 @@ impl RemoteRegion {
     /// range that wraps, or unknown access bits.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
         Ok(decode_region(bytes)?)
+    }
+}
+
+/// A region descriptor's fields as serde sees them (the rights as bits).
+#[derive(serde::Serialize, serde::Deserialize)]
+struct RegionRepr {
+    tag: u64,
+    addr: u64,
+    len: u64,
+    rkey: u32,
+    access: u32,
+}
+
+impl From<RemoteRegion> for RegionRepr {
+    fn from(r: RemoteRegion) -> Self {
+        RegionRepr { tag: r.tag, addr: r.addr, len: r.len, rkey: r.rkey, access: r.access.bits() }
+    }
+}
+
+impl TryFrom<RegionRepr> for RemoteRegion {
+    type Error = BootstrapError;
+    fn try_from(r: RegionRepr) -> std::result::Result<Self, BootstrapError> {
+        // The same checks as the wire form's.
+        let mut b = [0u8; REGION_LEN];
+        let mut w = &mut b[..];
+        w.put_u64(r.tag);
+        w.put_u64(r.addr);
+        w.put_u64(r.len);
+        w.put_u32(r.rkey);
+        w.put_u32(r.access);
+        decode_region(&b)
     }
 }
 
@@ -226,6 +259,19 @@ mod tests {
 
     fn region() -> RemoteRegion {
         RemoteRegion { tag: 7, addr: 0x1000, len: 100, rkey: 0x42, access: Access::REMOTE_WRITE }
+    }
+
+    #[test]
+    fn descriptors_travel_through_serde_checked_as_the_wire_form_is() {
+        let r = region();
+        let json = serde_json::to_string(&r).unwrap();
+        assert_eq!(serde_json::from_str::<RemoteRegion>(&json).unwrap(), r);
+        // Unknown rights bits, or a range that wraps, are refused.
+        let bad_bits = json.replace(&format!("\"access\":{}", r.access.bits()), "\"access\":4096");
+        assert_ne!(bad_bits, json);
+        assert!(serde_json::from_str::<RemoteRegion>(&bad_bits).is_err(), "{bad_bits}");
+        let wraps = json.replace("\"addr\":4096", &format!("\"addr\":{}", u64::MAX - 10));
+        assert!(serde_json::from_str::<RemoteRegion>(&wraps).is_err(), "{wraps}");
     }
 
     #[test]

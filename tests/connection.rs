@@ -810,6 +810,22 @@ fn the_bench_refuses_a_client_whose_flags_differ_from_the_servers(t: Kind) {
 }
 
 /// Each test of the suite, on each transport.
+fn an_endpoint_passed_as_bytes_is_enough_to_connect(t: Kind) {
+    let d = domain(t);
+    let listener = d.listen("127.0.0.1:0").unwrap();
+    let ep = listener.endpoint().unwrap();
+    assert_eq!(ep.transport, if t == Kind::Verbs { gpu_rdma::Transport::Verbs } else { gpu_rdma::Transport::Tcp });
+    assert_eq!(ep.device.is_empty(), t == Kind::Tcp, "{ep:?}");
+    // Over a control plane of the caller's own: bytes (or serde).
+    let wire = ep.to_bytes();
+    let theirs = gpu_rdma::Endpoint::from_bytes(&wire).unwrap();
+    assert_eq!(theirs, ep);
+    let accepting = thread::spawn(move || listener.accept_timeout(&opts(), Duration::from_secs(30)).map(|_| ()));
+    let c = d.connect(theirs.addr, &opts()).unwrap();
+    accepting.join().unwrap().unwrap();
+    assert_eq!(c.info().transport, ep.transport);
+}
+
 fn an_interrupted_accept_returns_at_once_and_keeps_its_connections(t: Kind) {
     let d = domain(t);
     let (s, c) = pair(&d);
@@ -917,6 +933,7 @@ both!(
     the_secret_never_crosses_the_wire_and_a_peer_without_it_learns_nothing,
     the_bench_refuses_a_client_whose_flags_differ_from_the_servers,
     an_interrupted_accept_returns_at_once_and_keeps_its_connections,
+    an_endpoint_passed_as_bytes_is_enough_to_connect,
     a_try_post_into_a_full_queue_is_refused_at_once_with_its_buffer,
     into_result_keeps_the_buffer_on_error_and_works_with_the_question_mark,
 );

@@ -252,6 +252,25 @@ impl Listener {
         Ok(())
     }
 
+    /// What a peer needs to connect here, as data to pass over a control
+    /// plane of your own: this listener's address (as bound: put the
+    /// machine's address into a wildcard with
+    /// [`Endpoint::with_ip`](crate::Endpoint::with_ip)), the transport its
+    /// domain offers and the NIC behind it.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when the socket's address cannot be read.
+    pub fn endpoint(&self) -> Result<crate::Endpoint> {
+        let info = self.domain.info();
+        let verbs = info.transport == crate::Transport::Verbs;
+        Ok(crate::Endpoint::new(
+            self.local_addr()?,
+            info.transport,
+            if verbs { info.device } else { String::new() },
+            if verbs { info.gid } else { String::new() },
+        ))
+    }
+
     /// The domain it accepts for.
     pub fn domain(&self) -> &Domain {
         &self.domain

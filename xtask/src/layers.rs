@@ -11,7 +11,8 @@
 //! 0. leaves: `error`, `completion`, `units`, `access`, `remote`, `deadline`
 //!    (the one deadline type),
 //!    `host_memory`, `poll`, `config` (what a domain is opened with),
-//!    `launch` (ranks from the launcher's environment)
+//!    `launch` (ranks from the launcher's environment), `endpoint` (what a
+//!    peer needs to connect, as data)
 //! 1. `verbs`, `cuda`: the only users of rdma-sys and cudarc
 //! 2. `topology` (pure functions over sysfs, procfs, nvidia-smi)
 //! 3. `memory` (registration, the key table, regions), `bootstrap`
@@ -35,7 +36,7 @@ pub fn layer(module: &str) -> Option<u8> {
     let top = module.split("::").next().unwrap_or(module);
     Some(match top {
         "error" | "completion" | "units" | "access" | "remote" | "deadline" | "host_memory" | "poll" | "config"
-        | "launch" => 0,
+        | "launch" | "endpoint" => 0,
         "verbs" | "cuda" => 1,
         "topology" => 2,
         "memory" | "bootstrap" => 3,
