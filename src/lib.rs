@@ -424,6 +424,7 @@ mod options;
 mod poll;
 mod protocol;
 mod remote;
+pub mod rendezvous;
 pub mod topology;
 mod transport;
 pub mod units;

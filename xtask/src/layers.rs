@@ -12,7 +12,8 @@
 //!    (the one deadline type),
 //!    `host_memory`, `poll`, `config` (what a domain is opened with),
 //!    `launch` (ranks from the launcher's environment), `endpoint` (what a
-//!    peer needs to connect, as data)
+//!    peer needs to connect, as data), `rendezvous` (where ranks find each
+//!    other)
 //! 1. `verbs`, `cuda`: the only users of rdma-sys and cudarc
 //! 2. `topology` (pure functions over sysfs, procfs, nvidia-smi)
 //! 3. `memory` (registration, the key table, regions), `bootstrap`
@@ -36,7 +37,7 @@ pub fn layer(module: &str) -> Option<u8> {
     let top = module.split("::").next().unwrap_or(module);
     Some(match top {
         "error" | "completion" | "units" | "access" | "remote" | "deadline" | "host_memory" | "poll" | "config"
-        | "launch" | "endpoint" => 0,
+        | "launch" | "endpoint" | "rendezvous" => 0,
         "verbs" | "cuda" => 1,
         "topology" => 2,
         "memory" | "bootstrap" => 3,

@@ -184,6 +184,8 @@ fn build_release_tools() -> Result<()> {
         "gpu_to_gpu",
         "--example",
         "kv_pages",
+        "--example",
+        "all_to_all",
         "--features",
         "cli",
         "--bin",
@@ -253,6 +255,24 @@ fn doctor_ok(dir: &Path) -> std::result::Result<(), String> {
         .is_some_and(|c| c.iter().any(|c| c["name"] == "RDMA device rxe0" && c["status"] == "ok"));
     if !rxe_ok || !text.contains("rxe0") || !text.contains("no NVIDIA GPU found") {
         return Err("the doctor did not report rxe0 active and no GPU".into());
+    }
+    Ok(())
+}
+
+const ALL_TO_ALL: &str = r#"
+# All-to-all among 4 rank processes through the directory rendezvous, on rxe0.
+target/release/examples/all_to_all --ranks 4 > "$VM_OUT/all-to-all.log" 2>&1
+echo "all_to_all exit $?" >> "$VM_OUT/all-to-all.log"
+echo "=== all_to_all --ranks 4 (rxe0)"; sed 's/^/  /' "$VM_OUT/all-to-all.log"
+"#;
+
+/// Whether an all_to_all run of `ranks` verified every shard, each rank over `transport`.
+fn all_to_all_verified(log: &str, ranks: u32, transport: &str, exited: bool) -> Result<()> {
+    let shards = ranks * (ranks - 1);
+    let each =
+        log.lines().filter(|l| l.contains(&format!("({transport} via")) && l.contains("shards verified")).count();
+    if !exited || each != ranks as usize || !log.contains(&format!("all {ranks} ranks exchanged {shards} shards")) {
+        return Err(format!("all_to_all: {each} of {ranks} ranks verified their shards over {transport}"));
     }
     Ok(())
 }
@@ -343,6 +363,13 @@ pub fn run() -> Result<i32> {
     if let Err(e) = &here {
         failures.push(format!("{e} on this machine"));
     }
+    let (ok, out) = run_tee(
+        Command::new(root().join("target/release/examples/all_to_all")).current_dir(root()).args(["--ranks", "8"]),
+    )?;
+    let a2a_here = all_to_all_verified(&out, 8, "tcp", ok);
+    if let Err(e) = &a2a_here {
+        failures.push(format!("{e} on this machine"));
+    }
     let mut kv_here = 0;
     for extra in [None, Some("--async")] {
         let mut cmd = Command::new(root().join("target/release/examples/kv_pages"));
@@ -377,6 +404,7 @@ pub fn run() -> Result<i32> {
     script.push_str(TRANSFERS);
     script.push_str(GPU_EXAMPLE);
     script.push_str(KV_PAGES);
+    script.push_str(ALL_TO_ALL);
     script.push_str(DOCTOR);
     script.push_str("exit 0\n");
     let opts = VmOptions { timeout: Duration::from_secs(1800), keep: true, ..VmOptions::default() };
@@ -416,6 +444,11 @@ pub fn run() -> Result<i32> {
     if gpu_verified != 2 || !gpu_log.contains("gpu_to_gpu exit 0") {
         failures.push(format!("the GPU example verified {gpu_verified} of 2 transfers"));
     }
+    let a2a_log = fs::read_to_string(guest.dir.join("all-to-all.log")).unwrap_or_default();
+    let a2a_guest = all_to_all_verified(&a2a_log, 4, "verbs", a2a_log.contains("all_to_all exit 0"));
+    if let Err(e) = &a2a_guest {
+        failures.push(format!("{e} on rxe0"));
+    }
     let kv_log = fs::read_to_string(guest.dir.join("kv-pages.log")).unwrap_or_default();
     let kv_guest = kv_pages_verified(&kv_log, "verbs", kv_log.contains("kv_pages exit 0"));
     if let Err(e) = &kv_guest {
@@ -449,15 +482,17 @@ pub fn run() -> Result<i32> {
     );
     println!("tier 1b, CUDA stand-in: {} passed, {} failed", cuda.passed, cuda.failed);
     println!(
-        "tier 1c, the transfer example with no arguments: {} of 3 verified over TCP; kv_pages {kv_here} of 2 (sync, async) verified",
-        here.as_ref().copied().unwrap_or(0)
+        "tier 1c, the transfer example with no arguments: {} of 3 verified over TCP; kv_pages {kv_here} of 2 (sync, async) verified; all_to_all of 8 ranks {}",
+        here.as_ref().copied().unwrap_or(0),
+        if a2a_here.is_ok() { "verified over TCP" } else { "FAILED" }
     );
     println!(
-        "tier 2, rxe0 in the guest: {} passed, {} failed verbs tests; with no arguments {} of 3 verified over verbs; {verified} of 3 transfers of 256 MiB verified; GPU example {gpu_verified} of 2 verified; kv_pages {}; doctor {}",
+        "tier 2, rxe0 in the guest: {} passed, {} failed verbs tests; with no arguments {} of 3 verified over verbs; {verified} of 3 transfers of 256 MiB verified; GPU example {gpu_verified} of 2 verified; kv_pages {}; all_to_all of 4 ranks {}; doctor {}",
         verbs.passed,
         verbs.failed,
         loopback.as_ref().copied().unwrap_or(0),
         if kv_guest.is_ok() { "verified over verbs" } else { "FAILED" },
+        if a2a_guest.is_ok() { "verified over verbs" } else { "FAILED" },
         if doctor.is_ok() { "right (rxe0 active, no GPU, exit 2, JSON parses)" } else { "wrong" }
     );
     for f in &failures {
