@@ -263,17 +263,17 @@ impl<B: Send + 'static> Transfer<B> {
 
     /// Whether all of it is done (as far as the last look saw).
     pub fn is_done(&self) -> bool {
-        self.lock().is_done()
+        self.lock().settled()
     }
 
     /// Bytes the list moves (after checking; 0 if it was refused).
     pub fn len(&self) -> u64 {
-        self.lock().len()
+        self.lock().bytes
     }
 
     /// Whether the list moves no bytes.
     pub fn is_empty(&self) -> bool {
-        self.lock().is_empty()
+        self.lock().bytes == 0
     }
 
     /// Waits, then returns what moved and the buffer, which comes back on
@@ -740,25 +740,12 @@ impl<B: Send + 'static> List<B> {
         Ok(Transferred { bytes: self.bytes, ..self.done })
     }
 
-    /// Waits until all of the list has landed (or failed), posting the rest
-    /// as room frees up. Bounded by the connection's operation timeout
-    /// without progress: each wait for the oldest post in flight is.
-    ///
-    /// # Errors
-    /// The first error: [`Error::OutOfBounds`] (nothing was posted),
-    /// an operation's [`Error::Completion`], [`Error::ConnectionLost`]; once
-    /// an error is seen nothing more is posted, and the wait returns only
-    /// when what was posted is done. [`Error::Timeout`] when no post
-    /// finished within the operation timeout: still in flight, and may be
-    /// waited on again.
+    /// [`Transfer::wait`].
     fn wait(&mut self) -> Result<Transferred> {
         self.wait_inner(None)
     }
 
-    /// Waits up to `timeout` in all.
-    ///
-    /// # Errors
-    /// As [`wait`](Self::wait).
+    /// [`Transfer::wait_timeout`].
     fn wait_timeout(&mut self, timeout: Duration) -> Result<Transferred> {
         self.wait_inner(Some(timeout))
     }
@@ -833,30 +820,11 @@ impl<B: Send + 'static> List<B> {
         }
     }
 
-    /// Posts what fits and takes what finished, without blocking: `Some`
-    /// once all of the list is done.
-    ///
-    /// # Errors
-    /// As [`wait`](Self::wait), without the timeout.
+    /// [`Transfer::poll`].
     fn poll(&mut self) -> Result<Option<Transferred>> {
         self.pump();
         self.reap();
         if self.settled() { self.outcome().map(Some) } else { Ok(None) }
-    }
-
-    /// Whether all of it is done (as far as the last wait or poll saw).
-    fn is_done(&self) -> bool {
-        self.settled()
-    }
-
-    /// Bytes the list moves (after checking; 0 if it was refused).
-    fn len(&self) -> u64 {
-        self.bytes
-    }
-
-    /// Whether the list moves no bytes.
-    fn is_empty(&self) -> bool {
-        self.bytes == 0
     }
 
     /// Waits, then hands out what moved and the buffer.
