@@ -130,15 +130,16 @@ impl From<RemoteRegion> for RegionRepr {
 impl TryFrom<RegionRepr> for RemoteRegion {
     type Error = BootstrapError;
     fn try_from(r: RegionRepr) -> std::result::Result<Self, BootstrapError> {
-        // The same checks as the wire form's.
-        let mut b = [0u8; REGION_LEN];
-        let mut w = &mut b[..];
-        w.put_u64(r.tag);
-        w.put_u64(r.addr);
-        w.put_u64(r.len);
-        w.put_u32(r.rkey);
-        w.put_u32(r.access);
-        decode_region(&b)
+        // Through the wire form, so it gets that form's checks (unknown
+        // rights bits, a range that wraps).
+        let unchecked = RemoteRegion {
+            tag: r.tag,
+            addr: r.addr,
+            len: r.len,
+            rkey: r.rkey,
+            access: Access::from_bits_retain(r.access),
+        };
+        decode_region(&encode_region(&unchecked))
     }
 }
 
