@@ -101,7 +101,10 @@ impl Shared {
 /// A domain's progress engine (see the module documentation).
 pub(crate) struct Engine {
     shared: Arc<Shared>,
-    thread: Mutex<Option<JoinHandle<()>>>,
+    /// Set once the thread started (on first use).
+    thread: std::sync::OnceLock<JoinHandle<()>>,
+    /// Held while starting it; a failed start is tried again next time.
+    starting: Mutex<()>,
 }
 
 /// A handle to queue tasks on an engine from anywhere (a waker).
@@ -133,15 +136,26 @@ impl Engine {
         }
         // SAFETY: a fresh descriptor nothing else owns.
         let wake = unsafe { OwnedFd::from_raw_fd(fd) };
-        Ok(Engine { shared: Arc::new(Shared { state: Mutex::default(), wake }), thread: Mutex::new(None) })
+        Ok(Engine {
+            shared: Arc::new(Shared { state: Mutex::default(), wake }),
+            thread: std::sync::OnceLock::new(),
+            starting: Mutex::new(()),
+        })
     }
 
+    /// Starts the thread if it is not running; once it is, one atomic
+    /// load and no lock (every timer and watch passes here).
     fn ensure_thread(&self) {
-        let mut t = self.thread.lock().unwrap_or_else(|e| e.into_inner());
-        if t.is_none() {
+        if self.thread.get().is_some() {
+            return;
+        }
+        let _starting = self.starting.lock().unwrap_or_else(|e| e.into_inner());
+        if self.thread.get().is_none() {
             let shared = Arc::clone(&self.shared);
             match std::thread::Builder::new().name("gpu-rdma-engine".into()).spawn(move || run(&shared)) {
-                Ok(h) => *t = Some(h),
+                Ok(h) => {
+                    let _ = self.thread.set(h);
+                }
                 Err(e) => tracing::error!("starting the progress engine's thread failed: {e}"),
             }
         }
@@ -191,7 +205,7 @@ impl Drop for Engine {
     fn drop(&mut self) {
         self.shared.lock().stop = true;
         self.shared.notify();
-        if let Some(h) = self.thread.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
+        if let Some(h) = self.thread.take() {
             if h.thread().id() != std::thread::current().id() {
                 let _ = h.join();
             }

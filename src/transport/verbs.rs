@@ -422,7 +422,9 @@ impl VerbsConn {
 
     /// Marks this connection watched by the engine; whether it was not yet.
     pub(crate) fn mark_watched(&self) -> bool {
-        !self.watched.swap(true, std::sync::atomic::Ordering::AcqRel)
+        use std::sync::atomic::Ordering;
+        // A load first: every registration asks, and all but the first find it set.
+        !self.watched.load(Ordering::Acquire) && !self.watched.swap(true, Ordering::AcqRel)
     }
 
     /// The completion channel's descriptor.
