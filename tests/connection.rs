@@ -26,13 +26,7 @@ use gpu_rdma::{
     Opcode, RemoteSlice, WcStatus,
 };
 
-use common::{Kind, device, domain, opts, pair, pair_on, pattern};
-
-fn filled(d: &Domain, data: &[u8]) -> gpu_rdma::Region {
-    let mut r = d.alloc(data.len()).unwrap();
-    r.copy_from_slice(data);
-    r
-}
+use common::{Kind, device, domain, filled, opts, pair, pair_on, pattern};
 
 fn domain_reports_device_port_and_gid_choice(t: Kind) {
     assert_eq!(t, Kind::Verbs);

@@ -13,7 +13,7 @@ use gpu_rdma::cuda::{CudaBuffer, CudaDevice};
 use gpu_rdma::memory::path::{MemPath, PathPolicy};
 use gpu_rdma::{Access, Domain, DomainConfig, Error, LocalBuffer, Pending, Region, Shared, TransportPolicy};
 
-use common::{first_difference, opts, pair_on, pattern};
+use common::{apply, first_difference, opts, pair_on, pattern};
 
 macro_rules! gpu_tcp_test {
     ($(#[$m:meta])* fn $name:ident() $body:block) => {
@@ -234,17 +234,6 @@ gpu_tcp_test! {
         assert_eq!(w.into_buffer().unwrap().memory().device_ptr(), ptr, "the buffer comes back");
         assert!(c.broken().is_none(), "refused before posting: the connection is unchanged");
     }
-}
-
-/// Byte `i` of what a list of `pieces` leaves where each piece's bytes
-/// come from `src` at its `from` offset and land at its `to` offset.
-fn apply(pieces: &[gpu_rdma::Piece], src: &[u8], len: usize, to_remote: bool) -> Vec<u8> {
-    let mut out = vec![0u8; len];
-    for p in pieces {
-        let (from, to) = if to_remote { (p.local, p.remote) } else { (p.remote, p.local) };
-        out[to as usize..(to + p.len) as usize].copy_from_slice(&src[from as usize..(from + p.len) as usize]);
-    }
-    out
 }
 
 gpu_tcp_test! {

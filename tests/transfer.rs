@@ -13,15 +13,9 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use gpu_rdma::{Access, Domain, Error, PageLayout, Piece, Region};
+use gpu_rdma::{Access, Error, PageLayout, Piece};
 
-use common::{Kind, Rng, domain, first_difference, pair, pattern, random_pieces};
-
-fn filled(d: &Domain, data: &[u8]) -> Region {
-    let mut r = d.alloc(data.len()).unwrap();
-    r.copy_from_slice(data);
-    r
-}
+use common::{Kind, Rng, apply, domain, filled, first_difference, pair, pattern, random_pieces};
 
 fn a_list_of_ten_thousand_random_pieces_is_written_byte_for_byte(t: Kind) {
     let d = domain(t);
@@ -33,11 +27,7 @@ fn a_list_of_ten_thousand_random_pieces_is_written_byte_for_byte(t: Kind) {
     let remote = s.grant(&target).whole();
     let data = pattern(local_len as usize, 11);
     let list: Vec<Piece> = pieces.iter().map(|&(r, l, len)| Piece::new(l, r, len)).collect();
-    let mut expect = vec![0u8; span as usize];
-    for p in &list {
-        expect[p.remote as usize..(p.remote + p.len) as usize]
-            .copy_from_slice(&data[p.local as usize..(p.local + p.len) as usize]);
-    }
+    let expect = apply(&list, &data, span as usize, true);
     let transfer = c.write_list(filled(&d, &data), &remote, list.iter().copied());
     let total: u64 = list.iter().map(|p| p.len).sum();
     assert_eq!(transfer.len(), total);
@@ -64,11 +54,7 @@ fn a_list_of_ten_thousand_random_pieces_is_read_byte_for_byte(t: Kind) {
     let exposed = d.expose(filled(&d, &source), Access::REMOTE_READ, 0).unwrap();
     let remote = s.grant(&exposed).whole();
     let list: Vec<Piece> = pieces.iter().map(|&(l, r, len)| Piece::new(l, r, len)).collect();
-    let mut expect = vec![0u8; span as usize];
-    for p in &list {
-        expect[p.local as usize..(p.local + p.len) as usize]
-            .copy_from_slice(&source[p.remote as usize..(p.remote + p.len) as usize]);
-    }
+    let expect = apply(&list, &source, span as usize, false);
     let total: u64 = list.iter().map(|p| p.len).sum();
     let (done, back) = c.read_list(d.alloc(span as usize).unwrap(), &remote, list).finish().unwrap();
     assert_eq!(done.bytes, total);
@@ -378,11 +364,7 @@ fn a_list_nobody_waits_on_is_carried_to_the_end_by_the_engine(t: Kind) {
     assert_eq!(&notes[0].payload[..], b"done");
     let mut got = vec![0u8; len];
     target.read_at(0, &mut got).unwrap();
-    let mut want = vec![0u8; len];
-    for p in &pieces {
-        want[p.remote as usize..(p.remote + p.len) as usize]
-            .copy_from_slice(&data[p.local as usize..(p.local + p.len) as usize]);
-    }
+    let want = apply(&pieces, &data, len, true);
     assert_eq!(first_difference(&got, &want), None);
     let (done, _) = list.finish().unwrap();
     assert_eq!(done.bytes, len as u64);

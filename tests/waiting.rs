@@ -13,9 +13,9 @@ use std::sync::mpsc;
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
-use gpu_rdma::{Access, CompletionSet, Connection, Domain, Error, Opcode, Piece, Region};
+use gpu_rdma::{Access, CompletionSet, Connection, Domain, Error, Opcode, Piece};
 
-use common::{Kind, domain, first_difference, opts, pair_on, pattern};
+use common::{Kind, apply, domain, filled, first_difference, opts, pair_on, pattern};
 
 const OPS: usize = 1000;
 const LEN: usize = 4096;
@@ -24,12 +24,6 @@ const LEN: usize = 4096;
 fn deep_pair(d: &Domain) -> (Connection, Connection) {
     let o = opts().queue_depth(OPS as u32 + 24, OPS as u32 + 24);
     pair_on(d, d, o.clone(), o)
-}
-
-fn filled(d: &Domain, data: &[u8]) -> Region {
-    let mut r = d.alloc(data.len()).unwrap();
-    r.copy_from_slice(data);
-    r
 }
 
 /// Threads of this process now.
@@ -268,11 +262,7 @@ fn a_transfer_list_is_awaited(t: Kind) {
     let data = pattern(len, 77);
     let pieces: Vec<Piece> =
         (0..(len / 1024) as u64).map(|i| Piece::new(i * 1024, ((i * 37) % 4096) * 1024, 1024)).collect();
-    let mut expect = vec![0u8; len];
-    for p in &pieces {
-        expect[p.remote as usize..(p.remote + p.len) as usize]
-            .copy_from_slice(&data[p.local as usize..(p.local + p.len) as usize]);
-    }
+    let expect = apply(&pieces, &data, len, true);
     runtime().block_on(async {
         let mut list = c.write_list(filled(&d, &data), &remote, pieces);
         let done = (&mut list).await.unwrap();

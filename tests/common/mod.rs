@@ -77,6 +77,25 @@ pub fn pair(d: &Domain) -> (Connection, Connection) {
     pair_on(d, d, opts(), opts())
 }
 
+/// A registered host region holding `data`.
+pub fn filled(d: &Domain, data: &[u8]) -> gpu_rdma::Region {
+    let mut r = d.alloc(data.len()).unwrap();
+    r.copy_from_slice(data);
+    r
+}
+
+/// What `len` bytes hold after the transfer list `pieces` moved bytes of
+/// `src` into them (zero elsewhere): each piece from its local offset to
+/// its remote one (`to_remote`, a write), or the other way (a read).
+pub fn apply(pieces: &[gpu_rdma::Piece], src: &[u8], len: usize, to_remote: bool) -> Vec<u8> {
+    let mut out = vec![0u8; len];
+    for p in pieces {
+        let (from, to) = if to_remote { (p.local, p.remote) } else { (p.remote, p.local) };
+        out[to as usize..(to + p.len) as usize].copy_from_slice(&src[from as usize..(from + p.len) as usize]);
+    }
+    out
+}
+
 /// A deterministic byte pattern: a 4 KiB block of pseudo-random bytes,
 /// tiled, with every page stamped with its index, so no two pages are alike
 /// (a misplaced chunk shows) and making 256 MiB is cheap in debug builds.
