@@ -21,7 +21,10 @@ pub(crate) struct OpId {
 }
 
 const FINAL_BIT: u64 = 1 << 63;
-const GEN_MASK: u32 = 0x7fff_ffff;
+/// Marks a request posted unsignaled on its own (a quiet send): the rest
+/// of its id is its place in the send queue, not a slot of the table.
+const QUIET_BIT: u64 = 1 << 62;
+const GEN_MASK: u32 = 0x3fff_ffff;
 
 impl OpId {
     /// The work request id for one of its work requests. Only the final
@@ -35,6 +38,18 @@ impl OpId {
         let id = OpId { index: wr_id as u32, generation: ((wr_id >> 32) as u32) & GEN_MASK };
         (id, wr_id & FINAL_BIT != 0)
     }
+}
+
+/// The work request id of the quiet send at place `seq` of the send queue.
+#[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+pub(crate) fn quiet_wr_id(seq: u64) -> u64 {
+    QUIET_BIT | (seq & (QUIET_BIT - 1))
+}
+
+/// The place in the send queue of a quiet send's work request id; `None`
+/// for an id of a tracked operation.
+pub(crate) fn quiet_seq(wr_id: u64) -> Option<u64> {
+    (wr_id & (QUIET_BIT | FINAL_BIT) == QUIET_BIT).then_some(wr_id & (QUIET_BIT - 1))
 }
 
 /// Whether `wr_id` names an operation's final request (the one whose
@@ -66,6 +81,12 @@ pub(crate) struct RawCompletion {
 pub(crate) struct Held {
     pub send_wrs: u32,
     pub recv_wrs: u32,
+    /// Quiet sends posted just before this operation, whose send-queue
+    /// credits come back with its completion (nothing else reports theirs).
+    pub carried: u32,
+    /// For a send-queue operation: the send queue's place just past its
+    /// final request (0 for a receive).
+    pub sq_end: u64,
 }
 
 type Orphan = Box<dyn Any + Send>;
@@ -199,14 +220,15 @@ impl OpTable {
     }
 
     /// Records one completion. Returns the queue resources to release (when
-    /// it was the operation's final request) and an orphaned buffer that may
-    /// now be dropped.
-    pub(crate) fn complete(&mut self, raw: &RawCompletion) -> (Held, Option<Orphan>) {
+    /// it was the operation's final request), an orphaned buffer that may
+    /// now be dropped, and whether the operation failed (known at its final
+    /// request).
+    pub(crate) fn complete(&mut self, raw: &RawCompletion) -> (Held, Option<Orphan>, bool) {
         let (id, last) = OpId::from_wr_id(raw.wr_id);
         let busy = |e: &&mut OpEntry| e.generation == id.generation && e.phase == Phase::Busy;
         let Some(e) = self.entries.get_mut(id.index as usize).filter(busy) else {
             stray(raw.wr_id);
-            return (Held::default(), None);
+            return (Held::default(), None, false);
         };
         let completion = || Completion {
             wr_id: raw.wr_id & !FINAL_BIT,
@@ -226,7 +248,7 @@ impl OpTable {
                 e.effective = completion();
                 e.failed_early = true;
             }
-            return (Held::default(), None);
+            return (Held::default(), None, false);
         }
         if !e.failed_early {
             e.effective = completion();
@@ -244,7 +266,7 @@ impl OpTable {
         } else {
             e.phase = Phase::Done;
         }
-        (held, orphan)
+        (held, orphan, !e.effective.status.is_success())
     }
 
     /// The outcome of a finished operation. `lost` is why the connection
@@ -252,7 +274,7 @@ impl OpTable {
     /// operation then fails with [`Error::ConnectionLost`] rather than a
     /// flush status.
     #[inline]
-    fn outcome(effective: Completion, lost: Option<&str>) -> Result<Completion> {
+    pub(crate) fn outcome(effective: Completion, lost: Option<&str>) -> Result<Completion> {
         if effective.status.is_success() {
             return Ok(effective);
         }
@@ -353,7 +375,7 @@ mod tests {
     #[test]
     fn an_operation_completes_once_and_its_slot_is_reused() {
         let mut t = OpTable::new();
-        let held = Held { send_wrs: 1, recv_wrs: 0 };
+        let held = Held { send_wrs: 1, ..Held::default() };
         let a = t.start(Opcode::Write, held, None);
         assert_eq!(t.in_flight(), 1);
         assert!(!t.is_done(a));
@@ -372,10 +394,11 @@ mod tests {
     #[test]
     fn a_batch_reports_the_first_error_at_its_final_request() {
         let mut t = OpTable::new();
-        let a = t.start(Opcode::Write, Held { send_wrs: 3, recv_wrs: 0 }, None);
+        let a = t.start(Opcode::Write, Held { send_wrs: 3, ..Held::default() }, None);
         t.complete(&raw(a, false, WcStatus::RemoteAccess));
         assert!(!t.is_done(a), "not done before its final request");
-        let (held, _) = t.complete(&raw(a, true, WcStatus::WrFlush));
+        let (held, _, failed) = t.complete(&raw(a, true, WcStatus::WrFlush));
+        assert!(failed);
         assert_eq!(held.send_wrs, 3);
         let err = t.take(a, None).unwrap().unwrap_err();
         assert!(err.is_remote_access(), "{err}");
@@ -384,7 +407,7 @@ mod tests {
     #[test]
     fn flushes_after_a_lost_connection_say_so() {
         let mut t = OpTable::new();
-        let a = t.start(Opcode::Recv, Held { send_wrs: 0, recv_wrs: 1 }, None);
+        let a = t.start(Opcode::Recv, Held { recv_wrs: 1, ..Held::default() }, None);
         t.complete(&raw(a, true, WcStatus::WrFlush));
         match t.take(a, Some("the peer closed the connection")).unwrap() {
             Err(Error::ConnectionLost { reason }) => {
@@ -395,12 +418,31 @@ mod tests {
     }
 
     #[test]
+    fn quiet_ids_never_name_an_operation() {
+        for seq in [0, 1, 12_345, (1 << 62) - 1] {
+            assert_eq!(quiet_seq(quiet_wr_id(seq)), Some(seq));
+        }
+        let mut t = OpTable::new();
+        for _ in 0..3 {
+            let id = t.start(Opcode::Send, Held::default(), None);
+            for last in [false, true] {
+                assert_eq!(quiet_seq(id.wr_id(last)), None);
+            }
+        }
+        // The generation wraps inside its field, clear of the quiet mark.
+        let id = OpId { index: 7, generation: GEN_MASK };
+        assert_eq!(quiet_seq(id.wr_id(false)), None);
+        assert_eq!(OpId::from_wr_id(id.wr_id(true)), (id, true));
+    }
+
+    #[test]
     fn orphans_are_kept_until_completion() {
         let mut t = OpTable::new();
-        let a = t.start(Opcode::Send, Held { send_wrs: 1, recv_wrs: 0 }, None);
+        let a = t.start(Opcode::Send, Held { send_wrs: 1, ..Held::default() }, None);
         assert!(t.orphan(a, Box::new(vec![1u8, 2, 3])).is_none(), "kept while in flight");
         assert_eq!(t.orphans(), 1);
-        let (_, orphan) = t.complete(&raw(a, true, WcStatus::Success));
+        let (_, orphan, failed) = t.complete(&raw(a, true, WcStatus::Success));
+        assert!(!failed);
         assert!(orphan.is_some(), "released at completion");
         assert_eq!((t.orphans(), t.in_flight()), (0, 0));
 

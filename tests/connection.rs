@@ -387,6 +387,73 @@ fn a_send_to_a_peer_without_receives_fails_within_the_rnr_budget(t: Kind) {
     assert!(t0.elapsed() < Duration::from_secs(20), "{:?}", t0.elapsed());
 }
 
+/// On verbs most inline sends go unsignaled; every handle still reports
+/// its own outcome, whether waited on in order, out of order, or polled.
+fn every_inline_send_reports_its_outcome_though_most_go_unsignaled(t: Kind) {
+    let d = domain(t);
+    let (s, c) = pair(&d);
+    let depth = c.info().recv_queue_depth.min(s.info().recv_queue_depth).min(64) as usize;
+    let mut next = 0u32;
+    for round in 0..4 {
+        let mut rx: Vec<_> = (0..depth).map(|_| s.recv(d.alloc(16).unwrap())).collect();
+        let mut tx: Vec<_> = (0..depth)
+            .map(|i| {
+                next += 1;
+                let imm = (i % 2 == 0).then_some(next);
+                (c.send_inline(&next.to_le_bytes()[..1 + i % 4], imm), imm, 1 + i % 4)
+            })
+            .collect();
+        // Waited in a different order each round: from the last, from the
+        // first, by polling the last alone, and dropped unwaited.
+        match round {
+            0 => {
+                for (p, imm, len) in tx.iter_mut().rev() {
+                    let done = p.wait().unwrap();
+                    let opcode = if imm.is_some() { Opcode::SendWithImm } else { Opcode::Send };
+                    assert_eq!((done.byte_len as usize, done.opcode), (*len, opcode));
+                }
+            }
+            1 => {
+                for (p, _, len) in tx.iter_mut() {
+                    assert_eq!(p.wait().unwrap().byte_len as usize, *len);
+                }
+            }
+            2 => {
+                // Nothing posted after it, nothing waited on: polling alone must learn it.
+                let (last, _, _) = tx.last_mut().unwrap();
+                let t0 = Instant::now();
+                while last.poll().unwrap().is_none() {
+                    assert!(t0.elapsed() < Duration::from_secs(10), "a polled inline send never finished");
+                    thread::yield_now();
+                }
+                for (p, _, _) in tx.iter_mut() {
+                    p.wait().unwrap();
+                }
+            }
+            _ => drop(tx),
+        }
+        for (i, r) in rx.iter_mut().enumerate() {
+            let got = r.wait().unwrap();
+            assert_eq!(got.byte_len as usize, 1 + i % 4, "round {round} message {i}");
+            assert_eq!(got.imm.is_some(), i % 2 == 0, "round {round} message {i}");
+        }
+    }
+    let stats = c.stats();
+    assert_eq!(stats.in_flight, stats.orphaned, "only requests left to the connection remain");
+    // A peer with no receive posted: the first send fails with its own
+    // status, and the ones after it fail too (the connection broke).
+    let mut o = opts();
+    o.rnr_retry = 1;
+    o.min_rnr_timer = 1;
+    let (_s2, c2) = pair_on(&d, &d, opts(), o);
+    let mut sends: Vec<_> = (0..3u8).map(|i| c2.send_inline(&[i], None)).collect();
+    let err = sends[0].wait().unwrap_err();
+    assert_eq!(err.wc_status(), Some(WcStatus::RnrRetryExceeded), "{err}");
+    for p in &mut sends[1..] {
+        assert!(p.wait().is_err());
+    }
+}
+
 fn wait_times_out_and_the_operation_can_still_finish(t: Kind) {
     let d = domain(t);
     let (s, c) = pair(&d);
@@ -908,6 +975,7 @@ both!(
     local_ranges_are_checked_and_the_buffer_comes_back,
     a_send_larger_than_the_posted_receive_fails_on_both_sides,
     a_send_to_a_peer_without_receives_fails_within_the_rnr_budget,
+    every_inline_send_reports_its_outcome_though_most_go_unsignaled,
     wait_times_out_and_the_operation_can_still_finish,
     a_peer_that_closes_fails_pending_receives_with_connection_lost,
     a_receiver_that_closes_right_after_its_receive_leaves_the_send_successful,

@@ -14,18 +14,30 @@ use super::params::{DONE, LocalMode, Params, Test};
 use super::report::{BwRow, LatRow, MIB, Row, peak_rate};
 
 /// Sends of a ping-pong whose completions nobody waits for on the timed
-/// path (perftest does not wait for them either): polled when cheap, waited
-/// for only when too many are outstanding, and at the end. A failure still
+/// path (perftest does not wait for them either): the oldest is waited for
+/// once too many are outstanding, the rest at the end. A failure still
 /// surfaces, from here or as the connection's error on the next receive.
 pub(super) struct Trailing<B: Send + 'static> {
     q: VecDeque<Pending<B>>,
+    max: usize,
+    /// Look at the oldest at every push (buffers come back sooner); not
+    /// for quiet inline sends, whose outcome comes with a later signaled one.
+    look: bool,
 }
 
 impl<B: Send + 'static> Trailing<B> {
-    const MAX: usize = 16;
-
+    /// Sends with buffers: at most 16 outstanding, the oldest looked at
+    /// every time.
     pub(super) fn new() -> Self {
-        Trailing { q: VecDeque::with_capacity(Self::MAX + 1) }
+        Trailing { q: VecDeque::with_capacity(17), max: 16, look: true }
+    }
+
+    /// Inline sends, mostly posted unsignaled: the oldest is waited for
+    /// once a run of the longest unsignaled length came after it, so a
+    /// signaled one has, and no wait needs a request of its own.
+    pub(super) fn inline() -> Self {
+        let max = crate::transport::MAX_QUIET_RUN as usize;
+        Trailing { q: VecDeque::with_capacity(max + 1), max, look: false }
     }
 
     pub(super) fn push(&mut self, p: Pending<B>, timeout: Duration) -> Result<()> {
@@ -33,10 +45,10 @@ impl<B: Send + 'static> Trailing<B> {
         loop {
             let len = self.q.len();
             let Some(front) = self.q.front_mut() else { return Ok(()) };
-            if front.poll()?.is_none() {
-                if len <= Self::MAX {
-                    return Ok(());
-                }
+            if len <= self.max && !(self.look && front.poll()?.is_some()) {
+                return Ok(());
+            }
+            if len > self.max {
                 front.wait_timeout(timeout)?;
             }
             self.q.pop_front();
@@ -275,7 +287,7 @@ pub fn latency<B: LocalBuffer + Clone>(
     let halve = test != Test::ReadLat;
     let inline = mode.inline && size <= conn.info().max_inline as usize;
     let zeros = vec![0u8; if inline { size } else { 0 }];
-    let (mut sent_inline, mut sent) = (Trailing::new(), Trailing::new());
+    let (mut sent_inline, mut sent) = (Trailing::inline(), Trailing::new());
     match test {
         Test::SendLat => {
             // The next receive is posted, and the previous send looked at,
@@ -422,7 +434,7 @@ pub fn finish(conn: &Connection, timeout: Duration) -> Result<()> {
     let mut answer = conn.recv_imm();
     conn.send_inline(&[], Some(DONE)).wait_timeout(timeout)?;
     let left = answer.wait_timeout(timeout)?.imm.unwrap_or(0);
-    let mut fill = Trailing::new();
+    let mut fill = Trailing::inline();
     for _ in 0..left {
         fill.push(conn.send_inline(&[], None), timeout)?;
     }

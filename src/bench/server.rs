@@ -122,7 +122,7 @@ pub fn serve<B: Landing>(
         }
         Test::SendLat => {
             let zeros = vec![0u8; conn.info().max_inline as usize];
-            let (mut sent_inline, mut sent) = (Trailing::new(), Trailing::new());
+            let (mut sent_inline, mut sent) = (Trailing::inline(), Trailing::new());
             // Two receives posted, so that the reply goes out first and the
             // receive is replenished after it, off the path from a message to
             // its reply.

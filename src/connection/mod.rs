@@ -28,7 +28,7 @@ use crate::memory::LocalParts;
 use crate::memory::{Counter, Live};
 use crate::memory::{Exposed, LocalBuffer, LocalSlice, Memory, RemoteRegion, RemoteSlice};
 use crate::ops::OpId;
-use crate::transport::{self, ConnTransport, Posted, RemoteOp, WorkItem};
+use crate::transport::{self, ConnTransport, Posted, PostedInline, QuietSend, RemoteOp, WorkItem};
 
 pub(crate) struct ConnShared {
     transport: ConnTransport,
@@ -239,8 +239,18 @@ impl Connection {
     /// Sends a small message copied from `data` at post time (no registered
     /// buffer needed), at most [`ConnectionInfo::max_inline`] bytes; `imm`
     /// rides along if given. An empty `data` sends a zero-byte message.
+    ///
+    /// On verbs most inline sends go unsignaled, as perftest and UCX post
+    /// theirs: the send queue completes in order, so a later signaled
+    /// request's completion says this one is done, and no completion of its
+    /// own is polled for. The `Pending` reports the same outcome either way;
+    /// waiting on one that no signaled request follows yet posts a
+    /// zero-length write to learn it.
     pub fn send_inline(&self, data: &[u8], imm: Option<u32>) -> Pending<()> {
-        self.pending((), self.shared.transport.post_inline(data, imm, self.deadline()))
+        match self.shared.transport.post_inline_quiet(data, imm, self.deadline()) {
+            PostedInline::Tracked(posted) => self.pending((), posted),
+            PostedInline::Quiet(q) => Pending::with(&self.shared, (), Stage::Quiet(q, None)),
+        }
     }
 
     /// Posts a receive into `local` for the peer's next send.
@@ -484,6 +494,9 @@ type Hook = Box<dyn FnOnce() -> Result<()> + Send>;
 enum Stage {
     /// Posted; the outcome is not taken yet.
     InFlight(OpId),
+    /// Posted unsignaled: done once a signaled request after it is. The
+    /// request this handle posted to learn that, if it did (a flush).
+    Quiet(QuietSend, Option<OpId>),
     /// A staged GPU operation: copies and network steps in flight.
     #[cfg(feature = "cuda")]
     Staged(Arc<std::sync::Mutex<crate::protocol::staged::Pipeline>>),
@@ -564,8 +577,32 @@ impl<B: Send + 'static> Pending<B> {
         };
     }
 
+    /// Keeps an outcome to report.
+    fn absorb(&mut self, outcome: Result<Completion>) {
+        match outcome {
+            Ok(c) => self.succeed(c),
+            Err(e) => self.stage = Stage::Failed(Some(Box::new(e))),
+        }
+    }
+
+    /// A quiet send's outcome is known: the flush request it posted, if
+    /// any, is left to the connection (freed at its completion).
+    fn release_flush(&mut self) {
+        if let Stage::Quiet(q, Some(id)) = self.stage {
+            self.stage = Stage::Quiet(q, None);
+            self.shared.transport.orphan(id, Box::new(()));
+        }
+    }
+
     /// Moves an outcome from the connection's table into this value, if there is one.
     fn collect(&mut self) {
+        if let Stage::Quiet(q, _) = self.stage {
+            if let Some(outcome) = self.shared.transport.quiet_outcome(&q) {
+                self.release_flush();
+                self.absorb(outcome);
+            }
+            return;
+        }
         match &mut self.stage {
             Stage::InFlight(id) => match self.shared.transport.take(*id) {
                 Some(Ok(c)) => self.succeed(c),
@@ -597,7 +634,7 @@ impl<B: Send + 'static> Pending<B> {
     fn report(&mut self) -> Option<Result<Completion>> {
         self.collect();
         match &mut self.stage {
-            Stage::InFlight(_) => None,
+            Stage::InFlight(_) | Stage::Quiet(..) => None,
             #[cfg(feature = "cuda")]
             Stage::Staged(_) => None,
             Stage::Succeeded(c) => Some(Ok(*c)),
@@ -622,15 +659,49 @@ impl<B: Send + 'static> Pending<B> {
     /// # Errors
     /// As [`wait`](Self::wait).
     pub fn wait_timeout(&mut self, timeout: Duration) -> Result<Completion> {
-        if let Stage::InFlight(id) = self.stage {
-            if !self.staged_in_progress() {
+        match self.stage {
+            Stage::InFlight(id) if !self.staged_in_progress() => {
                 // The common case: wait and take the outcome in one step.
                 let mut due = Deadline::lazy(timeout, WHAT);
                 let outcome = self.shared.transport.wait_take(id, &mut due)?;
                 return self.settle(outcome);
             }
+            Stage::Quiet(q, None) => {
+                // Most often known at once: a signaled request after it completed.
+                if let Some(outcome) = self.shared.transport.quiet_outcome(&q) {
+                    return self.settle(outcome);
+                }
+                return self.wait_quiet(q, None, timeout);
+            }
+            Stage::Quiet(q, flush) => return self.wait_quiet(q, flush, timeout),
+            _ => {}
         }
         self.wait_slow(timeout)
+    }
+
+    /// Waits for a quiet send's outcome: on the signaled request after it,
+    /// posting one (a flush) if there is none.
+    #[inline(never)]
+    fn wait_quiet(&mut self, q: QuietSend, mut flush: Option<OpId>, timeout: Duration) -> Result<Completion> {
+        let mut due = Deadline::lazy(timeout, WHAT);
+        // Staged operations move only while waiting on a request of one's own.
+        let staged = self.staged_in_progress();
+        if flush.is_none() {
+            flush = self.shared.transport.cover(&q, staged, &mut due)?;
+            self.stage = Stage::Quiet(q, flush);
+        }
+        if let Some(id) = flush {
+            if staged {
+                self.wait_moving_staged(id, &mut due, timeout)?;
+            } else {
+                self.shared.transport.wait(id, &mut due)?;
+            }
+            // Done, and so is every request before it: free its slot.
+            drop(self.shared.transport.take(id));
+            self.stage = Stage::Quiet(q, None);
+        }
+        let outcome = self.shared.transport.wait_quiet(&q, &mut due)?;
+        self.settle(outcome)
     }
 
     /// [`wait_timeout`](Self::wait_timeout) for a staged operation, one
@@ -732,11 +803,23 @@ impl<B: Send + 'static> Pending<B> {
         if self.staged_in_progress() {
             self.progress_staged_cold();
         }
-        if let Stage::InFlight(id) = self.stage {
-            return match self.shared.transport.poll_take(id)? {
-                None => Ok(None),
-                Some(outcome) => self.settle(outcome).map(Some),
-            };
+        match self.stage {
+            Stage::InFlight(id) => {
+                return match self.shared.transport.poll_take(id)? {
+                    None => Ok(None),
+                    Some(outcome) => self.settle(outcome).map(Some),
+                };
+            }
+            Stage::Quiet(q, _) => {
+                return match self.shared.transport.poll_quiet(&q)? {
+                    None => Ok(None),
+                    Some(outcome) => {
+                        self.release_flush();
+                        self.settle(outcome).map(Some)
+                    }
+                };
+            }
+            _ => {}
         }
         self.report().transpose()
     }
@@ -756,6 +839,12 @@ impl<B: Send + 'static> Pending<B> {
         match self.stage {
             // Pick up an outcome that arrived meanwhile.
             Stage::InFlight(id) if self.shared.transport.poll(id).unwrap_or(false) => self.collect(),
+            Stage::Quiet(q, _) => {
+                if let Ok(Some(outcome)) = self.shared.transport.poll_quiet(&q) {
+                    self.release_flush();
+                    self.absorb(outcome);
+                }
+            }
             #[cfg(feature = "cuda")]
             Stage::Staged(_) => self.collect(),
             _ => {}
@@ -830,6 +919,8 @@ impl<B: Send + 'static> Pending<B> {
             // connection. The GPU buffer is then free to go.
             p.lock().unwrap_or_else(|e| e.into_inner()).abandon(&self.shared.transport);
         }
+        // A quiet send's flush request is left to the connection.
+        self.release_flush();
         if let Stage::InFlight(id) | Stage::Stuck(id, _) = self.stage {
             // Still tracked: the table keeps the buffer until the final completion
             // (or frees the slot at once if that already happened).
@@ -845,7 +936,7 @@ impl<B: Send + 'static> Pending<B> {
 impl<B: Send + 'static> fmt::Debug for Pending<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let stage = match &self.stage {
-            Stage::InFlight(_) => "in flight",
+            Stage::InFlight(_) | Stage::Quiet(..) => "in flight",
             #[cfg(feature = "cuda")]
             Stage::Staged(_) => "staging",
             Stage::Stuck(..) => "stuck until the connection is dropped",

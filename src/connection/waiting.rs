@@ -38,6 +38,7 @@ impl<B: Send + 'static> Pending<B> {
                     Err(e) => (Some(Err(e)), true),
                 }
             }
+            Stage::Quiet(q, flush) => self.poll_quiet_waker(q, flush, waker),
             _ => (self.poll().transpose(), false),
         };
         if let Some(result) = outcome {
@@ -66,6 +67,53 @@ impl<B: Send + 'static> Pending<B> {
             aw.arm(&self.shared.domain.inner.engine, at, waker);
         }
         Poll::Pending
+    }
+
+    /// [`poll_waker`](Self::poll_waker) for a quiet send: its outcome, or
+    /// `waker` registered on a flush request of its own (posted now if
+    /// there is room; else the caller looks again soon). The second value
+    /// says whether a wake is arranged.
+    fn poll_quiet_waker(
+        &mut self,
+        q: crate::transport::QuietSend,
+        flush: Option<crate::ops::OpId>,
+        waker: &Waker,
+    ) -> (Option<Result<Completion>>, bool) {
+        let transport = &self.shared.transport;
+        match transport.poll_quiet(&q) {
+            Ok(Some(outcome)) => {
+                self.release_flush();
+                return (Some(self.settle(outcome)), true);
+            }
+            Ok(None) => {}
+            Err(e) => return (Some(Err(e)), true),
+        }
+        let flush = match flush {
+            Some(id) => id,
+            None => {
+                let mut now = crate::deadline::Deadline::immediate(WHAT);
+                match transport.cover(&q, true, &mut now) {
+                    Ok(Some(id)) => {
+                        self.stage = Stage::Quiet(q, Some(id));
+                        id
+                    }
+                    // No room yet, or the connection is lost (its flush reports it).
+                    _ => return (None, false),
+                }
+            }
+        };
+        match transport.poll_register(flush, waker, &self.shared.domain.inner.engine) {
+            Ok(Some(_)) => {
+                // The flush is done (and its slot freed): so is every request before it.
+                self.stage = Stage::Quiet(q, None);
+                match self.shared.transport.quiet_outcome(&q) {
+                    Some(outcome) => (Some(self.settle(outcome)), true),
+                    None => (None, false),
+                }
+            }
+            Ok(None) => (None, true),
+            Err(e) => (Some(Err(e)), true),
+        }
     }
 
     /// Runs `f` on the domain's engine thread when the operation is done,

@@ -20,7 +20,7 @@ pub(crate) mod tcp;
 #[cfg(feature = "verbs")]
 pub(crate) mod verbs;
 
-pub(crate) use queue::{Posted, RemoteOp, WorkItem};
+pub(crate) use queue::{MAX_QUIET_RUN, Posted, PostedInline, QuietSend, RemoteOp, WorkItem};
 
 /// A connection's transport state.
 pub(crate) enum ConnTransport {
@@ -199,9 +199,80 @@ impl ConnTransport {
         dispatch!(self, t => t.post_recv(local))
     }
 
+    /// Posts an inline send tracked like any operation.
     #[inline]
     pub(crate) fn post_inline(&self, data: &[u8], imm: Option<u32>, due: Deadline) -> Posted {
-        dispatch!(self, t => t.post_inline(data, imm, due))
+        match self {
+            #[cfg(feature = "verbs")]
+            ConnTransport::Verbs(t) => match t.post_inline(data, imm, due, false) {
+                PostedInline::Tracked(posted) => posted,
+                // Asked for a tracked send, the transport posts no quiet one.
+                PostedInline::Quiet(_) => unreachable!("a tracked inline send was posted quiet"),
+            },
+            ConnTransport::Tcp(t) => t.post_inline(data, imm, due),
+        }
+    }
+
+    /// Posts an inline send that may go unsignaled (verbs; TCP tracks
+    /// every send).
+    #[inline]
+    pub(crate) fn post_inline_quiet(&self, data: &[u8], imm: Option<u32>, due: Deadline) -> PostedInline {
+        match self {
+            #[cfg(feature = "verbs")]
+            ConnTransport::Verbs(t) => t.post_inline(data, imm, due, true),
+            ConnTransport::Tcp(t) => PostedInline::Tracked(t.post_inline(data, imm, due)),
+        }
+    }
+
+    /// Quiet send `q`'s outcome, polling once if it is not known yet.
+    #[inline]
+    pub(crate) fn poll_quiet(&self, q: &QuietSend) -> Result<Option<Result<Completion>>> {
+        match self {
+            #[cfg(feature = "verbs")]
+            ConnTransport::Verbs(t) => t.poll_quiet(q),
+            ConnTransport::Tcp(_) => {
+                let _ = q;
+                Ok(Some(Err(Error::AlreadyReported)))
+            }
+        }
+    }
+
+    /// Quiet send `q`'s outcome if known, without polling.
+    #[inline]
+    pub(crate) fn quiet_outcome(&self, q: &QuietSend) -> Option<Result<Completion>> {
+        match self {
+            #[cfg(feature = "verbs")]
+            ConnTransport::Verbs(t) => t.quiet_outcome(q),
+            ConnTransport::Tcp(_) => {
+                let _ = q;
+                Some(Err(Error::AlreadyReported))
+            }
+        }
+    }
+
+    /// Has a signaled request follow quiet send `q`; `Some` when one was
+    /// posted for the caller to own (always with `own`).
+    pub(crate) fn cover(&self, q: &QuietSend, own: bool, due: &mut Deadline) -> Result<Option<OpId>> {
+        match self {
+            #[cfg(feature = "verbs")]
+            ConnTransport::Verbs(t) => t.cover(q, own, due),
+            ConnTransport::Tcp(_) => {
+                let _ = (q, own, due);
+                Ok(None)
+            }
+        }
+    }
+
+    /// Drives progress until quiet send `q`'s outcome is known.
+    pub(crate) fn wait_quiet(&self, q: &QuietSend, due: &mut Deadline) -> Result<Result<Completion>> {
+        match self {
+            #[cfg(feature = "verbs")]
+            ConnTransport::Verbs(t) => t.wait_quiet(q, due),
+            ConnTransport::Tcp(_) => {
+                let _ = (q, due);
+                Ok(Err(Error::AlreadyReported))
+            }
+        }
     }
 
     /// Drives progress until `id` is done or the deadline passes.

@@ -7,7 +7,7 @@ use crate::access::Access;
 use crate::completion::{Completion, Opcode};
 use crate::error::{Error, Result};
 use crate::memory::{LocalParts, RemoteSlice};
-use crate::ops::{Held, OpId, OpTable, RawCompletion};
+use crate::ops::{Held, OpId, OpTable, RawCompletion, quiet_seq};
 
 /// One operation of a post: the local range it uses and what it does.
 #[derive(Clone, Copy, Debug)]
@@ -83,6 +83,27 @@ pub(crate) enum Posted {
     Stuck(OpId, Error),
 }
 
+/// The longest run of requests posted unsignaled: at least every this
+/// many, one is signaled.
+pub(crate) const MAX_QUIET_RUN: u32 = 64;
+
+/// A send posted unsignaled (a quiet send): no completion reports it, so
+/// its outcome follows from the send queue's order (see [`QueueCore`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct QuietSend {
+    /// Its place in the send queue.
+    pub seq: u64,
+    pub opcode: Opcode,
+    pub len: u32,
+}
+
+/// How an inline send was posted: tracked like any operation, or quiet.
+pub(crate) enum PostedInline {
+    Tracked(Posted),
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    Quiet(QuietSend),
+}
+
 /// What bounds a connection's queues, fixed when it is established.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Limits {
@@ -92,6 +113,31 @@ pub(crate) struct Limits {
     pub recv_depth: u32,
     /// The largest single message (send, or write with immediate).
     pub max_message: u64,
+    /// The queue pair's number, for the completions of quiet sends.
+    pub qp_num: u32,
+}
+
+/// The send queue in request order. A reliable connection completes its
+/// send queue in order, so the completion of a signaled request says every
+/// request before it is done, and a send posted unsignaled ("quiet", as
+/// perftest and UCX post most of theirs) needs no completion of its own:
+/// it is done once a signaled request after it is, and its credit comes
+/// back with that request's. Any failure is reported whether signaled or
+/// not, and the first one in queue order decides the quiet sends after it.
+#[derive(Debug, Default)]
+struct SendOrder {
+    /// The place of the next request posted.
+    next: u64,
+    /// Every request before this place has completed.
+    done: u64,
+    /// Every request before this place has a signaled one at or after it.
+    signaled_end: u64,
+    /// Quiet sends posted since the last signaled request.
+    quiet: u32,
+    /// `next` when a poll last looked for a quiet send's outcome in vain.
+    looked: u64,
+    /// The first request that failed, in queue order, and its completion.
+    failed: Option<(u64, Completion)>,
 }
 
 /// The queue core both transports run on, with no I/O: the operation
@@ -105,6 +151,9 @@ pub(crate) struct QueueCore {
     recv_used: u32,
     /// Why the connection can no longer be used; the first reason stays.
     lost: Option<String>,
+    order: SendOrder,
+    /// At most this many requests in a row go unsignaled.
+    moderation: u32,
 }
 
 /// An orphaned buffer, dropped once the device is done with it.
@@ -112,7 +161,18 @@ pub(crate) type Orphan = Box<dyn std::any::Any + Send>;
 
 impl QueueCore {
     pub(crate) fn new(limits: Limits) -> Self {
-        QueueCore { table: OpTable::new(), limits, send_used: 0, recv_used: 0, lost: None }
+        // A signaled request at least every quarter of the queue (and
+        // every MAX_QUIET_RUN): credits come back well before it fills.
+        let moderation = (limits.send_depth / 4).clamp(1, MAX_QUIET_RUN);
+        QueueCore {
+            table: OpTable::new(),
+            limits,
+            send_used: 0,
+            recv_used: 0,
+            lost: None,
+            order: SendOrder::default(),
+            moderation,
+        }
     }
 
     #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
@@ -194,7 +254,90 @@ impl QueueCore {
     pub(crate) fn start_send(&mut self, opcode: Opcode, n: u32, bytes: u64) -> OpId {
         debug_assert!(self.send_used + n <= self.limits.send_depth && self.lost.is_none());
         self.send_used += n;
-        self.table.start(opcode, Held { send_wrs: n, recv_wrs: 0 }, Some(bytes))
+        let o = &mut self.order;
+        let carried = std::mem::take(&mut o.quiet);
+        o.next += u64::from(n);
+        o.signaled_end = o.next;
+        self.table.start(opcode, Held { send_wrs: n, recv_wrs: 0, carried, sq_end: o.next }, Some(bytes))
+    }
+
+    /// Whether the next send must be signaled: enough quiet ones went before it.
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    pub(crate) fn must_signal(&self) -> bool {
+        self.order.quiet + 1 >= self.moderation
+    }
+
+    /// Starts a quiet send of `len` bytes, taking one credit, which comes
+    /// back with the next signaled request's completion. Call only after
+    /// [`send_room`](Self::send_room) said `Ok(true)` and
+    /// [`must_signal`](Self::must_signal) said `false`.
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    pub(crate) fn start_quiet(&mut self, opcode: Opcode, len: u32) -> QuietSend {
+        debug_assert!(self.send_used < self.limits.send_depth && self.lost.is_none());
+        self.send_used += 1;
+        let o = &mut self.order;
+        o.quiet += 1;
+        o.next += 1;
+        QuietSend { seq: o.next - 1, opcode, len }
+    }
+
+    /// Forgets the quiet send just started, which the device never saw.
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    pub(crate) fn abort_quiet(&mut self, q: QuietSend) {
+        debug_assert_eq!(q.seq + 1, self.order.next);
+        self.order.next -= 1;
+        self.order.quiet -= 1;
+        self.send_used -= 1;
+    }
+
+    /// Whether nothing was posted since the last call (which found a quiet
+    /// send's outcome unknown): then polling alone would not learn it.
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    pub(crate) fn idle_since_last_look(&mut self) -> bool {
+        let idle = self.order.looked == self.order.next;
+        self.order.looked = self.order.next;
+        idle
+    }
+
+    /// Quiet sends waiting for a signaled request to carry their credits.
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    pub(crate) fn quiet_waiting(&self) -> u32 {
+        self.order.quiet
+    }
+
+    /// Whether a signaled request was posted after the quiet send at `seq`
+    /// (its completion will say whether that send is done).
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    pub(crate) fn covered(&self, seq: u64) -> bool {
+        self.order.signaled_end > seq
+    }
+
+    /// The outcome of a quiet send, once known: success if every request
+    /// up to it completed and none before it failed; its own error if it
+    /// failed; the loss if an earlier request failed (it was flushed).
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    pub(crate) fn quiet_outcome(&self, q: &QuietSend) -> Option<Result<Completion>> {
+        if q.seq >= self.order.done {
+            return None;
+        }
+        let c = Completion {
+            wr_id: crate::ops::quiet_wr_id(q.seq),
+            opcode: q.opcode,
+            status: crate::completion::WcStatus::Success,
+            byte_len: q.len,
+            imm: None,
+            qp_num: self.limits.qp_num,
+            vendor_err: 0,
+        };
+        Some(match self.order.failed {
+            Some((at, failed)) if at == q.seq => {
+                OpTable::outcome(Completion { opcode: q.opcode, ..failed }, self.lost())
+            }
+            Some((at, _)) if at < q.seq => {
+                OpTable::outcome(Completion { status: crate::completion::WcStatus::WrFlush, ..c }, self.lost())
+            }
+            _ => Ok(c),
+        })
     }
 
     /// Starts a receive, taking a receive credit.
@@ -209,18 +352,27 @@ impl QueueCore {
             return Err(Error::QueueFull { queue: "receive", depth: self.limits.recv_depth });
         }
         self.recv_used += 1;
-        Ok(self.table.start(Opcode::Recv, Held { send_wrs: 0, recv_wrs: 1 }, None))
+        Ok(self.table.start(Opcode::Recv, Held { recv_wrs: 1, ..Held::default() }, None))
     }
 
     /// Forgets an operation the device never saw, giving its credits back.
     #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
     pub(crate) fn abort(&mut self, id: OpId) {
         let held = self.table.abort(id);
-        self.release(held);
+        if held.sq_end > 0 {
+            // The quiet sends it carried wait for the next signaled request
+            // again; the one before them is the last signaled one.
+            let o = &mut self.order;
+            o.next = held.sq_end - u64::from(held.send_wrs);
+            o.quiet += held.carried;
+            o.signaled_end = o.next - u64::from(held.carried);
+        }
+        self.release(Held { carried: 0, ..held });
     }
 
     fn release(&mut self, held: Held) {
-        self.send_used -= held.send_wrs.min(self.send_used);
+        let send = held.send_wrs + held.carried;
+        self.send_used -= send.min(self.send_used);
         self.recv_used -= held.recv_wrs.min(self.recv_used);
     }
 
@@ -228,9 +380,38 @@ impl QueueCore {
     /// come back, and an orphaned buffer is handed out to be dropped (the
     /// device is done with it).
     pub(crate) fn complete(&mut self, raw: &RawCompletion) -> Option<Orphan> {
-        let (held, orphan) = self.table.complete(raw);
+        if let Some(seq) = quiet_seq(raw.wr_id) {
+            // A quiet send reports only a failure (or its flush).
+            self.failed_at(seq, raw);
+            self.order.done = self.order.done.max(seq + 1);
+            return None;
+        }
+        let (held, orphan, failed) = self.table.complete(raw);
+        if held.sq_end > 0 {
+            if failed {
+                self.failed_at(held.sq_end - u64::from(held.send_wrs), raw);
+            }
+            self.order.done = self.order.done.max(held.sq_end);
+        }
         self.release(held);
         orphan
+    }
+
+    /// Records the first failure in the send queue (the earliest: the
+    /// queue completes in order).
+    fn failed_at(&mut self, seq: u64, raw: &RawCompletion) {
+        if self.order.failed.is_none() && !raw.status.is_success() {
+            let c = Completion {
+                wr_id: raw.wr_id,
+                opcode: Opcode::Send,
+                status: raw.status,
+                byte_len: 0,
+                imm: None,
+                qp_num: raw.qp_num,
+                vendor_err: raw.vendor_err,
+            };
+            self.order.failed = Some((seq, c));
+        }
     }
 
     /// Whether the operation has an outcome to take.
@@ -294,7 +475,7 @@ mod tests {
     const DOMAIN: u64 = 7;
 
     fn core(send_depth: u32, recv_depth: u32) -> QueueCore {
-        QueueCore::new(Limits { domain_id: DOMAIN, send_depth, recv_depth, max_message: 1 << 20 })
+        QueueCore::new(Limits { domain_id: DOMAIN, send_depth, recv_depth, max_message: 1 << 20, qp_num: 1 })
     }
 
     fn done(id: OpId, last: bool, status: WcStatus) -> RawCompletion {
@@ -512,6 +693,109 @@ mod tests {
         assert!(q.orphan(c, Box::new(Tracked(dropped.clone()))).is_none());
         drop(q.take_orphans());
         assert_eq!(count(), 3);
+    }
+
+    fn quiet_failed(seq: u64, status: WcStatus) -> RawCompletion {
+        RawCompletion {
+            wr_id: crate::ops::quiet_wr_id(seq),
+            status,
+            byte_len: 0,
+            imm: None,
+            qp_num: 1,
+            vendor_err: 0,
+            by_write_imm: false,
+        }
+    }
+
+    #[test]
+    fn quiet_sends_are_done_and_give_credits_back_with_the_next_signaled_request() {
+        let mut q = core(8, 1);
+        assert_eq!(q.moderation, 2, "a quarter of the queue");
+        assert!(!q.must_signal());
+        let a = q.start_quiet(Opcode::Send, 4);
+        assert!(q.must_signal(), "one quiet send, then a signaled one");
+        assert_eq!(q.credits(), (1, 0), "a quiet send holds a credit");
+        assert!(q.quiet_outcome(&a).is_none() && !q.covered(a.seq));
+        let s = q.start_send(Opcode::Send, 1, 2);
+        assert!(q.covered(a.seq) && !q.must_signal());
+        assert!(q.quiet_outcome(&a).is_none(), "not before the signaled one completes");
+        q.complete(&done(s, true, WcStatus::Success));
+        let c = q.quiet_outcome(&a).expect("known").expect("succeeded");
+        assert_eq!((c.opcode, c.byte_len, c.qp_num), (Opcode::Send, 4, 1));
+        assert_eq!(q.credits(), (0, 0), "both credits came back with the one completion");
+        // Asking again gives the same answer: the handle keeps it.
+        assert!(matches!(q.quiet_outcome(&a), Some(Ok(_))));
+    }
+
+    #[test]
+    fn a_failed_quiet_send_reports_its_own_error_and_flushes_the_ones_after() {
+        let mut q = core(64, 1);
+        let sends: Vec<QuietSend> = (0..4).map(|_| q.start_quiet(Opcode::SendWithImm, 1)).collect();
+        // The third fails (a device reports a failure signaled or not); the
+        // connection is lost and the rest are flushed, in queue order.
+        q.complete(&quiet_failed(sends[2].seq, WcStatus::RnrRetryExceeded));
+        q.lose(|| "the queue pair went to the error state".into());
+        q.complete(&quiet_failed(sends[3].seq, WcStatus::WrFlush));
+        assert!(matches!(q.quiet_outcome(&sends[0]), Some(Ok(_))), "completed before the failure");
+        assert!(matches!(q.quiet_outcome(&sends[1]), Some(Ok(_))));
+        match q.quiet_outcome(&sends[2]) {
+            Some(Err(Error::Completion(e))) => {
+                assert_eq!((e.status, e.opcode), (WcStatus::RnrRetryExceeded, Opcode::SendWithImm))
+            }
+            other => panic!("{other:?}"),
+        }
+        match q.quiet_outcome(&sends[3]) {
+            Some(Err(Error::ConnectionLost { reason })) => assert!(reason.contains("flushed"), "{reason}"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_failed_signaled_request_decides_the_quiet_sends_around_it() {
+        let mut q = core(64, 1);
+        let before = q.start_quiet(Opcode::Send, 1);
+        let w = q.start_send(Opcode::Write, 2, 64);
+        let after = q.start_quiet(Opcode::Send, 1);
+        q.complete(&done(w, false, WcStatus::RemoteAccess));
+        q.lose(|| "the queue pair went to the error state".into());
+        q.complete(&done(w, true, WcStatus::WrFlush));
+        assert!(q.take(w).unwrap().unwrap_err().is_remote_access());
+        assert!(matches!(q.quiet_outcome(&before), Some(Ok(_))), "before the failed write: done");
+        assert!(q.quiet_outcome(&after).is_none(), "its flush has not been seen yet");
+        q.complete(&quiet_failed(after.seq, WcStatus::WrFlush));
+        assert!(matches!(q.quiet_outcome(&after), Some(Err(Error::ConnectionLost { .. }))));
+    }
+
+    #[test]
+    fn aborting_a_signaled_request_leaves_the_quiet_sends_before_it_uncovered() {
+        let mut q = core(64, 1);
+        let a = q.start_quiet(Opcode::Send, 1);
+        let b = q.start_quiet(Opcode::Send, 1);
+        let s = q.start_send(Opcode::Send, 3, 3);
+        assert!(q.covered(b.seq) && q.quiet_waiting() == 0);
+        q.abort(s);
+        assert!(!q.covered(a.seq) && !q.covered(b.seq), "nothing signaled follows them now");
+        assert_eq!((q.quiet_waiting(), q.credits()), (2, (2, 0)), "their credits wait again");
+        // The next signaled request takes the same places and carries them.
+        let t = q.start_send(Opcode::Send, 1, 1);
+        assert!(q.covered(b.seq));
+        q.complete(&done(t, true, WcStatus::Success));
+        assert!(matches!(q.quiet_outcome(&a), Some(Ok(_))) && matches!(q.quiet_outcome(&b), Some(Ok(_))));
+        assert_eq!(q.credits(), (0, 0));
+        // A quiet send the device never saw gives its credit back.
+        let c = q.start_quiet(Opcode::Send, 1);
+        q.abort_quiet(c);
+        assert_eq!((q.quiet_waiting(), q.credits()), (0, (0, 0)));
+    }
+
+    #[test]
+    fn a_poll_after_nothing_was_posted_is_told_to_flush() {
+        let mut q = core(64, 1);
+        q.start_quiet(Opcode::Send, 1);
+        assert!(!q.idle_since_last_look(), "the first look: something was posted before it");
+        assert!(q.idle_since_last_look(), "nothing posted since");
+        q.start_quiet(Opcode::Send, 1);
+        assert!(!q.idle_since_last_look());
     }
 
     #[test]

@@ -656,8 +656,13 @@ impl TcpConn {
         // turns it off and is capped by net.core.rmem_max (208 KiB by default).
         let peer_addr = stream.peer_addr().ok();
         let max_message = u64::from(MAX_MESSAGE.min(theirs.max_message));
-        let limits =
-            Limits { domain_id, send_depth: send_depth(opts), recv_depth: opts.recv_queue_depth.max(1), max_message };
+        let limits = Limits {
+            domain_id,
+            send_depth: send_depth(opts),
+            recv_depth: opts.recv_queue_depth.max(1),
+            max_message,
+            qp_num: 0,
+        };
         let inner = Arc::new(Inner {
             state: Mutex::new(TcpState {
                 q: QueueCore::new(limits),

@@ -8,14 +8,14 @@ use std::os::fd::AsFd;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::queue::{Limits, Posted, QueueCore, RemoteOp, WorkItem};
+use super::queue::{Limits, Posted, PostedInline, QueueCore, QuietSend, RemoteOp, WorkItem};
 use crate::bootstrap::{self, VerbsEndpoint};
 use crate::completion::{Completion, Opcode};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::memory::domain::Nic;
 use crate::memory::{Access, LocalParts};
-use crate::ops::{OpId, RawCompletion};
+use crate::ops::{OpId, RawCompletion, quiet_wr_id};
 use crate::options::{ConnectOptions, ConnectionInfo, Transport};
 use crate::verbs::{
     self, CompletionChannel, CompletionQueue, LinkLayer, Mtu, PortAttr, QpCaps, QpState, QueuePair, QueuePairBuilder,
@@ -82,6 +82,8 @@ pub(crate) struct VerbsConn {
 }
 
 const PEER_GRACE: Duration = Duration::from_millis(50);
+/// How often a spinning wait looks at the peer's socket.
+const PEER_LOOK: Duration = Duration::from_millis(1);
 
 /// A queue pair made and moved to INIT before the hellos are exchanged: its
 /// number goes into this side's hello.
@@ -208,6 +210,7 @@ impl Prepared {
                     send_depth: caps.max_send_wr,
                     recv_depth: caps.max_recv_wr,
                     max_message,
+                    qp_num: info.local_qp_num,
                 }),
                 peer_gone: None,
                 wcs: vec![WorkCompletion::EMPTY; POLL_BATCH],
@@ -320,6 +323,7 @@ impl VerbsConn {
         // Both fixed at the first clock read, not before: a wait that ends
         // within SPINS_PER_CLOCK polls never reads the clock.
         let mut spin_until: Option<Instant> = None;
+        let mut peer_look: Option<Instant> = None;
         let mut spins = 0u32;
         loop {
             {
@@ -343,6 +347,13 @@ impl VerbsConn {
                 return Ok(false);
             }
             if now < *spin_until.get_or_insert(now + self.spin) {
+                // A long spin still notices a peer that closed or died (a
+                // sleeping wait watches its socket): its requests would
+                // otherwise never be answered.
+                if now >= *peer_look.get_or_insert(now + PEER_LOOK) {
+                    peer_look = Some(now + PEER_LOOK);
+                    self.check_peer(&mut self.lock());
+                }
                 std::hint::spin_loop();
                 continue;
             }
@@ -582,6 +593,12 @@ impl VerbsConn {
             if st.q.send_room(n)? {
                 return Ok(st);
             }
+            if st.q.quiet_waiting() > 0 && st.q.send_room(1)? {
+                // Quiet sends hold credits that only a signaled request
+                // brings back: post one, or the wait could be for nothing.
+                self.post_flush(&mut st)?;
+                continue;
+            }
             if due.is_immediate() {
                 // A try-post: one look at the completions, no waiting.
                 self.progress(&mut st)?;
@@ -710,9 +727,14 @@ impl VerbsConn {
         }
     }
 
-    pub(crate) fn post_inline(&self, data: &[u8], imm: Option<u32>, mut due: Deadline) -> Posted {
+    /// Posts `data` inline as a send. With `quiet`, the send goes
+    /// unsignaled unless the moderation says signal (see
+    /// [`QueueCore::must_signal`]); its outcome then follows from later
+    /// requests' completions.
+    pub(crate) fn post_inline(&self, data: &[u8], imm: Option<u32>, mut due: Deadline, quiet: bool) -> PostedInline {
+        let refused = |e| PostedInline::Tracked(Posted::Refused(e));
         if data.len() as u64 > u64::from(self.max_inline) {
-            return Posted::Refused(Error::MessageTooLarge { len: data.len() as u64, max: u64::from(self.max_inline) });
+            return refused(Error::MessageTooLarge { len: data.len() as u64, max: u64::from(self.max_inline) });
         }
         let op = match imm {
             Some(imm) => SendOp::SendWithImm(imm),
@@ -721,25 +743,120 @@ impl VerbsConn {
         let opcode = if imm.is_some() { Opcode::SendWithImm } else { Opcode::Send };
         let mut st = match self.send_room(self.lock(), 1, &mut due) {
             Ok(st) => st,
-            Err(e) => return Posted::Refused(e),
+            Err(e) => return refused(e),
         };
-        let id = st.q.start_send(opcode, 1, data.len() as u64);
         // lkey 0 is never used: inline data is copied at post time.
         let sge = [Sge::new(data.as_ptr() as u64, data.len() as u32, 0)];
         let list: &[Sge] = if data.is_empty() { &[] } else { &sge };
-        let wr = SendWr::new(id.wr_id(true), op, list).inline(!data.is_empty());
+        let (posted, wr) = if quiet && !st.q.must_signal() {
+            let q = st.q.start_quiet(opcode, data.len() as u32);
+            (PostedInline::Quiet(q), SendWr::new(quiet_wr_id(q.seq), op, list).signaled(false))
+        } else {
+            let id = st.q.start_send(opcode, 1, data.len() as u64);
+            (PostedInline::Tracked(Posted::Ok(id)), SendWr::new(id.wr_id(true), op, list))
+        };
         let qp = st.qp.as_mut().expect("the queue pair lives as long as the connection");
         // SAFETY: an inline request's data is copied into the work queue
         // during ibv_post_send; `data` is valid for this call and nothing
         // references it afterwards.
-        let outcome = unsafe { qp.post_send([wr]) };
-        match outcome {
-            Ok(()) => Posted::Ok(id),
+        let outcome = unsafe { qp.post_send([wr.inline(!data.is_empty())]) };
+        match (outcome, posted) {
+            (Ok(()), posted) => posted,
+            (Err(e), PostedInline::Quiet(q)) => {
+                st.q.abort_quiet(q);
+                refused(e.error)
+            }
+            (Err(e), PostedInline::Tracked(Posted::Ok(id))) => {
+                st.q.abort(id);
+                refused(e.error)
+            }
+            (Err(e), PostedInline::Tracked(_)) => refused(e.error),
+        }
+    }
+
+    /// Posts a signaled zero-length RDMA write whose completion says every
+    /// request before it is done (the remote address and key of a
+    /// zero-length transfer are not checked: nothing is accessed). Its
+    /// handle goes to the table as an orphan.
+    fn post_flush(&self, st: &mut VerbsState) -> Result<OpId> {
+        let id = self.start_flush(st)?;
+        drop(st.q.orphan(id, Box::new(())));
+        Ok(id)
+    }
+
+    /// [`post_flush`](Self::post_flush), handing the operation to the caller.
+    fn start_flush(&self, st: &mut VerbsState) -> Result<OpId> {
+        let id = st.q.start_send(Opcode::Write, 1, 0);
+        let wr = SendWr::new(id.wr_id(true), SendOp::Write { remote_addr: 0, rkey: 0 }, &[]);
+        let qp = st.qp.as_mut().expect("the queue pair lives as long as the connection");
+        // SAFETY: a zero-length write names no local memory.
+        match unsafe { qp.post_send([wr]) } {
+            Ok(()) => Ok(id),
             Err(e) => {
                 st.q.abort(id);
-                Posted::Refused(e.error)
+                Err(e.error)
             }
         }
+    }
+
+    /// The outcome of quiet send `q`, polling once if it is not known yet.
+    /// A poll that finds nothing posted since the last one has a signaled
+    /// request follow `q` if none does: polling alone would never learn
+    /// its outcome, and a caller posting more meanwhile needs no extra request.
+    pub(crate) fn poll_quiet(&self, q: &QuietSend) -> Result<Option<Result<Completion>>> {
+        let mut st = self.lock();
+        if let Some(outcome) = st.q.quiet_outcome(q) {
+            return Ok(Some(outcome));
+        }
+        self.progress(&mut st)?;
+        let outcome = st.q.quiet_outcome(q);
+        if outcome.is_none()
+            && !st.q.covered(q.seq)
+            && st.q.idle_since_last_look()
+            && matches!(st.q.send_room(1), Ok(true))
+        {
+            // A failed post breaks the connection, whose flush then reports `q`.
+            let _ = self.post_flush(&mut st);
+        }
+        Ok(outcome)
+    }
+
+    /// The outcome of quiet send `q` if known, without polling.
+    pub(crate) fn quiet_outcome(&self, q: &QuietSend) -> Option<Result<Completion>> {
+        self.lock().q.quiet_outcome(q)
+    }
+
+    /// Makes sure a signaled request follows quiet send `q`, so its outcome
+    /// becomes known: `Some` flush request, which the caller owns, when one
+    /// was posted (always when `own`; else only when no signaled request
+    /// came after it). `None` also when the connection is lost: the
+    /// queue's flush then reports every request.
+    pub(crate) fn cover(&self, q: &QuietSend, own: bool, due: &mut Deadline) -> Result<Option<OpId>> {
+        let st = self.lock();
+        if st.q.quiet_outcome(q).is_some() || (!own && st.q.covered(q.seq)) {
+            return Ok(None);
+        }
+        let mut st = match self.send_room(st, 1, due) {
+            Ok(st) => st,
+            Err(Error::ConnectionLost { .. }) => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        self.start_flush(&mut st).map(Some)
+    }
+
+    /// Drives progress until quiet send `q`'s outcome is known (a signaled
+    /// request after it must be in flight: see [`cover`](Self::cover)).
+    pub(crate) fn wait_quiet(&self, q: &QuietSend, due: &mut Deadline) -> Result<Result<Completion>> {
+        let mut outcome = None;
+        if self.wait_until(due, |st| {
+            outcome = st.q.quiet_outcome(q);
+            outcome.is_some()
+        })? {
+            if let Some(outcome) = outcome {
+                return Ok(outcome);
+            }
+        }
+        Err(due.expired())
     }
 
     pub(crate) fn post_recv(&self, local: Option<LocalParts>) -> Posted {
