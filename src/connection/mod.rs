@@ -737,8 +737,8 @@ impl<B: Send + 'static> Pending<B> {
             Ok(c) if self.after.is_none() => {
                 let before = std::mem::replace(&mut self.stage, Stage::Succeeded(c));
                 match before {
-                    // An id: nothing to drop (and no drop glue on the hot path).
-                    Stage::InFlight(_) => std::mem::forget(before),
+                    // Ids: nothing to drop (and no drop glue on the hot path).
+                    Stage::InFlight(_) | Stage::Quiet(_, None) => std::mem::forget(before),
                     other => drop(other),
                 }
                 Ok(c)

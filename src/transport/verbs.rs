@@ -387,11 +387,19 @@ impl VerbsConn {
     /// lock for the check and the take). `Err` when the deadline passed
     /// first (the operation is still in flight) or polling failed.
     pub(crate) fn wait_take(&self, id: OpId, due: &mut Deadline) -> Result<Result<Completion>> {
-        if let Some(outcome) = self.lock().q.take(id) {
-            return Ok(outcome);
+        {
+            // Taken already reaped, or reaped by one poll: one lock either way.
+            let mut st = self.lock();
+            if let Some(outcome) = st.q.take(id) {
+                return Ok(outcome);
+            }
+            self.progress(&mut st)?;
+            if let Some(outcome) = st.q.take(id) {
+                return Ok(outcome);
+            }
         }
         let mut outcome = None;
-        if self.wait_until(due, |st| {
+        if self.wait_until_slow(due, |st| {
             outcome = st.q.take(id);
             outcome.is_some()
         })? {
@@ -847,8 +855,11 @@ impl VerbsConn {
     /// Drives progress until quiet send `q`'s outcome is known (a signaled
     /// request after it must be in flight: see [`cover`](Self::cover)).
     pub(crate) fn wait_quiet(&self, q: &QuietSend, due: &mut Deadline) -> Result<Result<Completion>> {
+        if let Some(outcome) = self.poll_quiet(q)? {
+            return Ok(outcome);
+        }
         let mut outcome = None;
-        if self.wait_until(due, |st| {
+        if self.wait_until_slow(due, |st| {
             outcome = st.q.quiet_outcome(q);
             outcome.is_some()
         })? {
