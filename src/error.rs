@@ -99,6 +99,15 @@ pub enum Error {
     #[error("bootstrap: {0}")]
     Bootstrap(#[from] BootstrapError),
 
+    /// The rendezvous store could not be reached or refused a request.
+    #[error("rendezvous store {store}: {reason}")]
+    Rendezvous {
+        /// Which store, with its address (`etcd at http://127.0.0.1:2379`).
+        store: String,
+        /// What failed, in plain words.
+        reason: String,
+    },
+
     /// Nothing arrived within the time allowed.
     #[error("timed out after {after:?} waiting for {what}")]
     Timeout {

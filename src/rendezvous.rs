@@ -4,17 +4,113 @@
 //!
 //! Built in, with no server: [`DirRendezvous`] (a directory of files, for
 //! one machine or a shared file system) and [`MemRendezvous`] (in-process,
-//! for tests). Anything else (a framework's own store) implements
-//! [`Rendezvous`].
+//! for tests). With the `etcd` feature, [`EtcdRendezvous`] keeps the keys
+//! in etcd under a lease, so a rank that dies disappears from the store.
+//! Anything else (a framework's own store) implements [`Rendezvous`].
 
 #![forbid(unsafe_code)]
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
-use std::sync::{Condvar, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
+
+#[cfg(feature = "etcd")]
+mod etcd;
+#[cfg(feature = "etcd")]
+pub use etcd::{EtcdOptions, EtcdRendezvous};
+
+/// A change under a watched prefix.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Change {
+    /// `key` was published (or republished) with `value`.
+    Put {
+        /// The key.
+        key: String,
+        /// Its new value.
+        value: Vec<u8>,
+    },
+    /// `key` is gone: removed, or (etcd) its owner's lease expired.
+    Removed {
+        /// The key.
+        key: String,
+    },
+}
+
+/// The changes under a prefix, as they happen ([`Rendezvous::watch`]).
+/// Dropping it stops the watch.
+#[derive(Debug)]
+pub struct Watch {
+    rx: mpsc::Receiver<Change>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Watch {
+    /// A watch fed through the returned sender; `stop` turns true when it
+    /// is dropped (the feeder then ends).
+    pub fn channel() -> (mpsc::Sender<Change>, Arc<AtomicBool>, Watch) {
+        let (tx, rx) = mpsc::channel();
+        let stop = Arc::new(AtomicBool::new(false));
+        (tx, Arc::clone(&stop), Watch { rx, stop })
+    }
+
+    /// The next change, waiting up to `timeout`; `None` if there was none
+    /// (or the store's watch ended).
+    pub fn next_timeout(&self, timeout: Duration) -> Option<Change> {
+        self.rx.recv_timeout(timeout).ok()
+    }
+
+    /// The next change if there is one now.
+    pub fn try_next(&self) -> Option<Change> {
+        self.rx.try_recv().ok()
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+    }
+}
+
+/// How often a store without watches of its own is listed to find changes.
+pub const WATCH_POLL: Duration = Duration::from_millis(100);
+
+/// The changes between two listings.
+fn diff(old: &BTreeMap<String, Vec<u8>>, new: &BTreeMap<String, Vec<u8>>) -> Vec<Change> {
+    let mut out: Vec<Change> = new
+        .iter()
+        .filter(|(k, v)| old.get(*k) != Some(*v))
+        .map(|(k, v)| Change::Put { key: k.clone(), value: v.clone() })
+        .collect();
+    out.extend(old.keys().filter(|k| !new.contains_key(*k)).map(|k| Change::Removed { key: k.clone() }));
+    out
+}
+
+/// A watch for a store with none of its own: lists the prefix every
+/// [`WATCH_POLL`] on a thread and reports the differences.
+pub fn poll_watch<R: Rendezvous + ?Sized + 'static>(store: Arc<R>, prefix: &str) -> Result<Watch> {
+    let mut seen: BTreeMap<String, Vec<u8>> = store.list(prefix)?.into_iter().collect();
+    let (tx, stop, watch) = Watch::channel();
+    let prefix = prefix.to_owned();
+    std::thread::Builder::new().name("gpu-rdma-watch".into()).spawn(move || {
+        while !stop.load(Ordering::Acquire) {
+            std::thread::sleep(WATCH_POLL);
+            let Ok(now) = store.list(&prefix) else { continue };
+            let now: BTreeMap<String, Vec<u8>> = now.into_iter().collect();
+            for change in diff(&seen, &now) {
+                if tx.send(change).is_err() {
+                    return;
+                }
+            }
+            seen = now;
+        }
+    })?;
+    Ok(watch)
+}
 
 /// A store where ranks publish and look each other up.
 pub trait Rendezvous: Send + Sync {
@@ -35,6 +131,26 @@ pub trait Rendezvous: Send + Sync {
     /// # Errors
     /// As the store fails.
     fn remove(&self, key: &str) -> Result<()>;
+
+    /// Every key that starts with `prefix` (`""` for all), with its value,
+    /// in key order.
+    ///
+    /// # Errors
+    /// As the store fails.
+    fn list(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>>;
+
+    /// The changes under `prefix` from now on. By default the prefix is
+    /// listed every [`WATCH_POLL`]; a store with watches of its own (etcd)
+    /// reports them as they happen.
+    ///
+    /// # Errors
+    /// As the store fails.
+    fn watch(self: Arc<Self>, prefix: &str) -> Result<Watch>
+    where
+        Self: 'static,
+    {
+        poll_watch(self, prefix)
+    }
 }
 
 /// Keys are names with letters, digits, `.`, `_`, `-` and `/` (for
@@ -112,6 +228,25 @@ impl Rendezvous for DirRendezvous {
             _ => Ok(()),
         }
     }
+
+    fn list(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>> {
+        let mut out = Vec::new();
+        for entry in std::fs::read_dir(&self.dir)? {
+            let entry = entry?;
+            let Some(name) = entry.file_name().to_str().map(|n| n.replace('%', "/")) else { continue };
+            if name.starts_with('.') || !name.starts_with(prefix) {
+                continue;
+            }
+            match std::fs::read(entry.path()) {
+                Ok(v) => out.push((name, v)),
+                // Removed since the directory was read.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
 }
 
 /// An in-process store (threads of one process, and tests).
@@ -148,7 +283,16 @@ impl Rendezvous for MemRendezvous {
     fn remove(&self, key: &str) -> Result<()> {
         check_key(key)?;
         self.map.lock().unwrap_or_else(|e| e.into_inner()).remove(key);
+        self.changed.notify_all();
         Ok(())
+    }
+
+    fn list(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>> {
+        let map = self.map.lock().unwrap_or_else(|e| e.into_inner());
+        let mut out: Vec<_> =
+            map.iter().filter(|(k, _)| k.starts_with(prefix)).map(|(k, v)| (k.clone(), v.clone())).collect();
+        out.sort();
+        Ok(out)
     }
 }
 
@@ -175,6 +319,39 @@ mod tests {
         exercise(&MemRendezvous::default());
         let dir = std::env::temp_dir().join(format!("gpu-rdma-rv-{}", std::process::id()));
         exercise(&DirRendezvous::new(&dir).unwrap());
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn both_stores_list_by_prefix_and_watch_changes() {
+        let dir = std::env::temp_dir().join(format!("gpu-rdma-rv-watch-{}", std::process::id()));
+        let stores: Vec<Arc<dyn Rendezvous>> =
+            vec![Arc::new(MemRendezvous::default()), Arc::new(DirRendezvous::new(&dir).unwrap())];
+        for r in stores {
+            r.publish("job/rank/0", b"a").unwrap();
+            r.publish("job/rank/1", b"b").unwrap();
+            r.publish("other/x", b"c").unwrap();
+            let listed = r.list("job/").unwrap();
+            assert_eq!(listed, vec![("job/rank/0".into(), b"a".to_vec()), ("job/rank/1".into(), b"b".to_vec())]);
+            let w = Arc::clone(&r).watch("job/").unwrap();
+            r.publish("job/rank/2", b"new").unwrap();
+            r.remove("job/rank/0").unwrap();
+            r.publish("other/y", b"not watched").unwrap();
+            let mut got = Vec::new();
+            let until = Instant::now() + Duration::from_secs(5);
+            while got.len() < 2 && Instant::now() < until {
+                got.extend(w.next_timeout(Duration::from_millis(50)));
+            }
+            got.sort_by_key(|c| format!("{c:?}"));
+            assert_eq!(
+                got,
+                vec![
+                    Change::Put { key: "job/rank/2".into(), value: b"new".to_vec() },
+                    Change::Removed { key: "job/rank/0".into() }
+                ]
+            );
+            assert!(w.next_timeout(Duration::from_millis(250)).is_none(), "nothing else changed under the prefix");
+        }
         let _ = std::fs::remove_dir_all(dir);
     }
 

@@ -5,6 +5,8 @@ use std::net::SocketAddr;
 use std::thread;
 use std::time::Duration;
 
+#[cfg(feature = "etcd")]
+pub mod etcd;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 

@@ -20,6 +20,10 @@ pub const BUILD_PACKAGES: &[&str] = &[
     "librdmacm-dev",
     "rdma-core",
     "ibverbs-providers",
+    // The `etcd` feature's client compiles etcd's protocol files with protoc.
+    "protobuf-compiler",
+    // A real etcd for the rendezvous tests and examples (started by them).
+    "etcd-server",
 ];
 
 /// And for the soft-RoCE VM: qemu, busybox, module tools, perftest.

@@ -316,7 +316,7 @@ pub fn run() -> Result<i32> {
         "--workspace",
         "--all-targets",
         "--features",
-        "gpu-rdma/cli",
+        "gpu-rdma/cli,gpu-rdma/etcd",
         "--",
         "-D",
         "warnings",
@@ -336,7 +336,8 @@ pub fn run() -> Result<i32> {
     if crate::layers::command(&[]) != Ok(0) {
         failures.push("cargo xtask layers: an import cycle, or an import a layer may not make".into());
     }
-    let (host_ok, host_out) = run_tee(cargo().args(["test", "--workspace", "--features", "gpu-rdma/cli"]))?;
+    let (host_ok, host_out) =
+        run_tee(cargo().args(["test", "--workspace", "--features", "gpu-rdma/cli,gpu-rdma/etcd"]))?;
     let host = Tally::parse(&host_out);
     if !host_ok {
         failures.push("cargo test".into());

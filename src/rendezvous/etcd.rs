@@ -1,0 +1,358 @@
+//! The etcd store (feature `etcd`), through the `etcd-client` crate.
+//!
+//! Every key this process publishes lives under one lease, kept alive by a
+//! task on the store's own runtime: when the process dies (or hangs past
+//! the lease's time to live), etcd deletes its keys and every watcher sees
+//! them go. If etcd goes away for a while, the keep-alive retries; if the
+//! lease expired meanwhile (or etcd came back without its data), a new
+//! lease is granted and everything published is put back.
+//!
+//! The calls block; they run on the store's runtime (one worker thread),
+//! so they may be made from any thread, inside a tokio runtime or not.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use etcd_client::{Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions};
+
+use super::{Change, Rendezvous, Watch, check_key};
+use crate::error::{Error, Result};
+
+/// Where the etcd store is and how it behaves.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct EtcdOptions {
+    /// The servers, as `http://host:port` (or `host:port`).
+    pub endpoints: Vec<String>,
+    /// What every key is put under, so several jobs can share one etcd.
+    pub namespace: String,
+    /// The lease's time to live: how long after this process stops keeping
+    /// it alive (it died, or hung) its keys disappear. At least a second.
+    pub lease_ttl: Duration,
+    /// How long connecting, and each request, may take.
+    pub timeout: Duration,
+}
+
+impl EtcdOptions {
+    /// The servers at `endpoints`, namespace `gpu-rdma/`, a 5-second lease,
+    /// 5-second requests.
+    pub fn new<S: Into<String>>(endpoints: impl IntoIterator<Item = S>) -> Self {
+        EtcdOptions {
+            endpoints: endpoints.into_iter().map(Into::into).collect(),
+            namespace: "gpu-rdma/".into(),
+            lease_ttl: Duration::from_secs(5),
+            timeout: Duration::from_secs(5),
+        }
+    }
+
+    /// Puts every key under `namespace` (a job's name, say `job-42/`).
+    #[must_use]
+    pub fn namespace(mut self, namespace: impl Into<String>) -> Self {
+        self.namespace = namespace.into();
+        self
+    }
+
+    /// Sets the lease's time to live (at least a second).
+    #[must_use]
+    pub fn lease_ttl(mut self, ttl: Duration) -> Self {
+        self.lease_ttl = ttl;
+        self
+    }
+
+    /// Sets how long connecting, and each request, may take.
+    #[must_use]
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+}
+
+/// What the keep-alive task shares with the calls.
+struct Lease {
+    id: i64,
+    /// Everything published, to put back under a new lease.
+    published: BTreeMap<String, Vec<u8>>,
+}
+
+/// A [`Rendezvous`] in etcd: keys under a lease (see the module docs).
+pub struct EtcdRendezvous {
+    rt: Option<tokio::runtime::Runtime>,
+    client: Client,
+    opts: EtcdOptions,
+    /// `etcd at <endpoints>`, for errors.
+    store: String,
+    lease: Arc<Mutex<Lease>>,
+    keeper: tokio::task::JoinHandle<()>,
+}
+
+impl std::fmt::Debug for EtcdRendezvous {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdRendezvous").field("store", &self.store).field("namespace", &self.opts.namespace).finish()
+    }
+}
+
+fn lock(lease: &Mutex<Lease>) -> std::sync::MutexGuard<'_, Lease> {
+    lease.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Grants a lease and (re)puts `keys` under it.
+async fn grant(
+    client: &mut Client,
+    ttl: i64,
+    keys: &BTreeMap<String, Vec<u8>>,
+) -> std::result::Result<i64, etcd_client::Error> {
+    let id = client.lease_grant(ttl, None).await?.id();
+    for (k, v) in keys {
+        client.put(k.as_bytes(), v.clone(), Some(PutOptions::new().with_lease(id))).await?;
+    }
+    Ok(id)
+}
+
+/// Keeps the lease alive for as long as the store lives, granting a new
+/// one (and putting everything back) when it was lost.
+async fn keep_alive(mut client: Client, lease: Arc<Mutex<Lease>>, ttl: i64, store: String) {
+    let period = Duration::from_millis((ttl as u64 * 1000 / 3).max(200));
+    loop {
+        let id = lock(&lease).id;
+        let lost = match client.lease_keep_alive(id).await {
+            Ok((mut keeper, mut stream)) => loop {
+                if keeper.keep_alive().await.is_err() {
+                    break false;
+                }
+                match stream.message().await {
+                    Ok(Some(r)) if r.ttl() > 0 => tokio::time::sleep(period).await,
+                    // A time to live of 0: the lease is gone.
+                    Ok(Some(_)) => break true,
+                    _ => break false,
+                }
+            },
+            Err(_) => false,
+        };
+        if lost {
+            let keys = lock(&lease).published.clone();
+            match grant(&mut client, ttl, &keys).await {
+                Ok(id) => {
+                    tracing::warn!(
+                        "{store}: the lease expired; granted a new one and published {} keys again",
+                        keys.len()
+                    );
+                    lock(&lease).id = id;
+                }
+                Err(e) => tracing::warn!("{store}: granting a new lease: {e}"),
+            }
+        }
+        // etcd unreachable, or the stream ended: try again shortly.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+impl EtcdRendezvous {
+    /// Connects to etcd and takes a lease.
+    ///
+    /// # Errors
+    /// [`Error::Rendezvous`] naming the endpoints when etcd cannot be
+    /// reached within the timeout or refuses the lease.
+    pub fn connect(opts: EtcdOptions) -> Result<Self> {
+        let store = format!("etcd at {}", opts.endpoints.join(","));
+        if opts.endpoints.is_empty() {
+            return Err(Error::Rendezvous { store, reason: "no endpoint given".into() });
+        }
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("gpu-rdma-etcd")
+            .enable_all()
+            .build()?;
+        let ttl = opts.lease_ttl.as_secs().max(1) as i64;
+        let timeout = opts.timeout;
+        let endpoints = opts.endpoints.clone();
+        let started = run(&rt, timeout * 2, async move {
+            let options = ConnectOptions::new().with_connect_timeout(timeout).with_timeout(timeout);
+            let mut client = Client::connect(endpoints, Some(options)).await?;
+            // Connecting may be lazy: the lease is the first real request.
+            let id = grant(&mut client, ttl, &BTreeMap::new()).await?;
+            Ok((client, id))
+        });
+        let (client, id) = started.map_err(|reason| Error::Rendezvous {
+            store: store.clone(),
+            reason: format!("cannot reach it: {reason}"),
+        })?;
+        let lease = Arc::new(Mutex::new(Lease { id, published: BTreeMap::new() }));
+        let keeper = rt.spawn(keep_alive(client.clone(), Arc::clone(&lease), ttl, store.clone()));
+        tracing::info!("{store}: lease {id:#x}, time to live {ttl} s");
+        Ok(EtcdRendezvous { rt: Some(rt), client, opts, store, lease, keeper })
+    }
+
+    fn full(&self, key: &str) -> String {
+        format!("{}{key}", self.opts.namespace)
+    }
+
+    /// Runs one request on the store's runtime, bounded by the timeout.
+    fn call<T: Send + 'static>(
+        &self,
+        what: &str,
+        f: impl Future<Output = std::result::Result<T, etcd_client::Error>> + Send + 'static,
+    ) -> Result<T> {
+        let rt = self.rt.as_ref().expect("the runtime lives as long as the store");
+        run(rt, self.opts.timeout, f)
+            .map_err(|reason| Error::Rendezvous { store: self.store.clone(), reason: format!("{what}: {reason}") })
+    }
+}
+
+/// Runs `f` on `rt` and waits for it from this thread (any thread: no
+/// `block_on`, which a thread inside a runtime may not call).
+fn run<T: Send + 'static>(
+    rt: &tokio::runtime::Runtime,
+    timeout: Duration,
+    f: impl Future<Output = std::result::Result<T, etcd_client::Error>> + Send + 'static,
+) -> std::result::Result<T, String> {
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    rt.spawn(async move {
+        let out = match tokio::time::timeout(timeout, f).await {
+            Ok(r) => r.map_err(|e| e.to_string()),
+            Err(_) => Err(format!("no answer within {timeout:?}")),
+        };
+        let _ = tx.send(out);
+    });
+    rx.recv().unwrap_or_else(|_| Err("the store's runtime stopped".into()))
+}
+
+impl Rendezvous for EtcdRendezvous {
+    fn publish(&self, key: &str, value: &[u8]) -> Result<()> {
+        check_key(key)?;
+        let full = self.full(key);
+        let id = {
+            let mut l = lock(&self.lease);
+            l.published.insert(full.clone(), value.to_vec());
+            l.id
+        };
+        let mut c = self.client.clone();
+        let v = value.to_vec();
+        self.call("publishing", async move { c.put(full, v, Some(PutOptions::new().with_lease(id))).await.map(drop) })
+    }
+
+    fn lookup(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        check_key(key)?;
+        let until = Instant::now() + timeout;
+        loop {
+            let mut c = self.client.clone();
+            let full = self.full(key);
+            let found = self.call("looking up", async move {
+                Ok(c.get(full, None).await?.kvs().first().map(|kv| kv.value().to_vec()))
+            })?;
+            if let Some(v) = found {
+                return Ok(v);
+            }
+            if Instant::now() >= until {
+                return Err(Error::Timeout { what: "a rendezvous key to be published", after: timeout });
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn remove(&self, key: &str) -> Result<()> {
+        check_key(key)?;
+        let full = self.full(key);
+        lock(&self.lease).published.remove(&full);
+        let mut c = self.client.clone();
+        self.call("removing", async move { c.delete(full, None).await.map(drop) })
+    }
+
+    fn list(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>> {
+        let mut c = self.client.clone();
+        let full = self.full(prefix);
+        let ns = self.opts.namespace.len();
+        let kvs = self.call("listing", async move {
+            let r = c.get(full, Some(GetOptions::new().with_prefix())).await?;
+            Ok(r.kvs().iter().map(|kv| (kv.key().to_vec(), kv.value().to_vec())).collect::<Vec<_>>())
+        })?;
+        let mut out: Vec<(String, Vec<u8>)> =
+            kvs.into_iter().filter_map(|(k, v)| String::from_utf8(k).ok().map(|k| (k[ns..].to_owned(), v))).collect();
+        out.sort();
+        Ok(out)
+    }
+
+    /// etcd's own watch: changes as they happen. If etcd goes away the
+    /// watch is set up again once it is back, and what changed meanwhile is
+    /// reported from a listing.
+    fn watch(self: Arc<Self>, prefix: &str) -> Result<Watch> {
+        let mut known: BTreeMap<String, Vec<u8>> = self.list(prefix)?.into_iter().collect();
+        let (tx, stop, watch) = Watch::channel();
+        let ns = self.opts.namespace.clone();
+        let full = self.full(prefix);
+        let mut client = self.client.clone();
+        let rt = self.rt.as_ref().expect("the runtime lives as long as the store");
+        rt.spawn(async move {
+            let strip =
+                |k: &[u8]| std::str::from_utf8(k).ok().and_then(|k| k.strip_prefix(ns.as_str())).map(str::to_owned);
+            let mut resync = false;
+            while !stop.load(Ordering::Acquire) {
+                let Ok((_watcher, mut stream)) =
+                    client.watch(full.clone(), Some(WatchOptions::new().with_prefix())).await
+                else {
+                    resync = true;
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    continue;
+                };
+                if resync {
+                    // What changed while the watch was down.
+                    let Ok(r) = client.get(full.clone(), Some(GetOptions::new().with_prefix())).await else { continue };
+                    let now: BTreeMap<String, Vec<u8>> =
+                        r.kvs().iter().filter_map(|kv| strip(kv.key()).map(|k| (k, kv.value().to_vec()))).collect();
+                    for change in super::diff(&known, &now) {
+                        if tx.send(change).is_err() {
+                            return;
+                        }
+                    }
+                    known = now;
+                }
+                loop {
+                    let next = tokio::time::timeout(Duration::from_millis(100), stream.message()).await;
+                    if stop.load(Ordering::Acquire) {
+                        return;
+                    }
+                    let resp = match next {
+                        Err(_) => continue,
+                        Ok(Ok(Some(resp))) => resp,
+                        Ok(_) => break,
+                    };
+                    for ev in resp.events() {
+                        let Some(kv) = ev.kv() else { continue };
+                        let Some(key) = strip(kv.key()) else { continue };
+                        let change = match ev.event_type() {
+                            EventType::Put => {
+                                known.insert(key.clone(), kv.value().to_vec());
+                                Change::Put { key, value: kv.value().to_vec() }
+                            }
+                            EventType::Delete => {
+                                known.remove(&key);
+                                Change::Removed { key }
+                            }
+                        };
+                        if tx.send(change).is_err() {
+                            return;
+                        }
+                    }
+                }
+                resync = true;
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        });
+        Ok(watch)
+    }
+}
+
+impl Drop for EtcdRendezvous {
+    fn drop(&mut self) {
+        self.keeper.abort();
+        // Revoked, so the keys go at once rather than at the lease's end.
+        let id = lock(&self.lease).id;
+        let mut c = self.client.clone();
+        let _ = self.call("revoking the lease", async move { c.lease_revoke(id).await.map(drop) });
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
+    }
+}

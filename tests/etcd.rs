@@ -1,0 +1,150 @@
+//! The etcd rendezvous against a real etcd (Debian's etcd-server, started
+//! by each test on 127.0.0.1 in a data directory of its own).
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::etcd::EtcdServer;
+use gpu_rdma::Error;
+use gpu_rdma::rendezvous::{Change, EtcdOptions, EtcdRendezvous, Rendezvous};
+
+fn store(server: &EtcdServer, ns: &str, ttl: u64) -> EtcdRendezvous {
+    EtcdRendezvous::connect(EtcdOptions::new([server.endpoint()]).namespace(ns).lease_ttl(Duration::from_secs(ttl)))
+        .expect("connect to etcd")
+}
+
+#[test]
+fn publish_look_up_list_watch_and_remove() {
+    let server = EtcdServer::start();
+    let a = Arc::new(store(&server, "job-1/", 5));
+    let b = store(&server, "job-1/", 5);
+    let other_job = store(&server, "job-2/", 5);
+    assert!(matches!(a.lookup("rank/0", Duration::from_millis(100)), Err(Error::Timeout { .. })));
+    let w = Arc::clone(&a).watch("rank/").unwrap();
+    a.publish("rank/0", b"zero").unwrap();
+    b.publish("rank/1", b"one").unwrap();
+    other_job.publish("rank/0", b"elsewhere").unwrap();
+    assert_eq!(b.lookup("rank/0", Duration::from_secs(5)).unwrap(), b"zero");
+    assert_eq!(a.list("rank/").unwrap(), vec![("rank/0".into(), b"zero".to_vec()), ("rank/1".into(), b"one".to_vec())]);
+    assert_eq!(other_job.list("").unwrap(), vec![("rank/0".into(), b"elsewhere".to_vec())], "namespaces apart");
+    b.remove("rank/1").unwrap();
+    let mut seen = Vec::new();
+    let until = Instant::now() + Duration::from_secs(10);
+    while seen.len() < 3 && Instant::now() < until {
+        seen.extend(w.next_timeout(Duration::from_millis(100)));
+    }
+    assert_eq!(
+        seen,
+        vec![
+            Change::Put { key: "rank/0".into(), value: b"zero".to_vec() },
+            Change::Put { key: "rank/1".into(), value: b"one".to_vec() },
+            Change::Removed { key: "rank/1".into() },
+        ]
+    );
+    // A dropped store revokes its lease: its keys go at once.
+    drop(b);
+    a.publish("rank/2", b"two").unwrap();
+    drop(other_job);
+    assert!(matches!(a.lookup("../bad", Duration::ZERO), Err(Error::InvalidArgument(_))));
+}
+
+/// Run as a child by `a_killed_process_disappears_when_its_lease_expires`:
+/// publishes under a 2-second lease, says so, and waits to be killed.
+#[test]
+#[ignore = "helper: run as a child process by the lease test"]
+fn child_publishes_and_waits_to_be_killed() {
+    let Ok(endpoint) = std::env::var("GPU_RDMA_ETCD_CHILD") else {
+        panic!("run only as the lease test's child (GPU_RDMA_ETCD_CHILD names the endpoint)")
+    };
+    let s = EtcdRendezvous::connect(EtcdOptions::new([endpoint]).namespace("lease/").lease_ttl(Duration::from_secs(2)))
+        .unwrap();
+    s.publish("rank/7", b"alive").unwrap();
+    println!("READY");
+    std::thread::sleep(Duration::from_secs(600));
+}
+
+#[test]
+fn a_killed_process_disappears_when_its_lease_expires() {
+    let server = EtcdServer::start();
+    let watcher = Arc::new(store(&server, "lease/", 5));
+    let w = Arc::clone(&watcher).watch("rank/").unwrap();
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--ignored", "--exact", "child_publishes_and_waits_to_be_killed", "--nocapture"])
+        .env("GPU_RDMA_ETCD_CHILD", server.endpoint())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    while !line.contains("READY") {
+        line.clear();
+        assert!(out.read_line(&mut line).unwrap() > 0, "the child ended before it published");
+    }
+    assert_eq!(watcher.lookup("rank/7", Duration::from_secs(5)).unwrap(), b"alive");
+    child.kill().unwrap();
+    let killed = Instant::now();
+    child.wait().unwrap();
+    let gone = loop {
+        match w.next_timeout(Duration::from_millis(100)) {
+            Some(Change::Removed { key }) if key == "rank/7" => break killed.elapsed(),
+            _ => assert!(killed.elapsed() < Duration::from_secs(20), "the dead process's key never went"),
+        }
+    };
+    println!("the killed process's key went {gone:?} after the kill (lease: 2 s)");
+    assert!(gone <= Duration::from_secs(3), "gone after {gone:?}: lease time plus a second at most");
+    assert!(watcher.list("rank/").unwrap().is_empty());
+}
+
+#[test]
+fn etcd_down_at_start_is_a_clear_error_naming_the_endpoint() {
+    // A port nobody listens on.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let endpoint = format!("http://127.0.0.1:{port}");
+    let t0 = Instant::now();
+    let err =
+        EtcdRendezvous::connect(EtcdOptions::new([endpoint.clone()]).timeout(Duration::from_secs(2))).unwrap_err();
+    match &err {
+        Error::Rendezvous { store, reason } => {
+            assert!(store.contains(&endpoint), "{err}");
+            assert!(reason.contains("cannot reach"), "{err}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+}
+
+#[test]
+fn a_restarted_etcd_finds_the_ranks_carrying_on() {
+    let mut server = EtcdServer::start();
+    let a = store(&server, "restart/", 3);
+    let b = Arc::new(store(&server, "restart/", 3));
+    a.publish("rank/0", b"a").unwrap();
+    let w = Arc::clone(&b).watch("rank/").unwrap();
+    server.stop();
+    // While it is down, a request fails typed, naming the store.
+    let err = b.list("rank/").unwrap_err();
+    assert!(matches!(err, Error::Rendezvous { .. }), "{err}");
+    // Down longer than the lease: the keep-alive has to notice and recover.
+    std::thread::sleep(Duration::from_secs(4));
+    server.restart();
+    // Both carry on: a's key is back (kept, or put back under a new lease)
+    // and new keys go in.
+    assert_eq!(b.lookup("rank/0", Duration::from_secs(15)).unwrap(), b"a");
+    b.publish("rank/1", b"b").unwrap();
+    assert_eq!(a.lookup("rank/1", Duration::from_secs(5)).unwrap(), b"b");
+    // The watch came back too.
+    let until = Instant::now() + Duration::from_secs(15);
+    loop {
+        match w.next_timeout(Duration::from_millis(100)) {
+            Some(Change::Put { key, .. }) if key == "rank/1" => break,
+            _ => assert!(Instant::now() < until, "the watch never saw the key published after the restart"),
+        }
+    }
+    // And the lease is kept alive again: the keys outlive a lease's time.
+    std::thread::sleep(Duration::from_secs(5));
+    assert_eq!(b.list("rank/").unwrap().len(), 2);
+}
