@@ -63,11 +63,15 @@ pub struct ConnectOptions {
     /// back (default `None`: the operation timeout). `Some(Duration::ZERO)`
     /// makes every post a try-post: refused at once when the queue is full.
     pub post_timeout: Option<Duration>,
+    /// Who this side is, told to the peer in the handshake (its
+    /// [`ConnectionInfo::peer_name`]); at most 256 bytes, empty for none.
+    pub name: Vec<u8>,
 }
 
 impl Default for ConnectOptions {
     fn default() -> Self {
         ConnectOptions {
+            name: Vec::new(),
             handshake_timeout: Duration::from_secs(10),
             op_timeout: Duration::from_secs(60),
             send_queue_depth: 128,
@@ -201,6 +205,13 @@ impl ConnectOptions {
         self
     }
 
+    /// Names this side to the peer (at most 256 bytes): the peer reads it
+    /// as [`ConnectionInfo::peer_name`], to tell its connections apart.
+    pub fn name(mut self, name: impl Into<Vec<u8>>) -> Self {
+        self.name = name.into();
+        self
+    }
+
     /// Sets how long to busy-poll before sleeping.
     pub fn spin(mut self, t: Duration) -> Self {
         self.spin = t;
@@ -216,6 +227,9 @@ pub struct ConnectionInfo {
     pub transport: Transport,
     /// Why that transport, in plain words.
     pub transport_reason: String,
+    /// The name the peer gave in the handshake (its
+    /// [`ConnectOptions::name`]); empty when it gave none.
+    pub peer_name: Vec<u8>,
     /// The peer's handshake address.
     pub peer_addr: Option<SocketAddr>,
     /// Our queue pair number.

@@ -454,6 +454,19 @@ fn every_inline_send_reports_its_outcome_though_most_go_unsignaled(t: Kind) {
     }
 }
 
+fn each_side_learns_the_name_the_other_gave(t: Kind) {
+    let d = domain(t);
+    let (s, c) = pair_on(&d, &d, opts().name("server/0"), opts().name(b"client/\xff".to_vec()));
+    assert_eq!(s.info().peer_name, b"client/\xff");
+    assert_eq!(c.info().peer_name, b"server/0");
+    let (s, _c) = pair(&d);
+    assert!(s.info().peer_name.is_empty(), "no name given: none told");
+    let listener = d.listen("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let err = d.connect(addr, &opts().name(vec![b'x'; 257])).unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+}
+
 fn wait_times_out_and_the_operation_can_still_finish(t: Kind) {
     let d = domain(t);
     let (s, c) = pair(&d);
@@ -651,7 +664,7 @@ fn a_garbled_handshake_is_a_typed_error(t: Kind) {
 fn a_truncated_handshake_is_a_typed_error(t: Kind) {
     let d = domain(t);
     let addr = fake_peer(|mut s| {
-        let hello = Hello { caps: 0, verbs: None, tcp: None, regions: vec![] };
+        let hello = Hello { caps: 0, verbs: None, tcp: None, regions: vec![], name: vec![] };
         let frame = bootstrap::encode_frame(FrameKind::Hello, &hello.encode());
         let _ = s.write_all(&frame[..frame.len() - 3]);
         // and close
@@ -691,7 +704,7 @@ fn a_peer_of_another_version_or_without_verbs_is_refused(t: Kind) {
         other => panic!("{other:?}"),
     }
     let addr = fake_peer(|mut s| {
-        let hello = Hello { caps: 0, verbs: None, tcp: None, regions: vec![] };
+        let hello = Hello { caps: 0, verbs: None, tcp: None, regions: vec![], name: vec![] };
         let _ = s.write_all(&bootstrap::encode_frame(FrameKind::Hello, &hello.encode()));
         thread::sleep(Duration::from_secs(2));
     });
@@ -976,6 +989,7 @@ both!(
     a_send_larger_than_the_posted_receive_fails_on_both_sides,
     a_send_to_a_peer_without_receives_fails_within_the_rnr_budget,
     every_inline_send_reports_its_outcome_though_most_go_unsignaled,
+    each_side_learns_the_name_the_other_gave,
     wait_times_out_and_the_operation_can_still_finish,
     a_peer_that_closes_fails_pending_receives_with_connection_lost,
     a_receiver_that_closes_right_after_its_receive_leaves_the_send_successful,

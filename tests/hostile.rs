@@ -206,6 +206,7 @@ fn hellos(rng: &mut Rng) -> Vec<Hello> {
             verbs: (i % 4 == 0 || i % 4 == 2).then_some(verbs),
             tcp: (i % 4 < 2).then_some(tcp),
             regions: (0..i / 2).map(|_| region(rng)).collect(),
+            name: if i % 3 == 0 { b"rank/5".to_vec() } else { vec![] },
         })
         .collect()
 }
@@ -384,6 +385,7 @@ fn hostile_peer(listener: &TcpListener, frames: &[Vec<u8>]) -> usize {
         verbs: None,
         tcp: Some(TcpEndpoint { rnr_retry: 0, min_rnr_timer: 1, max_message: 1 << 30, send_depth: 128 }),
         regions: vec![],
+        name: b"hostile".to_vec(),
     };
     if bootstrap::exchange_hello(&s, &hello, deadline, 1 << 20).is_err()
         || bootstrap::exchange_ready(&s, deadline).is_err()

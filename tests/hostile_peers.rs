@@ -114,7 +114,7 @@ fn endpoint(rnr_retry: u8, send_depth: u32) -> TcpEndpoint {
 fn hostile_client(addr: SocketAddr, tcp: TcpEndpoint) -> (TcpStream, Hello) {
     let s = TcpStream::connect(addr).expect("connect to the victim");
     let deadline = Deadline::after(Duration::from_secs(10), "the victim");
-    let mine = Hello { caps: CAP_TCP, verbs: None, tcp: Some(tcp), regions: vec![] };
+    let mine = Hello { caps: CAP_TCP, verbs: None, tcp: Some(tcp), regions: vec![], name: vec![] };
     let theirs = bootstrap::exchange_hello(&s, &mine, deadline, 1 << 20).expect("the victim's hello");
     bootstrap::exchange_ready(&s, deadline).expect("the victim's ready");
     (s, theirs)

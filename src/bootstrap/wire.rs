@@ -34,6 +34,8 @@
 //! fabric, else TCP when both offer it, else the handshake fails.
 //!  region count u32
 //!  regions, 32 bytes each: tag u64, addr u64, len u64, rkey u32, access u32
+//!  [name, if caps bit 2: length u16 (1..=256), then that many bytes: who
+//!   this side is, for the peer to tell its connections apart]
 //!  (trailing bytes, reserved for later extensions of version 1, are ignored)
 //! ```
 //!
@@ -64,6 +66,8 @@ pub const MAX_REASON: usize = 1024;
 pub const CAP_VERBS: u64 = 1;
 /// Capability bit: the hello carries a TCP endpoint.
 pub const CAP_TCP: u64 = 2;
+/// Hello capability bit: a name follows the regions.
+pub const CAP_NAME: u64 = 4;
 
 /// What a frame carries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -259,7 +263,12 @@ pub struct Hello {
     pub tcp: Option<TcpEndpoint>,
     /// The regions this side exposes to the peer.
     pub regions: Vec<RemoteRegion>,
+    /// Who this side is (empty: unnamed), at most [`MAX_NAME`] bytes.
+    pub name: Vec<u8>,
 }
+
+/// The longest name a hello carries.
+pub const MAX_NAME: usize = 256;
 
 /// Bytes in an encoded verbs endpoint.
 pub const VERBS_LEN: usize = 36;
@@ -271,12 +280,15 @@ impl Hello {
     /// Encodes the payload.
     pub fn encode(&self) -> Bytes {
         let mut out = BytesMut::with_capacity(8 + VERBS_LEN + 4 + self.regions.len() * REGION_LEN);
-        let mut caps = self.caps & !(CAP_VERBS | CAP_TCP);
+        let mut caps = self.caps & !(CAP_VERBS | CAP_TCP | CAP_NAME);
         if self.verbs.is_some() {
             caps |= CAP_VERBS;
         }
         if self.tcp.is_some() {
             caps |= CAP_TCP;
+        }
+        if !self.name.is_empty() {
+            caps |= CAP_NAME;
         }
         out.put_u64(caps);
         if let Some(v) = &self.verbs {
@@ -300,6 +312,12 @@ impl Hello {
         out.put_u32(self.regions.len() as u32);
         for r in &self.regions {
             out.put_slice(&encode_region(r));
+        }
+        if !self.name.is_empty() {
+            // Cut to the limit (the caller checks it; the wire never exceeds it).
+            let name = &self.name[..self.name.len().min(MAX_NAME)];
+            out.put_u16(name.len() as u16);
+            out.put_slice(name);
         }
         out.freeze()
     }
@@ -379,7 +397,19 @@ impl Hello {
             regions.push(decode_region(&p[..REGION_LEN])?);
             p.advance(REGION_LEN);
         }
-        Ok(Hello { caps, verbs, tcp, regions })
+        let name = if caps & CAP_NAME != 0 {
+            let len = usize::from(p.try_get_u16().map_err(|_| short("name length"))?);
+            if len == 0 || len > MAX_NAME {
+                return Err(bad(format!("a name of {len} bytes (1..={MAX_NAME})")));
+            }
+            if p.remaining() < len {
+                return Err(short("name"));
+            }
+            p[..len].to_vec()
+        } else {
+            Vec::new()
+        };
+        Ok(Hello { caps, verbs, tcp, regions, name })
     }
 }
 
@@ -403,7 +433,7 @@ mod tests {
 
     fn hello() -> Hello {
         Hello {
-            caps: CAP_VERBS | CAP_TCP,
+            caps: CAP_VERBS | CAP_TCP | CAP_NAME,
             verbs: Some(VerbsEndpoint {
                 qp_num: 0x11,
                 psn: 0xabcdef,
@@ -425,7 +455,35 @@ mod tests {
                 },
                 RemoteRegion { tag: 2, addr: 0x1000, len: 4096, rkey: 0x99, access: Access::REMOTE_READ },
             ],
+            name: b"job-7/rank/3".to_vec(),
         }
+    }
+
+    #[test]
+    fn a_name_rides_after_the_regions_and_is_checked() {
+        let h = hello();
+        assert_eq!(Hello::decode(&h.encode()).unwrap().name, b"job-7/rank/3");
+        let unnamed = Hello { name: vec![], caps: CAP_VERBS | CAP_TCP, ..hello() };
+        let bytes = unnamed.encode();
+        assert_eq!(u64::from_be_bytes(bytes[..8].try_into().unwrap()) & CAP_NAME, 0, "no name: no bit");
+        // A peer of before names reads the same regions and ignores the name.
+        let named = h.encode();
+        let before_name = named.len() - 2 - h.name.len();
+        assert_eq!(&named[8..before_name], &bytes[8..], "the same fields before the name");
+        // A name announced but cut short, empty or too long is refused.
+        let full = h.encode().to_vec();
+        for cut in [full.len() - 1, full.len() - h.name.len() - 1] {
+            assert!(matches!(Hello::decode(&full[..cut]), Err(BootstrapError::Malformed { .. })), "cut at {cut}");
+        }
+        let mut empty = bytes.to_vec();
+        empty[7] |= CAP_NAME as u8;
+        empty.extend_from_slice(&0u16.to_be_bytes());
+        assert!(Hello::decode(&empty).is_err());
+        let mut long = bytes.to_vec();
+        long[7] |= CAP_NAME as u8;
+        long.extend_from_slice(&(MAX_NAME as u16 + 1).to_be_bytes());
+        long.extend(std::iter::repeat_n(b'x', MAX_NAME + 1));
+        assert!(Hello::decode(&long).is_err());
     }
 
     #[test]
@@ -435,7 +493,7 @@ mod tests {
         let (kind, payload, used) = decode_frame(&frame, DEFAULT_MAX_PAYLOAD).unwrap();
         assert_eq!((kind, used), (FrameKind::Hello, frame.len()));
         assert_eq!(Hello::decode(&payload).unwrap(), h);
-        let no_verbs = Hello { caps: 0, verbs: None, tcp: None, regions: vec![] };
+        let no_verbs = Hello { caps: 0, verbs: None, tcp: None, regions: vec![], name: vec![] };
         assert_eq!(Hello::decode(&no_verbs.encode()).unwrap(), no_verbs);
     }
 

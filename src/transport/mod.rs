@@ -89,6 +89,13 @@ pub(crate) fn establish(
     is_server: bool,
 ) -> Result<Established> {
     let deadline = Deadline::after(opts.handshake_timeout, "the handshake");
+    if opts.name.len() > bootstrap::MAX_NAME {
+        return Err(Error::InvalidArgument(format!(
+            "a connection name of {} bytes (at most {})",
+            opts.name.len(),
+            bootstrap::MAX_NAME
+        )));
+    }
     stream.set_nodelay(true)?;
     if let Some(secret) = &opts.secret {
         bootstrap::authenticate(&stream, secret, is_server, deadline)?;
@@ -124,6 +131,7 @@ pub(crate) fn establish(
             send_depth: tcp::send_depth(opts),
         }),
         regions: opts.advertise.clone(),
+        name: opts.name.clone(),
     };
     let peer = bootstrap::exchange_hello(&stream, &hello, deadline, opts.max_handshake_payload)?;
     let no_verbs_reason = match policy {
@@ -148,6 +156,7 @@ pub(crate) fn establish(
         let (Some(p), Some(theirs)) = (prepared, peer.verbs) else { unreachable!("verbs chosen with both endpoints") };
         let (conn, mut info) = p.finish(backend.id(), stream, &theirs, opts, deadline)?;
         info.transport_reason = choice.reason;
+        info.peer_name = peer.name;
         return Ok(Established {
             transport: ConnTransport::Verbs(std::sync::Arc::new(conn)),
             peer_regions: peer.regions,
@@ -155,8 +164,9 @@ pub(crate) fn establish(
         });
     }
     let theirs = peer.tcp.ok_or_else(|| Error::from(BootstrapError::Incompatible("the peer offers no TCP".into())))?;
-    let (conn, info) =
+    let (conn, mut info) =
         tcp::TcpConn::establish(&backend.keys, backend.id(), stream, &theirs, opts, deadline, choice.reason)?;
+    info.peer_name = peer.name;
     Ok(Established { transport: ConnTransport::Tcp(conn), peer_regions: peer.regions, info })
 }
 
@@ -377,6 +387,7 @@ mod tests {
             }),
             tcp: tcp.then_some(TcpEndpoint { rnr_retry: 7, min_rnr_timer: 12, max_message: 1 << 30, send_depth: 128 }),
             regions: vec![],
+            name: vec![],
         }
     }
 

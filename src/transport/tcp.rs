@@ -706,6 +706,7 @@ impl TcpConn {
             std::thread::Builder::new().name("gpu-rdma-tcp-rx".into()).spawn(move || receiver(&inner))?
         };
         let info = ConnectionInfo {
+            peer_name: Vec::new(),
             transport: Transport::Tcp,
             transport_reason: reason,
             peer_addr,

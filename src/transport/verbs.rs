@@ -189,6 +189,7 @@ impl Prepared {
         let caps = qp.caps();
         let max_message = u64::from(port.max_msg_sz.min(theirs.max_msg_sz)).max(1);
         let info = ConnectionInfo {
+            peer_name: Vec::new(),
             transport: Transport::Verbs,
             transport_reason: String::new(),
             peer_addr,
