@@ -99,6 +99,16 @@ pub enum Error {
     #[error("bootstrap: {0}")]
     Bootstrap(#[from] BootstrapError),
 
+    /// A peer of a [`World`](crate::World) left its job's rendezvous (it
+    /// left, or its lease expired: it died or hung).
+    #[error("{name} is gone: {reason}")]
+    PeerGone {
+        /// The peer's key in the rendezvous (`<job>/rank/<r>`).
+        name: String,
+        /// Why it counts as gone.
+        reason: String,
+    },
+
     /// The rendezvous store could not be reached or refused a request.
     #[error("rendezvous store {store}: {reason}")]
     Rendezvous {

@@ -430,6 +430,7 @@ mod transport;
 pub mod units;
 #[cfg(feature = "verbs")]
 pub mod verbs;
+pub mod world;
 
 pub use bootstrap::Secret;
 pub use completion::{Completion, CompletionError, Failure, Opcode, WcStatus};
@@ -447,5 +448,6 @@ pub use memory::{
 };
 pub use protocol::list::{PageLayout, Piece};
 pub use protocol::notify::MAX_NOTIFY_PAYLOAD;
+pub use world::{World, WorldOptions};
 #[cfg(feature = "cuda")]
 pub mod cuda;

@@ -148,3 +148,159 @@ fn a_restarted_etcd_finds_the_ranks_carrying_on() {
     std::thread::sleep(Duration::from_secs(5));
     assert_eq!(b.list("rank/").unwrap().len(), 2);
 }
+
+mod world {
+    use super::*;
+    use gpu_rdma::{ConnectOptions, Domain, DomainConfig, TransportPolicy, World, WorldOptions};
+    use std::process::Child;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+    const LEASE: Duration = Duration::from_secs(2);
+    const RANKS: u32 = 4;
+
+    fn tcp_domain() -> Domain {
+        Domain::with_config(&DomainConfig::default().transport(TransportPolicy::Tcp)).unwrap()
+    }
+
+    fn join(endpoint: &str, rank: u32) -> (Domain, World) {
+        let rdv = EtcdRendezvous::connect(EtcdOptions::new([endpoint.to_owned()]).namespace("kill/").lease_ttl(LEASE))
+            .expect("connect to etcd");
+        let d = tcp_domain();
+        let opts = WorldOptions::new("job")
+            .connect(
+                ConnectOptions::default().op_timeout(Duration::from_secs(10)).handshake_timeout(Duration::from_secs(5)),
+            )
+            .lookup_timeout(Duration::from_secs(20));
+        let w = World::join(&d, rank, RANKS, Arc::new(rdv), opts).expect("join");
+        (d, w)
+    }
+
+    /// Run as a child: rank `GPU_RDMA_WORLD_CHILD_RANK` echoes what rank 0
+    /// sends it, until killed.
+    #[test]
+    #[ignore = "helper: run as a child process by the kill test"]
+    fn child_rank_echoes_until_killed() {
+        let (Ok(endpoint), Ok(rank)) =
+            (std::env::var("GPU_RDMA_ETCD_CHILD"), std::env::var("GPU_RDMA_WORLD_CHILD_RANK"))
+        else {
+            panic!("run only as the kill test's child")
+        };
+        let (d, w) = join(&endpoint, rank.parse().unwrap());
+        println!("READY");
+        loop {
+            let Ok(c) = w.accepted(0, Duration::from_secs(600)) else { continue };
+            loop {
+                let mut rx = c.recv(d.alloc(64).unwrap());
+                let Ok(got) = rx.wait_timeout(Duration::from_secs(600)) else { break };
+                let data = rx.into_buffer().unwrap();
+                if c.send_inline(&data[..got.byte_len as usize], None).wait().is_err() {
+                    break;
+                }
+            }
+        }
+    }
+
+    fn spawn_rank(endpoint: &str, rank: u32) -> Child {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args(["--ignored", "--exact", "world::child_rank_echoes_until_killed", "--nocapture"])
+            .env("GPU_RDMA_ETCD_CHILD", endpoint)
+            .env("GPU_RDMA_WORLD_CHILD_RANK", rank.to_string())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        while !line.contains("READY") {
+            line.clear();
+            assert!(out.read_line(&mut line).unwrap() > 0, "rank {rank} ended before it joined");
+        }
+        child
+    }
+
+    /// One round trip to `rank` through the connection dialed to it.
+    fn echo(d: &Domain, w: &World, rank: u32, n: u64) -> gpu_rdma::Result<()> {
+        let c = w.peer(rank)?;
+        let mut rx = c.recv(d.alloc(64)?);
+        let msg = n.to_le_bytes();
+        c.send_inline(&msg, None).wait()?;
+        rx.wait_timeout(Duration::from_secs(5))?;
+        let back = rx.into_buffer().map_err(|_| Error::InvalidArgument("still in flight".into()))?;
+        assert_eq!(&back[..8], &msg, "rank {rank} echoed something else");
+        Ok(())
+    }
+
+    #[test]
+    fn a_killed_rank_fails_typed_the_others_go_on_and_a_restarted_one_is_reached_again() {
+        let server = EtcdServer::start();
+        let endpoint = server.endpoint();
+        let mut children: Vec<Child> = (1..RANKS).map(|r| spawn_rank(&endpoint, r)).collect();
+        let (d, w) = join(&endpoint, 0);
+        let (d, w) = (Arc::new(d), Arc::new(w));
+        for r in 1..RANKS {
+            echo(&d, &w, r, u64::from(r)).unwrap();
+        }
+        // Exchanges with every rank, all the time.
+        let stop = Arc::new(AtomicBool::new(false));
+        let done: Vec<Arc<AtomicU64>> = (0..RANKS).map(|_| Arc::new(AtomicU64::new(0))).collect();
+        let loops: Vec<_> = (1..RANKS)
+            .map(|r| {
+                let (d, w, stop, done) =
+                    (Arc::clone(&d), Arc::clone(&w), Arc::clone(&stop), Arc::clone(&done[r as usize]));
+                std::thread::spawn(move || {
+                    let mut n = 0;
+                    while !stop.load(Ordering::Relaxed) {
+                        n += 1;
+                        if let Err(e) = echo(&d, &w, r, n) {
+                            return Some((e, Instant::now()));
+                        }
+                        done.fetch_add(1, Ordering::Relaxed);
+                    }
+                    None
+                })
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(500));
+        let before: Vec<u64> = done.iter().map(|d| d.load(Ordering::Relaxed)).collect();
+        assert!(before[1] > 0 && before[2] > 0 && before[3] > 0, "every exchange ran: {before:?}");
+        children[1].kill().unwrap();
+        let killed = Instant::now();
+        children[1].wait().unwrap();
+        std::thread::sleep(LEASE + Duration::from_secs(1));
+        let after: Vec<u64> = done.iter().map(|d| d.load(Ordering::Relaxed)).collect();
+        assert!(after[1] > before[1] && after[3] > before[3], "ranks 1 and 3 went on: {before:?} -> {after:?}");
+        stop.store(true, Ordering::Relaxed);
+        let mut outcomes: Vec<_> = loops.into_iter().map(|t| t.join().unwrap()).collect();
+        assert!(outcomes[0].is_none() && outcomes[2].is_none(), "ranks 1 and 3 never failed");
+        let (err, at) = outcomes[1].take().expect("the exchange with the killed rank failed");
+        let took = at.duration_since(killed);
+        println!("toward the killed rank: {err} after {took:?}");
+        assert!(matches!(err, Error::ConnectionLost { .. } | Error::PeerGone { .. } | Error::Io(_)), "typed: {err:?}");
+        assert!(took <= LEASE + Duration::from_secs(1), "failed {took:?} after the kill");
+        // Its lease has expired: it is gone, by name.
+        let t0 = Instant::now();
+        loop {
+            match w.peer(2) {
+                Err(Error::PeerGone { name, .. }) => {
+                    assert_eq!(name, "job/rank/2");
+                    break;
+                }
+                other => assert!(t0.elapsed() < Duration::from_secs(10), "not gone yet: {:?}", other.map(drop)),
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        // Restarted under the same rank: reached again.
+        children[1] = spawn_rank(&endpoint, 2);
+        let t0 = Instant::now();
+        while let Err(e) = echo(&d, &w, 2, 99) {
+            assert!(t0.elapsed() < Duration::from_secs(20), "the restarted rank was not reached: {e}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        println!("the restarted rank answered {:?} after it joined", t0.elapsed());
+        echo(&d, &w, 1, 100).unwrap();
+        echo(&d, &w, 3, 100).unwrap();
+        for c in &mut children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}

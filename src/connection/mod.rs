@@ -368,6 +368,12 @@ impl Connection {
         ConnectionStats { in_flight, orphaned }
     }
 
+    /// Breaks the connection for `reason`: tells the peer, and fails what
+    /// is outstanding with [`Error::ConnectionLost`] saying why.
+    pub(crate) fn shut(&self, reason: &str) {
+        self.shared.transport.shutdown(reason);
+    }
+
     /// Closes the connection: tells the peer, and fails what is outstanding.
     pub fn close(self) {
         drop(self)
