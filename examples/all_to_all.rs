@@ -4,25 +4,28 @@
 //! ```text
 //! all_to_all                      # starts 4 ranks (processes) on this machine
 //! all_to_all --ranks 8            # 8 of them
+//! all_to_all --etcd http://127.0.0.1:2379   # meeting in etcd (--features etcd)
 //! torchrun --nproc-per-node 4 ... # or under a launcher: RANK, WORLD_SIZE, LOCAL_RANK
-//!                                 # (Slurm and Open MPI's too), with --dir on a shared file system
+//!                                 # (Slurm and Open MPI's too), with --etcd, or --dir
+//!                                 # on a shared file system
 //! ```
 //!
-//! Each rank exposes a region of `ranks x shard` bytes, listens, and
-//! publishes its endpoint under `rank/<i>` in the rendezvous directory. It
-//! connects to every lower rank and accepts every higher one (each side
-//! advertises its region with its rank as the tag, so both know who is
-//! who), then writes its shard for rank `j` into slot `i` of `j`'s region
-//! with a notification tagged `i`, and waits for one notification from
-//! every peer before checking every slot.
+//! Each rank exposes a region of `ranks x shard` bytes and joins a
+//! [`World`]: it listens and publishes its endpoint in the rendezvous. It
+//! reaches every other rank on first use (every connection advertises the
+//! rank's region, tagged with its rank), takes an inbox on every
+//! connection dialed to it, writes its shard for rank `j` into slot `i` of
+//! `j`'s region with a notification tagged `i`, and waits for one
+//! notification from every peer before checking every slot.
 
 use std::process::{Command, ExitCode};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
 use gpu_rdma::launch::Rank;
 use gpu_rdma::rendezvous::{DirRendezvous, Rendezvous};
-use gpu_rdma::{Access, ConnectOptions, Connection, Domain, Endpoint, Error, Piece, Result};
+use gpu_rdma::{Access, ConnectOptions, Domain, Error, Piece, Result, World, WorldOptions};
 
 #[derive(Parser, Debug)]
 #[command(about = "All-to-all shard exchange through the rendezvous, verified")]
@@ -36,6 +39,13 @@ struct Args {
     /// The rendezvous directory (default: a fresh one under the temp dir).
     #[arg(long)]
     dir: Option<std::path::PathBuf>,
+    /// An etcd to meet through instead (`http://127.0.0.1:2379`; needs
+    /// the `etcd` feature).
+    #[arg(long)]
+    etcd: Option<String>,
+    /// The job's name: keys go under it (started ranks get a fresh one).
+    #[arg(long, default_value = "all-to-all")]
+    job: String,
 }
 
 const TIMEOUT: Duration = Duration::from_secs(60);
@@ -80,9 +90,13 @@ fn launch(args: &Args) -> Result<()> {
     let started = Instant::now();
     let children: Vec<_> = (0..args.ranks)
         .map(|r| {
-            Command::new(&exe)
-                .args(["--shard", &args.shard.to_string(), "--dir", &dir.to_string_lossy()])
-                .env("RANK", r.to_string())
+            let mut cmd = Command::new(&exe);
+            cmd.args(["--shard", &args.shard.to_string(), "--dir", &dir.to_string_lossy()]);
+            cmd.args(["--job", &format!("{}-{}", args.job, std::process::id())]);
+            if let Some(e) = &args.etcd {
+                cmd.args(["--etcd", e]);
+            }
+            cmd.env("RANK", r.to_string())
                 .env("WORLD_SIZE", args.ranks.to_string())
                 .env("LOCAL_RANK", r.to_string())
                 .spawn()
@@ -109,37 +123,60 @@ fn launch(args: &Args) -> Result<()> {
     Ok(())
 }
 
+/// The rendezvous: etcd when pointed at one, else the directory.
+fn store(args: &Args) -> Result<Arc<dyn Rendezvous>> {
+    if let Some(endpoint) = &args.etcd {
+        #[cfg(feature = "etcd")]
+        {
+            use gpu_rdma::rendezvous::{EtcdOptions, EtcdRendezvous};
+            let opts = EtcdOptions::new([endpoint.clone()]).namespace(format!("{}/", args.job));
+            return Ok(Arc::new(EtcdRendezvous::connect(opts)?));
+        }
+        #[cfg(not(feature = "etcd"))]
+        return Err(Error::InvalidArgument(format!(
+            "--etcd {endpoint}: this build has no etcd support (build with --features etcd)"
+        )));
+    }
+    let dir = args
+        .dir
+        .clone()
+        .ok_or_else(|| Error::InvalidArgument("a rank needs --dir or --etcd (the rendezvous)".into()))?;
+    Ok(Arc::new(DirRendezvous::new(dir)?))
+}
+
+/// Waits until every rank published `what/<rank>`.
+fn barrier(rv: &dyn Rendezvous, what: &str, me: u32, n: u32) -> Result<()> {
+    rv.publish(&format!("{what}/{me}"), b"")?;
+    for j in 0..n {
+        rv.lookup(&format!("{what}/{j}"), TIMEOUT)?;
+    }
+    Ok(())
+}
+
 fn run_rank(me: Rank, args: &Args) -> Result<()> {
     let (i, n, len) = (me.rank, me.world_size, args.shard);
-    let dir = args.dir.clone().ok_or_else(|| Error::InvalidArgument("a rank needs --dir (the rendezvous)".into()))?;
-    let rv = DirRendezvous::new(dir)?;
+    let rv = store(args)?;
     let domain = Domain::open()?;
     let region =
         domain.expose(domain.alloc(n as usize * len)?, Access::REMOTE_WRITE, u64::from(i)).map_err(|e| e.error)?;
-    let opts = ConnectOptions::default().op_timeout(TIMEOUT).handshake_timeout(TIMEOUT).advertise(&region);
-    let listener = domain.listen("127.0.0.1:0")?;
-    rv.publish(&format!("rank/{i}"), &listener.endpoint()?.to_bytes())?;
-    // Lower ranks: connect; higher ones: accept. Each peer's rank is the
-    // tag of the region it advertised.
-    let mut peers: Vec<(u32, Connection)> = Vec::new();
-    for j in 0..i {
-        let ep = Endpoint::from_bytes(&rv.lookup(&format!("rank/{j}"), TIMEOUT)?)?;
-        peers.push((j, domain.connect(ep.addr, &opts)?));
-    }
-    for _ in i + 1..n {
-        let c = listener.accept_timeout(&opts, TIMEOUT)?;
-        let j = c
-            .remote_regions()
-            .first()
-            .map(|r| r.tag() as u32)
-            .ok_or_else(|| Error::InvalidArgument("a peer advertised no region".into()))?;
-        peers.push((j, c));
-    }
-    peers.sort_by_key(|(j, _)| *j);
-    let mut inboxes = peers.iter().map(|(_, c)| c.inbox(4)).collect::<Result<Vec<_>>>()?;
+    // Every connection advertises this rank's region, tagged with its rank.
+    let opts = WorldOptions::new("all-to-all")
+        .connect(ConnectOptions::default().op_timeout(TIMEOUT).handshake_timeout(TIMEOUT).advertise(&region))
+        .lookup_timeout(TIMEOUT);
+    let world = World::join(&domain, i, n, Arc::clone(&rv), opts)?;
+    // Dialed on first use, each rank starting with the next one up (so not
+    // every rank dials rank 0 first).
+    let others: Vec<u32> = (1..n).map(|k| (i + k) % n).collect();
+    let out = others.iter().map(|&j| world.peer(j).map(|c| (j, c))).collect::<Result<Vec<_>>>()?;
+    // Notifications arrive on what the others dialed to this rank.
+    let mut inboxes = others
+        .iter()
+        .map(|&j| world.accepted(j, TIMEOUT).and_then(|c| c.inbox(4)).map(|inbox| (j, inbox)))
+        .collect::<Result<Vec<_>>>()?;
+    barrier(rv.as_ref(), "listening", i, n)?;
     // Send: my shard for j into slot i of j's region, then a notification.
     let mut lists = Vec::new();
-    for (j, c) in &peers {
+    for (j, c) in &out {
         let theirs = c.remote_region(u64::from(*j)).expect("advertised").whole();
         let mut src = domain.alloc(len)?;
         src.copy_from_slice(&shard(i, *j, len));
@@ -150,22 +187,24 @@ fn run_rank(me: Rank, args: &Args) -> Result<()> {
         l.finish()?;
     }
     // Receive: one notification from every peer, then check every slot.
-    for ((j, _), inbox) in peers.iter().zip(&mut inboxes) {
+    for (j, inbox) in &mut inboxes {
         inbox.wait(*j, 1)?;
     }
     let mut got = vec![0u8; len];
-    for (j, _) in &peers {
-        region.read_at(*j as usize * len, &mut got)?;
-        if got != shard(*j, i, len) {
+    for &j in &others {
+        region.read_at(j as usize * len, &mut got)?;
+        if got != shard(j, i, len) {
             return Err(Error::InvalidArgument(format!("rank {i}: the shard from rank {j} is wrong")));
         }
     }
-    println!("rank {i}/{n} ({} via {}): {} shards verified", domain.info().transport, me.launcher, peers.len());
+    println!(
+        "rank {i}/{n} ({} via {}, rendezvous {}): {} shards verified",
+        domain.info().transport,
+        me.launcher,
+        if args.etcd.is_some() { "etcd" } else { "directory" },
+        others.len()
+    );
     drop(inboxes);
     // Everyone is done with everyone's region before anyone leaves.
-    rv.publish(&format!("done/{i}"), b"")?;
-    for j in 0..n {
-        rv.lookup(&format!("done/{j}"), TIMEOUT)?;
-    }
-    Ok(())
+    barrier(rv.as_ref(), "done", i, n)
 }

@@ -45,7 +45,6 @@ fn publish_look_up_list_watch_and_remove() {
             Change::Removed { key: "rank/1".into() },
         ]
     );
-    // A dropped store revokes its lease: its keys go at once.
     drop(b);
     a.publish("rank/2", b"two").unwrap();
     drop(other_job);

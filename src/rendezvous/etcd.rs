@@ -1,9 +1,9 @@
 //! The etcd store (feature `etcd`), through the `etcd-client` crate.
 //!
 //! Every key this process publishes lives under one lease, kept alive by a
-//! task on the store's own runtime: when the process dies (or hangs past
-//! the lease's time to live), etcd deletes its keys and every watcher sees
-//! them go. If etcd goes away for a while, the keep-alive retries; if the
+//! task on the store's own runtime: when the process dies, hangs, or drops
+//! the store, etcd deletes its keys once the lease's time to live has
+//! passed, and every watcher sees them go. If etcd goes away for a while, the keep-alive retries; if the
 //! lease expired meanwhile (or etcd came back without its data), a new
 //! lease is granted and everything published is put back.
 //!
@@ -345,12 +345,12 @@ impl Rendezvous for EtcdRendezvous {
 }
 
 impl Drop for EtcdRendezvous {
+    /// Stops keeping the lease alive. The lease is not revoked: what this
+    /// process published stays for up to the lease's time to live, so peers
+    /// still finishing (a last barrier) can read it; what must go at once is
+    /// removed first (a [`World`](crate::World) removes its rank's key).
     fn drop(&mut self) {
         self.keeper.abort();
-        // Revoked, so the keys go at once rather than at the lease's end.
-        let id = lock(&self.lease).id;
-        let mut c = self.client.clone();
-        let _ = self.call("revoking the lease", async move { c.lease_revoke(id).await.map(drop) });
         if let Some(rt) = self.rt.take() {
             rt.shutdown_background();
         }

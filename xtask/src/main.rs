@@ -22,6 +22,7 @@
 
 mod bench;
 mod compare;
+mod etcd;
 mod gpu;
 mod instructions;
 mod layers;

@@ -187,7 +187,7 @@ fn build_release_tools() -> Result<()> {
         "--example",
         "all_to_all",
         "--features",
-        "cli",
+        "cli,etcd",
         "--bin",
         "gpu-rdma",
     ]))
@@ -264,15 +264,36 @@ const ALL_TO_ALL: &str = r#"
 target/release/examples/all_to_all --ranks 4 > "$VM_OUT/all-to-all.log" 2>&1
 echo "all_to_all exit $?" >> "$VM_OUT/all-to-all.log"
 echo "=== all_to_all --ranks 4 (rxe0)"; sed 's/^/  /' "$VM_OUT/all-to-all.log"
+# And through a real etcd started here, in a data directory of its own.
+ETCD_DIR=$(mktemp -d)
+etcd --name guest --data-dir "$ETCD_DIR" --listen-client-urls http://127.0.0.1:23790 \
+  --advertise-client-urls http://127.0.0.1:23790 --listen-peer-urls http://127.0.0.1:23800 \
+  --initial-advertise-peer-urls http://127.0.0.1:23800 --initial-cluster guest=http://127.0.0.1:23800 \
+  > "$VM_OUT/etcd.log" 2>&1 &
+ETCD_PID=$!
+for i in $(seq 1 100); do (exec 3<>/dev/tcp/127.0.0.1/23790) 2>/dev/null && break; sleep 0.1; done
+target/release/examples/all_to_all --ranks 4 --etcd http://127.0.0.1:23790 > "$VM_OUT/all-to-all-etcd.log" 2>&1
+echo "all_to_all exit $?" >> "$VM_OUT/all-to-all-etcd.log"
+kill $ETCD_PID; wait $ETCD_PID 2>/dev/null
+echo "=== all_to_all --ranks 4 --etcd (rxe0)"; sed 's/^/  /' "$VM_OUT/all-to-all-etcd.log"
 "#;
 
-/// Whether an all_to_all run of `ranks` verified every shard, each rank over `transport`.
-fn all_to_all_verified(log: &str, ranks: u32, transport: &str, exited: bool) -> Result<()> {
+/// Whether an all_to_all run of `ranks` verified every shard, each rank
+/// over `transport`, meeting through `rendezvous` (`directory`, `etcd`).
+fn all_to_all_verified(log: &str, ranks: u32, transport: &str, rendezvous: &str, exited: bool) -> Result<()> {
     let shards = ranks * (ranks - 1);
-    let each =
-        log.lines().filter(|l| l.contains(&format!("({transport} via")) && l.contains("shards verified")).count();
+    let each = log
+        .lines()
+        .filter(|l| {
+            l.contains(&format!("({transport} via"))
+                && l.contains(&format!("rendezvous {rendezvous})"))
+                && l.contains("shards verified")
+        })
+        .count();
     if !exited || each != ranks as usize || !log.contains(&format!("all {ranks} ranks exchanged {shards} shards")) {
-        return Err(format!("all_to_all: {each} of {ranks} ranks verified their shards over {transport}"));
+        return Err(format!(
+            "all_to_all: {each} of {ranks} ranks verified their shards over {transport} through the {rendezvous} rendezvous"
+        ));
     }
     Ok(())
 }
@@ -367,8 +388,21 @@ pub fn run() -> Result<i32> {
     let (ok, out) = run_tee(
         Command::new(root().join("target/release/examples/all_to_all")).current_dir(root()).args(["--ranks", "8"]),
     )?;
-    let a2a_here = all_to_all_verified(&out, 8, "tcp", ok);
+    let a2a_here = all_to_all_verified(&out, 8, "tcp", "directory", ok);
     if let Err(e) = &a2a_here {
+        failures.push(format!("{e} on this machine"));
+    }
+    let etcd = crate::etcd::Etcd::start()?;
+    let (ok, out) =
+        run_tee(Command::new(root().join("target/release/examples/all_to_all")).current_dir(root()).args([
+            "--ranks",
+            "8",
+            "--etcd",
+            &etcd.endpoint(),
+        ]))?;
+    drop(etcd);
+    let a2a_etcd_here = all_to_all_verified(&out, 8, "tcp", "etcd", ok);
+    if let Err(e) = &a2a_etcd_here {
         failures.push(format!("{e} on this machine"));
     }
     let mut kv_here = 0;
@@ -446,8 +480,14 @@ pub fn run() -> Result<i32> {
         failures.push(format!("the GPU example verified {gpu_verified} of 2 transfers"));
     }
     let a2a_log = fs::read_to_string(guest.dir.join("all-to-all.log")).unwrap_or_default();
-    let a2a_guest = all_to_all_verified(&a2a_log, 4, "verbs", a2a_log.contains("all_to_all exit 0"));
+    let a2a_guest = all_to_all_verified(&a2a_log, 4, "verbs", "directory", a2a_log.contains("all_to_all exit 0"));
     if let Err(e) = &a2a_guest {
+        failures.push(format!("{e} on rxe0"));
+    }
+    let a2a_etcd_log = fs::read_to_string(guest.dir.join("all-to-all-etcd.log")).unwrap_or_default();
+    let a2a_etcd_guest =
+        all_to_all_verified(&a2a_etcd_log, 4, "verbs", "etcd", a2a_etcd_log.contains("all_to_all exit 0"));
+    if let Err(e) = &a2a_etcd_guest {
         failures.push(format!("{e} on rxe0"));
     }
     let kv_log = fs::read_to_string(guest.dir.join("kv-pages.log")).unwrap_or_default();
@@ -483,17 +523,19 @@ pub fn run() -> Result<i32> {
     );
     println!("tier 1b, CUDA stand-in: {} passed, {} failed", cuda.passed, cuda.failed);
     println!(
-        "tier 1c, the transfer example with no arguments: {} of 3 verified over TCP; kv_pages {kv_here} of 2 (sync, async) verified; all_to_all of 8 ranks {}",
+        "tier 1c, the transfer example with no arguments: {} of 3 verified over TCP; kv_pages {kv_here} of 2 (sync, async) verified; all_to_all of 8 ranks {} through the directory, {} through etcd",
         here.as_ref().copied().unwrap_or(0),
-        if a2a_here.is_ok() { "verified over TCP" } else { "FAILED" }
+        if a2a_here.is_ok() { "verified over TCP" } else { "FAILED" },
+        if a2a_etcd_here.is_ok() { "verified" } else { "FAILED" }
     );
     println!(
-        "tier 2, rxe0 in the guest: {} passed, {} failed verbs tests; with no arguments {} of 3 verified over verbs; {verified} of 3 transfers of 256 MiB verified; GPU example {gpu_verified} of 2 verified; kv_pages {}; all_to_all of 4 ranks {}; doctor {}",
+        "tier 2, rxe0 in the guest: {} passed, {} failed verbs tests; with no arguments {} of 3 verified over verbs; {verified} of 3 transfers of 256 MiB verified; GPU example {gpu_verified} of 2 verified; kv_pages {}; all_to_all of 4 ranks {} through the directory, {} through etcd; doctor {}",
         verbs.passed,
         verbs.failed,
         loopback.as_ref().copied().unwrap_or(0),
         if kv_guest.is_ok() { "verified over verbs" } else { "FAILED" },
         if a2a_guest.is_ok() { "verified over verbs" } else { "FAILED" },
+        if a2a_etcd_guest.is_ok() { "verified" } else { "FAILED" },
         if doctor.is_ok() { "right (rxe0 active, no GPU, exit 2, JSON parses)" } else { "wrong" }
     );
     for f in &failures {
