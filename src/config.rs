@@ -51,12 +51,14 @@ impl PartialEq<Transport> for &str {
     }
 }
 
+#[cfg(feature = "serde")]
 impl serde::Serialize for Transport {
     fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
         s.serialize_str(self.name())
     }
 }
 
+#[cfg(feature = "serde")]
 impl<'de> serde::Deserialize<'de> for Transport {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
         let name = <std::borrow::Cow<'de, str>>::deserialize(d)?;

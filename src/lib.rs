@@ -279,6 +279,8 @@
 //! | `cuda` | yes | CUDA through `cudarc`, loaded at run time: building needs no CUDA, and a machine without a GPU gets [`Error::CudaUnavailable`] with the reason from every CUDA call, never a panic |
 //! | `cli` | no | the `gpu-rdma` command-line tool (`clap`, `serde_json`, `tracing-subscriber`): `cargo run --features cli --bin gpu-rdma` |
 //! | `tokio` | no | futures awaited in a tokio runtime with IO enabled are woken through its reactor rather than the engine's thread |
+//! | `serde` | no | `Serialize`/`Deserialize` for [`Endpoint`], [`RemoteRegion`] (checked as the wire form is), topology reports and bench rows |
+//! | `etcd` | no | `rendezvous::EtcdRendezvous`: a rendezvous in etcd, with leases; building needs `protoc` |
 //!
 //! `cargo build --no-default-features` builds on a machine without
 //! rdma-core; [`Domain::open`] then says the crate was built without verbs.

@@ -19,8 +19,9 @@ pub const REGION_LEN: usize = 32;
 /// What a peer needs to read or write one of our regions: sent in the
 /// handshake, or in a message of your own (see [`RemoteRegion::to_bytes`],
 /// or serde: checked on the way in as the wire form is).
-#[derive(Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-#[serde(into = "RegionRepr", try_from = "RegionRepr")]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(into = "RegionRepr", try_from = "RegionRepr"))]
 pub struct RemoteRegion {
     /// A tag chosen by the owner, to tell regions apart.
     pub tag: u64,
@@ -112,6 +113,7 @@ impl RemoteRegion {
 }
 
 /// A region descriptor's fields as serde sees them (the rights as bits).
+#[cfg(feature = "serde")]
 #[derive(serde::Serialize, serde::Deserialize)]
 struct RegionRepr {
     tag: u64,
@@ -121,12 +123,14 @@ struct RegionRepr {
     access: u32,
 }
 
+#[cfg(feature = "serde")]
 impl From<RemoteRegion> for RegionRepr {
     fn from(r: RemoteRegion) -> Self {
         RegionRepr { tag: r.tag, addr: r.addr, len: r.len, rkey: r.rkey, access: r.access.bits() }
     }
 }
 
+#[cfg(feature = "serde")]
 impl TryFrom<RegionRepr> for RemoteRegion {
     type Error = BootstrapError;
     fn try_from(r: RegionRepr) -> std::result::Result<Self, BootstrapError> {
@@ -262,6 +266,7 @@ mod tests {
         RemoteRegion { tag: 7, addr: 0x1000, len: 100, rkey: 0x42, access: Access::REMOTE_WRITE }
     }
 
+    #[cfg(feature = "serde")]
     #[test]
     fn descriptors_travel_through_serde_checked_as_the_wire_form_is() {
         let r = region();

@@ -4,7 +4,7 @@
 //!
 //! Built in, with no server: [`DirRendezvous`] (a directory of files, for
 //! one machine or a shared file system) and [`MemRendezvous`] (in-process,
-//! for tests). With the `etcd` feature, [`EtcdRendezvous`] keeps the keys
+//! for tests). With the `etcd` feature, `EtcdRendezvous` keeps the keys
 //! in etcd under a lease, so a rank that dies disappears from the store.
 //! Anything else (a framework's own store) implements [`Rendezvous`].
 

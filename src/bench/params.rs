@@ -4,14 +4,13 @@
 use std::fmt;
 use std::str::FromStr;
 
-use serde::Serialize;
-
 use crate::error::{Error, Result};
 use crate::memory::Access;
 
 /// A perftest test.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
-#[serde(rename_all = "kebab-case")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[cfg_attr(feature = "serde", serde(rename_all = "kebab-case"))]
 pub enum Test {
     /// Bandwidth by RDMA write (`ib_write_bw`).
     WriteBw,
@@ -114,7 +113,8 @@ pub fn all_sizes() -> Vec<usize> {
 }
 
 /// What both ends run.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct Params {
     /// The test.
     pub test: Test,

@@ -2,10 +2,9 @@
 
 use std::fmt;
 
-use serde::Serialize;
-
 /// One bandwidth result, perftest's columns.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct BwRow {
     /// Message size.
     pub bytes: usize,
@@ -36,7 +35,8 @@ impl fmt::Display for BwRow {
 }
 
 /// One latency result, perftest's columns, in microseconds.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct LatRow {
     /// Message size.
     pub bytes: usize,
@@ -124,8 +124,9 @@ impl fmt::Display for LatRow {
 }
 
 /// A result row of either kind.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-#[serde(untagged)]
+#[derive(Clone, Debug, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[cfg_attr(feature = "serde", serde(untagged))]
 pub enum Row {
     /// From a bandwidth test.
     Bw(BwRow),

@@ -19,15 +19,14 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
 
-use serde::Serialize;
-
 pub use facts::{PEERMEM_MARKERS, gdr_level_from_env, kernel_at_least, peermem_marker};
 pub use pci::{LinkClass, PciGpu, PciLocation, PciNic, classify, link_between};
 pub use smi::SmiTopo;
 
 /// How sure a check is, and what it found.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[cfg_attr(feature = "serde", serde(rename_all = "lowercase"))]
 pub enum Status {
     /// Fine.
     Ok,
@@ -51,7 +50,8 @@ impl fmt::Display for Status {
 }
 
 /// One check.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct Check {
     /// What was checked.
     pub name: String,
@@ -60,7 +60,7 @@ pub struct Check {
     /// What was found.
     pub detail: String,
     /// What to do, when something is wrong.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "serde", serde(skip_serializing_if = "Option::is_none"))]
     pub fix: Option<String>,
 }
 
@@ -69,7 +69,8 @@ fn check(name: &str, status: Status, detail: impl Into<String>, fix: Option<&str
 }
 
 /// What CUDA says about one GPU (live runs only).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct CudaGpu {
     /// CUDA ordinal.
     pub ordinal: usize,
@@ -158,7 +159,8 @@ pub fn module_loaded(proc_modules: &str, module: &str) -> bool {
 }
 
 /// One GPU-NIC pair.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct Link {
     /// `GPU0`.
     pub gpu: String,
@@ -169,7 +171,8 @@ pub struct Link {
 }
 
 /// What the tool says about one GPU.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct Verdict {
     /// `GPU0`.
     pub gpu: String,
@@ -186,7 +189,8 @@ pub struct Verdict {
 }
 
 /// The whole report.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct Report {
     /// The farthest link class GPUDirect RDMA is used at.
     pub gdr_level: LinkClass,
@@ -209,7 +213,8 @@ pub struct Report {
 }
 
 /// The JSON of `gpu-rdma topo`: the matrix and the best NIC per GPU.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct TopoSummary {
     /// GPUs.
     pub gpus: Vec<String>,

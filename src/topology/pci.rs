@@ -8,25 +8,24 @@ use std::fmt;
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use serde::Serialize;
-
 /// How a GPU and a NIC are connected, nearest first (nvidia-smi's legend).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub enum LinkClass {
     /// At most a single PCIe bridge (both under one PCIe switch).
-    #[serde(rename = "PIX")]
+    #[cfg_attr(feature = "serde", serde(rename = "PIX"))]
     Pix,
     /// Several PCIe bridges, without the host bridge.
-    #[serde(rename = "PXB")]
+    #[cfg_attr(feature = "serde", serde(rename = "PXB"))]
     Pxb,
     /// Through a PCIe host bridge (typically the CPU).
-    #[serde(rename = "PHB")]
+    #[cfg_attr(feature = "serde", serde(rename = "PHB"))]
     Phb,
     /// Between PCIe host bridges within one NUMA node.
-    #[serde(rename = "NODE")]
+    #[cfg_attr(feature = "serde", serde(rename = "NODE"))]
     Node,
     /// Across the interconnect between NUMA nodes (QPI/UPI/Infinity Fabric).
-    #[serde(rename = "SYS")]
+    #[cfg_attr(feature = "serde", serde(rename = "SYS"))]
     Sys,
 }
 
@@ -79,7 +78,8 @@ impl fmt::Display for LinkClass {
 }
 
 /// A PCI device's place in the tree.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct PciLocation {
     /// Its address, `0000:19:00.0`.
     pub address: String,
@@ -139,7 +139,8 @@ pub fn classify(a: &PciLocation, b: &PciLocation) -> LinkClass {
 }
 
 /// A PCI link's speed and width, current and maximum.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct PcieLink {
     /// `current_link_speed`, for example `16.0 GT/s PCIe`.
     pub speed: Option<String>,
@@ -192,7 +193,8 @@ pub fn bar_size(resource: &str, index: usize) -> Option<u64> {
 }
 
 /// A GPU found in sysfs.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct PciGpu {
     /// `GPU0`, `GPU1`, ... in PCI address order (nvidia-smi's order).
     pub name: String,
@@ -238,7 +240,8 @@ pub fn find_gpus(sysfs_root: &Path) -> Vec<PciGpu> {
 }
 
 /// An RDMA port as sysfs describes it.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct SysfsPort {
     /// Port number.
     pub port: u8,
@@ -255,7 +258,8 @@ pub struct SysfsPort {
 }
 
 /// An RDMA NIC found in sysfs.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct PciNic {
     /// The device name, `mlx5_0`.
     pub name: String,

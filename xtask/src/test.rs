@@ -95,10 +95,12 @@ fn run_tee(cmd: &mut Command) -> Result<(bool, String)> {
 /// The test targets that run in the guest with `--ignored`: those named
 /// `verbs*`, the connection suite, churn, peer death (whose verbs halves
 /// are ignored here), netem (root and namespaces), the steady-state
-/// allocation count, transfer lists and waiting (futures, sets, callbacks).
+/// allocation count, transfer lists, waiting (futures, sets, callbacks)
+/// and many peers (`World`).
 fn runs_in_guest(name: &str) -> bool {
     name.starts_with("verbs")
-        || ["connection", "churn", "peer_death", "netem", "steady_alloc", "transfer", "waiting"].contains(&name)
+        || ["connection", "churn", "peer_death", "netem", "steady_alloc", "transfer", "waiting", "world"]
+            .contains(&name)
 }
 
 /// The test executables that run in the guest, built for this machine.
