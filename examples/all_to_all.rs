@@ -156,7 +156,9 @@ fn barrier(rv: &dyn Rendezvous, what: &str, me: u32, n: u32) -> Result<()> {
 fn run_rank(me: Rank, args: &Args) -> Result<()> {
     let (i, n, len) = (me.rank, me.world_size, args.shard);
     let rv = store(args)?;
-    let domain = Domain::open()?;
+    // The GPU of this local rank, and the NIC nearest it (the first active
+    // one on a machine without GPUs).
+    let domain = Domain::open_near_gpu(me.local_rank as usize)?;
     let region =
         domain.expose(domain.alloc(n as usize * len)?, Access::REMOTE_WRITE, u64::from(i)).map_err(|e| e.error)?;
     // Every connection advertises this rank's region, tagged with its rank.
