@@ -17,6 +17,24 @@ fn store(server: &EtcdServer, ns: &str, ttl: u64) -> EtcdRendezvous {
         .expect("connect to etcd")
 }
 
+/// This test binary again, running only the helper test `name` with
+/// `env`, once it printed READY (it published what it was to).
+fn spawn_child(name: &str, env: &[(&str, String)]) -> std::process::Child {
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--ignored", "--exact", name, "--nocapture"])
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    while !line.contains("READY") {
+        line.clear();
+        assert!(out.read_line(&mut line).unwrap() > 0, "{name} ended before it was ready");
+    }
+    child
+}
+
 #[test]
 fn publish_look_up_list_watch_and_remove() {
     let server = EtcdServer::start();
@@ -71,18 +89,8 @@ fn a_killed_process_disappears_when_its_lease_expires() {
     let server = EtcdServer::start();
     let watcher = Arc::new(store(&server, "lease/", 5));
     let w = Arc::clone(&watcher).watch("rank/").unwrap();
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["--ignored", "--exact", "child_publishes_and_waits_to_be_killed", "--nocapture"])
-        .env("GPU_RDMA_ETCD_CHILD", server.endpoint())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut out = BufReader::new(child.stdout.take().unwrap());
-    let mut line = String::new();
-    while !line.contains("READY") {
-        line.clear();
-        assert!(out.read_line(&mut line).unwrap() > 0, "the child ended before it published");
-    }
+    let mut child =
+        spawn_child("child_publishes_and_waits_to_be_killed", &[("GPU_RDMA_ETCD_CHILD", server.endpoint())]);
     assert_eq!(watcher.lookup("rank/7", Duration::from_secs(5)).unwrap(), b"alive");
     child.kill().unwrap();
     let killed = Instant::now();
@@ -200,20 +208,10 @@ mod world {
     }
 
     fn spawn_rank(endpoint: &str, rank: u32) -> Child {
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .args(["--ignored", "--exact", "world::child_rank_echoes_until_killed", "--nocapture"])
-            .env("GPU_RDMA_ETCD_CHILD", endpoint)
-            .env("GPU_RDMA_WORLD_CHILD_RANK", rank.to_string())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut out = BufReader::new(child.stdout.take().unwrap());
-        let mut line = String::new();
-        while !line.contains("READY") {
-            line.clear();
-            assert!(out.read_line(&mut line).unwrap() > 0, "rank {rank} ended before it joined");
-        }
-        child
+        spawn_child(
+            "world::child_rank_echoes_until_killed",
+            &[("GPU_RDMA_ETCD_CHILD", endpoint.to_owned()), ("GPU_RDMA_WORLD_CHILD_RANK", rank.to_string())],
+        )
     }
 
     /// One round trip to `rank` through the connection dialed to it.

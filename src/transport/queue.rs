@@ -478,16 +478,12 @@ mod tests {
         QueueCore::new(Limits { domain_id: DOMAIN, send_depth, recv_depth, max_message: 1 << 20, qp_num: 1 })
     }
 
+    fn completion(wr_id: u64, status: WcStatus) -> RawCompletion {
+        RawCompletion { wr_id, status, byte_len: 0, imm: None, qp_num: 1, vendor_err: 0, by_write_imm: false }
+    }
+
     fn done(id: OpId, last: bool, status: WcStatus) -> RawCompletion {
-        RawCompletion {
-            wr_id: id.wr_id(last),
-            status,
-            byte_len: 0,
-            imm: None,
-            qp_num: 1,
-            vendor_err: 0,
-            by_write_imm: false,
-        }
+        completion(id.wr_id(last), status)
     }
 
     fn local(len: usize, domain: u64) -> LocalParts {
@@ -696,15 +692,7 @@ mod tests {
     }
 
     fn quiet_failed(seq: u64, status: WcStatus) -> RawCompletion {
-        RawCompletion {
-            wr_id: crate::ops::quiet_wr_id(seq),
-            status,
-            byte_len: 0,
-            imm: None,
-            qp_num: 1,
-            vendor_err: 0,
-            by_write_imm: false,
-        }
+        completion(crate::ops::quiet_wr_id(seq), status)
     }
 
     #[test]
