@@ -130,9 +130,9 @@ struct SendOrder {
     next: u64,
     /// Every request before this place has completed.
     done: u64,
-    /// Every request before this place has a signaled one at or after it.
-    signaled_end: u64,
-    /// Quiet sends posted since the last signaled request.
+    /// Quiet sends posted since the last signaled request: the last
+    /// `quiet` places, with a signaled request at or after every place
+    /// before them.
     quiet: u32,
     /// `next` when a poll last looked for a quiet send's outcome in vain.
     looked: u64,
@@ -257,7 +257,6 @@ impl QueueCore {
         let o = &mut self.order;
         let carried = std::mem::take(&mut o.quiet);
         o.next += u64::from(n);
-        o.signaled_end = o.next;
         self.table.start(opcode, Held { send_wrs: n, recv_wrs: 0, carried, sq_end: o.next }, Some(bytes))
     }
 
@@ -309,7 +308,7 @@ impl QueueCore {
     /// (its completion will say whether that send is done).
     #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
     pub(crate) fn covered(&self, seq: u64) -> bool {
-        self.order.signaled_end > seq
+        self.order.next - u64::from(self.order.quiet) > seq
     }
 
     /// The outcome of a quiet send, once known: success if every request
@@ -360,12 +359,10 @@ impl QueueCore {
     pub(crate) fn abort(&mut self, id: OpId) {
         let held = self.table.abort(id);
         if held.sq_end > 0 {
-            // The quiet sends it carried wait for the next signaled request
-            // again; the one before them is the last signaled one.
+            // The quiet sends it carried wait for the next signaled request again.
             let o = &mut self.order;
             o.next = held.sq_end - u64::from(held.send_wrs);
             o.quiet += held.carried;
-            o.signaled_end = o.next - u64::from(held.carried);
         }
         self.release(Held { carried: 0, ..held });
     }

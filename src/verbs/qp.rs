@@ -557,7 +557,7 @@ impl QueuePair {
         let mut wrs = wrs.into_iter();
         let Some(first) = wrs.next() else { return Ok(()) };
         let mut raw: ffi::ibv_send_wr = zeroed();
-        self.fill_send_wr(0, &first, &mut raw)?;
+        fill_send_wr(&self.caps, 0, &first, &mut raw)?;
         let Some(second) = wrs.next() else {
             // One request (the common case): built on the stack, no chain.
             let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
@@ -567,19 +567,16 @@ impl QueuePair {
             let rc = unsafe { ffi::ibv_post_send(self.qp.as_ptr(), &mut raw, &mut bad) };
             return result::errno_rc(rc, "ibv_post_send").map_err(|error| PostError { posted: 0, error });
         };
-        let mut chain = std::mem::take(&mut self.send_wrs);
-        chain.clear();
-        chain.push(raw);
+        self.send_wrs.clear();
+        self.send_wrs.push(raw);
         for (i, wr) in std::iter::once(second).chain(wrs).enumerate() {
-            chain.push(zeroed());
-            let last = chain.last_mut().expect("just pushed");
-            if let Err(e) = self.fill_send_wr(i + 1, &wr, last) {
-                chain.clear();
-                self.send_wrs = chain;
+            self.send_wrs.push(zeroed());
+            let last = self.send_wrs.last_mut().expect("just pushed");
+            if let Err(e) = fill_send_wr(&self.caps, i + 1, &wr, last) {
+                self.send_wrs.clear();
                 return Err(e);
             }
         }
-        self.send_wrs = chain;
         let base = self.send_wrs.as_mut_ptr();
         for i in 0..self.send_wrs.len() - 1 {
             // SAFETY: `i + 1 < len`: both pointers are inside the vector, which is
@@ -597,50 +594,6 @@ impl QueuePair {
         outcome
     }
 
-    /// Request `i` of a post as the provider takes it, checked against
-    /// this queue pair's limits (nothing is posted when one fails).
-    /// Fills `raw` (zeroed) with it.
-    fn fill_send_wr(
-        &self,
-        i: usize,
-        wr: &SendWr<'_>,
-        raw: &mut ffi::ibv_send_wr,
-    ) -> std::result::Result<(), PostError> {
-        let refuse = |error: Error| PostError { posted: 0, error };
-        if wr.inline && (wr.op.writes_local() || wr.total_len() > u64::from(self.caps.max_inline_data)) {
-            return Err(refuse(Error::InvalidArgument(format!(
-                "work request {i}: inline data of {} bytes for {:?} (the inline limit is {} bytes, reads cannot be inline)",
-                wr.total_len(),
-                wr.op,
-                self.caps.max_inline_data
-            ))));
-        }
-        if wr.sges.len() > self.caps.max_send_sge as usize {
-            return Err(refuse(Error::InvalidArgument(format!(
-                "work request {i}: {} scatter/gather entries, the queue pair takes {}",
-                wr.sges.len(),
-                self.caps.max_send_sge
-            ))));
-        }
-        raw.wr_id = wr.wr_id;
-        raw.sg_list = wr.sges.as_ptr() as *mut ffi::ibv_sge;
-        raw.num_sge = wr.sges.len() as libc::c_int;
-        raw.opcode = wr.op.raw_opcode();
-        raw.send_flags = wr.raw_flags();
-        match wr.op {
-            SendOp::Send => {}
-            SendOp::SendWithImm(imm) => raw.imm_data_invalidated_rkey_union.imm_data = imm.to_be(),
-            SendOp::Write { remote_addr, rkey } | SendOp::Read { remote_addr, rkey } => {
-                raw.wr.rdma = ffi::rdma_t { remote_addr, rkey };
-            }
-            SendOp::WriteWithImm { remote_addr, rkey, imm } => {
-                raw.wr.rdma = ffi::rdma_t { remote_addr, rkey };
-                raw.imm_data_invalidated_rkey_union.imm_data = imm.to_be();
-            }
-        }
-        Ok(())
-    }
-
     /// Posts receive requests, chained.
     ///
     /// # Safety
@@ -656,38 +609,21 @@ impl QueuePair {
         &mut self,
         wrs: impl IntoIterator<Item = RecvWr<'a>>,
     ) -> std::result::Result<(), PostError> {
-        let limit = self.caps.max_recv_sge as usize;
-        let raw_recv = |i: usize, wr: &RecvWr<'_>| {
-            if wr.sges.len() > limit {
-                return Err(PostError {
-                    posted: 0,
-                    error: Error::InvalidArgument(format!(
-                        "receive request {i}: {} scatter/gather entries, the queue pair takes {limit}",
-                        wr.sges.len(),
-                    )),
-                });
-            }
-            let mut raw: ffi::ibv_recv_wr = zeroed();
-            raw.wr_id = wr.wr_id;
-            raw.sg_list = wr.sges.as_ptr() as *mut ffi::ibv_sge;
-            raw.num_sge = wr.sges.len() as libc::c_int;
-            Ok(raw)
-        };
-        let mut wrs = wrs.into_iter().enumerate();
-        let Some((_, first)) = wrs.next() else { return Ok(()) };
-        let mut first = raw_recv(0, &first)?;
-        let mut rest = wrs.peekable();
-        if rest.peek().is_none() {
+        let mut wrs = wrs.into_iter();
+        let Some(first) = wrs.next() else { return Ok(()) };
+        let mut raw = raw_recv_wr(&self.caps, 0, &first)?;
+        let Some(second) = wrs.next() else {
+            // One request (the common case): built on the stack, no chain.
             let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
-            // SAFETY: live QP; `first` and its scatter list are valid for this
+            // SAFETY: live QP; `raw` and its scatter list are valid for this
             // call; the caller guarantees the memory per the contract above.
-            let rc = unsafe { ffi::ibv_post_recv(self.qp.as_ptr(), &mut first, &mut bad) };
+            let rc = unsafe { ffi::ibv_post_recv(self.qp.as_ptr(), &mut raw, &mut bad) };
             return result::errno_rc(rc, "ibv_post_recv").map_err(|error| PostError { posted: 0, error });
-        }
+        };
         self.recv_wrs.clear();
-        self.recv_wrs.push(first);
-        for (i, wr) in rest {
-            match raw_recv(i, &wr) {
+        self.recv_wrs.push(raw);
+        for (i, wr) in std::iter::once(second).chain(wrs).enumerate() {
+            match raw_recv_wr(&self.caps, i + 1, &wr) {
                 Ok(raw) => self.recv_wrs.push(raw),
                 Err(e) => {
                     self.recv_wrs.clear();
@@ -709,6 +645,70 @@ impl QueuePair {
         self.recv_wrs.clear();
         outcome
     }
+}
+
+/// Request `i` of a post as the provider takes it, checked against
+/// this queue pair's limits (nothing is posted when one fails).
+/// Fills `raw` (zeroed) with it.
+fn fill_send_wr(
+    caps: &QpCaps,
+    i: usize,
+    wr: &SendWr<'_>,
+    raw: &mut ffi::ibv_send_wr,
+) -> std::result::Result<(), PostError> {
+    let refuse = |error: Error| PostError { posted: 0, error };
+    if wr.inline && (wr.op.writes_local() || wr.total_len() > u64::from(caps.max_inline_data)) {
+        return Err(refuse(Error::InvalidArgument(format!(
+            "work request {i}: inline data of {} bytes for {:?} (the inline limit is {} bytes, reads cannot be inline)",
+            wr.total_len(),
+            wr.op,
+            caps.max_inline_data
+        ))));
+    }
+    if wr.sges.len() > caps.max_send_sge as usize {
+        return Err(refuse(Error::InvalidArgument(format!(
+            "work request {i}: {} scatter/gather entries, the queue pair takes {}",
+            wr.sges.len(),
+            caps.max_send_sge
+        ))));
+    }
+    raw.wr_id = wr.wr_id;
+    raw.sg_list = wr.sges.as_ptr() as *mut ffi::ibv_sge;
+    raw.num_sge = wr.sges.len() as libc::c_int;
+    raw.opcode = wr.op.raw_opcode();
+    raw.send_flags = wr.raw_flags();
+    match wr.op {
+        SendOp::Send => {}
+        SendOp::SendWithImm(imm) => raw.imm_data_invalidated_rkey_union.imm_data = imm.to_be(),
+        SendOp::Write { remote_addr, rkey } | SendOp::Read { remote_addr, rkey } => {
+            raw.wr.rdma = ffi::rdma_t { remote_addr, rkey };
+        }
+        SendOp::WriteWithImm { remote_addr, rkey, imm } => {
+            raw.wr.rdma = ffi::rdma_t { remote_addr, rkey };
+            raw.imm_data_invalidated_rkey_union.imm_data = imm.to_be();
+        }
+    }
+    Ok(())
+}
+
+/// Receive request `i` of a post as the provider takes it, checked
+/// against the queue pair's limits (nothing is posted when one fails).
+fn raw_recv_wr(caps: &QpCaps, i: usize, wr: &RecvWr<'_>) -> std::result::Result<ffi::ibv_recv_wr, PostError> {
+    if wr.sges.len() > caps.max_recv_sge as usize {
+        return Err(PostError {
+            posted: 0,
+            error: Error::InvalidArgument(format!(
+                "receive request {i}: {} scatter/gather entries, the queue pair takes {}",
+                wr.sges.len(),
+                caps.max_recv_sge
+            )),
+        });
+    }
+    let mut raw: ffi::ibv_recv_wr = zeroed();
+    raw.wr_id = wr.wr_id;
+    raw.sg_list = wr.sges.as_ptr() as *mut ffi::ibv_sge;
+    raw.num_sge = wr.sges.len() as libc::c_int;
+    Ok(raw)
 }
 
 impl QueuePair {
