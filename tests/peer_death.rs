@@ -35,6 +35,12 @@ impl Drop for Peer {
     }
 }
 
+/// A message still goes from `c` to `s`, another connection of domain `d`.
+fn still_works(d: &Domain, s: &Connection, c: &Connection) {
+    let mut rx = s.recv(d.alloc(64).unwrap());
+    c.send_inline(b"still here", None).wait().unwrap();
+    assert_eq!(rx.wait().unwrap().byte_len, 10);
+}
 fn spawn_peer(t: Kind, port: u16, iters: u32) -> Peer {
     let mut cmd = Command::new(PEER);
     cmd.args(["bench", "write-bw", "--bind", "127.0.0.1", "-s", "1MiB", "--timeout", "60"])
@@ -141,9 +147,7 @@ fn peer_death(t: Kind) {
         let e = conn.write(src.clone(), &remote).wait().unwrap_err();
         assert!(!e.is_timeout(), "{e}");
         // The other connection of this domain still works.
-        let mut rx = bystander_s.recv(d.alloc(64).unwrap());
-        bystander_c.send_inline(b"still here", None).wait().unwrap();
-        assert_eq!(rx.wait().unwrap().byte_len, 10);
+        still_works(&d, &bystander_s, &bystander_c);
     }
     // A new connection to a restarted peer on the same port works: a whole
     // (short) test, ended cleanly.
@@ -212,9 +216,7 @@ fn death_during_an_unmatched_send(t: Kind) {
     let e = conn.recv(d.alloc(64).unwrap()).wait().unwrap_err();
     assert!(matches!(e, Error::ConnectionLost { .. } | Error::Completion(_)), "{e}");
     // The other connection of this domain still works.
-    let mut rx = bystander_s.recv(d.alloc(64).unwrap());
-    bystander_c.send_inline(b"still here", None).wait().unwrap();
-    assert_eq!(rx.wait().unwrap().byte_len, 10);
+    still_works(&d, &bystander_s, &bystander_c);
 }
 
 #[test]
@@ -291,9 +293,7 @@ fn death_mid_list(t: Kind) {
     assert!(took < Duration::from_secs(1), "the futures ended {took:?} after the kill");
     assert!(conn.broken().is_some());
     // The other connection of this domain still works.
-    let mut rx = bystander_s.recv(d.alloc(64).unwrap());
-    bystander_c.send_inline(b"still here", None).wait().unwrap();
-    assert_eq!(rx.wait().unwrap().byte_len, 10);
+    still_works(&d, &bystander_s, &bystander_c);
 }
 
 #[test]
