@@ -109,6 +109,22 @@ pub enum Error {
         reason: String,
     },
 
+    /// Every rail of a [`RailConnection`](crate::rails::RailConnection)
+    /// failed during a transfer: nothing is left to finish it on.
+    #[error("every rail failed: {}", failures.join("; "))]
+    NoRailLeft {
+        /// Each rail and why it was dropped.
+        failures: Vec<String>,
+    },
+
+    /// The two sides of a rail connection, or a transfer's regions and its
+    /// connection, have different numbers of rails or queue pairs.
+    #[error("rail mismatch: {detail}")]
+    RailMismatch {
+        /// What differs.
+        detail: String,
+    },
+
     /// The rendezvous store could not be reached or refused a request.
     #[error("rendezvous store {store}: {reason}")]
     Rendezvous {

@@ -425,6 +425,7 @@ mod ops;
 mod options;
 mod poll;
 mod protocol;
+pub mod rails;
 mod remote;
 pub mod rendezvous;
 pub mod topology;
@@ -450,6 +451,7 @@ pub use memory::{
 };
 pub use protocol::list::{PageLayout, Piece};
 pub use protocol::notify::MAX_NOTIFY_PAYLOAD;
+pub use rails::{RailConnection, RailDescriptor, RailOptions, RailRegion, Rails};
 pub use world::{World, WorldOptions};
 #[cfg(feature = "cuda")]
 pub mod cuda;

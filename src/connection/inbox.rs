@@ -253,6 +253,11 @@ impl Inbox {
         self.by_tag.get(&tag).map_or(0, |q| q.iter().filter(|e| e.is_ok()).count())
     }
 
+    /// Whether no more notifications can arrive (the connection is lost).
+    pub(crate) fn is_lost(&self) -> bool {
+        self.lost.is_some()
+    }
+
     /// What the inbox has seen.
     pub fn stats(&self) -> InboxStats {
         InboxStats { queued: self.queued, ..self.stats }

@@ -14,6 +14,7 @@
 //! - An operation dropped before it completes keeps its buffer inside the
 //!   connection until the device is done with it.
 
+pub(crate) mod alias;
 pub(crate) mod domain;
 #[cfg(feature = "cuda")]
 pub mod gpu;

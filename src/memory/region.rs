@@ -236,7 +236,9 @@ impl<M: Memory> SharedInner<M> {
     }
 }
 
-impl SharedInner<HostMemory> {
+// Generic over the memory type for the rail set's aliases of host memory;
+// callers outside `Exposed<HostMemory>` check that the memory is host memory.
+impl<M: Memory> SharedInner<M> {
     fn check(&self, offset: usize, len: usize) -> Result<()> {
         let end = offset.checked_add(len);
         if end.is_none_or(|e| e > self.region.len()) {
@@ -634,6 +636,26 @@ impl<M: Memory> Exposed<M> {
     pub fn withdraw(self) -> std::result::Result<Region<M>, WithdrawError<M>> {
         let inner = Arc::try_unwrap(self.inner).map_err(|inner| WithdrawError::InUse(Exposed { inner }))?;
         inner.into_region().map_err(WithdrawError::Failed)
+    }
+
+    /// [`read_at`](Exposed::read_at) for any host memory type (the rail
+    /// set's aliases); other memory is refused.
+    pub(crate) fn copy_out(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        self.host_only()?;
+        self.inner.read_at(offset, out)
+    }
+
+    /// [`write_at`](Exposed::write_at) for any host memory type.
+    pub(crate) fn copy_in(&self, offset: usize, data: &[u8]) -> Result<()> {
+        self.host_only()?;
+        self.inner.write_at(offset, data)
+    }
+
+    fn host_only(&self) -> Result<()> {
+        match self.kind() {
+            MemoryKind::Host => Ok(()),
+            kind => Err(Error::InvalidArgument(format!("CPU copies need host memory; this region is {kind:?}"))),
+        }
     }
 }
 

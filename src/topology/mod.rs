@@ -664,6 +664,46 @@ pub fn nic_for_gpu(ordinal: usize) -> crate::Result<Option<String>> {
     }
 }
 
+/// Every NIC as near `gpu` as its nearest one (the same link class): the
+/// rails a GPU's transfers use. `best` (the doctor's pick, by NUMA node and
+/// port speed) comes first, the rest in the order given.
+pub fn rail_nics(gpu: &str, links: &[Link], best: Option<&str>) -> Vec<String> {
+    let mine = links.iter().filter(|l| l.gpu == gpu);
+    let Some(nearest) = mine.clone().map(|l| l.link).min() else { return Vec::new() };
+    let mut out: Vec<String> = mine.filter(|l| l.link == nearest).map(|l| l.nic.clone()).collect();
+    if let Some(at) = best.and_then(|b| out.iter().position(|n| n == b)) {
+        let b = out.remove(at);
+        out.insert(0, b);
+    }
+    out
+}
+
+/// The rails for CUDA device `ordinal` ([`rail_nics`] on this machine's
+/// topology); empty when it cannot be placed.
+///
+/// # Errors
+/// [`crate::Error::FeatureDisabled`] without the `cuda` feature; CUDA's
+/// errors opening the device.
+pub fn nics_for_gpu(ordinal: usize) -> crate::Result<Vec<String>> {
+    #[cfg(feature = "cuda")]
+    {
+        let dev = crate::cuda::CudaDevice::open(ordinal)?;
+        let inputs = Inputs::gather(Path::new("/sys"), Path::new("/proc"), None, false);
+        let gpus = pci::find_gpus(&inputs.sysfs);
+        let Some(gpu) = gpus.iter().find(|g| g.location.address.eq_ignore_ascii_case(dev.pci_bus_id())) else {
+            return Ok(Vec::new());
+        };
+        let report = doctor(&inputs, LinkClass::Sys, None);
+        let best = report.verdicts.iter().find(|v| v.gpu == gpu.name).and_then(|v| v.best_nic.clone());
+        Ok(rail_nics(&gpu.name, &report.links, best.as_deref()))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = ordinal;
+        Err(crate::Error::FeatureDisabled { feature: "cuda" })
+    }
+}
+
 mod live {
     //! What only the live system can say: CUDA's view, and a probe registration.
     use super::*;
@@ -781,6 +821,24 @@ mod live {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rails_are_every_nic_at_the_nearest_class_best_first() {
+        let link = |gpu: &str, nic: &str, link| Link { gpu: gpu.into(), nic: nic.into(), link };
+        let links = vec![
+            link("GPU0", "mlx5_0", LinkClass::Sys),
+            link("GPU0", "mlx5_1", LinkClass::Pxb),
+            link("GPU0", "mlx5_2", LinkClass::Node),
+            link("GPU0", "mlx5_3", LinkClass::Pxb),
+            link("GPU1", "mlx5_0", LinkClass::Pix),
+        ];
+        assert_eq!(rail_nics("GPU0", &links, None), ["mlx5_1", "mlx5_3"]);
+        assert_eq!(rail_nics("GPU0", &links, Some("mlx5_3")), ["mlx5_3", "mlx5_1"]);
+        // A best pick that is not among the nearest changes nothing.
+        assert_eq!(rail_nics("GPU0", &links, Some("mlx5_0")), ["mlx5_1", "mlx5_3"]);
+        assert_eq!(rail_nics("GPU1", &links, None), ["mlx5_0"]);
+        assert!(rail_nics("GPU2", &links, None).is_empty());
+    }
 
     fn names(v: &[&str]) -> Vec<String> {
         v.iter().map(|s| s.to_string()).collect()

@@ -22,7 +22,8 @@
 //! 6. `protocol` (per GPU operation: direct or staged, and the staged pipeline)
 //! 7. `domain` (a device, its memory, its staging pools)
 //! 8. `connection` (the public API, options in use, establishment)
-//! 9. `bench`, `world` (many peers: lazy connections through a rendezvous)
+//! 9. `bench`, `world` (many peers: lazy connections through a rendezvous),
+//!    `rails` (several NICs and queue pairs per connection, striped)
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
@@ -46,7 +47,7 @@ pub fn layer(module: &str) -> Option<u8> {
         "protocol" => 6,
         "domain" => 7,
         "connection" => 8,
-        "bench" | "world" => 9,
+        "bench" | "world" | "rails" => 9,
         _ => return None,
     })
 }

@@ -99,7 +99,7 @@ fn run_tee(cmd: &mut Command) -> Result<(bool, String)> {
 /// and many peers (`World`).
 fn runs_in_guest(name: &str) -> bool {
     name.starts_with("verbs")
-        || ["connection", "churn", "peer_death", "netem", "steady_alloc", "transfer", "waiting", "world"]
+        || ["connection", "churn", "peer_death", "netem", "rails", "steady_alloc", "transfer", "waiting", "world"]
             .contains(&name)
 }
 
@@ -418,10 +418,12 @@ pub fn run() -> Result<i32> {
         }
     }
 
-    println!("\n== tier 2 (soft-RoCE guest, rxe0): verbs tests and the transfer example");
+    println!("\n== tier 2 (soft-RoCE guest, rxe0; rxe1 as a second rail): verbs tests and the transfer example");
     let exes = guest_test_executables()?;
-    let mut script =
-        format!("export GPU_RDMA_TEST_DEVICE=rxe0 RUST_BACKTRACE=1 STUB={}\n", quote(&stub.to_string_lossy()));
+    let mut script = format!(
+        "export GPU_RDMA_TEST_DEVICE=rxe0 GPU_RDMA_TEST_RAILS=rxe0,rxe1 RUST_BACKTRACE=1 STUB={}\n",
+        quote(&stub.to_string_lossy())
+    );
     script.push_str("target/release/gpu-rdma devices > \"$VM_OUT/devices.log\" 2>&1; cat \"$VM_OUT/devices.log\"\n");
     for exe in &exes {
         let name = exe.file_name().unwrap_or_default().to_string_lossy();
@@ -429,6 +431,9 @@ pub fn run() -> Result<i32> {
         // Preloaded, the stand-in also plays nvidia-peermem (see cuda-stub/).
         let (env, threads) = if name.contains("gpu") {
             ("LD_LIBRARY_PATH=\"$STUB\" LD_PRELOAD=\"$STUB/libcuda.so\" ", 1)
+        } else if name.starts_with("rails") {
+            // One at a time: 256 MiB buffers, and one test sets rxe1's link down.
+            ("", 1)
         } else {
             ("", 2)
         };
