@@ -161,6 +161,16 @@
 //!   try-posts ([`Error::QueueFull`] at once, the buffer back);
 //!   [`Pending::into_result`] hands the buffer back on error too.
 //!
+//! ## Many peers, several NICs
+//!
+//! - [`World`] connects a rank to the others of its job on first use,
+//!   through a [`rendezvous`] store (a directory, or etcd with leases).
+//! - [`Rails`] is one [`Domain`] per NIC (by default every NIC as near the
+//!   GPU as its nearest: [`Rails::open_near_gpu`]); memory registered with
+//!   it ([`RailRegion`]) has a key per rail, and a [`RailConnection`]
+//!   stripes writes and reads over several queue pairs per rail, moving a
+//!   failed rail's stripes to the others. See [`rails`].
+//!
 //! ## Transports: verbs, or TCP with the same semantics
 //!
 //! Each connection picks its transport in the handshake: verbs (an RC queue

@@ -38,6 +38,7 @@ use crate::domain::{BufError, Domain};
 use crate::error::{BootstrapError, Error, Result};
 use crate::host_memory::HostMemory;
 use crate::memory::alias::{Alias, aliases};
+use crate::memory::path::MemPath;
 use crate::memory::{Exposed, Memory, RemoteRegion};
 use crate::options::ConnectOptions;
 use crate::protocol::list::Piece;
@@ -167,8 +168,13 @@ impl Rails {
     /// Registers `mem` with every rail and gives peers `access` (remote
     /// rights only, as [`Domain::expose`]) under one key per rail.
     ///
+    /// GPU memory must reach every NIC directly (dma-buf or nvidia-peermem):
+    /// on the staged path each domain would expose its own host mirror.
+    ///
     /// # Errors
-    /// As [`Domain::register`] and [`Domain::expose`] on any rail; every
+    /// [`Error::InvalidArgument`] for GPU memory on the staged path with
+    /// more than one rail; as [`Domain::register`] and [`Domain::expose`]
+    /// on any rail; every
     /// registration made is undone and the memory comes back (`None` only
     /// if undoing one failed: the memory is then leaked, never freed under
     /// the device).
@@ -184,6 +190,17 @@ impl Rails {
         for domain in &self.domains {
             let alias = left.pop().expect("one alias per rail");
             let failed = match domain.register(alias, Access::LOCAL) {
+                // Staged GPU memory is exposed as a host mirror per domain:
+                // each rail would see its own copy. Only direct paths stripe.
+                Ok(region) if self.domains.len() > 1 && region.memory_path() == Some(MemPath::Staged) => {
+                    let reason = region.path_report().map(ToString::to_string).unwrap_or_default();
+                    let error = Error::InvalidArgument(format!(
+                        "GPU memory on rails needs a direct path (dma-buf or nvidia-peermem) on every NIC; \
+                         {} has the staged path: {reason}",
+                        domain.info().device
+                    ));
+                    (error, region.into_memory().ok())
+                }
                 Ok(region) => match domain.expose(region, access, tag) {
                     Ok(exposed) => {
                         done.push(exposed);

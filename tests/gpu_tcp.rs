@@ -402,3 +402,19 @@ gpu_tcp_test! {
         }
     }
 }
+
+gpu_tcp_test! {
+    fn staged_gpu_memory_is_refused_on_several_rails_and_comes_back() {
+        let rails = gpu_rdma::rails::Rails::from_domains(vec![tcp_domain(), tcp_domain()]).unwrap();
+        let buf = CudaBuffer::alloc(&CudaDevice::open(0).expect("a CUDA device"), 1 << 20).unwrap();
+        buf.copy_from_host(0, &[7u8; 16]).unwrap();
+        let e = rails.expose(buf, Access::REMOTE_WRITE, 1).unwrap_err();
+        assert!(matches!(e.error, Error::InvalidArgument(ref m) if m.contains("staged")), "{}", e.error);
+        let buf = e.buffer.expect("the buffer back");
+        assert_eq!(read_gpu(&buf, 16), [7u8; 16]);
+        assert_eq!(rails.domains().iter().map(|d| d.stats().regions).sum::<usize>(), 0, "every registration undone");
+        // One rail is a plain domain: staged works there.
+        let one = gpu_rdma::rails::Rails::from_domains(vec![tcp_domain()]).unwrap();
+        assert!(one.expose(buf, Access::REMOTE_WRITE, 1).is_ok());
+    }
+}

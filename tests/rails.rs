@@ -82,7 +82,10 @@ fn striped_write_and_read(server: Rails, client: Rails, len: u64) {
     let data = pattern(len as usize, 42);
     mine.write_at(0, &data).unwrap();
 
+    let t0 = std::time::Instant::now();
     let moved = c.write(&mine, 0, &d, 0, len).wait().unwrap();
+    let secs = t0.elapsed().as_secs_f64();
+    println!("striped write: {} MiB in {secs:.2} s ({:.2} GB/s)", len / MIB, len as f64 / secs / 1e9);
     assert_eq!(moved.bytes, len);
     assert_eq!(moved.stripes as u64, len.div_ceil(MIB));
     assert_eq!(moved.moved_again, 0);
