@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 use crate::access::Access;
 use crate::completion::Failure;
 use crate::config::{DomainConfig, TransportPolicy};
-use crate::connection::{Connection, Inbox, Listener, Note, Transfer};
+use crate::connection::{Connection, Direction, Inbox, Listener, Note, Transfer};
 use crate::domain::{BufError, Domain};
 use crate::error::{BootstrapError, Error, Result};
 use crate::host_memory::HostMemory;
@@ -643,7 +643,8 @@ impl RailConnection {
         remote_offset: u64,
         len: u64,
     ) -> Striped<M> {
-        Striped::start(self, local, local_offset, remote, remote_offset, len, Direction::Write, None)
+        let span = Span { local_offset, remote_offset, len };
+        Striped::start(self, local, remote, span, Direction::Write, None)
     }
 
     /// [`write`](Self::write), then a notification with `tag` and `payload`
@@ -659,8 +660,8 @@ impl RailConnection {
         tag: u32,
         payload: &[u8],
     ) -> Striped<M> {
-        let note = Some((tag, payload.to_vec()));
-        Striped::start(self, local, local_offset, remote, remote_offset, len, Direction::Write, note)
+        let span = Span { local_offset, remote_offset, len };
+        Striped::start(self, local, remote, span, Direction::Write, Some((tag, payload.to_vec())))
     }
 
     /// Reads `len` bytes at `remote_offset` of the peer's region into
@@ -673,7 +674,8 @@ impl RailConnection {
         remote_offset: u64,
         len: u64,
     ) -> Striped<M> {
-        Striped::start(self, local, local_offset, remote, remote_offset, len, Direction::Read, None)
+        let span = Span { local_offset, remote_offset, len };
+        Striped::start(self, local, remote, span, Direction::Read, None)
     }
 
     /// Lets the peer reach `region` through every queue pair, rail `r`'s
@@ -737,13 +739,6 @@ impl RailConnection {
     }
 }
 
-/// What a striped transfer does.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Direction {
-    Write,
-    Read,
-}
-
 /// What a finished striped transfer moved ([`Striped::wait`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -754,6 +749,15 @@ pub struct Moved {
     pub stripes: usize,
     /// Queue pairs' lists posted again on another rail after theirs failed.
     pub moved_again: usize,
+}
+
+/// Where a striped transfer goes: offsets into the local and the remote
+/// region, and the length.
+#[derive(Clone, Copy, Debug)]
+struct Span {
+    local_offset: u64,
+    remote_offset: u64,
+    len: u64,
 }
 
 /// The stripes one queue pair carries.
@@ -769,10 +773,8 @@ struct Lane<M: Memory> {
 pub struct Striped<M: Memory> {
     shared: Arc<RailShared>,
     local: RailRegion<M>,
-    local_offset: u64,
     remote: RailDescriptor,
-    remote_offset: u64,
-    len: u64,
+    span: Span,
     direction: Direction,
     lanes: Vec<Lane<M>>,
     note: Option<(u32, Vec<u8>)>,
@@ -785,29 +787,24 @@ pub struct Striped<M: Memory> {
 
 impl<M: Memory> std::fmt::Debug for Striped<M> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Striped").field("len", &self.len).field("lanes", &self.lanes.len()).finish()
+        f.debug_struct("Striped").field("span", &self.span).field("lanes", &self.lanes.len()).finish()
     }
 }
 
 impl<M: Memory> Striped<M> {
-    #[allow(clippy::too_many_arguments)]
     fn start(
         conn: &RailConnection,
         local: &RailRegion<M>,
-        local_offset: u64,
         remote: &RailDescriptor,
-        remote_offset: u64,
-        len: u64,
+        span: Span,
         direction: Direction,
         note: Option<(u32, Vec<u8>)>,
     ) -> Self {
         let shared = Arc::clone(&conn.shared);
         let mut s = Striped {
             local: local.clone(),
-            local_offset,
             remote: remote.clone(),
-            remote_offset,
-            len,
+            span,
             direction,
             lanes: Vec::new(),
             note,
@@ -835,14 +832,15 @@ impl<M: Memory> Striped<M> {
                 ),
             });
         }
+        let Span { local_offset, remote_offset, len } = self.span;
         let check = |side: &'static str, offset: u64, region_len: u64| {
-            if offset.checked_add(self.len).is_none_or(|end| end > region_len) {
-                return Err(Error::OutOfBounds { side, offset, len: self.len, region_len });
+            if offset.checked_add(len).is_none_or(|end| end > region_len) {
+                return Err(Error::OutOfBounds { side, offset, len, region_len });
             }
             Ok(())
         };
-        check("local", self.local_offset, self.local.len() as u64)?;
-        check("remote", self.remote_offset, self.remote.len())?;
+        check("local", local_offset, self.local.len() as u64)?;
+        check("remote", remote_offset, self.remote.len())?;
         let needed = match self.direction {
             Direction::Write => Access::REMOTE_WRITE,
             Direction::Read => Access::REMOTE_READ,
@@ -862,8 +860,8 @@ impl<M: Memory> Striped<M> {
             .collect();
         let mut at = 0;
         let mut k = 0;
-        while at < self.len {
-            let n = stripe.min(self.len - at);
+        while at < len {
+            let n = stripe.min(len - at);
             let lane = &mut lanes[k % links.len()];
             lane.pieces.push(Piece::new(at, at, n));
             lane.bytes += n;
@@ -882,10 +880,9 @@ impl<M: Memory> Striped<M> {
     /// Posts `pieces` (offsets relative to the transfer) on `link`.
     fn post(&self, link: usize, pieces: &[Piece]) -> Result<Transfer<Exposed<Alias<M>>>> {
         let l = &self.shared.links[link];
-        let local = self.local.rails[l.rail].clone();
-        let lo = self.local_offset as usize;
-        let slice = local.slice(lo..lo + self.len as usize);
-        let remote = self.remote.rails[l.rail].slice(self.remote_offset..self.remote_offset + self.len)?;
+        let Span { local_offset, remote_offset, len } = self.span;
+        let slice = self.local.rails[l.rail].clone().slice(local_offset as usize..(local_offset + len) as usize);
+        let remote = self.remote.rails[l.rail].slice(remote_offset..remote_offset + len)?;
         let pieces = pieces.iter().copied();
         Ok(match self.direction {
             Direction::Write => l.conn.write_list(slice, &remote, pieces),
@@ -992,12 +989,12 @@ impl<M: Memory> Striped<M> {
 
     /// Bytes the transfer moves.
     pub fn len(&self) -> u64 {
-        self.len
+        self.span.len
     }
 
     /// Whether it moves nothing.
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.span.len == 0
     }
 }
 

@@ -11,6 +11,7 @@ mod waiting;
 pub use crate::options::{ConnectOptions, ConnectionInfo};
 pub use establish::{Interrupt, Listener, MAX_CONCURRENT_HANDSHAKES};
 pub use inbox::{Inbox, InboxStats, MAX_QUEUED_NOTES, Note};
+pub(crate) use transfer::Direction;
 pub use transfer::{Failed, Transfer, Transferred};
 pub use waiting::{CompletionSet, Finished};
 

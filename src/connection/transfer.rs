@@ -26,9 +26,9 @@ use crate::transport::engine::{Awaiting, LOOK_AGAIN};
 use crate::transport::{Posted, RemoteOp, WorkItem};
 use crate::{HostMemory, Region};
 
-/// What a transfer list does with its pieces.
+/// What a transfer list does with its pieces (a striped transfer too).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Direction {
+pub(crate) enum Direction {
     Write,
     Read,
 }
