@@ -908,7 +908,9 @@ impl<B: Send + 'static> Drop for Pending<B> {
         if let Some(aw) = self.awaiting.take() {
             aw.disarm(&self.shared.domain.inner.engine);
         }
-        if let Stage::Succeeded(_) | Stage::Failed(_) = self.stage {
+        // Finished, or a quiet send with no flush of its own: nothing is
+        // left with the connection (a quiet send's data went inline).
+        if let Stage::Succeeded(_) | Stage::Failed(_) | Stage::Quiet(_, None) = self.stage {
             return;
         }
         self.drop_unfinished();
