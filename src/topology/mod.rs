@@ -640,12 +640,9 @@ pub fn doctor(inputs: &Inputs, level: LinkClass, only: Option<usize>) -> Report 
     }
 }
 
-/// The RDMA device nearest CUDA device `ordinal` on this machine (by the
-/// doctor's ranking), or `None` when there is no GPU or no NIC to pair.
-///
-/// # Errors
-/// [`crate::Error::CudaUnavailable`] without CUDA.
-pub fn nic_for_gpu(ordinal: usize) -> crate::Result<Option<String>> {
+/// CUDA device `ordinal` on this machine: the doctor's report and the
+/// GPU's name in it, or `None` when it is not found on PCI.
+fn place_gpu(ordinal: usize) -> crate::Result<Option<(Report, String)>> {
     #[cfg(feature = "cuda")]
     {
         let dev = crate::cuda::CudaDevice::open(ordinal)?;
@@ -654,14 +651,28 @@ pub fn nic_for_gpu(ordinal: usize) -> crate::Result<Option<String>> {
         let Some(gpu) = gpus.iter().find(|g| g.location.address.eq_ignore_ascii_case(dev.pci_bus_id())) else {
             return Ok(None);
         };
-        let report = doctor(&inputs, LinkClass::Sys, None);
-        Ok(report.verdicts.iter().find(|v| v.gpu == gpu.name).and_then(|v| v.best_nic.clone()))
+        Ok(Some((doctor(&inputs, LinkClass::Sys, None), gpu.name.clone())))
     }
     #[cfg(not(feature = "cuda"))]
     {
         let _ = ordinal;
         Err(crate::Error::FeatureDisabled { feature: "cuda" })
     }
+}
+
+/// The doctor's pick of a NIC for `gpu` in `report`.
+fn best_nic_of(report: &Report, gpu: &str) -> Option<String> {
+    report.verdicts.iter().find(|v| v.gpu == gpu).and_then(|v| v.best_nic.clone())
+}
+
+/// The RDMA device nearest CUDA device `ordinal` on this machine (by the
+/// doctor's ranking), or `None` when there is no GPU or no NIC to pair.
+///
+/// # Errors
+/// [`crate::Error::FeatureDisabled`] without the `cuda` feature; CUDA's
+/// errors opening the device.
+pub fn nic_for_gpu(ordinal: usize) -> crate::Result<Option<String>> {
+    Ok(place_gpu(ordinal)?.and_then(|(report, gpu)| best_nic_of(&report, &gpu)))
 }
 
 /// Every NIC as near `gpu` as its nearest one (the same link class): the
@@ -682,26 +693,11 @@ pub fn rail_nics(gpu: &str, links: &[Link], best: Option<&str>) -> Vec<String> {
 /// topology); empty when it cannot be placed.
 ///
 /// # Errors
-/// [`crate::Error::FeatureDisabled`] without the `cuda` feature; CUDA's
-/// errors opening the device.
+/// As [`nic_for_gpu`].
 pub fn nics_for_gpu(ordinal: usize) -> crate::Result<Vec<String>> {
-    #[cfg(feature = "cuda")]
-    {
-        let dev = crate::cuda::CudaDevice::open(ordinal)?;
-        let inputs = Inputs::gather(Path::new("/sys"), Path::new("/proc"), None, false);
-        let gpus = pci::find_gpus(&inputs.sysfs);
-        let Some(gpu) = gpus.iter().find(|g| g.location.address.eq_ignore_ascii_case(dev.pci_bus_id())) else {
-            return Ok(Vec::new());
-        };
-        let report = doctor(&inputs, LinkClass::Sys, None);
-        let best = report.verdicts.iter().find(|v| v.gpu == gpu.name).and_then(|v| v.best_nic.clone());
-        Ok(rail_nics(&gpu.name, &report.links, best.as_deref()))
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = ordinal;
-        Err(crate::Error::FeatureDisabled { feature: "cuda" })
-    }
+    Ok(place_gpu(ordinal)?
+        .map(|(report, gpu)| rail_nics(&gpu, &report.links, best_nic_of(&report, &gpu).as_deref()))
+        .unwrap_or_default())
 }
 
 mod live {
