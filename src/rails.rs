@@ -106,18 +106,16 @@ impl Rails {
         if let Some(list) = rails_from_env() {
             return Rails::open_devices(&list);
         }
-        match crate::topology::nics_for_gpu(ordinal) {
-            Ok(nics) if !nics.is_empty() => {
-                tracing::info!("GPU {ordinal}: rails {}", nics.join(", "));
-                let nics: Vec<String> = nics.into_iter().take(MAX_RAILS).collect();
-                Rails::open_devices(&nics)
-            }
-            Ok(_) => Rails::from_domains(vec![Domain::open_near_gpu(ordinal)?]),
-            Err(e) => {
-                tracing::info!("GPU {ordinal}: cannot place it ({e}); one rail");
-                Rails::from_domains(vec![Domain::open_near_gpu(ordinal)?])
-            }
+        let nics = crate::topology::nics_for_gpu(ordinal).unwrap_or_else(|e| {
+            tracing::info!("GPU {ordinal}: cannot place it ({e}); one rail");
+            Vec::new()
+        });
+        if nics.is_empty() {
+            return Rails::from_domains(vec![Domain::open_near_gpu(ordinal)?]);
         }
+        tracing::info!("GPU {ordinal}: rails {}", nics.join(", "));
+        let nics: Vec<String> = nics.into_iter().take(MAX_RAILS).collect();
+        Rails::open_devices(&nics)
     }
 
     /// The devices `GPU_RDMA_RAILS` lists, else one rail as [`Domain::open`]
@@ -149,11 +147,7 @@ impl Rails {
 
     /// Each rail's device name (`tcp` for a TCP-only domain).
     pub fn names(&self) -> Vec<String> {
-        self.domains
-            .iter()
-            .map(|d| d.info())
-            .map(|i| if i.device.is_empty() { i.transport.to_string() } else { i.device })
-            .collect()
+        self.domains.iter().map(rail_name).collect()
     }
 
     /// Allocates `len` zeroed bytes of host memory, registered with every
@@ -197,7 +191,7 @@ impl Rails {
                     let error = Error::InvalidArgument(format!(
                         "GPU memory on rails needs a direct path (dma-buf or nvidia-peermem) on every NIC; \
                          {} has the staged path: {reason}",
-                        domain.info().device
+                        rail_name(domain)
                     ));
                     (error, region.into_memory().ok())
                 }
@@ -271,6 +265,12 @@ impl Rails {
         }
         Ok(RailConnection::new(self, links, opts))
     }
+}
+
+/// A rail's device name (`tcp` for a TCP-only domain).
+fn rail_name(d: &Domain) -> String {
+    let i = d.info();
+    if i.device.is_empty() { i.transport.to_string() } else { i.device }
 }
 
 /// The name a rail connection carries in its handshake.
@@ -538,6 +538,13 @@ struct RailState {
     failure: Mutex<Option<String>>,
 }
 
+impl RailState {
+    /// Why the rail was dropped, if it was.
+    fn failure(&self) -> std::sync::MutexGuard<'_, Option<String>> {
+        self.failure.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
 /// What one rail of a connection did ([`RailConnection::stats`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -570,8 +577,7 @@ impl RailShared {
             let rail = &self.rails[l.rail];
             tracing::warn!("rail {} ({}): dropping a queue pair: {reason}", l.rail, rail.device);
             l.conn.shut(&format!("rail {} dropped: {reason}", l.rail));
-            let mut f = rail.failure.lock().unwrap_or_else(|e| e.into_inner());
-            f.get_or_insert_with(|| reason.to_owned());
+            rail.failure().get_or_insert_with(|| reason.to_owned());
         }
     }
 
@@ -579,11 +585,11 @@ impl RailShared {
     /// `turn` spreads the choice.
     fn pick(&self, turn: usize) -> Option<usize> {
         self.sweep();
-        let healthy = |l: &Link| l.alive() && self.rails[l.rail].failure.lock().map(|f| f.is_none()).unwrap_or(false);
-        let live: Vec<usize> = (0..self.links.len()).filter(|&i| healthy(&self.links[i])).collect();
-        let live =
-            if live.is_empty() { (0..self.links.len()).filter(|&i| self.links[i].alive()).collect() } else { live };
-        (!live.is_empty()).then(|| live[turn % live.len()])
+        let live: Vec<usize> = (0..self.links.len()).filter(|&i| self.links[i].alive()).collect();
+        let healthy: Vec<usize> =
+            live.iter().copied().filter(|&i| self.rails[self.links[i].rail].failure().is_none()).collect();
+        let from = if healthy.is_empty() { live } else { healthy };
+        (!from.is_empty()).then(|| from[turn % from.len()])
     }
 
     /// Drops the links whose connections broke on their own.
@@ -603,8 +609,7 @@ impl RailShared {
             .iter()
             .enumerate()
             .map(|(r, s)| {
-                let f = s.failure.lock().unwrap_or_else(|e| e.into_inner());
-                format!("rail {r} ({}): {}", s.device, f.as_deref().unwrap_or("no live queue pair"))
+                format!("rail {r} ({}): {}", s.device, s.failure().as_deref().unwrap_or("no live queue pair"))
             })
             .collect()
     }
@@ -726,7 +731,7 @@ impl RailConnection {
                     bytes: state.bytes.load(Ordering::Acquire),
                     queue_pairs: mine.clone().count(),
                     alive: mine.filter(|l| l.alive()).count(),
-                    failure: state.failure.lock().unwrap_or_else(|e| e.into_inner()).clone(),
+                    failure: state.failure().clone(),
                 }
             })
             .collect()
@@ -763,10 +768,9 @@ struct Span {
 /// The stripes one queue pair carries.
 struct Lane<M: Memory> {
     pieces: Vec<Piece>,
-    bytes: u64,
     link: usize,
+    /// In flight; `None` once landed.
     transfer: Option<Transfer<Exposed<Alias<M>>>>,
-    done: bool,
 }
 
 /// A striped transfer in flight; see [`RailConnection::write`].
@@ -854,17 +858,14 @@ impl<M: Memory> Striped<M> {
             return Err(Error::NoRailLeft { failures: self.shared.failures() });
         }
         let stripe = self.shared.stripe;
-        let mut lanes: Vec<Lane<M>> = links
-            .iter()
-            .map(|&link| Lane { pieces: Vec::new(), bytes: 0, link, transfer: None, done: false })
-            .collect();
+        let mut lanes: Vec<Lane<M>> =
+            links.iter().map(|&link| Lane { pieces: Vec::new(), link, transfer: None }).collect();
         let mut at = 0;
         let mut k = 0;
         while at < len {
             let n = stripe.min(len - at);
             let lane = &mut lanes[k % links.len()];
             lane.pieces.push(Piece::new(at, at, n));
-            lane.bytes += n;
             at += n;
             k += 1;
         }
@@ -923,20 +924,14 @@ impl<M: Memory> Striped<M> {
         let shared = Arc::clone(&self.shared);
         let mut i = 0;
         while i < self.lanes.len() {
-            if self.lanes[i].done {
+            let link = self.lanes[i].link;
+            let Some(t) = self.lanes[i].transfer.as_mut() else {
                 i += 1;
                 continue;
-            }
-            let link = self.lanes[i].link;
-            let waited = match self.lanes[i].transfer.as_mut() {
-                Some(t) => t.wait(),
-                None => Err(Error::ConnectionLost { reason: "not posted".into() }),
             };
-            match waited {
+            match t.wait() {
                 Ok(done) => {
-                    let lane = &mut self.lanes[i];
-                    lane.done = true;
-                    lane.transfer = None;
+                    self.lanes[i].transfer = None;
                     shared.rails[shared.links[link].rail].bytes.fetch_add(done.bytes, Ordering::AcqRel);
                     self.moved.bytes += done.bytes;
                     i += 1;
