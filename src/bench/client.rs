@@ -17,27 +17,18 @@ use super::report::{BwRow, LatRow, MIB, Row, peak_rate};
 /// path (perftest does not wait for them either): the oldest is waited for
 /// once too many are outstanding, the rest at the end. A failure still
 /// surfaces, from here or as the connection's error on the next receive.
+/// Sends with buffers: at most [`Trailing::MAX`] outstanding, the oldest
+/// looked at every time (buffers come back sooner). Inline sends need none
+/// of this: see [`LastInline`].
 pub(super) struct Trailing<B: Send + 'static> {
     q: VecDeque<Pending<B>>,
-    max: usize,
-    /// Look at the oldest at every push (buffers come back sooner); not
-    /// for quiet inline sends, whose outcome comes with a later signaled one.
-    look: bool,
 }
 
 impl<B: Send + 'static> Trailing<B> {
-    /// Sends with buffers: at most 16 outstanding, the oldest looked at
-    /// every time.
-    pub(super) fn new() -> Self {
-        Trailing { q: VecDeque::with_capacity(17), max: 16, look: true }
-    }
+    const MAX: usize = 16;
 
-    /// Inline sends, mostly posted unsignaled: the oldest is waited for
-    /// once a run of the longest unsignaled length came after it, so a
-    /// signaled one has, and no wait needs a request of its own.
-    pub(super) fn inline() -> Self {
-        let max = crate::transport::MAX_QUIET_RUN as usize;
-        Trailing { q: VecDeque::with_capacity(max + 1), max, look: false }
+    pub(super) fn new() -> Self {
+        Trailing { q: VecDeque::with_capacity(Self::MAX + 1) }
     }
 
     pub(super) fn push(&mut self, p: Pending<B>, timeout: Duration) -> Result<()> {
@@ -45,10 +36,10 @@ impl<B: Send + 'static> Trailing<B> {
         loop {
             let len = self.q.len();
             let Some(front) = self.q.front_mut() else { return Ok(()) };
-            if len <= self.max && !(self.look && front.poll()?.is_some()) {
+            if len <= Self::MAX && front.poll()?.is_none() {
                 return Ok(());
             }
-            if len > self.max {
+            if len > Self::MAX {
                 front.wait_timeout(timeout)?;
             }
             self.q.pop_front();
@@ -453,11 +444,11 @@ pub fn finish(conn: &Connection, timeout: Duration) -> Result<()> {
     let mut answer = conn.recv_imm();
     conn.send_inline(&[], Some(DONE)).wait_timeout(timeout)?;
     let left = answer.wait_timeout(timeout)?.imm.unwrap_or(0);
-    let mut fill = Trailing::inline();
+    let mut fill = LastInline::new();
     for _ in 0..left {
-        fill.push(conn.send_inline(&[], None), timeout)?;
+        fill.replace(conn.send_inline(&[], None));
     }
-    fill.drain(timeout)
+    fill.finish(timeout)
 }
 
 #[cfg(test)]

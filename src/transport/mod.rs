@@ -20,7 +20,7 @@ pub(crate) mod tcp;
 #[cfg(feature = "verbs")]
 pub(crate) mod verbs;
 
-pub(crate) use queue::{MAX_QUIET_RUN, Posted, PostedInline, QuietSend, RemoteOp, WorkItem};
+pub(crate) use queue::{Posted, PostedInline, QuietSend, RemoteOp, WorkItem};
 
 /// A connection's transport state.
 pub(crate) enum ConnTransport {

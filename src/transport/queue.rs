@@ -85,7 +85,7 @@ pub(crate) enum Posted {
 
 /// The longest run of requests posted unsignaled: at least every this
 /// many, one is signaled.
-pub(crate) const MAX_QUIET_RUN: u32 = 64;
+const MAX_QUIET_RUN: u32 = 64;
 
 /// A send posted unsignaled (a quiet send): no completion reports it, so
 /// its outcome follows from the send queue's order (see [`QueueCore`]).
