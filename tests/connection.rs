@@ -454,6 +454,89 @@ fn every_inline_send_reports_its_outcome_though_most_go_unsignaled(t: Kind) {
     }
 }
 
+fn unsignaled_sends_arrive_in_order_and_keep_dropped_buffers_until_the_device_is_done(t: Kind) {
+    let d = domain(t);
+    let (s, c) = pair(&d);
+    let depth = c.info().recv_queue_depth.min(s.info().recv_queue_depth).min(48) as usize;
+    // Larger than any inline limit: the device reads the buffer itself.
+    let len = 4096;
+    let mut seed = 100;
+    for round in 0..4 {
+        let rx: Vec<_> = (0..depth).map(|_| s.recv(d.alloc(len).unwrap())).collect();
+        let mut freed = Vec::new();
+        let mut sent = Vec::new();
+        let mut tx: Vec<_> = (0..depth)
+            .map(|_| {
+                seed += 1;
+                let flag = Arc::new(AtomicBool::new(false));
+                let data = pattern(len, seed);
+                let region = d.register(Tracked::holding(&data, Arc::clone(&flag)), Access::LOCAL_WRITE).unwrap();
+                freed.push(flag);
+                sent.push(data);
+                c.send_unsignaled(region)
+            })
+            .collect();
+        match round {
+            0 => {
+                for p in tx.iter_mut().rev() {
+                    assert_eq!(p.wait().unwrap().byte_len as usize, len);
+                }
+            }
+            1 => {
+                for (i, p) in tx.drain(..).enumerate() {
+                    let (done, region) = p.finish().unwrap();
+                    assert_eq!((done.byte_len as usize, done.opcode), (len, Opcode::Send));
+                    assert!(region.memory().bytes() == &sent[i][..], "the buffer came back unchanged");
+                }
+                assert!(freed.iter().all(|f| f.load(Ordering::SeqCst)), "every buffer came back and was dropped");
+            }
+            2 => {
+                // Nothing posted after the last, nothing waited on: polling alone must learn it.
+                let last = tx.last_mut().unwrap();
+                let t0 = Instant::now();
+                while last.poll().unwrap().is_none() {
+                    assert!(t0.elapsed() < Duration::from_secs(10), "a polled unsignaled send never finished");
+                    thread::yield_now();
+                }
+            }
+            _ => {
+                drop(tx);
+                if t == Kind::Verbs {
+                    // Nothing polled since they were posted: the connection
+                    // cannot know the device is done with any of them.
+                    assert!(
+                        freed.iter().all(|f| !f.load(Ordering::SeqCst)),
+                        "a buffer freed while the device may read it"
+                    );
+                    // A look at the completions frees those a signaled request
+                    // after them says are done; the connection holds the rest.
+                    let orphaned = c.in_flight().1;
+                    let kept = freed.iter().filter(|f| !f.load(Ordering::SeqCst)).count();
+                    assert_eq!(orphaned, kept, "every buffer not yet freed stays with the connection");
+                }
+                tx = Vec::new();
+            }
+        }
+        for (i, r) in rx.into_iter().enumerate() {
+            let (got, region) = r.finish().unwrap();
+            assert_eq!(got.byte_len as usize, len, "round {round} message {i}");
+            assert!(region[..] == sent[i][..], "round {round} message {i}: wrong bytes or order");
+        }
+        drop(tx);
+        // A signaled request after them all: once it completes, the
+        // device is done with every buffer.
+        let mut rx = s.recv(d.alloc(8).unwrap());
+        c.send(filled(&d, b"last")).wait().unwrap();
+        rx.wait().unwrap();
+        let t0 = Instant::now();
+        while c.in_flight() != (0, 0) {
+            assert!(t0.elapsed() < Duration::from_secs(10), "left with the connection: {:?}", c.in_flight());
+            thread::yield_now();
+        }
+        assert!(freed.iter().all(|f| f.load(Ordering::SeqCst)), "round {round}: a buffer was never released");
+    }
+}
+
 fn each_side_learns_the_name_the_other_gave(t: Kind) {
     let d = domain(t);
     let (s, c) = pair_on(&d, &d, opts().name("server/0"), opts().name(b"client/\xff".to_vec()));
@@ -545,6 +628,23 @@ unsafe impl Memory for Tracked {
     }
     fn len(&self) -> usize {
         self.mem.len()
+    }
+}
+
+impl Tracked {
+    /// Host memory holding `data`.
+    fn holding(data: &[u8], freed: Arc<AtomicBool>) -> Self {
+        let mem = HostMemory::new(data.len()).unwrap();
+        // SAFETY: `mem` is `data.len()` bytes of fresh host memory that
+        // nothing else references yet.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), mem.as_ptr(), data.len()) };
+        Tracked { mem, freed }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: `mem` is host memory of `len()` bytes owned by self; the
+        // callers read it only once no operation uses it.
+        unsafe { std::slice::from_raw_parts(self.mem.as_ptr(), self.mem.len()) }
     }
 }
 
@@ -989,6 +1089,7 @@ both!(
     a_send_larger_than_the_posted_receive_fails_on_both_sides,
     a_send_to_a_peer_without_receives_fails_within_the_rnr_budget,
     every_inline_send_reports_its_outcome_though_most_go_unsignaled,
+    unsignaled_sends_arrive_in_order_and_keep_dropped_buffers_until_the_device_is_done,
     each_side_learns_the_name_the_other_gave,
     wait_times_out_and_the_operation_can_still_finish,
     a_peer_that_closes_fails_pending_receives_with_connection_lost,

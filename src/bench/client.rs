@@ -15,17 +15,18 @@ use super::report::{BwRow, LatRow, MIB, Row, peak_rate};
 
 /// Sends of a ping-pong whose completions nobody waits for on the timed
 /// path (perftest does not wait for them either): the oldest is waited for
-/// once too many are outstanding, the rest at the end. A failure still
-/// surfaces, from here or as the connection's error on the next receive.
-/// Sends with buffers: at most [`Trailing::MAX`] outstanding, the oldest
-/// looked at every time (buffers come back sooner). Inline sends need none
-/// of this: see [`LastInline`].
+/// once more than [`Trailing::MAX`] are outstanding, the rest at the end.
+/// The sends go unsignaled ([`Connection::send_unsignaled`]), and at least
+/// every 64th request is signaled, so by then the oldest is known done and
+/// the wait takes no polling. A failure still surfaces, from here or as the
+/// connection's error on the next receive. Inline sends need none of this:
+/// see [`LastInline`].
 pub(super) struct Trailing<B: Send + 'static> {
     q: VecDeque<Pending<B>>,
 }
 
 impl<B: Send + 'static> Trailing<B> {
-    const MAX: usize = 16;
+    const MAX: usize = 128;
 
     pub(super) fn new() -> Self {
         Trailing { q: VecDeque::with_capacity(Self::MAX + 1) }
@@ -33,17 +34,12 @@ impl<B: Send + 'static> Trailing<B> {
 
     pub(super) fn push(&mut self, p: Pending<B>, timeout: Duration) -> Result<()> {
         self.q.push_back(p);
-        loop {
-            let len = self.q.len();
-            let Some(front) = self.q.front_mut() else { return Ok(()) };
-            if len <= Self::MAX && front.poll()?.is_none() {
-                return Ok(());
+        if self.q.len() > Self::MAX {
+            if let Some(mut oldest) = self.q.pop_front() {
+                oldest.wait_timeout(timeout)?;
             }
-            if len > Self::MAX {
-                front.wait_timeout(timeout)?;
-            }
-            self.q.pop_front();
         }
+        Ok(())
     }
 
     pub(super) fn drain(&mut self, timeout: Duration) -> Result<()> {
@@ -306,30 +302,22 @@ pub fn latency<B: LocalBuffer + Clone>(
     let (mut sent_inline, mut sent) = (LastInline::new(), Trailing::new());
     match test {
         Test::SendLat => {
-            // The next receive is posted, and the previous send looked at,
-            // while the reply is on the way: off the path from a reply to the
-            // next send. Only as many receives as replies: a spare one would
-            // swallow the next size's first reply.
-            let mut last = None;
+            // The next receive is posted while the reply is on the way: off
+            // the path from a reply to the next send. Only as many receives
+            // as replies: a spare one would swallow the next size's first reply.
             let mut rx = (iters > 0).then(|| conn.recv(local.clone().slice(..size)));
             for i in 0..iters {
                 let t0 = clock.ticks();
                 if inline {
                     sent_inline.replace(conn.send_inline(&zeros, None));
                 } else {
-                    let tx = conn.send(local.clone().slice(..size));
-                    if let Some(p) = last.replace(tx) {
-                        sent.push(p, timeout)?;
-                    }
+                    sent.push(conn.send_unsignaled(local.clone().slice(..size)), timeout)?;
                 }
                 let next = (i + 1 < iters).then(|| conn.recv(local.clone().slice(..size)));
                 if let Some(mut r) = std::mem::replace(&mut rx, next) {
                     r.wait_timeout(timeout)?;
                 }
                 ticks.push(clock.ticks().wrapping_sub(t0));
-            }
-            if let Some(p) = last {
-                sent.push(p, timeout)?;
             }
         }
         Test::WriteLat => {

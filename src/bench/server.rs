@@ -142,7 +142,7 @@ pub fn serve<B: Landing>(
                     posted.push_back(conn.recv(local.clone().slice(..whole)));
                     sent_inline.replace(tx);
                 } else {
-                    let tx = conn.send(local.clone().slice(..n));
+                    let tx = conn.send_unsignaled(local.clone().slice(..n));
                     posted.push_back(conn.recv(local.clone().slice(..whole)));
                     sent.push(tx, timeout)?;
                 }

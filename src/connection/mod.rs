@@ -237,6 +237,36 @@ impl Connection {
         self.one(local.into(), RemoteOp::SendWithImm(imm))
     }
 
+    /// Sends `local` unsignaled where the transport allows it, as perftest
+    /// and UCX post sends that follow one another (a ping-pong, a stream):
+    /// the device reports no completion of its own for it. The send queue
+    /// completes in order, so a later signaled request's completion says
+    /// this one is done; at most every few requests one is signaled anyway.
+    ///
+    /// The `Pending` reports the same outcome as [`send`](Self::send)'s,
+    /// and holds the buffer just as long: dropped before its outcome is
+    /// known, the buffer stays with the connection until a later completion
+    /// says the device is done with it. Waiting on one that no signaled
+    /// request follows yet posts a zero-length write to learn its outcome,
+    /// so a send waited for at once is cheaper with [`send`](Self::send).
+    /// GPU memory and the TCP transport track every send, as `send` does.
+    pub fn send_unsignaled<B: LocalBuffer>(&self, local: impl Into<LocalSlice<B>>) -> Pending<B> {
+        let local = local.into();
+        let parts = match local.resolve() {
+            Ok(p) => p,
+            Err(e) => return Pending::failed(&self.shared, local.into_inner(), e),
+        };
+        #[cfg(feature = "cuda")]
+        if parts.path.is_some() {
+            return self.gpu(local, parts, Some(RemoteOp::Send));
+        }
+        let item = WorkItem { local: Some(parts), op: RemoteOp::Send };
+        match self.shared.transport.post_send_quiet(&item, self.deadline()) {
+            PostedInline::Tracked(posted) => self.pending(local.into_inner(), posted),
+            PostedInline::Quiet(q) => Pending::with(&self.shared, local.into_inner(), Stage::Quiet(q, None)),
+        }
+    }
+
     /// Sends a small message copied from `data` at post time (no registered
     /// buffer needed), at most [`ConnectionInfo::max_inline`] bytes; `imm`
     /// rides along if given. An empty `data` sends a zero-byte message.
@@ -908,12 +938,13 @@ impl<B: Send + 'static> Drop for Pending<B> {
         if let Some(aw) = self.awaiting.take() {
             aw.disarm(&self.shared.domain.inner.engine);
         }
-        // Finished, or a quiet send with no flush of its own: nothing is
-        // left with the connection (a quiet send's data went inline).
-        if let Stage::Succeeded(_) | Stage::Failed(_) | Stage::Quiet(_, None) = self.stage {
-            return;
+        // Finished, or a quiet send with no flush of its own whose data
+        // went inline: nothing is left with the connection.
+        match self.stage {
+            Stage::Succeeded(_) | Stage::Failed(_) => {}
+            Stage::Quiet(q, None) if q.inline => {}
+            _ => self.drop_unfinished(),
         }
-        self.drop_unfinished();
     }
 }
 
@@ -930,6 +961,16 @@ impl<B: Send + 'static> Pending<B> {
         }
         // A quiet send's flush request is left to the connection.
         self.release_flush();
+        if let Stage::Quiet(q, _) = self.stage {
+            // Its outcome is not known here: the connection keeps the
+            // buffer until a later completion says the device is done.
+            if !q.inline {
+                if let Some(b) = self.buf.take() {
+                    self.shared.transport.orphan_quiet(&q, Box::new(b));
+                }
+            }
+            return;
+        }
         if let Stage::InFlight(id) | Stage::Stuck(id, _) = self.stage {
             // Still tracked: the table keeps the buffer until the final completion
             // (or frees the slot at once if that already happened).

@@ -204,6 +204,31 @@ impl ConnTransport {
         dispatch!(self, t => t.post_send(items, due))
     }
 
+    /// Posts one operation that may go unsignaled (verbs; TCP tracks
+    /// every request).
+    #[inline]
+    pub(crate) fn post_send_quiet(&self, item: &WorkItem, due: Deadline) -> PostedInline {
+        match self {
+            #[cfg(feature = "verbs")]
+            ConnTransport::Verbs(t) => t.post_send_quiet(item, due),
+            ConnTransport::Tcp(t) => PostedInline::Tracked(t.post_send(std::slice::from_ref(item), due)),
+        }
+    }
+
+    /// The handle of quiet send `q` was dropped before its outcome was
+    /// known: the connection keeps `buffer` until the device is done with it.
+    pub(crate) fn orphan_quiet(&self, q: &QuietSend, buffer: Box<dyn std::any::Any + Send>) {
+        match self {
+            #[cfg(feature = "verbs")]
+            ConnTransport::Verbs(t) => t.orphan_quiet(q, buffer),
+            // TCP posts no quiet sends.
+            ConnTransport::Tcp(_) => {
+                let _ = q;
+                drop(buffer);
+            }
+        }
+    }
+
     #[inline]
     pub(crate) fn post_recv(&self, local: Option<LocalParts>) -> Posted {
         dispatch!(self, t => t.post_recv(local))

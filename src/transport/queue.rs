@@ -95,6 +95,9 @@ pub(crate) struct QuietSend {
     pub seq: u64,
     pub opcode: Opcode,
     pub len: u32,
+    /// Its data was copied at post time (inline): nothing of the caller's
+    /// stays with the device. Otherwise the caller's buffer must outlive it.
+    pub inline: bool,
 }
 
 /// How an inline send was posted: tracked like any operation, or quiet.
@@ -154,6 +157,10 @@ pub(crate) struct QueueCore {
     order: SendOrder,
     /// At most this many requests in a row go unsignaled.
     moderation: u32,
+    /// Buffers of quiet sends whose handles were dropped before their
+    /// outcome was known, oldest first: each is dropped once a later
+    /// signaled request's completion says the device is done with it.
+    quiet_orphans: std::collections::VecDeque<(u64, Orphan)>,
 }
 
 /// An orphaned buffer, dropped once the device is done with it.
@@ -172,6 +179,7 @@ impl QueueCore {
             lost: None,
             order: SendOrder::default(),
             moderation,
+            quiet_orphans: std::collections::VecDeque::new(),
         }
     }
 
@@ -271,13 +279,31 @@ impl QueueCore {
     /// [`send_room`](Self::send_room) said `Ok(true)` and
     /// [`must_signal`](Self::must_signal) said `false`.
     #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
-    pub(crate) fn start_quiet(&mut self, opcode: Opcode, len: u32) -> QuietSend {
+    pub(crate) fn start_quiet(&mut self, opcode: Opcode, len: u32, inline: bool) -> QuietSend {
         debug_assert!(self.send_used < self.limits.send_depth && self.lost.is_none());
         self.send_used += 1;
         let o = &mut self.order;
         o.quiet += 1;
         o.next += 1;
-        QuietSend { seq: o.next - 1, opcode, len }
+        QuietSend { seq: o.next - 1, opcode, len, inline }
+    }
+
+    /// The handle of quiet send `q` was dropped: keeps `buffer` until the
+    /// device is done with `q`, or hands it back at once when it already is.
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    pub(crate) fn orphan_quiet(&mut self, q: &QuietSend, buffer: Orphan) -> Option<Orphan> {
+        if q.seq < self.order.done {
+            return Some(buffer);
+        }
+        self.quiet_orphans.push_back((q.seq, buffer));
+        None
+    }
+
+    /// Drops the quiet sends' orphaned buffers the device is done with.
+    fn release_quiet_orphans(&mut self) {
+        while self.quiet_orphans.front().is_some_and(|(seq, _)| *seq < self.order.done) {
+            self.quiet_orphans.pop_front();
+        }
     }
 
     /// Forgets the quiet send just started, which the device never saw.
@@ -381,6 +407,7 @@ impl QueueCore {
             // A quiet send reports only a failure (or its flush).
             self.failed_at(seq, raw);
             self.order.done = self.order.done.max(seq + 1);
+            self.release_quiet_orphans();
             return None;
         }
         let (held, orphan, failed) = self.table.complete(raw);
@@ -389,6 +416,9 @@ impl QueueCore {
                 self.failed_at(held.sq_end - u64::from(held.send_wrs), raw);
             }
             self.order.done = self.order.done.max(held.sq_end);
+            if !self.quiet_orphans.is_empty() {
+                self.release_quiet_orphans();
+            }
         }
         self.release(held);
         orphan
@@ -443,12 +473,16 @@ impl QueueCore {
 
     /// Every orphaned buffer: only once the device can no longer touch them.
     pub(crate) fn take_orphans(&mut self) -> Vec<Orphan> {
-        self.table.take_orphans()
+        let mut out = self.table.take_orphans();
+        out.extend(self.quiet_orphans.drain(..).map(|(_, buffer)| buffer));
+        out
     }
 
-    /// Operations in flight and, of those, orphaned.
+    /// Operations in flight and, of those, orphaned (a quiet send counts
+    /// only once orphaned: nothing else tracks it).
     pub(crate) fn stats(&self) -> (usize, usize) {
-        (self.table.in_flight(), self.table.orphans())
+        let quiet = self.quiet_orphans.len();
+        (self.table.in_flight() + quiet, self.table.orphans() + quiet)
     }
 
     /// Send and receive credits in use.
@@ -688,6 +722,51 @@ mod tests {
         assert_eq!(count(), 3);
     }
 
+    #[test]
+    fn a_dropped_quiet_sends_buffer_is_kept_until_a_later_signaled_request_completes() {
+        struct Tracked(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+        impl Drop for Tracked {
+            fn drop(&mut self) {
+                self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+        let dropped = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let count = || dropped.load(std::sync::atomic::Ordering::SeqCst);
+        let mut q = core(64, 1);
+        let a = q.start_quiet(Opcode::Send, 8, false);
+        let b = q.start_quiet(Opcode::Send, 8, false);
+        assert!(q.orphan_quiet(&a, Box::new(Tracked(dropped.clone()))).is_none(), "kept: not known done");
+        assert!(q.orphan_quiet(&b, Box::new(Tracked(dropped.clone()))).is_none());
+        assert_eq!(q.stats(), (2, 2));
+        // A signaled receive says nothing about the send queue.
+        let r = q.start_recv().unwrap();
+        q.complete(&done(r, true, WcStatus::Success));
+        assert_eq!(count(), 0);
+        // A signaled send after `a` only: `b` is not covered by it.
+        let s = q.start_send(Opcode::Send, 1, 1);
+        let c = q.start_quiet(Opcode::Send, 8, false);
+        assert!(q.orphan_quiet(&c, Box::new(Tracked(dropped.clone()))).is_none());
+        q.complete(&done(s, true, WcStatus::Success));
+        assert_eq!(count(), 2, "a and b are done with the signaled send after them");
+        assert_eq!(q.stats(), (1, 1), "c is kept (s is done)");
+        drop(q.take(s));
+        // Known done already: the buffer comes back at once.
+        let t = q.start_send(Opcode::Send, 1, 1);
+        q.complete(&done(t, true, WcStatus::Success));
+        assert_eq!(count(), 3);
+        let d = q.start_quiet(Opcode::Send, 8, false);
+        let e = q.start_send(Opcode::Send, 1, 1);
+        q.complete(&done(e, true, WcStatus::Success));
+        assert!(q.orphan_quiet(&d, Box::new(Tracked(dropped.clone()))).is_some());
+        // At teardown the core hands over what is still unknown.
+        let f = q.start_quiet(Opcode::Send, 8, false);
+        assert!(q.orphan_quiet(&f, Box::new(Tracked(dropped.clone()))).is_none());
+        let before = count();
+        drop(q.take_orphans());
+        assert_eq!(count(), before + 1);
+        assert_eq!(q.stats().1, 0);
+    }
+
     fn quiet_failed(seq: u64, status: WcStatus) -> RawCompletion {
         completion(crate::ops::quiet_wr_id(seq), status)
     }
@@ -697,7 +776,7 @@ mod tests {
         let mut q = core(8, 1);
         assert_eq!(q.moderation, 2, "a quarter of the queue");
         assert!(!q.must_signal());
-        let a = q.start_quiet(Opcode::Send, 4);
+        let a = q.start_quiet(Opcode::Send, 4, true);
         assert!(q.must_signal(), "one quiet send, then a signaled one");
         assert_eq!(q.credits(), (1, 0), "a quiet send holds a credit");
         assert!(q.quiet_outcome(&a).is_none() && !q.covered(a.seq));
@@ -715,7 +794,7 @@ mod tests {
     #[test]
     fn a_failed_quiet_send_reports_its_own_error_and_flushes_the_ones_after() {
         let mut q = core(64, 1);
-        let sends: Vec<QuietSend> = (0..4).map(|_| q.start_quiet(Opcode::SendWithImm, 1)).collect();
+        let sends: Vec<QuietSend> = (0..4).map(|_| q.start_quiet(Opcode::SendWithImm, 1, true)).collect();
         // The third fails (a device reports a failure signaled or not); the
         // connection is lost and the rest are flushed, in queue order.
         q.complete(&quiet_failed(sends[2].seq, WcStatus::RnrRetryExceeded));
@@ -738,9 +817,9 @@ mod tests {
     #[test]
     fn a_failed_signaled_request_decides_the_quiet_sends_around_it() {
         let mut q = core(64, 1);
-        let before = q.start_quiet(Opcode::Send, 1);
+        let before = q.start_quiet(Opcode::Send, 1, true);
         let w = q.start_send(Opcode::Write, 2, 64);
-        let after = q.start_quiet(Opcode::Send, 1);
+        let after = q.start_quiet(Opcode::Send, 1, true);
         q.complete(&done(w, false, WcStatus::RemoteAccess));
         q.lose(|| "the queue pair went to the error state".into());
         q.complete(&done(w, true, WcStatus::WrFlush));
@@ -754,8 +833,8 @@ mod tests {
     #[test]
     fn aborting_a_signaled_request_leaves_the_quiet_sends_before_it_uncovered() {
         let mut q = core(64, 1);
-        let a = q.start_quiet(Opcode::Send, 1);
-        let b = q.start_quiet(Opcode::Send, 1);
+        let a = q.start_quiet(Opcode::Send, 1, true);
+        let b = q.start_quiet(Opcode::Send, 1, true);
         let s = q.start_send(Opcode::Send, 3, 3);
         assert!(q.covered(b.seq) && q.quiet_waiting() == 0);
         q.abort(s);
@@ -768,7 +847,7 @@ mod tests {
         assert!(matches!(q.quiet_outcome(&a), Some(Ok(_))) && matches!(q.quiet_outcome(&b), Some(Ok(_))));
         assert_eq!(q.credits(), (0, 0));
         // A quiet send the device never saw gives its credit back.
-        let c = q.start_quiet(Opcode::Send, 1);
+        let c = q.start_quiet(Opcode::Send, 1, true);
         q.abort_quiet(c);
         assert_eq!((q.quiet_waiting(), q.credits()), (0, (0, 0)));
     }
@@ -776,10 +855,10 @@ mod tests {
     #[test]
     fn a_poll_after_nothing_was_posted_is_told_to_flush() {
         let mut q = core(64, 1);
-        q.start_quiet(Opcode::Send, 1);
+        q.start_quiet(Opcode::Send, 1, true);
         assert!(!q.idle_since_last_look(), "the first look: something was posted before it");
         assert!(q.idle_since_last_look(), "nothing posted since");
-        q.start_quiet(Opcode::Send, 1);
+        q.start_quiet(Opcode::Send, 1, true);
         assert!(!q.idle_since_last_look());
     }
 

@@ -634,12 +634,15 @@ impl VerbsConn {
 
     /// One operation of one message (the common case): checked and posted
     /// as a single request built on the stack, with no plan. `None` when it
-    /// must be split (a write or read longer than a message).
-    fn post_single(&self, item: &WorkItem, due: &mut Deadline) -> Option<Posted> {
+    /// must be split (a write or read longer than a message). With `quiet`,
+    /// a send goes unsignaled unless the moderation says signal (see
+    /// [`QueueCore::must_signal`]).
+    fn post_single(&self, item: &WorkItem, due: &mut Deadline, quiet: bool) -> Option<PostedInline> {
+        let refused = |e| Some(PostedInline::Tracked(Posted::Refused(e)));
         let st = self.lock();
         let len = match st.q.check_item(item) {
             Ok(len) => len,
-            Err(e) => return Some(Posted::Refused(e)),
+            Err(e) => return refused(e),
         };
         if len > st.q.limits().max_message {
             return None;
@@ -649,25 +652,48 @@ impl VerbsConn {
         let inline = self.goes_inline(item, len, op);
         let mut st = match self.send_room(st, 1, due) {
             Ok(st) => st,
-            Err(e) => return Some(Posted::Refused(e)),
+            Err(e) => return refused(e),
         };
-        let id = st.q.start_send(item.op.opcode(), 1, len);
         let sge = [Sge::new(addr, len as u32, lkey)];
         let list: &[Sge] = if len > 0 { &sge } else { &[] };
-        let wr = SendWr::new(id.wr_id(true), op, list).signaled(true).inline(inline);
+        let opcode = item.op.opcode();
+        let (posted, wr) = if quiet && !st.q.must_signal() {
+            // `len` fits a u32: it is at most one message.
+            let q = st.q.start_quiet(opcode, len as u32, inline || len == 0);
+            (PostedInline::Quiet(q), SendWr::new(quiet_wr_id(q.seq), op, list).signaled(false))
+        } else {
+            let id = st.q.start_send(opcode, 1, len);
+            (PostedInline::Tracked(Posted::Ok(id)), SendWr::new(id.wr_id(true), op, list).signaled(true))
+        };
         let qp = st.qp.as_mut().expect("the queue pair lives as long as the connection");
         // SAFETY: as in `post_send`: the entry names a checked range of a
         // registered buffer of this domain, owned by the caller's `Pending` (or,
-        // once that is dropped, by the table) until this request completes or
-        // the queue pair is destroyed; inline data is copied during the call.
-        let outcome = unsafe { qp.post_send([wr]) };
-        Some(match outcome {
-            Ok(()) => Posted::Ok(id),
-            Err(e) => {
-                st.q.abort(id);
-                Posted::Refused(e.error)
+        // once that is dropped, by the table, or by the queue core's quiet
+        // orphans) until this request completes or the queue pair is
+        // destroyed; inline data is copied during the call.
+        let outcome = unsafe { qp.post_send([wr.inline(inline)]) };
+        Some(match (outcome, posted) {
+            (Ok(()), posted) => posted,
+            (Err(e), PostedInline::Quiet(q)) => {
+                st.q.abort_quiet(q);
+                PostedInline::Tracked(Posted::Refused(e.error))
             }
+            (Err(e), PostedInline::Tracked(Posted::Ok(id))) => {
+                st.q.abort(id);
+                PostedInline::Tracked(Posted::Refused(e.error))
+            }
+            (Err(e), PostedInline::Tracked(_)) => PostedInline::Tracked(Posted::Refused(e.error)),
         })
+    }
+
+    /// Posts one operation that may go unsignaled (a send; see
+    /// [`post_single`](Self::post_single)); one that must be split is
+    /// posted tracked.
+    pub(crate) fn post_send_quiet(&self, item: &WorkItem, mut due: Deadline) -> PostedInline {
+        match self.post_single(item, &mut due, true) {
+            Some(posted) => posted,
+            None => PostedInline::Tracked(self.post_send(std::slice::from_ref(item), due)),
+        }
     }
 
     pub(crate) fn post_send(&self, items: &[WorkItem], mut due: Deadline) -> Posted {
@@ -675,8 +701,11 @@ impl VerbsConn {
             return Posted::Refused(Error::EmptyBatch);
         };
         if let [item] = items {
-            if let Some(posted) = self.post_single(item, &mut due) {
-                return posted;
+            match self.post_single(item, &mut due, false) {
+                Some(PostedInline::Tracked(posted)) => return posted,
+                // Asked for a tracked request, it posts no quiet one.
+                Some(PostedInline::Quiet(_)) => unreachable!("a tracked request was posted quiet"),
+                None => {}
             }
         }
         let opcode = last.op.opcode();
@@ -758,7 +787,7 @@ impl VerbsConn {
         let sge = [Sge::new(data.as_ptr() as u64, data.len() as u32, 0)];
         let list: &[Sge] = if data.is_empty() { &[] } else { &sge };
         let (posted, wr) = if quiet && !st.q.must_signal() {
-            let q = st.q.start_quiet(opcode, data.len() as u32);
+            let q = st.q.start_quiet(opcode, data.len() as u32, true);
             (PostedInline::Quiet(q), SendWr::new(quiet_wr_id(q.seq), op, list).signaled(false))
         } else {
             let id = st.q.start_send(opcode, 1, data.len() as u64);
@@ -828,6 +857,13 @@ impl VerbsConn {
             let _ = self.post_flush(&mut st);
         }
         Ok(outcome)
+    }
+
+    /// Keeps the buffer of quiet send `q`, whose handle was dropped, until
+    /// the device is done with it (dropped at once if it already is).
+    pub(crate) fn orphan_quiet(&self, q: &QuietSend, buffer: Box<dyn std::any::Any + Send>) {
+        let back = self.lock().q.orphan_quiet(q, buffer);
+        drop(back);
     }
 
     /// The outcome of quiet send `q` if known, without polling.
