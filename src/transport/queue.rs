@@ -478,6 +478,14 @@ impl QueueCore {
         out
     }
 
+    /// Operations in flight that a completion will still report (quiet
+    /// sends' orphaned buffers not counted: a successful quiet send reports
+    /// nothing of its own).
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    pub(crate) fn reported_in_flight(&self) -> usize {
+        self.table.in_flight()
+    }
+
     /// Operations in flight and, of those, orphaned (a quiet send counts
     /// only once orphaned: nothing else tracks it).
     pub(crate) fn stats(&self) -> (usize, usize) {

@@ -42,13 +42,28 @@ fn lose_after(q: &mut QueueCore, status: crate::completion::WcStatus) {
     q.lose(|| format!("the queue pair went to the error state after a work request failed with {status}"));
 }
 
+/// A polled completion as the queue core takes it.
+#[inline]
+fn raw_completion(wc: &WorkCompletion) -> RawCompletion {
+    RawCompletion {
+        wr_id: wc.wr_id,
+        status: wc.status,
+        byte_len: wc.byte_len,
+        imm: wc.imm,
+        qp_num: wc.qp_num,
+        vendor_err: wc.vendor_err,
+        by_write_imm: wc.opcode == WcOpcode::RecvRdmaWithImm,
+    }
+}
+
 fn random_psn() -> u32 {
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u128(Instant::now().elapsed().as_nanos() ^ u128::from(std::process::id()));
     (h.finish() as u32) & 0x00ff_ffff
 }
 
-const POLL_BATCH: usize = 32;
+/// What one poll of the completion queue reads at most.
+const POLL_BATCH: usize = CompletionQueue::POLL_EACH_MAX;
 /// Completion-queue polls between clock reads while busy-polling.
 const SPINS_PER_CLOCK: u32 = 64;
 
@@ -61,8 +76,6 @@ struct VerbsState {
     /// the error state after a short grace, so completions already on their
     /// way are still reported.
     peer_gone: Option<Instant>,
-    /// Poll buffer, reused (taken out while polling).
-    wcs: Vec<WorkCompletion>,
     sges: Vec<Sge>,
     scratch: Vec<(SendOp, usize, bool)>,
 }
@@ -214,7 +227,6 @@ impl Prepared {
                     qp_num: info.local_qp_num,
                 }),
                 peer_gone: None,
-                wcs: vec![WorkCompletion::EMPTY; POLL_BATCH],
                 sges: Vec::with_capacity(64),
                 scratch: Vec::with_capacity(64),
             }),
@@ -239,34 +251,14 @@ impl VerbsConn {
 
     /// Polls the completion queue once and records what it finds.
     fn progress(&self, st: &mut VerbsState) -> Result<usize> {
-        let mut wcs = std::mem::take(&mut st.wcs);
-        if wcs.len() < POLL_BATCH {
-            wcs.resize(POLL_BATCH, WorkCompletion::EMPTY);
-        }
-        let n = match self.cq.poll(&mut wcs) {
-            Ok(n) => n,
-            Err(e) => {
-                st.wcs = wcs;
-                return Err(e);
-            }
-        };
-        for wc in &wcs[..n] {
-            let raw = RawCompletion {
-                wr_id: wc.wr_id,
-                status: wc.status,
-                byte_len: wc.byte_len,
-                imm: wc.imm,
-                qp_num: wc.qp_num,
-                vendor_err: wc.vendor_err,
-                by_write_imm: wc.opcode == WcOpcode::RecvRdmaWithImm,
-            };
+        let q = &mut st.q;
+        let n = self.cq.poll_each(|wc| {
             if !wc.status.is_success() {
-                lose_after(&mut st.q, wc.status);
+                lose_after(q, wc.status);
             }
             // The device is done with an orphan's memory: its final request completed.
-            drop(st.q.complete(&raw));
-        }
-        st.wcs = wcs;
+            drop(q.complete(&raw_completion(&wc)));
+        })?;
         self.check_grace(st);
         Ok(n)
     }
@@ -954,25 +946,14 @@ impl Drop for VerbsConn {
         // Drain the flushes, briefly: after the queue pair is destroyed the
         // device touches none of its requests' memory anyway.
         let deadline = Instant::now() + Duration::from_secs(2);
-        let mut wcs = [WorkCompletion::EMPTY; POLL_BATCH];
         st.q.lose(|| "the connection was dropped".to_owned());
-        while st.q.stats().0 > 0 && Instant::now() < deadline {
-            match cq.poll(&mut wcs) {
+        // Quiet sends' orphans are not waited for: one that succeeded
+        // reports nothing; they go with the rest once the queue pair is gone.
+        while st.q.reported_in_flight() > 0 && Instant::now() < deadline {
+            let q = &mut st.q;
+            match cq.poll_each(|wc| drop(q.complete(&raw_completion(&wc)))) {
                 Ok(0) => std::thread::sleep(Duration::from_micros(200)),
-                Ok(n) => {
-                    for wc in &wcs[..n] {
-                        let raw = RawCompletion {
-                            wr_id: wc.wr_id,
-                            status: wc.status,
-                            byte_len: wc.byte_len,
-                            imm: wc.imm,
-                            qp_num: wc.qp_num,
-                            vendor_err: wc.vendor_err,
-                            by_write_imm: false,
-                        };
-                        drop(st.q.complete(&raw));
-                    }
-                }
+                Ok(_) => {}
                 Err(_) => break,
             }
         }

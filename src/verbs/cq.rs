@@ -299,6 +299,35 @@ impl CompletionQueue {
         Ok(filled)
     }
 
+    /// The most completions one [`poll_each`](Self::poll_each) reads: when
+    /// it returns this many, more may be waiting.
+    pub const POLL_EACH_MAX: usize = 16;
+
+    /// Polls once, up to [`POLL_EACH_MAX`](Self::POLL_EACH_MAX) completions, handing each to `f` as it is read
+    /// (no buffer of the caller's to fill and read again); returns how many.
+    /// Never blocks, never allocates.
+    ///
+    /// # Errors
+    /// [`Error::Verbs`] when the provider reports a polling failure.
+    #[inline]
+    pub fn poll_each(&self, mut f: impl FnMut(WorkCompletion)) -> Result<usize> {
+        const BATCH: usize = CompletionQueue::POLL_EACH_MAX;
+        // Not initialized, as in `poll`: only the entries returned are read.
+        let mut raw = [const { std::mem::MaybeUninit::<ffi::ibv_wc>::uninit() }; BATCH];
+        // SAFETY: live CQ; `raw` has room for BATCH entries, which the
+        // provider may write without reading.
+        let n = unsafe { ffi::ibv_poll_cq(self.as_raw(), BATCH as libc::c_int, raw.as_mut_ptr().cast()) };
+        if n < 0 {
+            return Err(result::from_errno("ibv_poll_cq", -n));
+        }
+        let n = (n as usize).min(BATCH);
+        for src in &raw[..n] {
+            // SAFETY: ibv_poll_cq returned n, so it wrote the first n entries.
+            f(WorkCompletion::from_raw(unsafe { src.assume_init_ref() }));
+        }
+        Ok(n)
+    }
+
     /// Arms the queue: the next completion makes the channel readable.
     ///
     /// # Errors
