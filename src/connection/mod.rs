@@ -559,7 +559,7 @@ impl<B: Send + 'static> Pending<B> {
     pub(crate) fn posted(shared: &Arc<ConnShared>, buf: B, posted: Posted) -> Self {
         match posted {
             Posted::Ok(id) => Pending::new(shared, id, buf),
-            Posted::Refused(e) => Pending::failed(shared, buf, e),
+            Posted::Refused(e) => Pending::refused(shared, buf, e),
             Posted::Stuck(id, e) => Pending::stuck(shared, id, buf, e),
         }
     }
@@ -572,8 +572,14 @@ impl<B: Send + 'static> Pending<B> {
 
     #[cold]
     #[inline(never)]
-    fn stuck(shared: &Arc<ConnShared>, id: OpId, buf: B, error: Error) -> Self {
-        Pending::with(shared, buf, Stage::Stuck(id, Some(Box::new(error))))
+    fn refused(shared: &Arc<ConnShared>, buf: B, error: Box<Error>) -> Self {
+        Pending::with(shared, buf, Stage::Failed(Some(error)))
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn stuck(shared: &Arc<ConnShared>, id: OpId, buf: B, error: Box<Error>) -> Self {
+        Pending::with(shared, buf, Stage::Stuck(id, Some(error)))
     }
 
     #[cfg(feature = "cuda")]

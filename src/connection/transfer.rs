@@ -584,16 +584,16 @@ impl<B: Send + 'static> List<B> {
                 self.in_flight.push_back(id);
                 true
             }
-            Posted::Refused(Error::QueueFull { .. }) if immediate => false,
+            Posted::Refused(e) if immediate && matches!(*e, Error::QueueFull { .. }) => false,
             Posted::Refused(e) => {
-                self.fail(e);
+                self.fail(*e);
                 false
             }
             Posted::Stuck(id, e) => {
                 note.sent = true;
                 note.id = Some(id);
                 self.in_flight.push_back(id);
-                self.fail(e);
+                self.fail(*e);
                 false
             }
         }
@@ -614,7 +614,7 @@ impl<B: Send + 'static> List<B> {
         };
         let mut region = match region {
             Ok(r) => r,
-            Err(e) => return Posted::Refused(e),
+            Err(e) => return Posted::refused(e),
         };
         region.as_mut_slice()[..note.msg.len()].copy_from_slice(&note.msg);
         let parts = LocalParts { len: note.msg.len(), ..crate::memory::parts_of(&region) };
@@ -650,14 +650,14 @@ impl<B: Send + 'static> List<B> {
                 self.next = end;
                 true
             }
-            Posted::Refused(Error::QueueFull { .. }) if immediate => false,
+            Posted::Refused(e) if immediate && matches!(*e, Error::QueueFull { .. }) => false,
             Posted::Refused(e) => {
-                self.fail(e);
+                self.fail(*e);
                 false
             }
             Posted::Stuck(id, e) => {
                 self.in_flight.push_back(id);
-                self.fail(e);
+                self.fail(*e);
                 false
             }
         }

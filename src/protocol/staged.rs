@@ -434,7 +434,7 @@ impl Pipeline {
             Posted::Ok(id) => self.steps[step].state = StepState::Net(id),
             Posted::Refused(e) => {
                 self.steps[step].state = StepState::Done;
-                self.fail(e);
+                self.fail(*e);
             }
             Posted::Stuck(id, e) => {
                 // Part of it may still reach the slot: the connection keeps it.
@@ -442,7 +442,7 @@ impl Pipeline {
                     t.orphan(id, Box::new(slot));
                 }
                 self.steps[step].state = StepState::Done;
-                self.fail(e);
+                self.fail(*e);
             }
         }
     }

@@ -76,11 +76,21 @@ pub(crate) enum Posted {
     /// In flight.
     Ok(OpId),
     /// Refused before anything reached the device: the buffer is free.
-    Refused(Error),
+    /// (Errors are boxed: a `Posted` is passed by value on every post.)
+    Refused(Box<Error>),
     /// Part of it reached the device and the connection broke: the buffer
     /// must stay with the connection until it is torn down (verbs only).
     #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
-    Stuck(OpId, Error),
+    Stuck(OpId, Box<Error>),
+}
+
+impl Posted {
+    /// Refused with `e`.
+    #[cold]
+    #[inline(never)]
+    pub(crate) fn refused(e: Error) -> Self {
+        Posted::Refused(Box::new(e))
+    }
 }
 
 /// The longest run of requests posted unsignaled: at least every this

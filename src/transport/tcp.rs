@@ -770,12 +770,12 @@ impl TcpConn {
             match st.q.send_room(n) {
                 Ok(true) => break,
                 Ok(false) => {}
-                Err(e) => return Posted::Refused(e),
+                Err(e) => return Posted::refused(e),
             }
             let now = Instant::now();
             let deadline = due.at_from(now);
             if now >= deadline {
-                return Posted::Refused(st.q.send_full());
+                return Posted::refused(st.q.send_full());
             }
             st = self.inner.events.wait_timeout(st, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
         }
@@ -839,7 +839,7 @@ impl TcpConn {
 
     pub(crate) fn post_send(&self, items: &[WorkItem], due: Deadline) -> Posted {
         let Some(last) = items.last() else {
-            return Posted::Refused(Error::EmptyBatch);
+            return Posted::refused(Error::EmptyBatch);
         };
         let mut bytes = 0;
         {
@@ -847,7 +847,7 @@ impl TcpConn {
             for item in items {
                 match Self::check_item(&st.q, item) {
                     Ok(len) => bytes += len,
-                    Err(e) => return Posted::Refused(e),
+                    Err(e) => return Posted::refused(e),
                 }
             }
         }
@@ -856,7 +856,7 @@ impl TcpConn {
 
     pub(crate) fn post_inline(&self, data: &[u8], imm: Option<u32>, due: Deadline) -> Posted {
         if data.len() as u64 > u64::from(MAX_INLINE) {
-            return Posted::Refused(Error::MessageTooLarge { len: data.len() as u64, max: u64::from(MAX_INLINE) });
+            return Posted::refused(Error::MessageTooLarge { len: data.len() as u64, max: u64::from(MAX_INLINE) });
         }
         let opcode = if imm.is_some() { Opcode::SendWithImm } else { Opcode::Send };
         // The copy goes into a buffer from the connection's pool (returned by
@@ -875,7 +875,7 @@ impl TcpConn {
         let (addr, len) = match &local {
             Some(l) => {
                 if let Err(e) = Self::check_local(&st.q, l) {
-                    return Posted::Refused(e);
+                    return Posted::refused(e);
                 }
                 (l.addr, l.len as u64)
             }
@@ -883,7 +883,7 @@ impl TcpConn {
         };
         let id = match st.q.start_recv() {
             Ok(id) => id,
-            Err(e) => return Posted::Refused(e),
+            Err(e) => return Posted::refused(e),
         };
         st.recvs.push_back(Recv { wr_id: id.wr_id(true), addr, len });
         self.inner.events.notify_all();

@@ -630,7 +630,7 @@ impl VerbsConn {
     /// a send goes unsignaled unless the moderation says signal (see
     /// [`QueueCore::must_signal`]).
     fn post_single(&self, item: &WorkItem, due: &mut Deadline, quiet: bool) -> Option<PostedInline> {
-        let refused = |e| Some(PostedInline::Tracked(Posted::Refused(e)));
+        let refused = |e| Some(PostedInline::Tracked(Posted::refused(e)));
         let st = self.lock();
         let len = match st.q.check_item(item) {
             Ok(len) => len,
@@ -668,13 +668,13 @@ impl VerbsConn {
             (Ok(()), posted) => posted,
             (Err(e), PostedInline::Quiet(q)) => {
                 st.q.abort_quiet(q);
-                PostedInline::Tracked(Posted::Refused(e.error))
+                PostedInline::Tracked(Posted::refused(e.error))
             }
             (Err(e), PostedInline::Tracked(Posted::Ok(id))) => {
                 st.q.abort(id);
-                PostedInline::Tracked(Posted::Refused(e.error))
+                PostedInline::Tracked(Posted::refused(e.error))
             }
-            (Err(e), PostedInline::Tracked(_)) => PostedInline::Tracked(Posted::Refused(e.error)),
+            (Err(e), PostedInline::Tracked(_)) => PostedInline::Tracked(Posted::refused(e.error)),
         })
     }
 
@@ -690,7 +690,7 @@ impl VerbsConn {
 
     pub(crate) fn post_send(&self, items: &[WorkItem], mut due: Deadline) -> Posted {
         let Some(last) = items.last() else {
-            return Posted::Refused(Error::EmptyBatch);
+            return Posted::refused(Error::EmptyBatch);
         };
         if let [item] = items {
             match self.post_single(item, &mut due, false) {
@@ -714,7 +714,7 @@ impl VerbsConn {
                 let mut st = self.lock();
                 st.scratch = scratch;
                 st.sges = sges;
-                return Posted::Refused(e);
+                return Posted::refused(e);
             }
         };
         let id = st.q.start_send(opcode, n, bytes);
@@ -741,7 +741,7 @@ impl VerbsConn {
             Ok(()) => Posted::Ok(id),
             Err(e) if e.posted == 0 => {
                 st.q.abort(id);
-                Posted::Refused(e.error)
+                Posted::refused(e.error)
             }
             Err(e) => {
                 // Part of the chain is on the wire without a signaled request
@@ -752,7 +752,7 @@ impl VerbsConn {
                 if let Some(qp) = st.qp.as_mut() {
                     let _ = qp.set_error();
                 }
-                Posted::Stuck(id, Error::ConnectionLost { reason })
+                Posted::Stuck(id, Box::new(Error::ConnectionLost { reason }))
             }
         }
     }
@@ -762,7 +762,7 @@ impl VerbsConn {
     /// [`QueueCore::must_signal`]); its outcome then follows from later
     /// requests' completions.
     pub(crate) fn post_inline(&self, data: &[u8], imm: Option<u32>, mut due: Deadline, quiet: bool) -> PostedInline {
-        let refused = |e| PostedInline::Tracked(Posted::Refused(e));
+        let refused = |e| PostedInline::Tracked(Posted::refused(e));
         if data.len() as u64 > u64::from(self.max_inline) {
             return refused(Error::MessageTooLarge { len: data.len() as u64, max: u64::from(self.max_inline) });
         }
@@ -903,16 +903,16 @@ impl VerbsConn {
         let mut st = self.lock();
         if let Some(l) = &local {
             if let Err(e) = st.q.check_local(l) {
-                return Posted::Refused(e);
+                return Posted::refused(e);
             }
             // A receive's scatter entry holds at most u32::MAX bytes.
             if l.len as u64 > u64::from(u32::MAX) {
-                return Posted::Refused(Error::MessageTooLarge { len: l.len as u64, max: u64::from(u32::MAX) });
+                return Posted::refused(Error::MessageTooLarge { len: l.len as u64, max: u64::from(u32::MAX) });
             }
         }
         let id = match st.q.start_recv() {
             Ok(id) => id,
-            Err(e) => return Posted::Refused(e),
+            Err(e) => return Posted::refused(e),
         };
         let sge = local.map(|l| Sge::new(l.addr, l.len.min(u32::MAX as usize) as u32, l.lkey));
         let list: &[Sge] = match &sge {
@@ -928,7 +928,7 @@ impl VerbsConn {
             Ok(()) => Posted::Ok(id),
             Err(e) => {
                 st.q.abort(id);
-                Posted::Refused(e.error)
+                Posted::refused(e.error)
             }
         }
     }
