@@ -570,6 +570,7 @@ impl VerbsConn {
     }
 
     /// Waits until `n` send-queue requests fit (driving progress), up to `due`.
+    #[inline(always)]
     fn send_room<'a>(
         &'a self,
         st: MutexGuard<'a, VerbsState>,
@@ -663,7 +664,7 @@ impl VerbsConn {
         // once that is dropped, by the table, or by the queue core's quiet
         // orphans) until this request completes or the queue pair is
         // destroyed; inline data is copied during the call.
-        let outcome = unsafe { qp.post_send([wr.inline(inline)]) };
+        let outcome = unsafe { qp.post_send_one(&wr.inline(inline)) };
         Some(match (outcome, posted) {
             (Ok(()), posted) => posted,
             (Err(e), PostedInline::Quiet(q)) => {
@@ -789,7 +790,7 @@ impl VerbsConn {
         // SAFETY: an inline request's data is copied into the work queue
         // during ibv_post_send; `data` is valid for this call and nothing
         // references it afterwards.
-        let outcome = unsafe { qp.post_send([wr.inline(!data.is_empty())]) };
+        let outcome = unsafe { qp.post_send_one(&wr.inline(!data.is_empty())) };
         match (outcome, posted) {
             (Ok(()), posted) => posted,
             (Err(e), PostedInline::Quiet(q)) => {
@@ -820,7 +821,7 @@ impl VerbsConn {
         let wr = SendWr::new(id.wr_id(true), SendOp::Write { remote_addr: 0, rkey: 0 }, &[]);
         let qp = st.qp.as_mut().expect("the queue pair lives as long as the connection");
         // SAFETY: a zero-length write names no local memory.
-        match unsafe { qp.post_send([wr]) } {
+        match unsafe { qp.post_send_one(&wr) } {
             Ok(()) => Ok(id),
             Err(e) => {
                 st.q.abort(id);
@@ -923,7 +924,7 @@ impl VerbsConn {
         // SAFETY: the entry names a checked range of a registered buffer of this
         // domain, owned by the caller's `Pending` (or, once that is dropped, by the
         // table) until this receive completes or the queue pair is destroyed.
-        let outcome = unsafe { qp.post_recv([RecvWr::new(id.wr_id(true), list)]) };
+        let outcome = unsafe { qp.post_recv_one(&RecvWr::new(id.wr_id(true), list)) };
         match outcome {
             Ok(()) => Posted::Ok(id),
             Err(e) => {

@@ -556,17 +556,12 @@ impl QueuePair {
     ) -> std::result::Result<(), PostError> {
         let mut wrs = wrs.into_iter();
         let Some(first) = wrs.next() else { return Ok(()) };
+        let Some(second) = wrs.next() else {
+            // SAFETY: the caller's guarantee for this request, as above.
+            return unsafe { self.post_send_one(&first) };
+        };
         let mut raw: ffi::ibv_send_wr = zeroed();
         fill_send_wr(&self.caps, 0, &first, &mut raw)?;
-        let Some(second) = wrs.next() else {
-            // One request (the common case): built on the stack, no chain.
-            let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
-            // SAFETY: live QP; `raw` and the caller's scatter list are valid
-            // for this call; the caller guarantees the memory they name per
-            // the contract above.
-            let rc = unsafe { ffi::ibv_post_send(self.qp.as_ptr(), &mut raw, &mut bad) };
-            return result::errno_rc(rc, "ibv_post_send").map_err(|error| PostError { posted: 0, error });
-        };
         self.send_wrs.clear();
         self.send_wrs.push(raw);
         for (i, wr) in std::iter::once(second).chain(wrs).enumerate() {
@@ -594,6 +589,44 @@ impl QueuePair {
         outcome
     }
 
+    /// Posts one send-queue request: [`post_send`](Self::post_send) for
+    /// the common case, built on the stack with no chain to link.
+    ///
+    /// # Safety
+    /// As [`post_send`](Self::post_send), for `wr`.
+    ///
+    /// # Errors
+    /// As [`post_send`](Self::post_send).
+    #[inline(always)]
+    pub unsafe fn post_send_one(&mut self, wr: &SendWr<'_>) -> std::result::Result<(), PostError> {
+        let mut raw: ffi::ibv_send_wr = zeroed();
+        fill_send_wr(&self.caps, 0, wr, &mut raw)?;
+        let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
+        // SAFETY: live QP; `raw` and the caller's scatter list are valid for
+        // this call; the caller guarantees the memory they name per the
+        // contract of `post_send`.
+        let rc = unsafe { ffi::ibv_post_send(self.qp.as_ptr(), &mut raw, &mut bad) };
+        result::errno_rc(rc, "ibv_post_send").map_err(|error| PostError { posted: 0, error })
+    }
+
+    /// Posts one receive request: [`post_recv`](Self::post_recv) for the
+    /// common case, with no chain to link.
+    ///
+    /// # Safety
+    /// As [`post_recv`](Self::post_recv), for `wr`.
+    ///
+    /// # Errors
+    /// As [`post_recv`](Self::post_recv).
+    #[inline(always)]
+    pub unsafe fn post_recv_one(&mut self, wr: &RecvWr<'_>) -> std::result::Result<(), PostError> {
+        let mut raw = raw_recv_wr(&self.caps, 0, wr)?;
+        let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
+        // SAFETY: live QP; `raw` and its scatter list are valid for this
+        // call; the caller guarantees the memory per the contract of `post_recv`.
+        let rc = unsafe { ffi::ibv_post_recv(self.qp.as_ptr(), &mut raw, &mut bad) };
+        result::errno_rc(rc, "ibv_post_recv").map_err(|error| PostError { posted: 0, error })
+    }
+
     /// Posts receive requests, chained.
     ///
     /// # Safety
@@ -611,15 +644,11 @@ impl QueuePair {
     ) -> std::result::Result<(), PostError> {
         let mut wrs = wrs.into_iter();
         let Some(first) = wrs.next() else { return Ok(()) };
-        let mut raw = raw_recv_wr(&self.caps, 0, &first)?;
         let Some(second) = wrs.next() else {
-            // One request (the common case): built on the stack, no chain.
-            let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
-            // SAFETY: live QP; `raw` and its scatter list are valid for this
-            // call; the caller guarantees the memory per the contract above.
-            let rc = unsafe { ffi::ibv_post_recv(self.qp.as_ptr(), &mut raw, &mut bad) };
-            return result::errno_rc(rc, "ibv_post_recv").map_err(|error| PostError { posted: 0, error });
+            // SAFETY: the caller's guarantee for this request, as above.
+            return unsafe { self.post_recv_one(&first) };
         };
+        let raw = raw_recv_wr(&self.caps, 0, &first)?;
         self.recv_wrs.clear();
         self.recv_wrs.push(raw);
         for (i, wr) in std::iter::once(second).chain(wrs).enumerate() {
@@ -647,30 +676,47 @@ impl QueuePair {
     }
 }
 
+/// Why request `i` cannot go inline: too long, or a read.
+#[cold]
+#[inline(never)]
+fn refused_inline(caps: &QpCaps, i: usize, wr: &SendWr<'_>) -> PostError {
+    PostError {
+        posted: 0,
+        error: Error::InvalidArgument(format!(
+            "work request {i}: inline data of {} bytes for {:?} (the inline limit is {} bytes, reads cannot be inline)",
+            wr.total_len(),
+            wr.op,
+            caps.max_inline_data
+        )),
+    }
+}
+
+/// Why `what` `i` cannot be posted: more scatter/gather entries than the
+/// queue pair takes.
+#[cold]
+#[inline(never)]
+fn refused_sges(what: &str, i: usize, sges: usize, max: u32) -> PostError {
+    PostError {
+        posted: 0,
+        error: Error::InvalidArgument(format!("{what} {i}: {sges} scatter/gather entries, the queue pair takes {max}")),
+    }
+}
+
 /// Request `i` of a post as the provider takes it, checked against
 /// this queue pair's limits (nothing is posted when one fails).
 /// Fills `raw` (zeroed) with it.
+#[inline(always)]
 fn fill_send_wr(
     caps: &QpCaps,
     i: usize,
     wr: &SendWr<'_>,
     raw: &mut ffi::ibv_send_wr,
 ) -> std::result::Result<(), PostError> {
-    let refuse = |error: Error| PostError { posted: 0, error };
     if wr.inline && (wr.op.writes_local() || wr.total_len() > u64::from(caps.max_inline_data)) {
-        return Err(refuse(Error::InvalidArgument(format!(
-            "work request {i}: inline data of {} bytes for {:?} (the inline limit is {} bytes, reads cannot be inline)",
-            wr.total_len(),
-            wr.op,
-            caps.max_inline_data
-        ))));
+        return Err(refused_inline(caps, i, wr));
     }
     if wr.sges.len() > caps.max_send_sge as usize {
-        return Err(refuse(Error::InvalidArgument(format!(
-            "work request {i}: {} scatter/gather entries, the queue pair takes {}",
-            wr.sges.len(),
-            caps.max_send_sge
-        ))));
+        return Err(refused_sges("work request", i, wr.sges.len(), caps.max_send_sge));
     }
     raw.wr_id = wr.wr_id;
     raw.sg_list = wr.sges.as_ptr() as *mut ffi::ibv_sge;
@@ -693,16 +739,10 @@ fn fill_send_wr(
 
 /// Receive request `i` of a post as the provider takes it, checked
 /// against the queue pair's limits (nothing is posted when one fails).
+#[inline(always)]
 fn raw_recv_wr(caps: &QpCaps, i: usize, wr: &RecvWr<'_>) -> std::result::Result<ffi::ibv_recv_wr, PostError> {
     if wr.sges.len() > caps.max_recv_sge as usize {
-        return Err(PostError {
-            posted: 0,
-            error: Error::InvalidArgument(format!(
-                "receive request {i}: {} scatter/gather entries, the queue pair takes {}",
-                wr.sges.len(),
-                caps.max_recv_sge
-            )),
-        });
+        return Err(refused_sges("receive request", i, wr.sges.len(), caps.max_recv_sge));
     }
     let mut raw: ffi::ibv_recv_wr = zeroed();
     raw.wr_id = wr.wr_id;
