@@ -305,7 +305,9 @@ pub fn latency<B: LocalBuffer + Clone>(
             // The next receive is posted while the reply is on the way: off
             // the path from a reply to the next send. Only as many receives
             // as replies: a spare one would swallow the next size's first reply.
-            let mut rx = (iters > 0).then(|| conn.recv(local.clone().slice(..size)));
+            // Two slots, used in turn: iteration i waits on slot i % 2 while
+            // the next receive sits in the other (no handle moved around).
+            let mut rx: [Option<Pending<B>>; 2] = [(iters > 0).then(|| conn.recv(local.clone().slice(..size))), None];
             for i in 0..iters {
                 let t0 = clock.ticks();
                 if inline {
@@ -313,10 +315,13 @@ pub fn latency<B: LocalBuffer + Clone>(
                 } else {
                     sent.push(conn.send_unsignaled(local.clone().slice(..size)), timeout)?;
                 }
-                let next = (i + 1 < iters).then(|| conn.recv(local.clone().slice(..size)));
-                if let Some(mut r) = std::mem::replace(&mut rx, next) {
+                if i + 1 < iters {
+                    rx[(i + 1) % 2] = Some(conn.recv(local.clone().slice(..size)));
+                }
+                if let Some(r) = &mut rx[i % 2] {
                     r.wait_timeout(timeout)?;
                 }
+                rx[i % 2] = None;
                 ticks.push(clock.ticks().wrapping_sub(t0));
             }
         }
