@@ -13,6 +13,11 @@ use std::task::Waker;
 use crate::completion::{Completion, CompletionError, Opcode, WcStatus};
 use crate::error::{Error, Result};
 
+/// A finished operation's outcome as the queue core hands it on: its
+/// error boxed, so that the success every wait moves is a 40-byte
+/// completion, not a 72-byte `Result<Completion>`.
+pub(crate) type Outcome = Result<Completion, Box<Error>>;
+
 /// Identifies one operation: slot index and generation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct OpId {
@@ -274,7 +279,7 @@ impl OpTable {
     /// operation then fails with [`Error::ConnectionLost`] rather than a
     /// flush status.
     #[inline]
-    pub(crate) fn outcome(effective: Completion, lost: Option<&str>) -> Result<Completion> {
+    pub(crate) fn outcome(effective: Completion, lost: Option<&str>) -> Outcome {
         if effective.status.is_success() {
             return Ok(effective);
         }
@@ -284,13 +289,13 @@ impl OpTable {
     /// [`outcome`](Self::outcome)'s error, out of the way of the fast path.
     #[cold]
     #[inline(never)]
-    fn failure(effective: Completion, lost: Option<&str>) -> Result<Completion> {
+    fn failure(effective: Completion, lost: Option<&str>) -> Outcome {
         match (effective.result(), lost) {
             (Ok(c), _) => Ok(c),
             (Err(CompletionError { status: WcStatus::WrFlush, opcode, .. }), Some(reason)) => {
-                Err(Error::ConnectionLost { reason: format!("{reason}; the {opcode} was flushed") })
+                Err(Box::new(Error::ConnectionLost { reason: format!("{reason}; the {opcode} was flushed") }))
             }
-            (Err(e), _) => Err(Error::Completion(e)),
+            (Err(e), _) => Err(Box::new(Error::Completion(e))),
         }
     }
 
@@ -312,7 +317,7 @@ impl OpTable {
 
     /// Takes a finished operation's outcome, freeing its slot. `lost` is
     /// why the connection broke, if it did.
-    pub(crate) fn take(&mut self, id: OpId, lost: Option<&str>) -> Option<Result<Completion>> {
+    pub(crate) fn take(&mut self, id: OpId, lost: Option<&str>) -> Option<Outcome> {
         let e = self.entry(id, Phase::Done)?;
         e.phase = Phase::Free;
         let effective = e.effective;
@@ -409,7 +414,7 @@ mod tests {
         let mut t = OpTable::new();
         let a = t.start(Opcode::Recv, Held { recv_wrs: 1, ..Held::default() }, None);
         t.complete(&raw(a, true, WcStatus::WrFlush));
-        match t.take(a, Some("the peer closed the connection")).unwrap() {
+        match t.take(a, Some("the peer closed the connection")).unwrap().map_err(|e| *e) {
             Err(Error::ConnectionLost { reason }) => {
                 assert!(reason.contains("peer closed"), "{reason}")
             }

@@ -28,7 +28,7 @@ use crate::error::{Error, Result};
 use crate::memory::LocalParts;
 use crate::memory::{Counter, Live};
 use crate::memory::{Exposed, LocalBuffer, LocalSlice, Memory, RemoteRegion, RemoteSlice};
-use crate::ops::OpId;
+use crate::ops::{OpId, Outcome};
 use crate::transport::{self, ConnTransport, Posted, PostedInline, QuietSend, RemoteOp, WorkItem};
 
 pub(crate) struct ConnShared {
@@ -621,10 +621,10 @@ impl<B: Send + 'static> Pending<B> {
     }
 
     /// Keeps an outcome to report.
-    fn absorb(&mut self, outcome: Result<Completion>) {
+    fn absorb(&mut self, outcome: Outcome) {
         match outcome {
             Ok(c) => self.succeed(c),
-            Err(e) => self.stage = Stage::Failed(Some(Box::new(e))),
+            Err(e) => self.stage = Stage::Failed(Some(e)),
         }
     }
 
@@ -647,11 +647,11 @@ impl<B: Send + 'static> Pending<B> {
             return;
         }
         match &mut self.stage {
-            Stage::InFlight(id) => match self.shared.transport.take(*id) {
-                Some(Ok(c)) => self.succeed(c),
-                Some(Err(e)) => self.stage = Stage::Failed(Some(Box::new(e))),
-                None => {}
-            },
+            Stage::InFlight(id) => {
+                if let Some(outcome) = self.shared.transport.take(*id) {
+                    self.absorb(outcome);
+                }
+            }
             #[cfg(feature = "cuda")]
             Stage::Staged(p) => {
                 let mut p = p.lock().unwrap_or_else(|e| e.into_inner());
@@ -663,10 +663,7 @@ impl<B: Send + 'static> Pending<B> {
                 } else if p.finished() {
                     let outcome = p.outcome();
                     drop(p);
-                    match outcome {
-                        Ok(c) => self.succeed(c),
-                        Err(e) => self.stage = Stage::Failed(Some(Box::new(e))),
-                    }
+                    self.absorb(outcome.map_err(Box::new));
                 }
             }
             _ => {}
@@ -706,7 +703,7 @@ impl<B: Send + 'static> Pending<B> {
             Stage::InFlight(id) if !self.staged_in_progress() => {
                 // The common case: wait and take the outcome in one step.
                 let mut due = Deadline::lazy(timeout, WHAT);
-                let outcome = self.shared.transport.wait_take(id, &mut due)?;
+                let outcome = self.shared.transport.wait_take(id, &mut due).map_err(|e| *e)?;
                 return self.settle(outcome);
             }
             Stage::Quiet(q, None) => {
@@ -743,7 +740,7 @@ impl<B: Send + 'static> Pending<B> {
             drop(self.shared.transport.take(id));
             self.stage = Stage::Quiet(q, None);
         }
-        let outcome = self.shared.transport.wait_quiet(&q, &mut due)?;
+        let outcome = self.shared.transport.wait_quiet(&q, &mut due).map_err(|e| *e)?;
         self.settle(outcome)
     }
 
@@ -775,7 +772,7 @@ impl<B: Send + 'static> Pending<B> {
     /// Records the outcome just taken from the transport and reports it
     /// (an error once, as [`report`](Self::report) does).
     #[inline]
-    fn settle(&mut self, outcome: Result<Completion>) -> Result<Completion> {
+    fn settle(&mut self, outcome: Outcome) -> Result<Completion> {
         match outcome {
             Ok(c) if self.after.is_none() => {
                 let before = std::mem::replace(&mut self.stage, Stage::Succeeded(c));
@@ -793,7 +790,7 @@ impl<B: Send + 'static> Pending<B> {
     /// [`settle`](Self::settle) with an after-hook to run, or an error.
     #[cold]
     #[inline(never)]
-    fn settle_slow(&mut self, outcome: Result<Completion>) -> Result<Completion> {
+    fn settle_slow(&mut self, outcome: Outcome) -> Result<Completion> {
         match outcome {
             Ok(c) => {
                 self.succeed(c);
@@ -801,7 +798,7 @@ impl<B: Send + 'static> Pending<B> {
             }
             Err(e) => {
                 self.stage = Stage::Failed(None);
-                Err(e)
+                Err(*e)
             }
         }
     }

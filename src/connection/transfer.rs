@@ -684,7 +684,7 @@ impl<B: Send + 'static> List<B> {
     }
 
     /// Records a chain's outcome.
-    fn record(&mut self, outcome: Result<crate::Completion>) {
+    fn record(&mut self, outcome: crate::ops::Outcome) {
         let id = self.in_flight.pop_front();
         if let Some(note) = self.note.as_mut().filter(|n| n.id.is_some() && n.id == id) {
             if let Some(region) = note.region.take() {
@@ -695,7 +695,7 @@ impl<B: Send + 'static> List<B> {
             }
         }
         if let Err(e) = outcome {
-            self.fail(e);
+            self.fail(*e);
         }
     }
 
@@ -814,8 +814,8 @@ impl<B: Send + 'static> List<B> {
             let mut due = Deadline::lazy(slice, WHAT);
             match self.shared.transport.wait_take(id, &mut due) {
                 Ok(outcome) => self.record(outcome),
-                Err(e @ Error::Timeout { .. }) => return Err(e),
-                Err(e) => self.fail(e),
+                Err(e) if matches!(*e, Error::Timeout { .. }) => return Err(*e),
+                Err(e) => self.fail(*e),
             }
         }
     }

@@ -555,7 +555,7 @@ impl Pipeline {
                             }
                             Some(Err(e)) => {
                                 self.steps[i].state = StepState::Done;
-                                self.fail(e);
+                                self.fail(*e);
                             }
                             None => {}
                         }

@@ -7,11 +7,10 @@
 use std::net::TcpStream;
 
 use crate::bootstrap::{self, Hello};
-use crate::completion::Completion;
 use crate::deadline::Deadline;
 use crate::error::{BootstrapError, Error, Result};
 use crate::memory::{LocalParts, MemoryDomain, RemoteRegion};
-use crate::ops::OpId;
+use crate::ops::{OpId, Outcome};
 use crate::options::{ConnectOptions, ConnectionInfo, TransportPolicy};
 
 pub(crate) mod engine;
@@ -261,26 +260,26 @@ impl ConnTransport {
 
     /// Quiet send `q`'s outcome, polling once if it is not known yet.
     #[inline]
-    pub(crate) fn poll_quiet(&self, q: &QuietSend) -> Result<Option<Result<Completion>>> {
+    pub(crate) fn poll_quiet(&self, q: &QuietSend) -> Result<Option<Outcome>> {
         match self {
             #[cfg(feature = "verbs")]
             ConnTransport::Verbs(t) => t.poll_quiet(q),
             ConnTransport::Tcp(_) => {
                 let _ = q;
-                Ok(Some(Err(Error::AlreadyReported)))
+                Ok(Some(Err(Box::new(Error::AlreadyReported))))
             }
         }
     }
 
     /// Quiet send `q`'s outcome if known, without polling.
     #[inline]
-    pub(crate) fn quiet_outcome(&self, q: &QuietSend) -> Option<Result<Completion>> {
+    pub(crate) fn quiet_outcome(&self, q: &QuietSend) -> Option<Outcome> {
         match self {
             #[cfg(feature = "verbs")]
             ConnTransport::Verbs(t) => t.quiet_outcome(q),
             ConnTransport::Tcp(_) => {
                 let _ = q;
-                Some(Err(Error::AlreadyReported))
+                Some(Err(Box::new(Error::AlreadyReported)))
             }
         }
     }
@@ -299,13 +298,13 @@ impl ConnTransport {
     }
 
     /// Drives progress until quiet send `q`'s outcome is known.
-    pub(crate) fn wait_quiet(&self, q: &QuietSend, due: &mut Deadline) -> Result<Result<Completion>> {
+    pub(crate) fn wait_quiet(&self, q: &QuietSend, due: &mut Deadline) -> Result<Outcome, Box<Error>> {
         match self {
             #[cfg(feature = "verbs")]
             ConnTransport::Verbs(t) => t.wait_quiet(q, due),
             ConnTransport::Tcp(_) => {
                 let _ = (q, due);
-                Ok(Err(Error::AlreadyReported))
+                Ok(Err(Box::new(Error::AlreadyReported)))
             }
         }
     }
@@ -319,13 +318,13 @@ impl ConnTransport {
     /// Drives progress until `id` is done and takes its outcome; `Err` when
     /// the deadline passed first (still in flight).
     #[inline]
-    pub(crate) fn wait_take(&self, id: OpId, due: &mut Deadline) -> Result<Result<Completion>> {
+    pub(crate) fn wait_take(&self, id: OpId, due: &mut Deadline) -> Result<Outcome, Box<Error>> {
         dispatch!(self, t => t.wait_take(id, due))
     }
 
     /// Polls once; `id`'s outcome if it is done.
     #[inline]
-    pub(crate) fn poll_take(&self, id: OpId) -> Result<Option<Result<Completion>>> {
+    pub(crate) fn poll_take(&self, id: OpId) -> Result<Option<Outcome>> {
         dispatch!(self, t => t.poll_take(id))
     }
 
@@ -338,7 +337,7 @@ impl ConnTransport {
         id: OpId,
         waker: &std::task::Waker,
         engine: &engine::Engine,
-    ) -> Result<Option<Result<Completion>>> {
+    ) -> Result<Option<Outcome>> {
         match self {
             #[cfg(feature = "verbs")]
             ConnTransport::Verbs(t) => {
@@ -362,7 +361,7 @@ impl ConnTransport {
     }
 
     #[inline]
-    pub(crate) fn take(&self, id: OpId) -> Option<Result<Completion>> {
+    pub(crate) fn take(&self, id: OpId) -> Option<Outcome> {
         dispatch!(self, t => t.take(id))
     }
 

@@ -7,7 +7,7 @@ use crate::access::Access;
 use crate::completion::{Completion, Opcode};
 use crate::error::{Error, Result};
 use crate::memory::{LocalParts, RemoteSlice};
-use crate::ops::{Held, OpId, OpTable, RawCompletion, quiet_seq};
+use crate::ops::{Held, OpId, OpTable, Outcome, RawCompletion, quiet_seq};
 
 /// One operation of a post: the local range it uses and what it does.
 #[derive(Clone, Copy, Debug)]
@@ -351,7 +351,7 @@ impl QueueCore {
     /// up to it completed and none before it failed; its own error if it
     /// failed; the loss if an earlier request failed (it was flushed).
     #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
-    pub(crate) fn quiet_outcome(&self, q: &QuietSend) -> Option<Result<Completion>> {
+    pub(crate) fn quiet_outcome(&self, q: &QuietSend) -> Option<Outcome> {
         if q.seq >= self.order.done {
             return None;
         }
@@ -458,7 +458,7 @@ impl QueueCore {
 
     /// Takes `id`'s outcome if it is done, else has `waker` woken when it
     /// is (at its final completion, or the flush after a loss).
-    pub(crate) fn take_or_register(&mut self, id: OpId, waker: &std::task::Waker) -> Option<Result<Completion>> {
+    pub(crate) fn take_or_register(&mut self, id: OpId, waker: &std::task::Waker) -> Option<Outcome> {
         if let Some(outcome) = self.take(id) {
             return Some(outcome);
         }
@@ -466,12 +466,12 @@ impl QueueCore {
             None
         } else {
             // Neither done nor in flight: a stale id (never a live operation's).
-            Some(Err(Error::AlreadyReported))
+            Some(Err(Box::new(Error::AlreadyReported)))
         }
     }
 
     /// Takes a finished operation's outcome.
-    pub(crate) fn take(&mut self, id: OpId) -> Option<Result<Completion>> {
+    pub(crate) fn take(&mut self, id: OpId) -> Option<Outcome> {
         self.table.take(id, self.lost.as_deref())
     }
 
@@ -588,7 +588,10 @@ mod tests {
         q.complete(&done(a, true, WcStatus::Success));
         assert_eq!(count.0.load(SeqCst), 1);
         assert!(matches!(q.take_or_register(a, &waker), Some(Ok(_))), "done: the outcome, no registration");
-        assert!(matches!(q.take_or_register(a, &waker), Some(Err(Error::AlreadyReported))), "taken: a stale id");
+        assert!(
+            matches!(q.take_or_register(a, &waker).map(|o| o.map_err(|e| *e)), Some(Err(Error::AlreadyReported))),
+            "taken: a stale id"
+        );
         // An orphaned operation wakes nobody (its handle is gone).
         let b = q.start_send(Opcode::Send, 1, 1);
         assert!(q.take_or_register(b, &waker).is_none());
@@ -601,7 +604,7 @@ mod tests {
         q.lose(|| "the peer died".into());
         q.complete(&done(r, true, WcStatus::WrFlush));
         assert_eq!(count.0.load(SeqCst), 2);
-        assert!(matches!(q.take(r), Some(Err(Error::ConnectionLost { .. }))));
+        assert!(matches!(q.take(r).map(|o| o.map_err(|e| *e)), Some(Err(Error::ConnectionLost { .. }))));
     }
 
     #[test]
@@ -686,7 +689,7 @@ mod tests {
         let b = q.start_send(Opcode::Send, 1, 1);
         q.lose(|| "the peer closed the connection".into());
         q.complete(&done(b, true, WcStatus::WrFlush));
-        match q.take(b).unwrap() {
+        match q.take(b).unwrap().map_err(|e| *e) {
             Err(Error::ConnectionLost { reason }) => assert!(reason.contains("peer closed"), "{reason}"),
             other => panic!("{other:?}"),
         }
@@ -820,13 +823,13 @@ mod tests {
         q.complete(&quiet_failed(sends[3].seq, WcStatus::WrFlush));
         assert!(matches!(q.quiet_outcome(&sends[0]), Some(Ok(_))), "completed before the failure");
         assert!(matches!(q.quiet_outcome(&sends[1]), Some(Ok(_))));
-        match q.quiet_outcome(&sends[2]) {
+        match q.quiet_outcome(&sends[2]).map(|o| o.map_err(|e| *e)) {
             Some(Err(Error::Completion(e))) => {
                 assert_eq!((e.status, e.opcode), (WcStatus::RnrRetryExceeded, Opcode::SendWithImm))
             }
             other => panic!("{other:?}"),
         }
-        match q.quiet_outcome(&sends[3]) {
+        match q.quiet_outcome(&sends[3]).map(|o| o.map_err(|e| *e)) {
             Some(Err(Error::ConnectionLost { reason })) => assert!(reason.contains("flushed"), "{reason}"),
             other => panic!("{other:?}"),
         }
@@ -845,7 +848,7 @@ mod tests {
         assert!(matches!(q.quiet_outcome(&before), Some(Ok(_))), "before the failed write: done");
         assert!(q.quiet_outcome(&after).is_none(), "its flush has not been seen yet");
         q.complete(&quiet_failed(after.seq, WcStatus::WrFlush));
-        assert!(matches!(q.quiet_outcome(&after), Some(Err(Error::ConnectionLost { .. }))));
+        assert!(matches!(q.quiet_outcome(&after).map(|o| o.map_err(|e| *e)), Some(Err(Error::ConnectionLost { .. }))));
     }
 
     #[test]

@@ -46,12 +46,12 @@ use std::time::{Duration, Instant};
 
 use super::queue::{Limits, Posted, QueueCore, RemoteOp, WorkItem};
 use crate::bootstrap::{self, MAX_TCP_QUEUE_DEPTH, TcpEndpoint};
-use crate::completion::{Completion, Opcode, WcStatus};
+use crate::completion::{Opcode, WcStatus};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::memory::keys::{KeyEntry, KeyTable};
 use crate::memory::{Access, LocalParts};
-use crate::ops::{OpId, RawCompletion, is_final, op_of};
+use crate::ops::{OpId, Outcome, RawCompletion, is_final, op_of};
 use crate::options::{ConnectOptions, ConnectionInfo, Transport};
 
 /// The largest message (send, or write with immediate) this side accepts.
@@ -892,7 +892,7 @@ impl TcpConn {
 
     /// Takes `id`'s outcome if it is done, else registers `waker`: the
     /// connection's threads wake it when they complete the operation.
-    pub(crate) fn poll_register(&self, id: OpId, waker: &std::task::Waker) -> Option<Result<Completion>> {
+    pub(crate) fn poll_register(&self, id: OpId, waker: &std::task::Waker) -> Option<Outcome> {
         self.inner.lock().q.take_or_register(id, waker)
     }
 
@@ -902,8 +902,8 @@ impl TcpConn {
 
     /// Waits until `id` is done, then takes its outcome. `Err` when the
     /// deadline passed first (the operation is still in flight).
-    pub(crate) fn wait_take(&self, id: OpId, due: &mut Deadline) -> Result<Result<Completion>> {
-        self.wait_for(due, true, |st| st.q.take(id))
+    pub(crate) fn wait_take(&self, id: OpId, due: &mut Deadline) -> Result<Outcome, Box<Error>> {
+        Ok(self.wait_for(due, true, |st| st.q.take(id))?)
     }
 
     /// Waits until `ready` gives a value, up to `due`. With `spin`, looks
@@ -951,7 +951,7 @@ impl TcpConn {
     }
 
     /// Takes `id`'s outcome if it is done.
-    pub(crate) fn poll_take(&self, id: OpId) -> Result<Option<Result<Completion>>> {
+    pub(crate) fn poll_take(&self, id: OpId) -> Result<Option<Outcome>> {
         Ok(self.inner.lock().q.take(id))
     }
 
@@ -959,7 +959,7 @@ impl TcpConn {
         Ok(self.inner.lock().q.is_done(id))
     }
 
-    pub(crate) fn take(&self, id: OpId) -> Option<Result<Completion>> {
+    pub(crate) fn take(&self, id: OpId) -> Option<Outcome> {
         self.inner.lock().q.take(id)
     }
 

@@ -10,12 +10,12 @@ use std::time::{Duration, Instant};
 
 use super::queue::{Limits, Posted, PostedInline, QueueCore, QuietSend, RemoteOp, WorkItem};
 use crate::bootstrap::{self, VerbsEndpoint};
-use crate::completion::{Completion, Opcode};
+use crate::completion::Opcode;
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::memory::domain::Nic;
 use crate::memory::{Access, LocalParts};
-use crate::ops::{OpId, RawCompletion, quiet_wr_id};
+use crate::ops::{OpId, Outcome, RawCompletion, quiet_wr_id};
 use crate::options::{ConnectOptions, ConnectionInfo, Transport};
 use crate::verbs::{
     self, CompletionChannel, CompletionQueue, LinkLayer, Mtu, PortAttr, QpCaps, QpState, QueuePair, QueuePairBuilder,
@@ -379,7 +379,7 @@ impl VerbsConn {
     /// Drives progress until `id` is done, then takes its outcome (one
     /// lock for the check and the take). `Err` when the deadline passed
     /// first (the operation is still in flight) or polling failed.
-    pub(crate) fn wait_take(&self, id: OpId, due: &mut Deadline) -> Result<Result<Completion>> {
+    pub(crate) fn wait_take(&self, id: OpId, due: &mut Deadline) -> Result<Outcome, Box<Error>> {
         {
             // Taken already reaped, or reaped by one poll: one lock either way.
             let mut st = self.lock();
@@ -400,12 +400,12 @@ impl VerbsConn {
                 return Ok(outcome);
             }
         }
-        Err(due.expired())
+        Err(Box::new(due.expired()))
     }
 
     /// Polls once (unless `id` was already reaped) and takes its outcome if
     /// it is done.
-    pub(crate) fn poll_take(&self, id: OpId) -> Result<Option<Result<Completion>>> {
+    pub(crate) fn poll_take(&self, id: OpId) -> Result<Option<Outcome>> {
         let mut st = self.lock();
         if let Some(outcome) = st.q.take(id) {
             return Ok(Some(outcome));
@@ -417,7 +417,7 @@ impl VerbsConn {
     /// Takes `id`'s outcome if it is done (polling once), else registers
     /// `waker` for its completion. The caller has the engine watch this
     /// connection, so the completion is seen without anyone waiting.
-    pub(crate) fn poll_register(&self, id: OpId, waker: &std::task::Waker) -> Result<Option<Result<Completion>>> {
+    pub(crate) fn poll_register(&self, id: OpId, waker: &std::task::Waker) -> Result<Option<Outcome>> {
         let mut st = self.lock();
         if let Some(outcome) = st.q.take(id) {
             return Ok(Some(outcome));
@@ -485,7 +485,7 @@ impl VerbsConn {
         self.progress(&mut st)
     }
 
-    pub(crate) fn take(&self, id: OpId) -> Option<Result<Completion>> {
+    pub(crate) fn take(&self, id: OpId) -> Option<Outcome> {
         self.lock().q.take(id)
     }
 
@@ -834,7 +834,7 @@ impl VerbsConn {
     /// A poll that finds nothing posted since the last one has a signaled
     /// request follow `q` if none does: polling alone would never learn
     /// its outcome, and a caller posting more meanwhile needs no extra request.
-    pub(crate) fn poll_quiet(&self, q: &QuietSend) -> Result<Option<Result<Completion>>> {
+    pub(crate) fn poll_quiet(&self, q: &QuietSend) -> Result<Option<Outcome>> {
         let mut st = self.lock();
         if let Some(outcome) = st.q.quiet_outcome(q) {
             return Ok(Some(outcome));
@@ -860,7 +860,7 @@ impl VerbsConn {
     }
 
     /// The outcome of quiet send `q` if known, without polling.
-    pub(crate) fn quiet_outcome(&self, q: &QuietSend) -> Option<Result<Completion>> {
+    pub(crate) fn quiet_outcome(&self, q: &QuietSend) -> Option<Outcome> {
         self.lock().q.quiet_outcome(q)
     }
 
@@ -884,7 +884,7 @@ impl VerbsConn {
 
     /// Drives progress until quiet send `q`'s outcome is known (a signaled
     /// request after it must be in flight: see [`cover`](Self::cover)).
-    pub(crate) fn wait_quiet(&self, q: &QuietSend, due: &mut Deadline) -> Result<Result<Completion>> {
+    pub(crate) fn wait_quiet(&self, q: &QuietSend, due: &mut Deadline) -> Result<Outcome, Box<Error>> {
         if let Some(outcome) = self.poll_quiet(q)? {
             return Ok(outcome);
         }
@@ -897,7 +897,7 @@ impl VerbsConn {
                 return Ok(outcome);
             }
         }
-        Err(due.expired())
+        Err(Box::new(due.expired()))
     }
 
     pub(crate) fn post_recv(&self, local: Option<LocalParts>) -> Posted {
