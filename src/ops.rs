@@ -157,8 +157,9 @@ pub(crate) struct OpTable {
 }
 
 impl OpTable {
-    pub(crate) fn new() -> Self {
-        OpTable { entries: Vec::new(), free: Vec::new(), busy: 0, orphans: 0 }
+    /// A table with room for `n` operations in flight before it grows.
+    pub(crate) fn with_capacity(n: usize) -> Self {
+        OpTable { entries: Vec::with_capacity(n), free: Vec::with_capacity(n), busy: 0, orphans: 0 }
     }
 
     /// Operations posted and not yet completed.
@@ -379,7 +380,7 @@ mod tests {
 
     #[test]
     fn an_operation_completes_once_and_its_slot_is_reused() {
-        let mut t = OpTable::new();
+        let mut t = OpTable::with_capacity(0);
         let held = Held { send_wrs: 1, ..Held::default() };
         let a = t.start(Opcode::Write, held, None);
         assert_eq!(t.in_flight(), 1);
@@ -398,7 +399,7 @@ mod tests {
 
     #[test]
     fn a_batch_reports_the_first_error_at_its_final_request() {
-        let mut t = OpTable::new();
+        let mut t = OpTable::with_capacity(0);
         let a = t.start(Opcode::Write, Held { send_wrs: 3, ..Held::default() }, None);
         t.complete(&raw(a, false, WcStatus::RemoteAccess));
         assert!(!t.is_done(a), "not done before its final request");
@@ -411,7 +412,7 @@ mod tests {
 
     #[test]
     fn flushes_after_a_lost_connection_say_so() {
-        let mut t = OpTable::new();
+        let mut t = OpTable::with_capacity(0);
         let a = t.start(Opcode::Recv, Held { recv_wrs: 1, ..Held::default() }, None);
         t.complete(&raw(a, true, WcStatus::WrFlush));
         match t.take(a, Some("the peer closed the connection")).unwrap().map_err(|e| *e) {
@@ -427,7 +428,7 @@ mod tests {
         for seq in [0, 1, 12_345, (1 << 62) - 1] {
             assert_eq!(quiet_seq(quiet_wr_id(seq)), Some(seq));
         }
-        let mut t = OpTable::new();
+        let mut t = OpTable::with_capacity(0);
         for _ in 0..3 {
             let id = t.start(Opcode::Send, Held::default(), None);
             for last in [false, true] {
@@ -442,7 +443,7 @@ mod tests {
 
     #[test]
     fn orphans_are_kept_until_completion() {
-        let mut t = OpTable::new();
+        let mut t = OpTable::with_capacity(0);
         let a = t.start(Opcode::Send, Held { send_wrs: 1, ..Held::default() }, None);
         assert!(t.orphan(a, Box::new(vec![1u8, 2, 3])).is_none(), "kept while in flight");
         assert_eq!(t.orphans(), 1);

@@ -182,7 +182,10 @@ impl QueueCore {
         // every MAX_QUIET_RUN): credits come back well before it fills.
         let moderation = (limits.send_depth / 4).clamp(1, MAX_QUIET_RUN);
         QueueCore {
-            table: OpTable::new(),
+            // Sized once for the queues, as the device sizes its work
+            // queues: no operation allocates in steady state, however many
+            // are in flight.
+            table: OpTable::with_capacity(limits.send_depth as usize + limits.recv_depth as usize),
             limits,
             send_used: 0,
             recv_used: 0,

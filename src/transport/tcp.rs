@@ -663,14 +663,17 @@ impl TcpConn {
             max_message,
             qp_num: 0,
         };
+        let peer_depth = theirs.send_depth.clamp(1, MAX_TCP_QUEUE_DEPTH) as usize;
         let inner = Arc::new(Inner {
             state: Mutex::new(TcpState {
                 q: QueueCore::new(limits),
                 stopping: false,
                 next_seq: 1,
-                queue: VecDeque::new(),
-                control: VecDeque::new(),
-                awaiting: HashMap::new(),
+                // Sized for the send queues, this side's and the peer's (whose
+                // messages are acknowledged): nothing allocates in steady state.
+                queue: VecDeque::with_capacity(limits.send_depth as usize),
+                control: VecDeque::with_capacity(peer_depth),
+                awaiting: HashMap::with_capacity(limits.send_depth as usize),
                 sending: None,
                 sending_op: None,
                 writing: false,
@@ -686,7 +689,7 @@ impl TcpConn {
             keys: keys.clone(),
             granted: RwLock::new(opts.advertise.iter().map(|r| r.rkey).collect()),
             limits,
-            peer_depth: theirs.send_depth.clamp(1, MAX_TCP_QUEUE_DEPTH) as usize,
+            peer_depth,
             // A few buffers up front: the sender may still hold the last one
             // when the next inline send is posted (its acknowledgement can
             // beat the sender back to the pool). The pool grows only to the
