@@ -454,6 +454,58 @@ fn every_inline_send_reports_its_outcome_though_most_go_unsignaled(t: Kind) {
     }
 }
 
+/// Inline sends with no handle: each arrives, in order, with its bytes and
+/// immediate; nothing is left behind once a later operation finished; a
+/// refused one is an error and posts nothing; a failed one breaks the
+/// connection, and the next operation says so instead of hanging.
+fn untracked_inline_sends_arrive_in_order_and_a_failed_one_breaks_the_connection(t: Kind) {
+    let d = domain(t);
+    let (s, c) = pair(&d);
+    let depth = c.info().recv_queue_depth.min(s.info().recv_queue_depth).min(64) as usize;
+    let mut next = 0u32;
+    // More sends than the send queue holds: credits come back though no
+    // handle is ever waited on.
+    let rounds = (c.info().send_queue_depth as usize / depth + 2).max(4);
+    for round in 0..rounds {
+        let mut rx: Vec<_> = (0..depth).map(|_| s.recv(d.alloc(16).unwrap())).collect();
+        let mut sent = Vec::new();
+        for i in 0..depth {
+            next += 1;
+            let len = 1 + (i + round) % 4;
+            let imm = (i % 3 == 0).then_some(next);
+            c.send_inline_untracked(&next.to_le_bytes()[..len], imm).unwrap();
+            sent.push((next.to_le_bytes(), len, imm));
+        }
+        for (i, (mut r, (bytes, len, imm))) in rx.drain(..).zip(&sent).enumerate() {
+            let got = r.wait().unwrap();
+            assert_eq!((got.byte_len as usize, got.imm), (*len, *imm), "round {round} message {i}");
+            assert_eq!(&r.into_buffer().unwrap()[..*len], &bytes[..*len], "round {round} message {i}");
+        }
+    }
+    // Too large: refused, nothing posted; the connection still works.
+    let too_big = vec![0u8; c.info().max_inline as usize + 1];
+    assert!(matches!(c.send_inline_untracked(&too_big, None), Err(Error::MessageTooLarge { .. })));
+    let mut rx = s.recv(d.alloc(16).unwrap());
+    c.send_inline(b"end", None).wait().unwrap();
+    assert_eq!(rx.wait().unwrap().byte_len, 3);
+    let stats = c.stats();
+    assert_eq!(stats.in_flight, stats.orphaned, "only requests left to the connection remain");
+    // A peer with no receive posted: the untracked send is posted, fails on
+    // the wire, and the next operation fails with a typed error in time.
+    let mut o = opts();
+    o.rnr_retry = 1;
+    o.min_rnr_timer = 1;
+    let (_s2, c2) = pair_on(&d, &d, opts(), o);
+    c2.send_inline_untracked(b"anyone?", None).unwrap();
+    let t0 = Instant::now();
+    let err = c2.send_inline(b"after", None).wait_timeout(Duration::from_secs(30)).unwrap_err();
+    assert!(
+        matches!(&err, Error::ConnectionLost { reason } if reason.contains("receiver-not-ready")),
+        "the next operation names the failed send's status: {err}"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(25), "{:?}", t0.elapsed());
+}
+
 fn unsignaled_sends_arrive_in_order_and_keep_dropped_buffers_until_the_device_is_done(t: Kind) {
     let d = domain(t);
     let (s, c) = pair(&d);
@@ -1089,6 +1141,7 @@ both!(
     a_send_larger_than_the_posted_receive_fails_on_both_sides,
     a_send_to_a_peer_without_receives_fails_within_the_rnr_budget,
     every_inline_send_reports_its_outcome_though_most_go_unsignaled,
+    untracked_inline_sends_arrive_in_order_and_a_failed_one_breaks_the_connection,
     unsignaled_sends_arrive_in_order_and_keep_dropped_buffers_until_the_device_is_done,
     each_side_learns_the_name_the_other_gave,
     wait_times_out_and_the_operation_can_still_finish,

@@ -91,6 +91,13 @@ fn steady_state(kind: Kind) {
             let (_, b) = r.finish().unwrap();
             rx = Some(b);
         }
+        "untracked inline send" => {
+            let r = s.recv(rx.take().unwrap());
+            c.send_inline_untracked(b"sixteen bytes!!!", Some(9)).unwrap();
+            let (done, b) = r.finish().unwrap();
+            assert_eq!((done.byte_len, done.imm), (16, Some(9)));
+            rx = Some(b);
+        }
         _ => {
             let r = s.recv(rx.take().unwrap());
             c.send_inline(b"sixteen bytes!!!", Some(7)).finish().unwrap();
@@ -100,7 +107,7 @@ fn steady_state(kind: Kind) {
         }
     };
     let mut report = Vec::new();
-    for what in ["write", "read", "send+recv", "inline send"] {
+    for what in ["write", "read", "send+recv", "inline send", "untracked inline send"] {
         for _ in 0..1000 {
             op(what); // warm-up: queues and tables reach their steady size
         }

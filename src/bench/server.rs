@@ -7,7 +7,7 @@ use crate::connection::{Connection, Pending};
 use crate::error::{Error, Result};
 use crate::memory::{Exposed, HostMemory, LocalBuffer, RemoteRegion};
 
-use super::client::{LastInline, Trailing};
+use super::client::Trailing;
 use super::params::{DONE, LocalMode, Params, Test};
 
 /// Where the server's memory is, for the write ping-pong: a write with
@@ -122,7 +122,7 @@ pub fn serve<B: Landing>(
         }
         Test::SendLat => {
             let zeros = vec![0u8; conn.info().max_inline as usize];
-            let (mut sent_inline, mut sent) = (LastInline::new(), Trailing::new());
+            let mut sent = Trailing::new();
             // Two receives posted, so that the reply goes out first and the
             // receive is replenished after it, off the path from a message to
             // its reply.
@@ -132,15 +132,14 @@ pub fn serve<B: Landing>(
                 let Some(mut rx) = posted.pop_front() else { unreachable!("receives are always posted") };
                 let c = rx.wait_timeout(timeout)?;
                 if c.imm == Some(DONE) {
-                    sent_inline.finish(timeout)?;
                     sent.drain(timeout)?;
                     return end_of_test(conn, posted, timeout);
                 }
                 let n = c.byte_len as usize;
                 if mode.inline && n <= zeros.len() {
-                    let tx = conn.send_inline(&zeros[..n], None);
+                    // The client's next message says it arrived: nothing to track.
+                    conn.send_inline_untracked(&zeros[..n], None)?;
                     posted.push_back(conn.recv(local.clone().slice(..whole)));
-                    sent_inline.replace(tx);
                 } else {
                     let tx = conn.send_unsignaled(local.clone().slice(..n));
                     posted.push_back(conn.recv(local.clone().slice(..whole)));

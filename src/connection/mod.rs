@@ -284,6 +284,45 @@ impl Connection {
         }
     }
 
+    /// [`send_inline`](Self::send_inline) with no handle to wait on: the
+    /// data is copied into the send queue before this returns, and `Ok`
+    /// says only that the send was posted. The cheapest way to send a small
+    /// control message or a ping-pong's ping (UCX likewise hands back no
+    /// request for a send that completed at once).
+    ///
+    /// Delivery is confirmed by what follows: the peer's reply, or any later
+    /// operation on this connection finishing (the send queue completes in
+    /// order). A send that fails breaks the connection: operations posted or
+    /// waited on after that fail with [`Error::ConnectionLost`], which says why.
+    ///
+    /// # Errors
+    /// What refuses the post: [`Error::MessageTooLarge`] past
+    /// [`ConnectionInfo::max_inline`], [`Error::ConnectionLost`], or
+    /// [`Error::Timeout`] when the send queue stays full for the connection's
+    /// post timeout.
+    pub fn send_inline_untracked(&self, data: &[u8], imm: Option<u32>) -> Result<()> {
+        match self.shared.transport.post_inline_quiet(data, imm, self.deadline()) {
+            PostedInline::Quiet(_) => Ok(()),
+            PostedInline::Tracked(posted) => self.untrack(posted),
+        }
+    }
+
+    /// Leaves a posted operation with no handle to the connection, which
+    /// frees its slot at its completion.
+    fn untrack(&self, posted: Posted) -> Result<()> {
+        match posted {
+            Posted::Ok(id) => {
+                self.shared.transport.orphan(id, Box::new(()));
+                Ok(())
+            }
+            Posted::Stuck(id, e) => {
+                self.shared.transport.orphan(id, Box::new(()));
+                Err(*e)
+            }
+            Posted::Refused(e) => Err(*e),
+        }
+    }
+
     /// Posts a receive into `local` for the peer's next send.
     pub fn recv<B: LocalBuffer>(&self, local: impl Into<LocalSlice<B>>) -> Pending<B> {
         let local = local.into();
