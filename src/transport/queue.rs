@@ -220,6 +220,12 @@ impl QueueCore {
         self.lost.as_ref().map(|reason| Error::ConnectionLost { reason: reason.clone() })
     }
 
+    /// Whether a local buffer is registered in this connection's domain.
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    pub(crate) fn is_local(&self, local: &LocalParts) -> bool {
+        local.domain == self.limits.domain_id
+    }
+
     /// Checks a local buffer: it must be registered in this connection's domain.
     pub(crate) fn check_local(&self, local: &LocalParts) -> Result<()> {
         if local.domain != self.limits.domain_id {
@@ -256,13 +262,26 @@ impl QueueCore {
     /// `Ok(false)` once completions free room. An error when they never
     /// can: the connection is lost, or the queue holds fewer.
     pub(crate) fn send_room(&self, n: u32) -> Result<bool> {
-        if let Some(e) = self.lost_error() {
-            return Err(e);
-        }
-        if n > self.limits.send_depth {
-            return Err(Error::TooManyRequests { requests: u64::from(n), depth: self.limits.send_depth });
+        if self.lost.is_some() || n > self.limits.send_depth {
+            return Err(self.send_refused(n));
         }
         Ok(self.send_used + n <= self.limits.send_depth)
+    }
+
+    /// Why [`send_room`](Self::send_room) refuses `n` requests: the
+    /// connection is lost, or they could never fit.
+    #[cold]
+    #[inline(never)]
+    fn send_refused(&self, n: u32) -> Error {
+        self.lost_error().unwrap_or(Error::TooManyRequests { requests: u64::from(n), depth: self.limits.send_depth })
+    }
+
+    /// Why [`start_recv`](Self::start_recv) refuses: the connection is
+    /// lost, or every receive credit is in use.
+    #[cold]
+    #[inline(never)]
+    fn recv_refused(&self) -> Error {
+        self.lost_error().unwrap_or(Error::QueueFull { queue: "receive", depth: self.limits.recv_depth })
     }
 
     /// The error for a send queue that stayed full until the deadline.
@@ -383,11 +402,8 @@ impl QueueCore {
     /// # Errors
     /// [`Error::ConnectionLost`], or [`Error::QueueFull`] when every receive credit is in use.
     pub(crate) fn start_recv(&mut self) -> Result<OpId> {
-        if let Some(e) = self.lost_error() {
-            return Err(e);
-        }
-        if self.recv_used >= self.limits.recv_depth {
-            return Err(Error::QueueFull { queue: "receive", depth: self.limits.recv_depth });
+        if self.lost.is_some() || self.recv_used >= self.limits.recv_depth {
+            return Err(self.recv_refused());
         }
         self.recv_used += 1;
         Ok(self.table.start(Opcode::Recv, Held { recv_wrs: 1, ..Held::default() }, None))
@@ -608,6 +624,13 @@ mod tests {
         q.complete(&done(r, true, WcStatus::WrFlush));
         assert_eq!(count.0.load(SeqCst), 2);
         assert!(matches!(q.take(r).map(|o| o.map_err(|e| *e)), Some(Err(Error::ConnectionLost { .. }))));
+        // Nothing new starts on a lost connection, credits or not; the refusal says why.
+        for refused in [q.start_recv().map(drop), q.send_room(1).map(drop)] {
+            match refused {
+                Err(Error::ConnectionLost { reason }) => assert_eq!(reason, "the peer died"),
+                other => panic!("expected the loss, got {other:?}"),
+            }
+        }
     }
 
     #[test]

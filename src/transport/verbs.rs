@@ -790,19 +790,33 @@ impl VerbsConn {
         // SAFETY: an inline request's data is copied into the work queue
         // during ibv_post_send; `data` is valid for this call and nothing
         // references it afterwards.
-        let outcome = unsafe { qp.post_send_one(&wr.inline(!data.is_empty())) };
-        match (outcome, posted) {
-            (Ok(()), posted) => posted,
-            (Err(e), PostedInline::Quiet(q)) => {
-                st.q.abort_quiet(q);
-                refused(e.error)
-            }
-            (Err(e), PostedInline::Tracked(Posted::Ok(id))) => {
-                st.q.abort(id);
-                refused(e.error)
-            }
-            (Err(e), PostedInline::Tracked(_)) => refused(e.error),
+        match unsafe { qp.post_send_one(&wr.inline(!data.is_empty())) } {
+            Ok(()) => posted,
+            Err(e) => Self::inline_refused(&mut st, posted, e.error),
         }
+    }
+
+    /// Why a receive's buffer is refused: another domain's, or longer than
+    /// a scatter entry holds.
+    #[cold]
+    #[inline(never)]
+    fn recv_buffer_refused(q: &QueueCore, l: &LocalParts) -> Error {
+        match q.check_local(l) {
+            Err(e) => e,
+            Ok(()) => Error::MessageTooLarge { len: l.len as u64, max: u64::from(u32::MAX) },
+        }
+    }
+
+    /// The provider refused an inline send: its credit and slot go back.
+    #[cold]
+    #[inline(never)]
+    fn inline_refused(st: &mut VerbsState, posted: PostedInline, error: Error) -> PostedInline {
+        match posted {
+            PostedInline::Quiet(q) => st.q.abort_quiet(q),
+            PostedInline::Tracked(Posted::Ok(id)) => st.q.abort(id),
+            PostedInline::Tracked(_) => {}
+        }
+        PostedInline::Tracked(Posted::refused(error))
     }
 
     /// Posts a signaled zero-length RDMA write whose completion says every
@@ -902,14 +916,10 @@ impl VerbsConn {
 
     pub(crate) fn post_recv(&self, local: Option<LocalParts>) -> Posted {
         let mut st = self.lock();
-        if let Some(l) = &local {
-            if let Err(e) = st.q.check_local(l) {
-                return Posted::refused(e);
-            }
-            // A receive's scatter entry holds at most u32::MAX bytes.
-            if l.len as u64 > u64::from(u32::MAX) {
-                return Posted::refused(Error::MessageTooLarge { len: l.len as u64, max: u64::from(u32::MAX) });
-            }
+        // A receive's scatter entry holds at most u32::MAX bytes.
+        let fits = |l: &LocalParts| st.q.is_local(l) && l.len as u64 <= u64::from(u32::MAX);
+        if let Some(l) = local.as_ref().filter(|l| !fits(l)) {
+            return Posted::refused(Self::recv_buffer_refused(&st.q, l));
         }
         let id = match st.q.start_recv() {
             Ok(id) => id,
