@@ -375,12 +375,18 @@ fn a_send_larger_than_the_posted_receive_fails_on_both_sides(t: Kind) {
     assert_eq!(tx_err.failure(), Some(gpu_rdma::Failure::MessageTooLong), "{tx_err}");
 }
 
-fn a_send_to_a_peer_without_receives_fails_within_the_rnr_budget(t: Kind) {
-    let d = domain(t);
+/// A connected pair whose client gives up on a peer with no receive
+/// posted after one retry (the server posts none unless told to).
+fn impatient_pair(d: &Domain) -> (gpu_rdma::Connection, gpu_rdma::Connection) {
     let mut o = opts();
     o.rnr_retry = 1;
     o.min_rnr_timer = 1;
-    let (_s, c) = pair_on(&d, &d, opts(), o);
+    pair_on(d, d, opts(), o)
+}
+
+fn a_send_to_a_peer_without_receives_fails_within_the_rnr_budget(t: Kind) {
+    let d = domain(t);
+    let (_s, c) = impatient_pair(&d);
     let t0 = Instant::now();
     let err = c.send(filled(&d, b"anyone?")).wait().unwrap_err();
     assert_eq!(err.wc_status(), Some(WcStatus::RnrRetryExceeded), "{err}");
@@ -442,10 +448,7 @@ fn every_inline_send_reports_its_outcome_though_most_go_unsignaled(t: Kind) {
     assert_eq!(stats.in_flight, stats.orphaned, "only requests left to the connection remain");
     // A peer with no receive posted: the first send fails with its own
     // status, and the ones after it fail too (the connection broke).
-    let mut o = opts();
-    o.rnr_retry = 1;
-    o.min_rnr_timer = 1;
-    let (_s2, c2) = pair_on(&d, &d, opts(), o);
+    let (_s2, c2) = impatient_pair(&d);
     let mut sends: Vec<_> = (0..3u8).map(|i| c2.send_inline(&[i], None)).collect();
     let err = sends[0].wait().unwrap_err();
     assert_eq!(err.wc_status(), Some(WcStatus::RnrRetryExceeded), "{err}");
@@ -492,10 +495,7 @@ fn untracked_inline_sends_arrive_in_order_and_a_failed_one_breaks_the_connection
     assert_eq!(stats.in_flight, stats.orphaned, "only requests left to the connection remain");
     // A peer with no receive posted: the untracked send is posted, fails on
     // the wire, and the next operation fails with a typed error in time.
-    let mut o = opts();
-    o.rnr_retry = 1;
-    o.min_rnr_timer = 1;
-    let (_s2, c2) = pair_on(&d, &d, opts(), o);
+    let (_s2, c2) = impatient_pair(&d);
     c2.send_inline_untracked(b"anyone?", None).unwrap();
     let t0 = Instant::now();
     let err = c2.send_inline(b"after", None).wait_timeout(Duration::from_secs(30)).unwrap_err();

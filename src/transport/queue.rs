@@ -735,14 +735,17 @@ mod tests {
         assert_eq!(q.credits(), (0, 0));
     }
 
+    /// A buffer that counts its drops.
+    struct Tracked(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+
+    impl Drop for Tracked {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
     #[test]
     fn orphaned_buffers_are_released_at_the_final_completion_only() {
-        struct Tracked(std::sync::Arc<std::sync::atomic::AtomicUsize>);
-        impl Drop for Tracked {
-            fn drop(&mut self) {
-                self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            }
-        }
         let dropped = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let count = || dropped.load(std::sync::atomic::Ordering::SeqCst);
         let mut q = core(8, 8);
@@ -771,12 +774,6 @@ mod tests {
 
     #[test]
     fn a_dropped_quiet_sends_buffer_is_kept_until_a_later_signaled_request_completes() {
-        struct Tracked(std::sync::Arc<std::sync::atomic::AtomicUsize>);
-        impl Drop for Tracked {
-            fn drop(&mut self) {
-                self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            }
-        }
         let dropped = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let count = || dropped.load(std::sync::atomic::Ordering::SeqCst);
         let mut q = core(64, 1);
