@@ -664,18 +664,9 @@ impl VerbsConn {
         // once that is dropped, by the table, or by the queue core's quiet
         // orphans) until this request completes or the queue pair is
         // destroyed; inline data is copied during the call.
-        let outcome = unsafe { qp.post_send_one(&wr.inline(inline)) };
-        Some(match (outcome, posted) {
-            (Ok(()), posted) => posted,
-            (Err(e), PostedInline::Quiet(q)) => {
-                st.q.abort_quiet(q);
-                PostedInline::Tracked(Posted::refused(e.error))
-            }
-            (Err(e), PostedInline::Tracked(Posted::Ok(id))) => {
-                st.q.abort(id);
-                PostedInline::Tracked(Posted::refused(e.error))
-            }
-            (Err(e), PostedInline::Tracked(_)) => PostedInline::Tracked(Posted::refused(e.error)),
+        Some(match unsafe { qp.post_send_one(&wr.inline(inline)) } {
+            Ok(()) => posted,
+            Err(e) => Self::post_refused(&mut st, posted, e.error),
         })
     }
 
@@ -792,7 +783,7 @@ impl VerbsConn {
         // references it afterwards.
         match unsafe { qp.post_send_one(&wr.inline(!data.is_empty())) } {
             Ok(()) => posted,
-            Err(e) => Self::inline_refused(&mut st, posted, e.error),
+            Err(e) => Self::post_refused(&mut st, posted, e.error),
         }
     }
 
@@ -807,10 +798,11 @@ impl VerbsConn {
         }
     }
 
-    /// The provider refused an inline send: its credit and slot go back.
+    /// The provider refused a single request (quiet or tracked): its
+    /// credit and slot go back.
     #[cold]
     #[inline(never)]
-    fn inline_refused(st: &mut VerbsState, posted: PostedInline, error: Error) -> PostedInline {
+    fn post_refused(st: &mut VerbsState, posted: PostedInline, error: Error) -> PostedInline {
         match posted {
             PostedInline::Quiet(q) => st.q.abort_quiet(q),
             PostedInline::Tracked(Posted::Ok(id)) => st.q.abort(id),
