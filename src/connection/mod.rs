@@ -444,7 +444,11 @@ impl Connection {
         self.shared.transport.shutdown(reason);
     }
 
-    /// Closes the connection: tells the peer, and fails what is outstanding.
+    /// Closes the connection: tells the peer, and fails what is outstanding
+    /// (dropping it does the same). On verbs, a side that closes first keeps
+    /// its queue pair up until the peer closes too, for at most 20 ms, so that
+    /// what the peer sent last is still acknowledged: a peer waiting for
+    /// its final send learns it arrived instead of seeing it fail.
     pub fn close(self) {
         drop(self)
     }
@@ -452,7 +456,7 @@ impl Connection {
 
 impl Drop for Connection {
     fn drop(&mut self) {
-        self.shared.transport.shutdown("the connection was closed by this side");
+        self.shared.transport.close("the connection was closed by this side");
     }
 }
 

@@ -385,6 +385,14 @@ impl ConnTransport {
         dispatch!(self, t => t.shutdown(reason))
     }
 
+    /// [`shutdown`](Self::shutdown) for a connection whose handle was
+    /// dropped: on verbs, a side that closes first lingers for the peer's
+    /// requests in flight to be acknowledged.
+    #[inline]
+    pub(crate) fn close(&self, reason: &str) {
+        dispatch!(self, t => t.close(reason))
+    }
+
     #[inline]
     pub(crate) fn stats(&self) -> (usize, usize) {
         dispatch!(self, t => t.stats())

@@ -985,6 +985,12 @@ impl TcpConn {
         st.q.stats()
     }
 
+    /// [`shutdown`](Self::shutdown): the bye already follows the
+    /// acknowledgements of everything this side received.
+    pub(crate) fn close(&self, reason: &str) {
+        self.shutdown(reason);
+    }
+
     /// Closes this side: says bye, stops both threads (waiting for them), and
     /// fails what is left. After this no thread touches any buffer.
     pub(crate) fn shutdown(&self, reason: &str) {

@@ -95,6 +95,11 @@ pub(crate) struct VerbsConn {
 }
 
 const PEER_GRACE: Duration = Duration::from_millis(50);
+
+/// How long a side that closes first keeps its queue pair up for the
+/// peer's requests in flight to be acknowledged (see [`VerbsConn::close`]).
+/// Far longer than an acknowledgement takes; the peer closing ends it sooner.
+const LINGER: Duration = Duration::from_millis(20);
 /// How often a spinning wait looks at the peer's socket.
 const PEER_LOOK: Duration = Duration::from_millis(1);
 
@@ -276,6 +281,18 @@ impl VerbsConn {
                 }
             }
         }
+    }
+
+    /// Waits up to `timeout` for the peer's socket to turn readable: its
+    /// bye, or its end of the socket closing. Best effort: a signal ends
+    /// it early.
+    fn socket_readable(&self, timeout: Duration) {
+        use std::os::fd::AsRawFd;
+        let mut p = libc::pollfd { fd: self.socket.as_raw_fd(), events: libc::POLLIN | libc::POLLRDHUP, revents: 0 };
+        let ms = libc::c_int::try_from(timeout.as_millis()).unwrap_or(libc::c_int::MAX);
+        // SAFETY: one valid pollfd naming the socket this connection owns,
+        // open for as long as `self` lives; poll(2) only writes `revents`.
+        let _ = unsafe { libc::poll(&mut p, 1, ms) };
     }
 
     /// Looks at the socket after poll(2) said it is readable: the peer said
@@ -509,18 +526,41 @@ impl VerbsConn {
         st.q.stats()
     }
 
-    /// Closes this side: says bye, then moves the queue pair to the error
-    /// state so everything outstanding completes (flushed).
+    /// Breaks this side off: says bye, then moves the queue pair to the
+    /// error state so everything outstanding completes (flushed).
     pub(crate) fn shutdown(&self, reason: &str) {
+        self.end(reason, false);
+    }
+
+    /// Closes this side (its handle was dropped): as
+    /// [`shutdown`](Self::shutdown), but when this side closes first the
+    /// queue pair stays up after the bye until the peer closes too, for at
+    /// most [`LINGER`]. The device still acknowledges what the peer sent
+    /// last: a peer waiting for its final send's completion learns that
+    /// it arrived, rather than seeing it fail once the connection is gone.
+    pub(crate) fn close(&self, reason: &str) {
+        self.end(reason, true);
+    }
+
+    fn end(&self, reason: &str, linger: bool) {
         // A tokio task watching the completion channel lets go of it (a
         // permit is kept if it is not waiting right now).
         #[cfg(feature = "tokio")]
         self.closing.notify_one();
-        let mut st = self.lock();
-        if st.q.lost().is_none() {
-            bootstrap::send_bye(&self.socket);
-            st.q.lose(|| reason.to_owned());
+        let first = {
+            let mut st = self.lock();
+            let first = st.q.lost().is_none();
+            if first {
+                bootstrap::send_bye(&self.socket);
+                st.q.lose(|| reason.to_owned());
+            }
+            first
+        };
+        if first && linger {
+            // Unlocked: the peer's bye, its close or LINGER, whichever comes first.
+            self.socket_readable(LINGER);
         }
+        let mut st = self.lock();
         if let Some(qp) = st.qp.as_mut() {
             if qp.state() != QpState::Error {
                 if let Err(e) = qp.set_error() {
