@@ -654,6 +654,22 @@ fn a_receiver_that_closes_right_after_its_receive_leaves_the_send_successful(t: 
     }
 }
 
+fn closing_first_while_the_peer_stays_open_is_bounded_and_the_peer_learns_it(t: Kind) {
+    // A side that closes first waits for the peer to close too (its last
+    // requests are still acknowledged meanwhile), but only briefly: this
+    // peer stays open and never says bye.
+    let d = domain(t);
+    let (s, c) = pair(&d);
+    let t0 = Instant::now();
+    drop(s);
+    assert!(t0.elapsed() < Duration::from_secs(2), "closing waited {:?} for an open peer", t0.elapsed());
+    let mut rx = c.recv(d.alloc(8).unwrap());
+    match rx.wait_timeout(Duration::from_secs(20)) {
+        Err(Error::ConnectionLost { reason }) => assert!(reason.contains("peer"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+}
+
 fn one_broken_connection_leaves_the_others_working(t: Kind) {
     let d = domain(t);
     let (s1, c1) = pair(&d);
@@ -1147,6 +1163,7 @@ both!(
     wait_times_out_and_the_operation_can_still_finish,
     a_peer_that_closes_fails_pending_receives_with_connection_lost,
     a_receiver_that_closes_right_after_its_receive_leaves_the_send_successful,
+    closing_first_while_the_peer_stays_open_is_bounded_and_the_peer_learns_it,
     one_broken_connection_leaves_the_others_working,
     a_dropped_operation_keeps_its_buffer_until_the_device_is_done,
     dropping_every_handle_while_requests_are_in_flight_is_safe,

@@ -446,7 +446,7 @@ impl Connection {
 
     /// Closes the connection: tells the peer, and fails what is outstanding
     /// (dropping it does the same). On verbs, a side that closes first keeps
-    /// its queue pair up until the peer closes too, for at most 20 ms, so that
+    /// its queue pair up until the peer closes too, for at most 5 ms, so that
     /// what the peer sent last is still acknowledged: a peer waiting for
     /// its final send learns it arrived instead of seeing it fail.
     pub fn close(self) {

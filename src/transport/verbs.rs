@@ -99,7 +99,7 @@ const PEER_GRACE: Duration = Duration::from_millis(50);
 /// How long a side that closes first keeps its queue pair up for the
 /// peer's requests in flight to be acknowledged (see [`VerbsConn::close`]).
 /// Far longer than an acknowledgement takes; the peer closing ends it sooner.
-const LINGER: Duration = Duration::from_millis(20);
+const LINGER: Duration = Duration::from_millis(5);
 /// How often a spinning wait looks at the peer's socket.
 const PEER_LOOK: Duration = Duration::from_millis(1);
 
