@@ -18,6 +18,36 @@ use crate::error::{Error, Result};
 /// completion, not a 72-byte `Result<Completion>`.
 pub(crate) type Outcome = Result<Completion, Box<Error>>;
 
+/// How a wait for one operation ended, flat: its completion, or why not.
+/// (One level, not an `Outcome` inside a `Result`: the success a wait
+/// hands up through each layer is the completion alone.)
+pub(crate) type Waited = Result<Completion, WaitError>;
+
+/// Why a wait for an operation ended without its success.
+#[derive(Debug)]
+pub(crate) enum WaitError {
+    /// The operation finished and failed: its error, reported once.
+    Failed(Box<Error>),
+    /// The wait ended first (its deadline passed, or polling failed): the
+    /// operation is still in flight and may be waited for again.
+    Unfinished(Box<Error>),
+}
+
+impl WaitError {
+    /// The wait's own error, boxed.
+    #[cold]
+    #[inline(never)]
+    pub(crate) fn unfinished(e: Error) -> Self {
+        WaitError::Unfinished(Box::new(e))
+    }
+}
+
+/// An operation's outcome as a [`Waited`].
+#[inline(always)]
+pub(crate) fn waited(outcome: Outcome) -> Waited {
+    outcome.map_err(WaitError::Failed)
+}
+
 /// Identifies one operation: slot index and generation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct OpId {

@@ -315,6 +315,34 @@ verbs_test! {
 }
 
 verbs_test! {
+    fn the_safe_inline_post_carries_bytes_and_immediates_and_refuses_what_does_not_fit() {
+        let mut l = connected_loop();
+        let limit = l.a.caps().max_inline_data as usize;
+        let dst = [buf(&l.pd, &[0; 64], Access::LOCAL_WRITE), buf(&l.pd, &[0; 64], Access::LOCAL_WRITE)];
+        let ds = [[dst[0].sge()], [dst[1].sge()]];
+        // SAFETY: both receive buffers outlive their completions.
+        unsafe { l.b.post_recv([RecvWr::new(10, &ds[0]), RecvWr::new(11, &ds[1])]).unwrap() };
+        let mut msg = *b"no unsafe needed";
+        l.a.post_send_inline(20, &msg, None, false).unwrap();
+        msg.fill(0); // copied at post time
+        // Empty, with an immediate, signaled: its completion also says the quiet one before it is done.
+        l.a.post_send_inline(21, &[], Some(0xfeed_f00d), true).unwrap();
+        let wcs = poll_n(&l.cq, 3);
+        assert!(wcs.iter().all(|w| w.status == WcStatus::Success), "{wcs:?}");
+        let sends: Vec<u64> = wcs.iter().filter(|w| w.opcode == WcOpcode::Send).map(|w| w.wr_id).collect();
+        assert_eq!(sends, [21], "only the signaled send reports: {wcs:?}");
+        let first = wcs.iter().find(|w| w.wr_id == 10).expect("the first receive");
+        assert_eq!((first.byte_len, first.imm), (16, None));
+        let second = wcs.iter().find(|w| w.wr_id == 11).expect("the second receive");
+        assert_eq!((second.byte_len, second.imm), (0, Some(0xfeed_f00d)));
+        assert_eq!(&dst[0].mem.as_slice()[..16], b"no unsafe needed");
+        let err = l.a.post_send_inline(22, &vec![0u8; limit + 1], None, true).unwrap_err();
+        assert_eq!(err.posted, 0);
+        assert!(matches!(err.error, Error::InvalidArgument(_)), "{:?}", err.error);
+    }
+}
+
+verbs_test! {
     fn read_and_write_with_immediate_at_the_verbs_level() {
         let mut l = connected_loop();
         let data = pattern(8192, 3);

@@ -28,7 +28,7 @@ use crate::error::{Error, Result};
 use crate::memory::LocalParts;
 use crate::memory::{Counter, Live};
 use crate::memory::{Exposed, LocalBuffer, LocalSlice, Memory, RemoteRegion, RemoteSlice};
-use crate::ops::{OpId, Outcome};
+use crate::ops::{OpId, Outcome, WaitError};
 use crate::transport::{self, ConnTransport, Posted, PostedInline, QuietSend, RemoteOp, WorkItem};
 
 pub(crate) struct ConnShared {
@@ -746,8 +746,11 @@ impl<B: Send + 'static> Pending<B> {
             Stage::InFlight(id) if !self.staged_in_progress() => {
                 // The common case: wait and take the outcome in one step.
                 let mut due = Deadline::lazy(timeout, WHAT);
-                let outcome = self.shared.transport.wait_take(id, &mut due).map_err(|e| *e)?;
-                return self.settle(outcome);
+                return match self.shared.transport.wait_take(id, &mut due) {
+                    Ok(c) => self.settle(Ok(c)),
+                    Err(WaitError::Failed(e)) => self.settle(Err(e)),
+                    Err(WaitError::Unfinished(e)) => Err(*e),
+                };
             }
             Stage::Quiet(q, None) => {
                 // Most often known at once: a signaled request after it completed.

@@ -19,7 +19,7 @@ use super::{ConnShared, Connection};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::memory::{LocalBuffer, LocalParts, LocalSlice, RemoteSlice};
-use crate::ops::OpId;
+use crate::ops::{OpId, WaitError};
 use crate::protocol::list::{self, Piece};
 use crate::protocol::notify::{self, Status};
 use crate::transport::engine::{Awaiting, LOOK_AGAIN};
@@ -813,9 +813,10 @@ impl<B: Send + 'static> List<B> {
             };
             let mut due = Deadline::lazy(slice, WHAT);
             match self.shared.transport.wait_take(id, &mut due) {
-                Ok(outcome) => self.record(outcome),
-                Err(e) if matches!(*e, Error::Timeout { .. }) => return Err(*e),
-                Err(e) => self.fail(*e),
+                Ok(c) => self.record(Ok(c)),
+                Err(WaitError::Failed(e)) => self.record(Err(e)),
+                Err(WaitError::Unfinished(e)) if matches!(*e, Error::Timeout { .. }) => return Err(*e),
+                Err(WaitError::Unfinished(e)) => self.fail(*e),
             }
         }
     }

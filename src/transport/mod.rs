@@ -10,7 +10,7 @@ use crate::bootstrap::{self, Hello};
 use crate::deadline::Deadline;
 use crate::error::{BootstrapError, Error, Result};
 use crate::memory::{LocalParts, MemoryDomain, RemoteRegion};
-use crate::ops::{OpId, Outcome};
+use crate::ops::{OpId, Outcome, Waited};
 use crate::options::{ConnectOptions, ConnectionInfo, TransportPolicy};
 
 pub(crate) mod engine;
@@ -315,10 +315,11 @@ impl ConnTransport {
         dispatch!(self, t => t.wait_done(id, due))
     }
 
-    /// Drives progress until `id` is done and takes its outcome; `Err` when
-    /// the deadline passed first (still in flight).
+    /// Drives progress until `id` is done and takes its outcome
+    /// ([`WaitError::Unfinished`](crate::ops::WaitError) when the deadline
+    /// passed first: still in flight).
     #[inline]
-    pub(crate) fn wait_take(&self, id: OpId, due: &mut Deadline) -> Result<Outcome, Box<Error>> {
+    pub(crate) fn wait_take(&self, id: OpId, due: &mut Deadline) -> Waited {
         dispatch!(self, t => t.wait_take(id, due))
     }
 

@@ -51,7 +51,7 @@ use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::memory::keys::{KeyEntry, KeyTable};
 use crate::memory::{Access, LocalParts};
-use crate::ops::{OpId, Outcome, RawCompletion, is_final, op_of};
+use crate::ops::{OpId, Outcome, RawCompletion, WaitError, Waited, is_final, op_of, waited};
 use crate::options::{ConnectOptions, ConnectionInfo, Transport};
 
 /// The largest message (send, or write with immediate) this side accepts.
@@ -903,10 +903,14 @@ impl TcpConn {
         self.wait_for(due, false, |st| st.q.is_done(id).then_some(()))
     }
 
-    /// Waits until `id` is done, then takes its outcome. `Err` when the
-    /// deadline passed first (the operation is still in flight).
-    pub(crate) fn wait_take(&self, id: OpId, due: &mut Deadline) -> Result<Outcome, Box<Error>> {
-        Ok(self.wait_for(due, true, |st| st.q.take(id))?)
+    /// Waits until `id` is done, then takes its outcome.
+    /// [`WaitError::Unfinished`] when the deadline passed first (the
+    /// operation is still in flight).
+    pub(crate) fn wait_take(&self, id: OpId, due: &mut Deadline) -> Waited {
+        match self.wait_for(due, true, |st| st.q.take(id)) {
+            Ok(outcome) => waited(outcome),
+            Err(e) => Err(WaitError::unfinished(e)),
+        }
     }
 
     /// Waits until `ready` gives a value, up to `due`. With `spin`, looks

@@ -15,7 +15,7 @@ use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::memory::domain::Nic;
 use crate::memory::{Access, LocalParts};
-use crate::ops::{OpId, Outcome, RawCompletion, quiet_wr_id};
+use crate::ops::{OpId, Outcome, RawCompletion, WaitError, Waited, quiet_wr_id, waited};
 use crate::options::{ConnectOptions, ConnectionInfo, Transport};
 use crate::verbs::{
     self, CompletionChannel, CompletionQueue, LinkLayer, Mtu, PortAttr, QpCaps, QpState, QueuePair, QueuePairBuilder,
@@ -394,30 +394,42 @@ impl VerbsConn {
     }
 
     /// Drives progress until `id` is done, then takes its outcome (one
-    /// lock for the check and the take). `Err` when the deadline passed
-    /// first (the operation is still in flight) or polling failed.
-    pub(crate) fn wait_take(&self, id: OpId, due: &mut Deadline) -> Result<Outcome, Box<Error>> {
+    /// lock for the check and the take). [`WaitError::Unfinished`] when the
+    /// deadline passed first (the operation is still in flight) or polling
+    /// failed.
+    pub(crate) fn wait_take(&self, id: OpId, due: &mut Deadline) -> Waited {
         {
             // Taken already reaped, or reaped by one poll: one lock either way.
             let mut st = self.lock();
             if let Some(outcome) = st.q.take(id) {
-                return Ok(outcome);
+                return waited(outcome);
             }
-            self.progress(&mut st)?;
+            if let Err(e) = self.progress(&mut st) {
+                return Err(WaitError::unfinished(e));
+            }
             if let Some(outcome) = st.q.take(id) {
-                return Ok(outcome);
+                return waited(outcome);
             }
         }
+        self.wait_take_slow(id, due)
+    }
+
+    /// [`wait_take`](Self::wait_take) past its first poll.
+    #[inline(never)]
+    fn wait_take_slow(&self, id: OpId, due: &mut Deadline) -> Waited {
         let mut outcome = None;
-        if self.wait_until_slow(due, |st| {
+        match self.wait_until_slow(due, |st| {
             outcome = st.q.take(id);
             outcome.is_some()
-        })? {
-            if let Some(outcome) = outcome {
-                return Ok(outcome);
-            }
+        }) {
+            Ok(true) => {}
+            Ok(false) => return Err(WaitError::unfinished(due.expired())),
+            Err(e) => return Err(WaitError::unfinished(e)),
         }
-        Err(Box::new(due.expired()))
+        match outcome {
+            Some(outcome) => waited(outcome),
+            None => Err(WaitError::unfinished(due.expired())),
+        }
     }
 
     /// Polls once (unless `id` was already reaped) and takes its outcome if
@@ -798,30 +810,21 @@ impl VerbsConn {
         if data.len() as u64 > u64::from(self.max_inline) {
             return refused(Error::MessageTooLarge { len: data.len() as u64, max: u64::from(self.max_inline) });
         }
-        let op = match imm {
-            Some(imm) => SendOp::SendWithImm(imm),
-            None => SendOp::Send,
-        };
         let opcode = if imm.is_some() { Opcode::SendWithImm } else { Opcode::Send };
         let mut st = match self.send_room(self.lock(), 1, &mut due) {
             Ok(st) => st,
             Err(e) => return refused(e),
         };
-        // lkey 0 is never used: inline data is copied at post time.
-        let sge = [Sge::new(data.as_ptr() as u64, data.len() as u32, 0)];
-        let list: &[Sge] = if data.is_empty() { &[] } else { &sge };
-        let (posted, wr) = if quiet && !st.q.must_signal() {
+        let (posted, wr_id, signaled) = if quiet && !st.q.must_signal() {
             let q = st.q.start_quiet(opcode, data.len() as u32, true);
-            (PostedInline::Quiet(q), SendWr::new(quiet_wr_id(q.seq), op, list).signaled(false))
+            (PostedInline::Quiet(q), quiet_wr_id(q.seq), false)
         } else {
             let id = st.q.start_send(opcode, 1, data.len() as u64);
-            (PostedInline::Tracked(Posted::Ok(id)), SendWr::new(id.wr_id(true), op, list))
+            (PostedInline::Tracked(Posted::Ok(id)), id.wr_id(true), true)
         };
         let qp = st.qp.as_mut().expect("the queue pair lives as long as the connection");
-        // SAFETY: an inline request's data is copied into the work queue
-        // during ibv_post_send; `data` is valid for this call and nothing
-        // references it afterwards.
-        match unsafe { qp.post_send_one(&wr.inline(!data.is_empty())) } {
+        // Copied into the send queue by the call: nothing of `data` stays with the device.
+        match qp.post_send_inline(wr_id, data, imm, signaled) {
             Ok(()) => posted,
             Err(e) => Self::post_refused(&mut st, posted, e.error),
         }

@@ -609,6 +609,56 @@ impl QueuePair {
         result::errno_rc(rc, "ibv_post_send").map_err(|error| PostError { posted: 0, error })
     }
 
+    /// Posts one send (with immediate `imm`, if given) whose data goes
+    /// inline: the provider copies `data` into the send queue during this
+    /// call and the device never reads it from memory, so this is safe and
+    /// `data` may be reused as soon as it returns. Empty data posts a send
+    /// with no scatter entry. Signaled or not, as `signaled` says (an
+    /// unsignaled request reports only a failure).
+    ///
+    /// # Errors
+    /// [`PostError`]: `data` longer than the queue pair's inline limit
+    /// ([`Error::InvalidArgument`]), or the provider's refusal.
+    #[inline(always)]
+    pub fn post_send_inline(
+        &mut self,
+        wr_id: u64,
+        data: &[u8],
+        imm: Option<u32>,
+        signaled: bool,
+    ) -> std::result::Result<(), PostError> {
+        use ffi::ibv_send_flags as fl;
+        if data.len() > self.caps.max_inline_data as usize {
+            return Err(refused_inline_len(&self.caps, data.len()));
+        }
+        let mut sge = ffi::ibv_sge { addr: data.as_ptr() as u64, length: data.len() as u32, lkey: 0 };
+        let mut raw: ffi::ibv_send_wr = zeroed();
+        raw.wr_id = wr_id;
+        if !data.is_empty() {
+            raw.sg_list = &mut sge;
+            raw.num_sge = 1;
+            raw.send_flags = fl::IBV_SEND_INLINE.0;
+        }
+        if signaled {
+            raw.send_flags |= fl::IBV_SEND_SIGNALED.0;
+        }
+        match imm {
+            Some(imm) => {
+                raw.opcode = ffi::ibv_wr_opcode::IBV_WR_SEND_WITH_IMM;
+                raw.imm_data_invalidated_rkey_union.imm_data = imm.to_be();
+            }
+            None => raw.opcode = ffi::ibv_wr_opcode::IBV_WR_SEND,
+        }
+        let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
+        // SAFETY: live QP; `raw` and `sge` outlive the call. The one entry
+        // (if any) is posted inline with lkey 0: the provider copies its
+        // `data.len()` bytes (within the inline limit, checked above) out of
+        // `data`, valid for this call, before returning, and the device
+        // never references that memory afterwards.
+        let rc = unsafe { ffi::ibv_post_send(self.qp.as_ptr(), &mut raw, &mut bad) };
+        result::errno_rc(rc, "ibv_post_send").map_err(|error| PostError { posted: 0, error })
+    }
+
     /// Posts one receive request: [`post_recv`](Self::post_recv) for the
     /// common case, with no chain to link.
     ///
@@ -673,6 +723,19 @@ impl QueuePair {
         let outcome = result::errno_rc(rc, "ibv_post_recv").map_err(|error| PostError { posted, error });
         self.recv_wrs.clear();
         outcome
+    }
+}
+
+/// Why inline data of `len` bytes cannot be posted: past the limit.
+#[cold]
+#[inline(never)]
+fn refused_inline_len(caps: &QpCaps, len: usize) -> PostError {
+    PostError {
+        posted: 0,
+        error: Error::InvalidArgument(format!(
+            "inline data of {len} bytes (the inline limit is {} bytes)",
+            caps.max_inline_data
+        )),
     }
 }
 
