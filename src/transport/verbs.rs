@@ -701,16 +701,15 @@ impl VerbsConn {
             Ok(st) => st,
             Err(e) => return refused(e),
         };
-        let sge = [Sge::new(addr, len as u32, lkey)];
-        let list: &[Sge] = if len > 0 { &sge } else { &[] };
+        let sge = (len > 0).then(|| Sge::new(addr, len as u32, lkey));
         let opcode = item.op.opcode();
-        let (posted, wr) = if quiet && !st.q.must_signal() {
+        let (posted, wr_id, signaled) = if quiet && !st.q.must_signal() {
             // `len` fits a u32: it is at most one message.
             let q = st.q.start_quiet(opcode, len as u32, inline || len == 0);
-            (PostedInline::Quiet(q), SendWr::new(quiet_wr_id(q.seq), op, list).signaled(false))
+            (PostedInline::Quiet(q), quiet_wr_id(q.seq), false)
         } else {
             let id = st.q.start_send(opcode, 1, len);
-            (PostedInline::Tracked(Posted::Ok(id)), SendWr::new(id.wr_id(true), op, list).signaled(true))
+            (PostedInline::Tracked(Posted::Ok(id)), id.wr_id(true), true)
         };
         let qp = st.qp.as_mut().expect("the queue pair lives as long as the connection");
         // SAFETY: as in `post_send`: the entry names a checked range of a
@@ -718,7 +717,7 @@ impl VerbsConn {
         // once that is dropped, by the table, or by the queue core's quiet
         // orphans) until this request completes or the queue pair is
         // destroyed; inline data is copied during the call.
-        Some(match unsafe { qp.post_send_one(&wr.inline(inline)) } {
+        Some(match unsafe { qp.post_send_sge(wr_id, op, sge, inline, signaled) } {
             Ok(()) => posted,
             Err(e) => Self::post_refused(&mut st, posted, e.error),
         })

@@ -13,7 +13,7 @@ use super::mr::to_ibv_access;
 use super::pd::ProtectionDomain;
 use super::port::{Gid, LinkLayer, Mtu};
 use super::result::{self, zeroed};
-use super::wr::{RecvWr, SendOp, SendWr};
+use super::wr::{RecvWr, SendOp, SendWr, Sge};
 use crate::access::Access;
 use crate::error::{Error, Result};
 
@@ -627,34 +627,73 @@ impl QueuePair {
         imm: Option<u32>,
         signaled: bool,
     ) -> std::result::Result<(), PostError> {
-        use ffi::ibv_send_flags as fl;
         if data.len() > self.caps.max_inline_data as usize {
             return Err(refused_inline_len(&self.caps, data.len()));
         }
-        let mut sge = ffi::ibv_sge { addr: data.as_ptr() as u64, length: data.len() as u32, lkey: 0 };
+        let op = match imm {
+            Some(imm) => SendOp::SendWithImm(imm),
+            None => SendOp::Send,
+        };
+        // lkey 0 is never used: inline data is copied at post time.
+        let sge = (!data.is_empty()).then(|| Sge::new(data.as_ptr() as u64, data.len() as u32, 0));
+        // SAFETY: the one entry (if any) goes inline, within the limit
+        // checked above: the provider copies its bytes out of `data`, valid
+        // for this call, before returning, and the device never references
+        // that memory afterwards.
+        unsafe { self.post_send_sge(wr_id, op, sge, sge.is_some(), signaled) }
+    }
+
+    /// Posts one send-queue request with at most one scatter entry, built
+    /// straight into the provider's request: [`post_send_one`](Self::post_send_one)
+    /// without a [`SendWr`] to build and check first. `inline` copies the
+    /// entry's bytes at post time; `signaled` asks for a completion on
+    /// success.
+    ///
+    /// # Safety
+    /// As [`post_send`](Self::post_send), for the memory `sge` names
+    /// (nothing, once the call returns, for an inline entry).
+    ///
+    /// # Errors
+    /// [`PostError`]: an inline entry past the inline limit or for a read
+    /// ([`Error::InvalidArgument`]), or the provider's refusal.
+    #[inline(always)]
+    pub unsafe fn post_send_sge(
+        &mut self,
+        wr_id: u64,
+        op: SendOp,
+        mut sge: Option<Sge>,
+        inline: bool,
+        signaled: bool,
+    ) -> std::result::Result<(), PostError> {
+        use ffi::ibv_send_flags as fl;
+        let len = sge.map_or(0, |s| s.len());
+        if inline && (op.writes_local() || len > self.caps.max_inline_data) {
+            return Err(refused_inline_len(&self.caps, len as usize));
+        }
         let mut raw: ffi::ibv_send_wr = zeroed();
         raw.wr_id = wr_id;
-        if !data.is_empty() {
-            raw.sg_list = &mut sge;
+        if let Some(s) = sge.as_mut() {
+            raw.sg_list = &mut s.0;
             raw.num_sge = 1;
-            raw.send_flags = fl::IBV_SEND_INLINE.0;
         }
-        if signaled {
-            raw.send_flags |= fl::IBV_SEND_SIGNALED.0;
-        }
-        match imm {
-            Some(imm) => {
-                raw.opcode = ffi::ibv_wr_opcode::IBV_WR_SEND_WITH_IMM;
+        raw.opcode = op.raw_opcode();
+        raw.send_flags =
+            if inline { fl::IBV_SEND_INLINE.0 } else { 0 } | if signaled { fl::IBV_SEND_SIGNALED.0 } else { 0 };
+        match op {
+            SendOp::Send => {}
+            SendOp::SendWithImm(imm) => raw.imm_data_invalidated_rkey_union.imm_data = imm.to_be(),
+            SendOp::Write { remote_addr, rkey } | SendOp::Read { remote_addr, rkey } => {
+                raw.wr.rdma = ffi::rdma_t { remote_addr, rkey };
+            }
+            SendOp::WriteWithImm { remote_addr, rkey, imm } => {
+                raw.wr.rdma = ffi::rdma_t { remote_addr, rkey };
                 raw.imm_data_invalidated_rkey_union.imm_data = imm.to_be();
             }
-            None => raw.opcode = ffi::ibv_wr_opcode::IBV_WR_SEND,
         }
         let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
-        // SAFETY: live QP; `raw` and `sge` outlive the call. The one entry
-        // (if any) is posted inline with lkey 0: the provider copies its
-        // `data.len()` bytes (within the inline limit, checked above) out of
-        // `data`, valid for this call, before returning, and the device
-        // never references that memory afterwards.
+        // SAFETY: live QP; `raw` and `sge` outlive the call; the caller
+        // guarantees the memory the entry names per the contract of
+        // `post_send` (an inline entry is copied during the call).
         let rc = unsafe { ffi::ibv_post_send(self.qp.as_ptr(), &mut raw, &mut bad) };
         result::errno_rc(rc, "ibv_post_send").map_err(|error| PostError { posted: 0, error })
     }
@@ -726,14 +765,15 @@ impl QueuePair {
     }
 }
 
-/// Why inline data of `len` bytes cannot be posted: past the limit.
+/// Why inline data of `len` bytes cannot be posted: past the limit, or
+/// for a read.
 #[cold]
 #[inline(never)]
 fn refused_inline_len(caps: &QpCaps, len: usize) -> PostError {
     PostError {
         posted: 0,
         error: Error::InvalidArgument(format!(
-            "inline data of {len} bytes (the inline limit is {} bytes)",
+            "inline data of {len} bytes (the inline limit is {} bytes, reads cannot be inline)",
             caps.max_inline_data
         )),
     }
