@@ -676,20 +676,9 @@ impl QueuePair {
             raw.sg_list = &mut s.0;
             raw.num_sge = 1;
         }
-        raw.opcode = op.raw_opcode();
         raw.send_flags =
             if inline { fl::IBV_SEND_INLINE.0 } else { 0 } | if signaled { fl::IBV_SEND_SIGNALED.0 } else { 0 };
-        match op {
-            SendOp::Send => {}
-            SendOp::SendWithImm(imm) => raw.imm_data_invalidated_rkey_union.imm_data = imm.to_be(),
-            SendOp::Write { remote_addr, rkey } | SendOp::Read { remote_addr, rkey } => {
-                raw.wr.rdma = ffi::rdma_t { remote_addr, rkey };
-            }
-            SendOp::WriteWithImm { remote_addr, rkey, imm } => {
-                raw.wr.rdma = ffi::rdma_t { remote_addr, rkey };
-                raw.imm_data_invalidated_rkey_union.imm_data = imm.to_be();
-            }
-        }
+        fill_send_op(op, &mut raw);
         let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
         // SAFETY: live QP; `raw` and `sge` outlive the call; the caller
         // guarantees the memory the entry names per the contract of
@@ -824,9 +813,17 @@ fn fill_send_wr(
     raw.wr_id = wr.wr_id;
     raw.sg_list = wr.sges.as_ptr() as *mut ffi::ibv_sge;
     raw.num_sge = wr.sges.len() as libc::c_int;
-    raw.opcode = wr.op.raw_opcode();
     raw.send_flags = wr.raw_flags();
-    match wr.op {
+    fill_send_op(wr.op, raw);
+    Ok(())
+}
+
+/// A request's operation as the provider takes it: its opcode, remote
+/// address and key, immediate (network order).
+#[inline(always)]
+fn fill_send_op(op: SendOp, raw: &mut ffi::ibv_send_wr) {
+    raw.opcode = op.raw_opcode();
+    match op {
         SendOp::Send => {}
         SendOp::SendWithImm(imm) => raw.imm_data_invalidated_rkey_union.imm_data = imm.to_be(),
         SendOp::Write { remote_addr, rkey } | SendOp::Read { remote_addr, rkey } => {
@@ -837,7 +834,6 @@ fn fill_send_wr(
             raw.imm_data_invalidated_rkey_union.imm_data = imm.to_be();
         }
     }
-    Ok(())
 }
 
 /// Receive request `i` of a post as the provider takes it, checked
