@@ -685,6 +685,9 @@ impl VerbsConn {
     /// a send goes unsignaled unless the moderation says signal (see
     /// [`QueueCore::must_signal`]).
     fn post_single(&self, item: &WorkItem, due: &mut Deadline, quiet: bool) -> Option<PostedInline> {
+        if let (Some(local), RemoteOp::Send | RemoteOp::SendWithImm(_)) = (&item.local, item.op) {
+            return Some(self.post_one_send(local, item.op, due, quiet));
+        }
         let refused = |e| Some(PostedInline::Tracked(Posted::refused(e)));
         let st = self.lock();
         let len = match st.q.check_item(item) {
@@ -697,18 +700,64 @@ impl VerbsConn {
         let (addr, lkey) = item.local.as_ref().map_or((0, 0), |l| (l.addr, l.lkey));
         let op = send_op(item.op, 0);
         let inline = self.goes_inline(item, len, op);
+        Some(self.post_prepared(st, due, quiet, op, item.op.opcode(), Sge::new(addr, len as u32, lkey), inline))
+    }
+
+    /// [`post_single`](Self::post_single) for the commonest request: a
+    /// send (with or without an immediate) of one registered buffer, with
+    /// only the checks a send needs (the buffer's domain, one message).
+    #[inline(always)]
+    fn post_one_send(&self, local: &LocalParts, op: RemoteOp, due: &mut Deadline, quiet: bool) -> PostedInline {
+        let len = local.len as u64;
+        let st = self.lock();
+        if !st.q.is_local(local) || len > st.q.limits().max_message {
+            return PostedInline::Tracked(Posted::refused(Self::send_buffer_refused(&st.q, local, op)));
+        }
+        let (send, opcode) = match op {
+            RemoteOp::SendWithImm(imm) => (SendOp::SendWithImm(imm), Opcode::SendWithImm),
+            _ => (SendOp::Send, Opcode::Send),
+        };
+        // Only host memory goes inline: the CPU copies it at post time.
+        let inline = local.path.is_none() && len > 0 && len <= u64::from(self.max_inline);
+        self.post_prepared(st, due, quiet, send, opcode, Sge::new(local.addr, len as u32, local.lkey), inline)
+    }
+
+    /// Why a send of `local` is refused: another domain's buffer, or longer
+    /// than a message (the errors of [`QueueCore::check_item`]).
+    #[cold]
+    #[inline(never)]
+    fn send_buffer_refused(q: &QueueCore, local: &LocalParts, op: RemoteOp) -> Error {
+        match q.check_item(&WorkItem { local: Some(*local), op }) {
+            Err(e) => e,
+            Ok(len) => Error::MessageTooLarge { len, max: q.limits().max_message },
+        }
+    }
+
+    /// Posts one checked request of at most one message: room in the send
+    /// queue, quiet (unsignaled) if asked and the moderation allows, then
+    /// the request itself, built in place. An empty `sge` posts none.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    fn post_prepared(
+        &self,
+        st: MutexGuard<'_, VerbsState>,
+        due: &mut Deadline,
+        quiet: bool,
+        op: SendOp,
+        opcode: Opcode,
+        sge: Sge,
+        inline: bool,
+    ) -> PostedInline {
         let mut st = match self.send_room(st, 1, due) {
             Ok(st) => st,
-            Err(e) => return refused(e),
+            Err(e) => return PostedInline::Tracked(Posted::refused(e)),
         };
-        let sge = (len > 0).then(|| Sge::new(addr, len as u32, lkey));
-        let opcode = item.op.opcode();
+        let len = sge.len();
         let (posted, wr_id, signaled) = if quiet && !st.q.must_signal() {
-            // `len` fits a u32: it is at most one message.
-            let q = st.q.start_quiet(opcode, len as u32, inline || len == 0);
+            let q = st.q.start_quiet(opcode, len, inline || len == 0);
             (PostedInline::Quiet(q), quiet_wr_id(q.seq), false)
         } else {
-            let id = st.q.start_send(opcode, 1, len);
+            let id = st.q.start_send(opcode, 1, u64::from(len));
             (PostedInline::Tracked(Posted::Ok(id)), id.wr_id(true), true)
         };
         let qp = st.qp.as_mut().expect("the queue pair lives as long as the connection");
@@ -717,10 +766,10 @@ impl VerbsConn {
         // once that is dropped, by the table, or by the queue core's quiet
         // orphans) until this request completes or the queue pair is
         // destroyed; inline data is copied during the call.
-        Some(match unsafe { qp.post_send_sge(wr_id, op, sge, inline, signaled) } {
+        match unsafe { qp.post_send_sge(wr_id, op, (len > 0).then_some(sge), inline, signaled) } {
             Ok(()) => posted,
             Err(e) => Self::post_refused(&mut st, posted, e.error),
-        })
+        }
     }
 
     /// Posts one operation that may go unsignaled (a send; see
