@@ -28,7 +28,7 @@ use crate::error::{Error, Result};
 use crate::memory::LocalParts;
 use crate::memory::{Counter, Live};
 use crate::memory::{Exposed, LocalBuffer, LocalSlice, Memory, RemoteRegion, RemoteSlice};
-use crate::ops::{OpId, Outcome, WaitError};
+use crate::ops::{OpId, Outcome, WaitError, Waited};
 use crate::transport::{self, ConnTransport, Posted, PostedInline, QuietSend, RemoteOp, WorkItem};
 
 pub(crate) struct ConnShared {
@@ -746,11 +746,8 @@ impl<B: Send + 'static> Pending<B> {
             Stage::InFlight(id) if !self.staged_in_progress() => {
                 // The common case: wait and take the outcome in one step.
                 let mut due = Deadline::lazy(timeout, WHAT);
-                return match self.shared.transport.wait_take(id, &mut due) {
-                    Ok(c) => self.settle(Ok(c)),
-                    Err(WaitError::Failed(e)) => self.settle(Err(e)),
-                    Err(WaitError::Unfinished(e)) => Err(*e),
-                };
+                let waited = self.shared.transport.wait_take(id, &mut due);
+                return self.settle_waited(waited);
             }
             Stage::Quiet(q, None) => {
                 // Most often known at once: a signaled request after it completed.
@@ -786,8 +783,8 @@ impl<B: Send + 'static> Pending<B> {
             drop(self.shared.transport.take(id));
             self.stage = Stage::Quiet(q, None);
         }
-        let outcome = self.shared.transport.wait_quiet(&q, &mut due).map_err(|e| *e)?;
-        self.settle(outcome)
+        let waited = self.shared.transport.wait_quiet(&q, &mut due);
+        self.settle_waited(waited)
     }
 
     /// [`wait_timeout`](Self::wait_timeout) for a staged operation, one
@@ -830,6 +827,17 @@ impl<B: Send + 'static> Pending<B> {
                 Ok(c)
             }
             other => self.settle_slow(other),
+        }
+    }
+
+    /// [`settle`](Self::settle) for what a wait ended with: a wait that
+    /// ended first leaves the operation in flight, to be waited for again.
+    #[inline(always)]
+    fn settle_waited(&mut self, waited: Waited) -> Result<Completion> {
+        match waited {
+            Ok(c) => self.settle(Ok(c)),
+            Err(WaitError::Failed(e)) => self.settle(Err(e)),
+            Err(WaitError::Unfinished(e)) => Err(*e),
         }
     }
 

@@ -298,13 +298,13 @@ impl ConnTransport {
     }
 
     /// Drives progress until quiet send `q`'s outcome is known.
-    pub(crate) fn wait_quiet(&self, q: &QuietSend, due: &mut Deadline) -> Result<Outcome, Box<Error>> {
+    pub(crate) fn wait_quiet(&self, q: &QuietSend, due: &mut Deadline) -> Waited {
         match self {
             #[cfg(feature = "verbs")]
             ConnTransport::Verbs(t) => t.wait_quiet(q, due),
             ConnTransport::Tcp(_) => {
                 let _ = (q, due);
-                Ok(Err(Box::new(Error::AlreadyReported)))
+                Err(crate::ops::WaitError::Failed(Box::new(Error::AlreadyReported)))
             }
         }
     }

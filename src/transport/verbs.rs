@@ -419,18 +419,19 @@ impl VerbsConn {
     /// [`wait_take`](Self::wait_take) past its first poll.
     #[inline(never)]
     fn wait_take_slow(&self, id: OpId, due: &mut Deadline) -> Waited {
-        let mut outcome = None;
+        self.wait_outcome(due, |st| st.q.take(id))
+    }
+
+    /// Waits, driving progress, until `outcome` gives one (it is asked
+    /// after every poll), or the deadline passes ([`WaitError::Unfinished`]).
+    fn wait_outcome(&self, due: &mut Deadline, mut outcome: impl FnMut(&mut VerbsState) -> Option<Outcome>) -> Waited {
+        let mut found = None;
         match self.wait_until_slow(due, |st| {
-            outcome = st.q.take(id);
-            outcome.is_some()
+            found = outcome(st);
+            found.is_some()
         }) {
-            Ok(true) => {}
-            Ok(false) => return Err(WaitError::unfinished(due.expired())),
-            Err(e) => return Err(WaitError::unfinished(e)),
-        }
-        match outcome {
-            Some(outcome) => waited(outcome),
-            None => Err(WaitError::unfinished(due.expired())),
+            Ok(_) => found.map_or_else(|| Err(WaitError::unfinished(due.expired())), waited),
+            Err(e) => Err(WaitError::unfinished(e)),
         }
     }
 
@@ -611,7 +612,7 @@ impl VerbsConn {
                 let off = c * max_message;
                 let n = (len - off).min(max_message);
                 let op = send_op(item.op, off);
-                let inline = self.goes_inline(item, n, op);
+                let inline = self.goes_inline(item.local.as_ref(), n, op);
                 if n > 0 {
                     scratch.push((op, sges.len(), inline));
                     sges.push(Sge::new(addr + off, n as u32, lkey));
@@ -674,8 +675,8 @@ impl VerbsConn {
     /// from the address): only host memory may go inline (GPU memory is never
     /// CPU-readable through its device address), and never a read's
     /// destination.
-    fn goes_inline(&self, item: &WorkItem, n: u64, op: SendOp) -> bool {
-        let cpu_readable = item.local.as_ref().is_none_or(|l| l.path.is_none());
+    fn goes_inline(&self, local: Option<&LocalParts>, n: u64, op: SendOp) -> bool {
+        let cpu_readable = local.is_none_or(|l| l.path.is_none());
         cpu_readable && n > 0 && n <= u64::from(self.max_inline) && !op.writes_local()
     }
 
@@ -699,7 +700,7 @@ impl VerbsConn {
         }
         let (addr, lkey) = item.local.as_ref().map_or((0, 0), |l| (l.addr, l.lkey));
         let op = send_op(item.op, 0);
-        let inline = self.goes_inline(item, len, op);
+        let inline = self.goes_inline(item.local.as_ref(), len, op);
         Some(self.post_prepared(st, due, quiet, op, item.op.opcode(), Sge::new(addr, len as u32, lkey), inline))
     }
 
@@ -717,8 +718,7 @@ impl VerbsConn {
             RemoteOp::SendWithImm(imm) => (SendOp::SendWithImm(imm), Opcode::SendWithImm),
             _ => (SendOp::Send, Opcode::Send),
         };
-        // Only host memory goes inline: the CPU copies it at post time.
-        let inline = local.path.is_none() && len > 0 && len <= u64::from(self.max_inline);
+        let inline = self.goes_inline(Some(local), len, send);
         self.post_prepared(st, due, quiet, send, opcode, Sge::new(local.addr, len as u32, local.lkey), inline)
     }
 
@@ -735,7 +735,9 @@ impl VerbsConn {
 
     /// Posts one checked request of at most one message: room in the send
     /// queue, quiet (unsignaled) if asked and the moderation allows, then
-    /// the request itself, built in place. An empty `sge` posts none.
+    /// the request itself, built in place. An empty `sge` posts none; an
+    /// `inline` one is copied at post time (from a registered buffer or a
+    /// caller's slice alike).
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
     fn post_prepared(
@@ -761,11 +763,13 @@ impl VerbsConn {
             (PostedInline::Tracked(Posted::Ok(id)), id.wr_id(true), true)
         };
         let qp = st.qp.as_mut().expect("the queue pair lives as long as the connection");
-        // SAFETY: as in `post_send`: the entry names a checked range of a
-        // registered buffer of this domain, owned by the caller's `Pending` (or,
-        // once that is dropped, by the table, or by the queue core's quiet
-        // orphans) until this request completes or the queue pair is
-        // destroyed; inline data is copied during the call.
+        // SAFETY: as in `post_send`: an entry that does not go inline names
+        // a checked range of a registered buffer of this domain, owned by the
+        // caller's `Pending` (or, once that is dropped, by the table, or by
+        // the queue core's quiet orphans) until this request completes or
+        // the queue pair is destroyed. An inline entry (within the limit,
+        // which `post_send_sge` checks) is copied during the call, from
+        // memory the caller's borrow keeps valid until it returns.
         match unsafe { qp.post_send_sge(wr_id, op, (len > 0).then_some(sge), inline, signaled) } {
             Ok(()) => posted,
             Err(e) => Self::post_refused(&mut st, posted, e.error),
@@ -860,24 +864,13 @@ impl VerbsConn {
         if data.len() as u64 > u64::from(self.max_inline) {
             return refused(Error::MessageTooLarge { len: data.len() as u64, max: u64::from(self.max_inline) });
         }
-        let opcode = if imm.is_some() { Opcode::SendWithImm } else { Opcode::Send };
-        let mut st = match self.send_room(self.lock(), 1, &mut due) {
-            Ok(st) => st,
-            Err(e) => return refused(e),
+        let (op, opcode) = match imm {
+            Some(imm) => (SendOp::SendWithImm(imm), Opcode::SendWithImm),
+            None => (SendOp::Send, Opcode::Send),
         };
-        let (posted, wr_id, signaled) = if quiet && !st.q.must_signal() {
-            let q = st.q.start_quiet(opcode, data.len() as u32, true);
-            (PostedInline::Quiet(q), quiet_wr_id(q.seq), false)
-        } else {
-            let id = st.q.start_send(opcode, 1, data.len() as u64);
-            (PostedInline::Tracked(Posted::Ok(id)), id.wr_id(true), true)
-        };
-        let qp = st.qp.as_mut().expect("the queue pair lives as long as the connection");
-        // Copied into the send queue by the call: nothing of `data` stays with the device.
-        match qp.post_send_inline(wr_id, data, imm, signaled) {
-            Ok(()) => posted,
-            Err(e) => Self::post_refused(&mut st, posted, e.error),
-        }
+        // lkey 0 is never used: inline data is copied at post time.
+        let sge = Sge::new(data.as_ptr() as u64, data.len() as u32, 0);
+        self.post_prepared(self.lock(), &mut due, quiet, op, opcode, sge, !data.is_empty())
     }
 
     /// Why a receive's buffer is refused: another domain's, or longer than
@@ -983,20 +976,12 @@ impl VerbsConn {
 
     /// Drives progress until quiet send `q`'s outcome is known (a signaled
     /// request after it must be in flight: see [`cover`](Self::cover)).
-    pub(crate) fn wait_quiet(&self, q: &QuietSend, due: &mut Deadline) -> Result<Outcome, Box<Error>> {
-        if let Some(outcome) = self.poll_quiet(q)? {
-            return Ok(outcome);
+    pub(crate) fn wait_quiet(&self, q: &QuietSend, due: &mut Deadline) -> Waited {
+        match self.poll_quiet(q) {
+            Ok(Some(outcome)) => waited(outcome),
+            Ok(None) => self.wait_outcome(due, |st| st.q.quiet_outcome(q)),
+            Err(e) => Err(WaitError::unfinished(e)),
         }
-        let mut outcome = None;
-        if self.wait_until_slow(due, |st| {
-            outcome = st.q.quiet_outcome(q);
-            outcome.is_some()
-        })? {
-            if let Some(outcome) = outcome {
-                return Ok(outcome);
-            }
-        }
-        Err(Box::new(due.expired()))
     }
 
     pub(crate) fn post_recv(&self, local: Option<LocalParts>) -> Posted {
