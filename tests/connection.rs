@@ -886,8 +886,13 @@ fn a_listener_survives_a_bad_peer_and_accepts_the_next(t: Kind) {
     let d = domain(t);
     let listener = d.listen("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
+    // The good peer connects only once the bad one's accept has ended:
+    // handshakes finish in the order they complete, so without this a slow
+    // bad handshake could let the good one out first.
+    let (first_done, first_ended) = std::sync::mpsc::channel();
     let t = thread::spawn(move || {
         let first = listener.accept_timeout(&quick(), Duration::from_secs(20));
+        first_done.send(()).unwrap();
         let second = listener.accept_timeout(&quick(), Duration::from_secs(20));
         (first.map(|_| ()), second)
     });
@@ -895,7 +900,7 @@ fn a_listener_survives_a_bad_peer_and_accepts_the_next(t: Kind) {
         let mut junk = std::net::TcpStream::connect(addr).unwrap();
         junk.write_all(&[0xff; 64]).unwrap();
     }
-    thread::sleep(Duration::from_millis(100));
+    first_ended.recv_timeout(Duration::from_secs(30)).expect("the bad peer's accept ends");
     let c = d.connect(addr, &quick()).unwrap();
     let (first, second) = t.join().unwrap();
     assert!(matches!(first, Err(Error::Bootstrap(_))), "{first:?}");
