@@ -206,6 +206,7 @@ impl OpTable {
     /// send-queue operation moves in all (its completion reports it; the
     /// device's byte count is only defined for receives), `None` for a
     /// receive.
+    #[inline(always)]
     pub(crate) fn start(&mut self, opcode: Opcode, held: Held, bytes: Option<u64>) -> OpId {
         self.busy += 1;
         if let Some(index) = self.free.pop() {

@@ -400,6 +400,7 @@ impl QueueCore {
     ///
     /// # Errors
     /// [`Error::ConnectionLost`], or [`Error::QueueFull`] when every receive credit is in use.
+    #[inline]
     pub(crate) fn start_recv(&mut self) -> Result<OpId> {
         if self.lost.is_some() || self.recv_used >= self.limits.recv_depth {
             return Err(self.recv_refused());

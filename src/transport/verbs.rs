@@ -2,10 +2,10 @@
 //! queue with a completion channel, and the handshake's TCP socket kept
 //! open to notice a peer that closes or dies.
 
+use parking_lot::{Mutex, MutexGuard};
 use std::hash::{BuildHasher, Hasher};
 use std::net::TcpStream;
 use std::os::fd::AsFd;
-use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::queue::{Limits, Posted, PostedInline, QueueCore, QuietSend, RemoteOp, WorkItem};
@@ -247,11 +247,30 @@ impl Prepared {
     }
 }
 
+impl VerbsState {
+    /// Moves the queue pair to the error state (once): everything
+    /// outstanding completes, flushed.
+    fn fail_qp(&mut self) {
+        if let Some(qp) = self.qp.as_mut() {
+            if qp.state() != QpState::Error {
+                if let Err(e) = qp.set_error() {
+                    tracing::warn!("moving the queue pair to the error state: {e}");
+                }
+            }
+        }
+    }
+
+    /// When the grace after the peer left ends, if it has not yet.
+    fn grace_end(&self) -> Option<Instant> {
+        self.peer_gone.map(|at| at + PEER_GRACE)
+    }
+}
+
 impl VerbsConn {
     fn lock(&self) -> MutexGuard<'_, VerbsState> {
-        // A panic while holding the lock cannot leave the table half-updated in
-        // a way that breaks memory safety; keep going.
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        // Not poisoned by a panic while held: a panic cannot leave the table
+        // half-updated in a way that breaks memory safety; keep going.
+        self.state.lock()
     }
 
     /// Polls the completion queue once and records what it finds.
@@ -272,13 +291,7 @@ impl VerbsConn {
         if let Some(at) = st.peer_gone {
             if at.elapsed() >= PEER_GRACE {
                 st.peer_gone = None;
-                if let Some(qp) = st.qp.as_mut() {
-                    if qp.state() != QpState::Error {
-                        if let Err(e) = qp.set_error() {
-                            tracing::warn!("moving the queue pair to the error state: {e}");
-                        }
-                    }
-                }
+                st.fail_qp();
             }
         }
     }
@@ -336,13 +349,14 @@ impl VerbsConn {
         let mut peer_look: Option<Instant> = None;
         let mut spins = 0u32;
         loop {
-            {
+            let grace_end = {
                 let mut st = self.lock();
                 self.progress(&mut st)?;
                 if ready(&mut st) {
                     return Ok(true);
                 }
-            }
+                st.grace_end()
+            };
             // Reading the clock is not free everywhere (a system call and an
             // emulated timer read on machines without a usable TSC): while
             // spinning, look at it only every SPINS_PER_CLOCK polls. No
@@ -350,8 +364,11 @@ impl VerbsConn {
             // is the spin, and an emulated CPU (QEMU's TCG) leaves its
             // translated code at every PAUSE to let another CPU run, which
             // costs the wait microseconds.
+            //
+            // Once the peer has left, nothing but the flushes at the end of
+            // its grace can still complete: sleep until then, not spin.
             spins = spins.wrapping_add(1);
-            if !self.spin.is_zero() && spins % SPINS_PER_CLOCK != 0 {
+            if !self.spin.is_zero() && grace_end.is_none() && spins % SPINS_PER_CLOCK != 0 {
                 continue;
             }
             let now = Instant::now();
@@ -359,7 +376,7 @@ impl VerbsConn {
             if now >= deadline {
                 return Ok(false);
             }
-            if now < *spin_until.get_or_insert(now + self.spin) {
+            if grace_end.is_none() && now < *spin_until.get_or_insert(now + self.spin) {
                 // A long spin still notices a peer that closed or died (a
                 // sleeping wait watches its socket): its requests would
                 // otherwise never be answered.
@@ -378,7 +395,9 @@ impl VerbsConn {
                 }
                 st.q.lost().is_none()
             };
-            let slice = deadline.saturating_duration_since(Instant::now()).min(Duration::from_millis(20));
+            // Woken at the grace's end at the latest, to flush the queue pair.
+            let wake = grace_end.map_or(deadline, |g| g.min(deadline));
+            let slice = wake.saturating_duration_since(Instant::now()).min(Duration::from_millis(20));
             let extra = watch_peer.then(|| self.socket.as_fd());
             if self.cq.wait_event(slice, extra)? == WaitOutcome::Extra {
                 let mut st = self.lock();
@@ -575,14 +594,7 @@ impl VerbsConn {
             // Unlocked: the peer's bye, its close or LINGER, whichever comes first.
             self.socket_readable(LINGER);
         }
-        let mut st = self.lock();
-        if let Some(qp) = st.qp.as_mut() {
-            if qp.state() != QpState::Error {
-                if let Err(e) = qp.set_error() {
-                    tracing::warn!("moving the queue pair to the error state: {e}");
-                }
-            }
-        }
+        self.lock().fail_qp();
     }
 
     /// Splits the items into send-queue requests, checking each; returns
@@ -1018,12 +1030,8 @@ impl VerbsConn {
 impl Drop for VerbsConn {
     fn drop(&mut self) {
         let cq = self.cq.clone();
-        let st = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
-        if let Some(qp) = st.qp.as_mut() {
-            if qp.state() != QpState::Error {
-                let _ = qp.set_error();
-            }
-        }
+        let st = self.state.get_mut();
+        st.fail_qp();
         // Drain the flushes, briefly: after the queue pair is destroyed the
         // device touches none of its requests' memory anyway.
         let deadline = Instant::now() + Duration::from_secs(2);
