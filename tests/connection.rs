@@ -784,6 +784,68 @@ fn dropping_every_handle_while_requests_are_in_flight_is_safe(t: Kind) {
     assert_eq!(rx.wait().unwrap().byte_len, 5);
 }
 
+fn a_persistent_receive_reposts_into_its_range_and_never_while_in_flight(t: Kind) {
+    let d = domain(t);
+    let (s, c) = pair(&d);
+    let mut rx = s.recv_persistent(d.alloc(64).unwrap().slice(8..40));
+    assert!(rx.buffer().is_none(), "no access while the device may write");
+    // Posting again while the first receive is in flight is refused and
+    // leaves that receive as it was.
+    assert!(matches!(rx.repost(), Err(Error::StillInFlight)));
+    assert_eq!(s.in_flight().0, 1);
+    for round in 0..200u32 {
+        let msg = pattern(1 + round as usize % 32, u64::from(round));
+        c.send_with_imm(filled(&d, &msg), round).wait().unwrap();
+        let got = rx.wait().unwrap();
+        assert_eq!((got.byte_len, got.imm), (msg.len() as u32, Some(round)), "round {round}");
+        assert_eq!(&rx.buffer().expect("finished")[8..8 + msg.len()], &msg[..], "round {round}: into its range");
+        rx.repost().unwrap();
+        assert!(rx.buffer().is_none());
+    }
+    // A message larger than the range fails that round on both sides.
+    let mut big = c.send(filled(&d, &[1u8; 33]));
+    assert!(rx.wait_timeout(Duration::from_secs(20)).is_err());
+    assert!(big.wait_timeout(Duration::from_secs(20)).is_err());
+    // The buffer comes back once nothing is in flight.
+    let buf = rx.into_buffer().map_err(|_| "finished").unwrap();
+    assert_eq!(buf.len(), 64);
+
+    // A range outside its buffer fails every round, and posts nothing.
+    let (s, c) = pair(&d);
+    let mut bad = s.recv_persistent(d.alloc(16).unwrap().slice(8..32));
+    for _ in 0..3 {
+        assert!(matches!(bad.wait(), Err(Error::OutOfBounds { .. })));
+        bad.repost().unwrap();
+    }
+    assert_eq!(s.in_flight().0, 0);
+
+    // Dropped while posted: the connection keeps the buffer until the
+    // receive completes; the message still lands.
+    let rx = s.recv_persistent(d.alloc(16).unwrap());
+    drop(rx);
+    assert_eq!(s.in_flight(), (1, 1));
+    c.send_inline(b"late", None).wait().unwrap();
+    let t0 = Instant::now();
+    while s.in_flight().0 > 0 {
+        s.progress().unwrap();
+        assert!(t0.elapsed() < Duration::from_secs(20), "the receive never completed");
+        thread::sleep(Duration::from_millis(1));
+    }
+
+    // On a lost connection a repost is refused by its wait.
+    let mut rx = s.recv_persistent(d.alloc(16).unwrap());
+    c.send_inline(b"x", None).wait().unwrap();
+    rx.wait().unwrap();
+    drop(c);
+    while s.broken().is_none() {
+        let _ = s.progress();
+        assert!(t0.elapsed() < Duration::from_secs(40), "the peer's close was never seen");
+        thread::sleep(Duration::from_millis(1));
+    }
+    rx.repost().unwrap();
+    assert!(matches!(rx.wait_timeout(Duration::from_secs(20)), Err(Error::ConnectionLost { .. })));
+}
+
 fn stats_count_live_resources_and_end_where_they_started(t: Kind) {
     let d = domain(t);
     let before = d.stats();
@@ -1173,6 +1235,7 @@ both!(
     a_dropped_operation_keeps_its_buffer_until_the_device_is_done,
     dropping_every_handle_while_requests_are_in_flight_is_safe,
     stats_count_live_resources_and_end_where_they_started,
+    a_persistent_receive_reposts_into_its_range_and_never_while_in_flight,
     a_garbled_handshake_is_a_typed_error,
     a_truncated_handshake_is_a_typed_error,
     a_silent_peer_is_a_timeout_within_the_handshake_timeout,

@@ -5,7 +5,7 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use crate::completion::Completion;
-use crate::connection::{Connection, Pending, Transfer};
+use crate::connection::{Connection, Pending, PersistentRecv, Transfer};
 use crate::error::{Error, Result};
 use crate::memory::{LocalBuffer, RemoteRegion, RemoteSlice};
 use crate::protocol::list::Piece;
@@ -305,9 +305,11 @@ pub fn latency<B: LocalBuffer + Clone>(
             // The next receive is posted while the reply is on the way: off
             // the path from a reply to the next send. Only as many receives
             // as replies: a spare one would swallow the next size's first reply.
-            // Two slots, used in turn: iteration i waits on slot i % 2 while
-            // the next receive sits in the other (no handle moved around).
-            let mut rx: [Option<Pending<B>>; 2] = [(iters > 0).then(|| conn.recv(local.clone().slice(..size))), None];
+            // Two persistent receives, used in turn: iteration i waits on
+            // slot i % 2 while the next receive sits in the other, each
+            // reposted into its range as perftest reposts its prebuilt one.
+            let mut rx: [Option<PersistentRecv<B>>; 2] =
+                [(iters > 0).then(|| conn.recv_persistent(local.clone().slice(..size))), None];
             for i in 0..iters {
                 let t0 = clock.ticks();
                 let tx = if inline {
@@ -318,16 +320,18 @@ pub fn latency<B: LocalBuffer + Clone>(
                     Some(conn.send_unsignaled(local.clone().slice(..size)))
                 };
                 if i + 1 < iters {
-                    rx[(i + 1) % 2] = Some(conn.recv(local.clone().slice(..size)));
+                    match &mut rx[(i + 1) % 2] {
+                        Some(next) => next.repost()?,
+                        slot @ None => *slot = Some(conn.recv_persistent(local.clone().slice(..size))),
+                    }
                 }
                 if let Some(r) = &mut rx[i % 2] {
                     r.wait_timeout(timeout)?;
                 }
                 ticks.push(clock.ticks().wrapping_sub(t0));
                 // Bookkeeping after the sample, as perftest keeps its own
-                // off the timed path: the finished receive's handle goes,
-                // the send's is kept until the device is done with its buffer.
-                rx[i % 2] = None;
+                // off the timed path: the send's handle is kept until the
+                // device is done with its buffer.
                 if let Some(tx) = tx {
                     sent.push(tx, timeout)?;
                 }
@@ -360,8 +364,7 @@ pub fn latency<B: LocalBuffer + Clone>(
     }
     sent.drain(timeout)?;
     let us = clock.seconds_per_tick() * 1e6 / if halve { 2.0 } else { 1.0 };
-    let mut samples: Vec<f64> = ticks.iter().map(|&t| t as f64 * us).collect();
-    Ok(LatRow::from_samples(size, &mut samples))
+    Ok(LatRow::from_ticks(size, &mut ticks, us))
 }
 
 /// The client: sends `params`, runs every size, tells the server it is

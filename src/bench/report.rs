@@ -67,9 +67,9 @@ impl LatRow {
     /// longer run costs the same per sample.
     pub fn from_samples(bytes: usize, samples: &mut [f64]) -> LatRow {
         let n = samples.len();
-        let index = |q: f64| ((q * n as f64).ceil() as usize).clamp(1, n) - 1;
+        let index = |q: f64| quantile_index(q, n);
         let [median, p99, p99_9] =
-            if n == 0 { [0.0; 3] } else { select(samples, [index(0.5), index(0.99), index(0.999)]) };
+            if n == 0 { [0.0; 3] } else { select(samples, [index(0.5), index(0.99), index(0.999)], f64::total_cmp) };
         let (t_min, t_max) = if n == 0 {
             (0.0, 0.0)
         } else {
@@ -92,17 +92,80 @@ impl LatRow {
 }
 
 /// The values that would sit at `at` (ascending indices, each below
-/// `samples.len()`) if `samples` were sorted, found by selection: each
-/// index is selected among what lies past the one before it.
-fn select<const N: usize>(samples: &mut [f64], at: [usize; N]) -> [f64; N] {
+/// `samples.len()`) if `samples` were sorted by `cmp`, found by selection:
+/// each index is selected among what lies past the one before it.
+fn select<T: Copy, const N: usize>(
+    samples: &mut [T],
+    at: [usize; N],
+    mut cmp: impl FnMut(&T, &T) -> std::cmp::Ordering,
+) -> [T; N] {
     let mut from = 0;
     at.map(|i| {
         if i >= from {
-            samples[from..].select_nth_unstable_by(i - from, f64::total_cmp);
+            samples[from..].select_nth_unstable_by(i - from, &mut cmp);
             from = i + 1;
         }
         samples[i]
     })
+}
+
+/// The index of quantile `q` among `n` sorted samples (`n` > 0).
+fn quantile_index(q: f64, n: usize) -> usize {
+    ((q * n as f64).ceil() as usize).clamp(1, n) - 1
+}
+
+impl LatRow {
+    /// The statistics of clock-tick samples (reordered), each `us_per_tick`
+    /// microseconds: as [`from_samples`](Self::from_samples) of the samples
+    /// in microseconds, with the quantiles selected among the integer ticks
+    /// (cheaper to compare than floating point).
+    pub fn from_ticks(bytes: usize, ticks: &mut [u64], us_per_tick: f64) -> LatRow {
+        let n = ticks.len();
+        if n == 0 {
+            return LatRow::from_samples(bytes, &mut []);
+        }
+        let us = |t: u64| t as f64 * us_per_tick;
+        let index = |q: f64| quantile_index(q, n);
+        let [median, p99, p99_9] = select(ticks, [index(0.5), index(0.99), index(0.999)], u64::cmp);
+        // One pass, in exact integers: the sum and the sum of squares give
+        // the variance with no cancellation (n·Σt² − (Σt)² is exact). Samples
+        // far beyond any real latency (a clock that stepped back) overflow
+        // it: then two passes in floating point.
+        let (lo, hi) = ticks.iter().fold((u64::MAX, 0), |(lo, hi), &t| (lo.min(t), hi.max(t)));
+        let exact = (hi < 1 << 32 && n < 1 << 31).then(|| {
+            let (sum, squares) = ticks
+                .iter()
+                .fold((0u128, 0u128), |(sum, sq), &t| (sum + u128::from(t), sq + u128::from(t) * u128::from(t)));
+            let n = n as u128;
+            // sum < 2^63 and squares < 2^95: both products stay below 2^127.
+            (sum, n.checked_mul(squares).and_then(|nsq| nsq.checked_sub(sum * sum)).map(|d| (d, n * (n - 1))))
+        });
+        let (avg, var) = match exact {
+            Some((sum, Some((d, nn)))) if n >= 2 => {
+                (sum as f64 / n as f64 * us_per_tick, d as f64 / nn as f64 * us_per_tick * us_per_tick)
+            }
+            _ => {
+                let avg = ticks.iter().map(|&t| us(t)).sum::<f64>() / n as f64;
+                let var = if n < 2 {
+                    0.0
+                } else {
+                    ticks.iter().map(|&t| (us(t) - avg) * (us(t) - avg)).sum::<f64>() / (n - 1) as f64
+                };
+                (avg, var)
+            }
+        };
+        LatRow {
+            bytes,
+            iterations: n as u64,
+            t_min: us(lo),
+            t_max: us(hi),
+            t_typical: us(median),
+            t_avg: avg,
+            t_stdev: var.sqrt(),
+            p99: us(p99),
+            p99_9: us(p99_9),
+        }
+    }
 }
 
 impl fmt::Display for LatRow {
@@ -212,6 +275,38 @@ mod tests {
                 (sorted[0], sorted[n - 1], at(0.5), at(0.99), at(0.999)),
                 "{n} samples"
             );
+        }
+    }
+
+    #[test]
+    fn tick_statistics_equal_those_of_the_same_samples_in_microseconds() {
+        let mut x = 0x9e37_79b9_7f4a_7c15_u64;
+        for n in [0usize, 1, 2, 3, 10, 999, 1000, 1001] {
+            let ticks: Vec<u64> = (0..n)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    1000 + x % 5000
+                })
+                .collect();
+            let per = 0.37;
+            let mut us: Vec<f64> = ticks.iter().map(|&t| t as f64 * per).collect();
+            let a = LatRow::from_ticks(64, &mut ticks.clone(), per);
+            // A sample past the exact sums' range takes the floating-point way.
+            let mut huge = ticks.clone();
+            huge.push(u64::MAX - 5);
+            let h = LatRow::from_ticks(64, &mut huge, per);
+            assert_eq!(h.t_max, (u64::MAX - 5) as f64 * per);
+            assert!(h.t_avg.is_finite() && h.t_stdev.is_finite());
+            let b = LatRow::from_samples(64, &mut us);
+            assert_eq!(
+                (a.iterations, a.t_min, a.t_max, a.t_typical, a.p99, a.p99_9),
+                (b.iterations, b.t_min, b.t_max, b.t_typical, b.p99, b.p99_9),
+                "{n} samples"
+            );
+            assert!((a.t_avg - b.t_avg).abs() <= 1e-9 * b.t_avg.abs().max(1.0), "{n}: {} {}", a.t_avg, b.t_avg);
+            assert!((a.t_stdev - b.t_stdev).abs() <= 1e-6 * b.t_stdev.max(1.0), "{n}: {} {}", a.t_stdev, b.t_stdev);
         }
     }
 

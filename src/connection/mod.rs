@@ -5,12 +5,14 @@
 
 mod establish;
 mod inbox;
+mod persistent;
 mod transfer;
 mod waiting;
 
 pub use crate::options::{ConnectOptions, ConnectionInfo};
 pub use establish::{Interrupt, Listener, MAX_CONCURRENT_HANDSHAKES};
 pub use inbox::{Inbox, InboxStats, MAX_QUEUED_NOTES, Note};
+pub use persistent::PersistentRecv;
 pub(crate) use transfer::Direction;
 pub use transfer::{Failed, Transfer, Transferred};
 pub use waiting::{CompletionSet, Finished};
@@ -47,6 +49,111 @@ pub(crate) struct ConnShared {
     #[cfg(feature = "cuda")]
     staged: crate::protocol::staged::StagedSet,
     _live: Live,
+}
+
+impl ConnShared {
+    fn deadline(&self) -> Deadline {
+        Deadline::lazy(self.post_timeout, "room in the send queue")
+    }
+
+    fn post_items<B: Send + 'static>(self: &Arc<Self>, buf: B, items: Result<&[WorkItem]>) -> Pending<B> {
+        match items {
+            Ok(items) => self.pending(buf, self.transport.post_send(items, self.deadline())),
+            Err(e) => Pending::failed(self, buf, e),
+        }
+    }
+
+    fn pending<B: Send + 'static>(self: &Arc<Self>, buf: B, posted: Posted) -> Pending<B> {
+        Pending::posted(self, buf, posted)
+    }
+
+    /// [`Connection::recv`].
+    pub(crate) fn recv<B: LocalBuffer>(self: &Arc<Self>, local: LocalSlice<B>) -> Pending<B> {
+        match local.resolve() {
+            #[cfg(feature = "cuda")]
+            Ok(parts) if parts.path.is_some() => self.gpu(local, parts, None),
+            Ok(parts) => {
+                let posted = self.transport.post_recv(Some(parts));
+                self.pending(local.into_inner(), posted)
+            }
+            Err(e) => Pending::failed(self, local.into_inner(), e),
+        }
+    }
+
+    /// GPU memory: a direct path posts like host memory, after the data is
+    /// produced (sends, writes) and with a flush before the completion is
+    /// reported (receives, reads); the staged path runs a pipeline. `op` is
+    /// `None` for a receive.
+    #[cfg(feature = "cuda")]
+    fn gpu<B: LocalBuffer>(
+        self: &Arc<Self>,
+        local: LocalSlice<B>,
+        parts: LocalParts,
+        op: Option<RemoteOp>,
+    ) -> Pending<B> {
+        use crate::protocol::staged::Pipeline;
+        use crate::protocol::{Route, check_staged, route};
+        let Some(cuda) = local.buffer().cuda() else {
+            return Pending::failed(
+                self,
+                local.into_inner(),
+                Error::InvalidArgument("GPU path without a GPU buffer".into()),
+            );
+        };
+        let device = cuda.device().clone();
+        // The TCP transport reaches only host memory: GPU memory goes through
+        // the staging pipeline whatever path it is registered by.
+        if route(&parts, self.transport.is_tcp()) == Route::Staged {
+            // The checks a direct post gets, before anything is copied.
+            if let Err(e) = check_staged(op, parts.len as u64, self.info.max_message_size) {
+                return Pending::failed(self, local.into_inner(), e);
+            }
+            let (chunk, depth) = self.staging;
+            // Started at once: receives must be posted before the peer sends,
+            // and copies should run while the caller does other work. Later
+            // steps advance whenever the operation is waited on or polled.
+            let mut pipeline =
+                match Pipeline::new(op, &self.domain.inner.staging, &device, parts, chunk, depth, self.op_timeout) {
+                    Ok(p) => p.in_order(self.staged.order()),
+                    Err(e) => return Pending::failed(self, local.into_inner(), e),
+                };
+            // Outgoing: the copies out of the GPU wait for the producer fence.
+            // Incoming: the copies into it wait for the consumer fence (work
+            // still reading what they overwrite).
+            let started = if op.is_some_and(RemoteOp::outbound) {
+                cuda.order_after_ready(pipeline.out_stream())
+            } else {
+                cuda.order_after_ready(pipeline.in_stream())
+            }
+            .and_then(|()| pipeline.advance(&self.transport));
+            if let Err(e) = started {
+                // Whatever reached the device stays with the connection.
+                pipeline.abandon(&self.transport);
+                return Pending::failed(self, local.into_inner(), e);
+            }
+            return Pending::staged(self, pipeline, local.into_inner());
+        }
+        // Direct: the NIC touches the memory as soon as the request is posted,
+        // so the fence (producer for outgoing data, consumer for incoming) is
+        // waited for first, whatever the operation.
+        if let Err(e) = cuda.wait_ready() {
+            return Pending::failed(self, local.into_inner(), e);
+        }
+        match op {
+            Some(op @ RemoteOp::Read(_)) => {
+                let mut p = self.post_items(local.into_inner(), Ok(&[WorkItem { local: Some(parts), op }]));
+                p.after = Some(Box::new(move || device.flush_remote_writes()));
+                p
+            }
+            Some(op) => self.post_items(local.into_inner(), Ok(&[WorkItem { local: Some(parts), op }])),
+            None => {
+                let posted = self.transport.post_recv(Some(parts));
+                let mut p = self.pending(local.into_inner(), posted);
+                p.after = Some(Box::new(move || device.flush_remote_writes()));
+                p
+            }
+        }
+    }
 }
 
 /// A reliable connection to one peer.
@@ -124,18 +231,20 @@ impl Connection {
     }
 
     fn deadline(&self) -> Deadline {
-        Deadline::lazy(self.shared.post_timeout, "room in the send queue")
+        self.shared.deadline()
     }
 
     fn post_items<B: Send + 'static>(&self, buf: B, items: Result<&[WorkItem]>) -> Pending<B> {
-        match items {
-            Ok(items) => self.pending(buf, self.shared.transport.post_send(items, self.deadline())),
-            Err(e) => Pending::failed(&self.shared, buf, e),
-        }
+        self.shared.post_items(buf, items)
     }
 
     fn pending<B: Send + 'static>(&self, buf: B, posted: Posted) -> Pending<B> {
         Pending::posted(&self.shared, buf, posted)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn gpu<B: LocalBuffer>(&self, local: LocalSlice<B>, parts: LocalParts, op: Option<RemoteOp>) -> Pending<B> {
+        self.shared.gpu(local, parts, op)
     }
 
     fn one<B: LocalBuffer>(&self, local: LocalSlice<B>, op: RemoteOp) -> Pending<B> {
@@ -148,83 +257,6 @@ impl Connection {
             return self.gpu(local, parts, Some(op));
         }
         self.post_items(local.into_inner(), Ok(&[WorkItem { local: Some(parts), op }]))
-    }
-
-    /// GPU memory: a direct path posts like host memory, after the data is
-    /// produced (sends, writes) and with a flush before the completion is
-    /// reported (receives, reads); the staged path runs a pipeline. `op` is
-    /// `None` for a receive.
-    #[cfg(feature = "cuda")]
-    fn gpu<B: LocalBuffer>(&self, local: LocalSlice<B>, parts: LocalParts, op: Option<RemoteOp>) -> Pending<B> {
-        use crate::protocol::staged::Pipeline;
-        use crate::protocol::{Route, check_staged, route};
-        let Some(cuda) = local.buffer().cuda() else {
-            return Pending::failed(
-                &self.shared,
-                local.into_inner(),
-                Error::InvalidArgument("GPU path without a GPU buffer".into()),
-            );
-        };
-        let device = cuda.device().clone();
-        // The TCP transport reaches only host memory: GPU memory goes through
-        // the staging pipeline whatever path it is registered by.
-        if route(&parts, self.shared.transport.is_tcp()) == Route::Staged {
-            // The checks a direct post gets, before anything is copied.
-            if let Err(e) = check_staged(op, parts.len as u64, self.shared.info.max_message_size) {
-                return Pending::failed(&self.shared, local.into_inner(), e);
-            }
-            let (chunk, depth) = self.shared.staging;
-            // Started at once: receives must be posted before the peer sends,
-            // and copies should run while the caller does other work. Later
-            // steps advance whenever the operation is waited on or polled.
-            let mut pipeline = match Pipeline::new(
-                op,
-                &self.shared.domain.inner.staging,
-                &device,
-                parts,
-                chunk,
-                depth,
-                self.shared.op_timeout,
-            ) {
-                Ok(p) => p.in_order(self.shared.staged.order()),
-                Err(e) => return Pending::failed(&self.shared, local.into_inner(), e),
-            };
-            // Outgoing: the copies out of the GPU wait for the producer fence.
-            // Incoming: the copies into it wait for the consumer fence (work
-            // still reading what they overwrite).
-            let started = if op.is_some_and(RemoteOp::outbound) {
-                cuda.order_after_ready(pipeline.out_stream())
-            } else {
-                cuda.order_after_ready(pipeline.in_stream())
-            }
-            .and_then(|()| pipeline.advance(&self.shared.transport));
-            if let Err(e) = started {
-                // Whatever reached the device stays with the connection.
-                pipeline.abandon(&self.shared.transport);
-                return Pending::failed(&self.shared, local.into_inner(), e);
-            }
-            return Pending::staged(&self.shared, pipeline, local.into_inner());
-        }
-        // Direct: the NIC touches the memory as soon as the request is posted,
-        // so the fence (producer for outgoing data, consumer for incoming) is
-        // waited for first, whatever the operation.
-        if let Err(e) = cuda.wait_ready() {
-            return Pending::failed(&self.shared, local.into_inner(), e);
-        }
-        match op {
-            Some(op @ RemoteOp::Read(_)) => {
-                let mut p = self.post_items(local.into_inner(), Ok(&[WorkItem { local: Some(parts), op }]));
-                p.after = Some(Box::new(move || device.flush_remote_writes()));
-                p
-            }
-            Some(op) => self.post_items(local.into_inner(), Ok(&[WorkItem { local: Some(parts), op }])),
-            None => {
-                let posted = self.shared.transport.post_recv(Some(parts));
-                let mut p = self.pending(local.into_inner(), posted);
-                p.after = Some(Box::new(move || device.flush_remote_writes()));
-                p
-            }
-        }
     }
 
     /// Sends `local` as one message; it lands in the peer's next posted receive.
@@ -325,16 +357,7 @@ impl Connection {
 
     /// Posts a receive into `local` for the peer's next send.
     pub fn recv<B: LocalBuffer>(&self, local: impl Into<LocalSlice<B>>) -> Pending<B> {
-        let local = local.into();
-        match local.resolve() {
-            #[cfg(feature = "cuda")]
-            Ok(parts) if parts.path.is_some() => self.gpu(local, parts, None),
-            Ok(parts) => {
-                let posted = self.shared.transport.post_recv(Some(parts));
-                self.pending(local.into_inner(), posted)
-            }
-            Err(e) => Pending::failed(&self.shared, local.into_inner(), e),
-        }
+        self.shared.recv(local.into())
     }
 
     /// For a GPU region exposed to this peer: a receive for the peer's
@@ -653,6 +676,41 @@ impl<B: Send + 'static> Pending<B> {
         return !self.shared.staged.is_empty();
         #[cfg(not(feature = "cuda"))]
         false
+    }
+
+    /// Whether the operation finished, polling for its outcome once when
+    /// it is not known yet (an error stays to be reported).
+    fn finished(&mut self) -> bool {
+        if !self.is_done() {
+            match self.stage {
+                Stage::InFlight(id) => {
+                    if let Ok(Some(outcome)) = self.shared.transport.poll_take(id) {
+                        self.absorb(outcome);
+                    }
+                }
+                _ => self.collect(),
+            }
+        }
+        self.is_done()
+    }
+
+    /// Starts this finished handle's next round: the operation posted as `posted`.
+    fn restart(&mut self, posted: Posted) {
+        debug_assert!(self.is_done());
+        if let Some(aw) = self.awaiting.take() {
+            aw.disarm(&self.shared.domain.inner.engine);
+        }
+        let next = match posted {
+            Posted::Ok(id) => Stage::InFlight(id),
+            Posted::Refused(e) => Stage::Failed(Some(e)),
+            Posted::Stuck(id, e) => Stage::Stuck(id, Some(e)),
+        };
+        let last = std::mem::replace(&mut self.stage, next);
+        if let Stage::Succeeded(_) = last {
+            // Holds nothing to drop (a completion is plain data): the common
+            // round skips the drop glue.
+            std::mem::forget(last);
+        }
     }
 
     /// Records a success, running the after-hook first.

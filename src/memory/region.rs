@@ -739,7 +739,7 @@ impl<M: Memory> LocalBuffer for Region<M> {
 }
 
 /// A local buffer and the byte range of it an operation uses.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct LocalSlice<B> {
     buf: B,
     start: usize,
@@ -793,6 +793,13 @@ impl<B: LocalBuffer> LocalSlice<B> {
             });
         }
         Ok(LocalParts { addr: parts.addr + self.start as u64, len: end - self.start, ..parts })
+    }
+}
+
+impl<B> LocalSlice<B> {
+    /// The same range of `buf`, and this slice's buffer.
+    pub(crate) fn rebind<C>(self, buf: C) -> (LocalSlice<C>, B) {
+        (LocalSlice { buf, start: self.start, end: self.end, bad: self.bad }, self.buf)
     }
 }
 
