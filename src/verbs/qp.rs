@@ -627,13 +627,13 @@ impl QueuePair {
         imm: Option<u32>,
         signaled: bool,
     ) -> std::result::Result<(), PostError> {
-        if data.len() > self.caps.max_inline_data as usize {
-            return Err(refused_inline_len(&self.caps, data.len()));
-        }
         let op = match imm {
             Some(imm) => SendOp::SendWithImm(imm),
             None => SendOp::Send,
         };
+        if data.len() > self.caps.max_inline_data as usize {
+            return Err(refused_inline(&self.caps, 0, data.len() as u64, op));
+        }
         // lkey 0 is never used: inline data is copied at post time.
         let sge = (!data.is_empty()).then(|| Sge::new(data.as_ptr() as u64, data.len() as u32, 0));
         // SAFETY: the one entry (if any) goes inline, within the limit
@@ -668,7 +668,7 @@ impl QueuePair {
         use ffi::ibv_send_flags as fl;
         let len = sge.map_or(0, |s| s.len());
         if inline && (op.writes_local() || len > self.caps.max_inline_data) {
-            return Err(refused_inline_len(&self.caps, len as usize));
+            return Err(refused_inline(&self.caps, 0, u64::from(len), op));
         }
         let mut raw: ffi::ibv_send_wr = zeroed();
         raw.wr_id = wr_id;
@@ -754,30 +754,14 @@ impl QueuePair {
     }
 }
 
-/// Why inline data of `len` bytes cannot be posted: past the limit, or
-/// for a read.
+/// Why request `i` (`len` bytes of `op`) cannot go inline: too long, or a read.
 #[cold]
 #[inline(never)]
-fn refused_inline_len(caps: &QpCaps, len: usize) -> PostError {
+fn refused_inline(caps: &QpCaps, i: usize, len: u64, op: SendOp) -> PostError {
     PostError {
         posted: 0,
         error: Error::InvalidArgument(format!(
-            "inline data of {len} bytes (the inline limit is {} bytes, reads cannot be inline)",
-            caps.max_inline_data
-        )),
-    }
-}
-
-/// Why request `i` cannot go inline: too long, or a read.
-#[cold]
-#[inline(never)]
-fn refused_inline(caps: &QpCaps, i: usize, wr: &SendWr<'_>) -> PostError {
-    PostError {
-        posted: 0,
-        error: Error::InvalidArgument(format!(
-            "work request {i}: inline data of {} bytes for {:?} (the inline limit is {} bytes, reads cannot be inline)",
-            wr.total_len(),
-            wr.op,
+            "work request {i}: inline data of {len} bytes for {op:?} (the inline limit is {} bytes, reads cannot be inline)",
             caps.max_inline_data
         )),
     }
@@ -805,7 +789,7 @@ fn fill_send_wr(
     raw: &mut ffi::ibv_send_wr,
 ) -> std::result::Result<(), PostError> {
     if wr.inline && (wr.op.writes_local() || wr.total_len() > u64::from(caps.max_inline_data)) {
-        return Err(refused_inline(caps, i, wr));
+        return Err(refused_inline(caps, i, wr.total_len(), wr.op));
     }
     if wr.sges.len() > caps.max_send_sge as usize {
         return Err(refused_sges("work request", i, wr.sges.len(), caps.max_send_sge));
