@@ -296,18 +296,6 @@ impl VerbsConn {
         }
     }
 
-    /// Waits up to `timeout` for the peer's socket to turn readable: its
-    /// bye, or its end of the socket closing. Best effort: a signal ends
-    /// it early.
-    fn socket_readable(&self, timeout: Duration) {
-        use std::os::fd::AsRawFd;
-        let mut p = libc::pollfd { fd: self.socket.as_raw_fd(), events: libc::POLLIN | libc::POLLRDHUP, revents: 0 };
-        let ms = libc::c_int::try_from(timeout.as_millis()).unwrap_or(libc::c_int::MAX);
-        // SAFETY: one valid pollfd naming the socket this connection owns,
-        // open for as long as `self` lives; poll(2) only writes `revents`.
-        let _ = unsafe { libc::poll(&mut p, 1, ms) };
-    }
-
     /// Looks at the socket after poll(2) said it is readable: the peer said
     /// bye, closed, or died.
     fn check_peer(&self, st: &mut VerbsState) {
@@ -591,8 +579,10 @@ impl VerbsConn {
             first
         };
         if first && linger {
-            // Unlocked: the peer's bye, its close or LINGER, whichever comes first.
-            self.socket_readable(LINGER);
+            // Unlocked: the peer's bye, its close (both make the socket
+            // readable) or LINGER, whichever comes first. Best effort: a
+            // failed or interrupted poll ends the linger early.
+            let _ = crate::poll::readable([self.socket.as_fd()], LINGER);
         }
         self.lock().fail_qp();
     }
