@@ -230,23 +230,6 @@ impl Connection {
         self.shared.peer_regions.iter().find(|r| r.tag == tag).copied()
     }
 
-    fn deadline(&self) -> Deadline {
-        self.shared.deadline()
-    }
-
-    fn post_items<B: Send + 'static>(&self, buf: B, items: Result<&[WorkItem]>) -> Pending<B> {
-        self.shared.post_items(buf, items)
-    }
-
-    fn pending<B: Send + 'static>(&self, buf: B, posted: Posted) -> Pending<B> {
-        Pending::posted(&self.shared, buf, posted)
-    }
-
-    #[cfg(feature = "cuda")]
-    fn gpu<B: LocalBuffer>(&self, local: LocalSlice<B>, parts: LocalParts, op: Option<RemoteOp>) -> Pending<B> {
-        self.shared.gpu(local, parts, op)
-    }
-
     fn one<B: LocalBuffer>(&self, local: LocalSlice<B>, op: RemoteOp) -> Pending<B> {
         let parts = match local.resolve() {
             Ok(p) => p,
@@ -254,9 +237,9 @@ impl Connection {
         };
         #[cfg(feature = "cuda")]
         if parts.path.is_some() {
-            return self.gpu(local, parts, Some(op));
+            return self.shared.gpu(local, parts, Some(op));
         }
-        self.post_items(local.into_inner(), Ok(&[WorkItem { local: Some(parts), op }]))
+        self.shared.post_items(local.into_inner(), Ok(&[WorkItem { local: Some(parts), op }]))
     }
 
     /// Sends `local` as one message; it lands in the peer's next posted receive.
@@ -290,11 +273,11 @@ impl Connection {
         };
         #[cfg(feature = "cuda")]
         if parts.path.is_some() {
-            return self.gpu(local, parts, Some(RemoteOp::Send));
+            return self.shared.gpu(local, parts, Some(RemoteOp::Send));
         }
         let item = WorkItem { local: Some(parts), op: RemoteOp::Send };
-        match self.shared.transport.post_send_quiet(&item, self.deadline()) {
-            PostedInline::Tracked(posted) => self.pending(local.into_inner(), posted),
+        match self.shared.transport.post_send_quiet(&item, self.shared.deadline()) {
+            PostedInline::Tracked(posted) => self.shared.pending(local.into_inner(), posted),
             PostedInline::Quiet(q) => Pending::with(&self.shared, local.into_inner(), Stage::Quiet(q, None)),
         }
     }
@@ -310,8 +293,8 @@ impl Connection {
     /// waiting on one that no signaled request follows yet posts a
     /// zero-length write to learn it.
     pub fn send_inline(&self, data: &[u8], imm: Option<u32>) -> Pending<()> {
-        match self.shared.transport.post_inline_quiet(data, imm, self.deadline()) {
-            PostedInline::Tracked(posted) => self.pending((), posted),
+        match self.shared.transport.post_inline_quiet(data, imm, self.shared.deadline()) {
+            PostedInline::Tracked(posted) => self.shared.pending((), posted),
             PostedInline::Quiet(q) => Pending::with(&self.shared, (), Stage::Quiet(q, None)),
         }
     }
@@ -333,7 +316,7 @@ impl Connection {
     /// [`Error::Timeout`] when the send queue stays full for the connection's
     /// post timeout.
     pub fn send_inline_untracked(&self, data: &[u8], imm: Option<u32>) -> Result<()> {
-        match self.shared.transport.post_inline_quiet(data, imm, self.deadline()) {
+        match self.shared.transport.post_inline_quiet(data, imm, self.shared.deadline()) {
             PostedInline::Quiet(_) => Ok(()),
             PostedInline::Tracked(posted) => self.untrack(posted),
         }
@@ -399,7 +382,7 @@ impl Connection {
     /// Posts a receive with no buffer: for the peer's writes with immediate
     /// and zero-byte sends. Its completion carries the immediate.
     pub fn recv_imm(&self) -> Pending<()> {
-        self.pending((), self.shared.transport.post_recv(None))
+        self.shared.pending((), self.shared.transport.post_recv(None))
     }
 
     /// Writes `local` into the peer's memory at `remote` (same length).
@@ -551,8 +534,8 @@ impl<B: LocalBuffer> Batch<'_, B> {
         let bufs: Vec<B> = self.items.into_iter().map(|(l, _)| l.into_inner()).collect();
         #[allow(unused_mut)]
         let mut pending = match items {
-            Ok(items) => self.conn.post_items(bufs, Ok(&items)),
-            Err(e) => self.conn.post_items(bufs, Err(e)),
+            Ok(items) => self.conn.shared.post_items(bufs, Ok(&items)),
+            Err(e) => self.conn.shared.post_items(bufs, Err(e)),
         };
         #[cfg(feature = "cuda")]
         if !flush.is_empty() {
@@ -678,18 +661,24 @@ impl<B: Send + 'static> Pending<B> {
         false
     }
 
-    /// Whether the operation finished, polling for its outcome once when
-    /// it is not known yet (an error stays to be reported).
+    /// Whether the device is done with the buffer, polling once for an
+    /// outcome not known yet (an error stays to be reported).
     fn finished(&mut self) -> bool {
-        if !self.is_done() {
-            match self.stage {
-                Stage::InFlight(id) => {
-                    if let Ok(Some(outcome)) = self.shared.transport.poll_take(id) {
-                        self.absorb(outcome);
-                    }
+        match self.stage {
+            Stage::InFlight(id) => {
+                if let Ok(Some(outcome)) = self.shared.transport.poll_take(id) {
+                    self.absorb(outcome);
                 }
-                _ => self.collect(),
             }
+            Stage::Quiet(q, _) => {
+                if let Ok(Some(outcome)) = self.shared.transport.poll_quiet(&q) {
+                    self.release_flush();
+                    self.absorb(outcome);
+                }
+            }
+            #[cfg(feature = "cuda")]
+            Stage::Staged(_) => self.collect(),
+            _ => {}
         }
         self.is_done()
     }
@@ -988,20 +977,8 @@ impl<B: Send + 'static> Pending<B> {
     /// # Errors
     /// `Err(self)` while the operation is in flight.
     pub fn into_buffer(mut self) -> std::result::Result<B, Box<Self>> {
-        match self.stage {
-            // Pick up an outcome that arrived meanwhile.
-            Stage::InFlight(id) if self.shared.transport.poll(id).unwrap_or(false) => self.collect(),
-            Stage::Quiet(q, _) => {
-                if let Ok(Some(outcome)) = self.shared.transport.poll_quiet(&q) {
-                    self.release_flush();
-                    self.absorb(outcome);
-                }
-            }
-            #[cfg(feature = "cuda")]
-            Stage::Staged(_) => self.collect(),
-            _ => {}
-        }
-        if !self.is_done() {
+        // Picks up an outcome that arrived meanwhile.
+        if !self.finished() {
             return Err(Box::new(self));
         }
         Ok(self.buf.take().expect("the buffer is present until taken"))

@@ -6,7 +6,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use super::{Connection, Pending};
+use super::{Connection, Pending, Stage};
 use crate::completion::Completion;
 use crate::error::{Error, Result};
 use crate::memory::{LocalBuffer, LocalParts, LocalSlice};
@@ -68,8 +68,11 @@ impl Connection {
             }
         });
         let (range, buf) = local.rebind(());
-        let (local, ()) = range.clone().rebind(buf);
-        PersistentRecv { pending: self.recv(local), range, direct }
+        // A handle with no round yet, then its first round as every later one.
+        let pending = Pending::with(&self.shared, buf, Stage::Failed(None));
+        let mut rx = PersistentRecv { pending, range, direct };
+        rx.post();
+        rx
     }
 }
 
@@ -86,20 +89,25 @@ impl<B: LocalBuffer> PersistentRecv<B> {
         if !self.pending.finished() {
             return Err(Error::StillInFlight);
         }
+        self.post();
+        Ok(())
+    }
+
+    /// Posts this handle's next round (none is in flight).
+    fn post(&mut self) {
         match self.direct {
             Some(parts) => {
                 let posted = self.pending.shared.transport.post_recv(Some(parts));
                 self.pending.restart(posted);
             }
-            None => self.repost_slow(),
+            None => self.post_slow(),
         }
-        Ok(())
     }
 
-    /// [`repost`](Self::repost) by the full path of [`Connection::recv`].
+    /// [`post`](Self::post) by the full path of [`Connection::recv`].
     #[cold]
     #[inline(never)]
-    fn repost_slow(&mut self) {
+    fn post_slow(&mut self) {
         let shared = std::sync::Arc::clone(&self.pending.shared);
         let buf = self.pending.buf.take().expect("the buffer is present until taken");
         let (local, ()) = self.range.clone().rebind(buf);
