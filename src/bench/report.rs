@@ -66,17 +66,40 @@ impl LatRow {
     /// are selected, not sorted for: linear in the sample count, so a
     /// longer run costs the same per sample.
     pub fn from_samples(bytes: usize, samples: &mut [f64]) -> LatRow {
+        LatRow::of(bytes, samples, f64::total_cmp, |s| s)
+    }
+
+    /// The statistics of clock-tick samples (reordered), each `us_per_tick`
+    /// microseconds: as [`from_samples`](Self::from_samples) of the samples
+    /// in microseconds, with the quantiles selected among the integer ticks
+    /// (cheaper to compare than floating point).
+    pub fn from_ticks(bytes: usize, ticks: &mut [u64], us_per_tick: f64) -> LatRow {
+        LatRow::of(bytes, ticks, u64::cmp, |t| t as f64 * us_per_tick)
+    }
+
+    /// The statistics of `samples` ordered by `cmp`, each `us(sample)`
+    /// microseconds (`us` keeps that order).
+    fn of<T: Copy>(
+        bytes: usize,
+        samples: &mut [T],
+        cmp: impl FnMut(&T, &T) -> std::cmp::Ordering,
+        us: impl Fn(T) -> f64,
+    ) -> LatRow {
         let n = samples.len();
         let index = |q: f64| quantile_index(q, n);
         let [median, p99, p99_9] =
-            if n == 0 { [0.0; 3] } else { select(samples, [index(0.5), index(0.99), index(0.999)], f64::total_cmp) };
+            if n == 0 { [0.0; 3] } else { select(samples, [index(0.5), index(0.99), index(0.999)], cmp).map(&us) };
         let (t_min, t_max) = if n == 0 {
             (0.0, 0.0)
         } else {
-            samples.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &s| (lo.min(s), hi.max(s)))
+            samples.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &s| (lo.min(us(s)), hi.max(us(s))))
         };
-        let avg = if n == 0 { 0.0 } else { samples.iter().sum::<f64>() / n as f64 };
-        let var = if n < 2 { 0.0 } else { samples.iter().map(|s| (s - avg) * (s - avg)).sum::<f64>() / (n - 1) as f64 };
+        let avg = if n == 0 { 0.0 } else { samples.iter().map(|&s| us(s)).sum::<f64>() / n as f64 };
+        let var = if n < 2 {
+            0.0
+        } else {
+            samples.iter().map(|&s| (us(s) - avg) * (us(s) - avg)).sum::<f64>() / (n - 1) as f64
+        };
         LatRow {
             bytes,
             iterations: n as u64,
@@ -112,60 +135,6 @@ fn select<T: Copy, const N: usize>(
 /// The index of quantile `q` among `n` sorted samples (`n` > 0).
 fn quantile_index(q: f64, n: usize) -> usize {
     ((q * n as f64).ceil() as usize).clamp(1, n) - 1
-}
-
-impl LatRow {
-    /// The statistics of clock-tick samples (reordered), each `us_per_tick`
-    /// microseconds: as [`from_samples`](Self::from_samples) of the samples
-    /// in microseconds, with the quantiles selected among the integer ticks
-    /// (cheaper to compare than floating point).
-    pub fn from_ticks(bytes: usize, ticks: &mut [u64], us_per_tick: f64) -> LatRow {
-        let n = ticks.len();
-        if n == 0 {
-            return LatRow::from_samples(bytes, &mut []);
-        }
-        let us = |t: u64| t as f64 * us_per_tick;
-        let index = |q: f64| quantile_index(q, n);
-        let [median, p99, p99_9] = select(ticks, [index(0.5), index(0.99), index(0.999)], u64::cmp);
-        // One pass, in exact integers: the sum and the sum of squares give
-        // the variance with no cancellation (n·Σt² − (Σt)² is exact). Samples
-        // far beyond any real latency (a clock that stepped back) overflow
-        // it: then two passes in floating point.
-        let (lo, hi) = ticks.iter().fold((u64::MAX, 0), |(lo, hi), &t| (lo.min(t), hi.max(t)));
-        let exact = (hi < 1 << 32 && n < 1 << 31).then(|| {
-            let (sum, squares) = ticks
-                .iter()
-                .fold((0u128, 0u128), |(sum, sq), &t| (sum + u128::from(t), sq + u128::from(t) * u128::from(t)));
-            let n = n as u128;
-            // sum < 2^63 and squares < 2^95: both products stay below 2^127.
-            (sum, n.checked_mul(squares).and_then(|nsq| nsq.checked_sub(sum * sum)).map(|d| (d, n * (n - 1))))
-        });
-        let (avg, var) = match exact {
-            Some((sum, Some((d, nn)))) if n >= 2 => {
-                (sum as f64 / n as f64 * us_per_tick, d as f64 / nn as f64 * us_per_tick * us_per_tick)
-            }
-            _ => {
-                let avg = ticks.iter().map(|&t| us(t)).sum::<f64>() / n as f64;
-                let var = if n < 2 {
-                    0.0
-                } else {
-                    ticks.iter().map(|&t| (us(t) - avg) * (us(t) - avg)).sum::<f64>() / (n - 1) as f64
-                };
-                (avg, var)
-            }
-        };
-        LatRow {
-            bytes,
-            iterations: n as u64,
-            t_min: us(lo),
-            t_max: us(hi),
-            t_typical: us(median),
-            t_avg: avg,
-            t_stdev: var.sqrt(),
-            p99: us(p99),
-            p99_9: us(p99_9),
-        }
-    }
 }
 
 impl fmt::Display for LatRow {
@@ -293,7 +262,8 @@ mod tests {
             let per = 0.37;
             let mut us: Vec<f64> = ticks.iter().map(|&t| t as f64 * per).collect();
             let a = LatRow::from_ticks(64, &mut ticks.clone(), per);
-            // A sample past the exact sums' range takes the floating-point way.
+            // A sample far past any real latency (a clock that stepped back)
+            // still gives finite statistics.
             let mut huge = ticks.clone();
             huge.push(u64::MAX - 5);
             let h = LatRow::from_ticks(64, &mut huge, per);
