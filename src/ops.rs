@@ -260,6 +260,7 @@ impl OpTable {
     /// it was the operation's final request), an orphaned buffer that may
     /// now be dropped, and whether the operation failed (known at its final
     /// request).
+    #[inline(always)]
     pub(crate) fn complete(&mut self, raw: &RawCompletion) -> (Held, Option<Orphan>, bool) {
         let (id, last) = OpId::from_wr_id(raw.wr_id);
         let busy = |e: &&mut OpEntry| e.generation == id.generation && e.phase == Phase::Busy;

@@ -228,7 +228,7 @@ impl ConnTransport {
         }
     }
 
-    #[inline]
+    #[inline(always)]
     pub(crate) fn post_recv(&self, local: Option<LocalParts>) -> Posted {
         dispatch!(self, t => t.post_recv(local))
     }

@@ -171,6 +171,10 @@ pub(crate) struct QueueCore {
     /// outcome was known, oldest first: each is dropped once a later
     /// signaled request's completion says the device is done with it.
     quiet_orphans: std::collections::VecDeque<(u64, Orphan)>,
+    /// Counts what can make a waiter's condition true: completions, the
+    /// loss, credits an abort gave back. A waiter that finds the count
+    /// unchanged since its last look has nothing new to look at.
+    changes: u64,
 }
 
 /// An orphaned buffer, dropped once the device is done with it.
@@ -193,6 +197,7 @@ impl QueueCore {
             order: SendOrder::default(),
             moderation,
             quiet_orphans: std::collections::VecDeque::new(),
+            changes: 0,
         }
     }
 
@@ -213,6 +218,7 @@ impl QueueCore {
             return false;
         }
         self.lost = Some(reason());
+        self.changes = self.changes.wrapping_add(1);
         true
     }
 
@@ -344,6 +350,7 @@ impl QueueCore {
         self.order.next -= 1;
         self.order.quiet -= 1;
         self.send_used -= 1;
+        self.changes = self.changes.wrapping_add(1);
     }
 
     /// Whether nothing was posted since the last call (which found a quiet
@@ -400,7 +407,7 @@ impl QueueCore {
     ///
     /// # Errors
     /// [`Error::ConnectionLost`], or [`Error::QueueFull`] when every receive credit is in use.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn start_recv(&mut self) -> Result<OpId> {
         if self.lost.is_some() || self.recv_used >= self.limits.recv_depth {
             return Err(self.recv_refused());
@@ -420,6 +427,7 @@ impl QueueCore {
             o.quiet += held.carried;
         }
         self.release(Held { carried: 0, ..held });
+        self.changes = self.changes.wrapping_add(1);
     }
 
     fn release(&mut self, held: Held) {
@@ -431,7 +439,9 @@ impl QueueCore {
     /// Records one completion: at an operation's final request its credits
     /// come back, and an orphaned buffer is handed out to be dropped (the
     /// device is done with it).
+    #[inline(always)]
     pub(crate) fn complete(&mut self, raw: &RawCompletion) -> Option<Orphan> {
+        self.changes = self.changes.wrapping_add(1);
         if let Some(seq) = quiet_seq(raw.wr_id) {
             // A quiet send reports only a failure (or its flush).
             self.failed_at(seq, raw);
@@ -468,6 +478,12 @@ impl QueueCore {
             };
             self.order.failed = Some((seq, c));
         }
+    }
+
+    /// The count of changes a waiter may be waiting for (see the field):
+    /// equal counts, no news.
+    pub(crate) fn changes(&self) -> u64 {
+        self.changes
     }
 
     /// Whether the operation has an outcome to take.
@@ -650,6 +666,38 @@ mod tests {
         assert_eq!(q.credits(), (0, 0));
         q.abort(r);
         assert_eq!(q.credits(), (0, 0), "aborting twice returns nothing twice");
+    }
+
+    #[test]
+    fn every_change_a_waiter_may_wait_for_moves_the_change_count() {
+        let mut q = core(4, 2);
+        let mut last = q.changes();
+        let mut moved = |q: &QueueCore| {
+            let now = q.changes();
+            std::mem::replace(&mut last, now) != now
+        };
+        // Starting, taking and orphaning make no waiter's condition true.
+        let a = q.start_send(Opcode::Write, 2, 8);
+        let r = q.start_recv().unwrap();
+        let quiet = q.start_quiet(Opcode::Send, 1, true);
+        assert!(!moved(&q));
+        // Giving credits back does: an aborted quiet send and an aborted operation.
+        q.abort_quiet(quiet);
+        assert!(moved(&q));
+        q.abort(r);
+        assert!(moved(&q));
+        // Every completion does, an early part of a chain included (it may fail it).
+        q.complete(&done(a, false, WcStatus::Success));
+        assert!(moved(&q));
+        q.complete(&done(a, true, WcStatus::Success));
+        assert!(moved(&q));
+        q.take(a).unwrap().unwrap();
+        assert!(!moved(&q));
+        // The loss does, once.
+        assert!(q.lose(|| "test".into()));
+        assert!(moved(&q));
+        assert!(!q.lose(|| "again".into()));
+        assert!(!moved(&q));
     }
 
     #[test]

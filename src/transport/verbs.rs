@@ -336,12 +336,19 @@ impl VerbsConn {
         let mut spin_until: Option<Instant> = None;
         let mut peer_look: Option<Instant> = None;
         let mut spins = 0u32;
+        // `ready` is asked again only when the queue changed since it last
+        // said no: an empty poll costs the poll alone.
+        let mut seen = None;
         loop {
             let grace_end = {
                 let mut st = self.lock();
                 self.progress(&mut st)?;
-                if ready(&mut st) {
-                    return Ok(true);
+                let changes = Some(st.q.changes());
+                if seen != changes {
+                    if ready(&mut st) {
+                        return Ok(true);
+                    }
+                    seen = changes;
                 }
                 st.grace_end()
             };
@@ -406,6 +413,7 @@ impl VerbsConn {
     /// lock for the check and the take). [`WaitError::Unfinished`] when the
     /// deadline passed first (the operation is still in flight) or polling
     /// failed.
+    #[inline(always)]
     pub(crate) fn wait_take(&self, id: OpId, due: &mut Deadline) -> Waited {
         {
             // Taken already reaped, or reaped by one poll: one lock either way.
@@ -986,6 +994,7 @@ impl VerbsConn {
         }
     }
 
+    #[inline(always)]
     pub(crate) fn post_recv(&self, local: Option<LocalParts>) -> Posted {
         let mut st = self.lock();
         // A receive's scatter entry holds at most u32::MAX bytes.

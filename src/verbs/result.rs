@@ -73,6 +73,7 @@ pub(crate) fn nonnull<T>(ptr: *mut T, op: &'static str) -> Result<NonNull<T>> {
 
 /// Returns-an-errno convention (0 is success). A negative value is treated as
 /// `-errno`, and -1 as "see errno", which some providers do.
+#[inline]
 pub(crate) fn errno_rc(rc: c_int, op: &'static str) -> Result<()> {
     match rc {
         0 => Ok(()),
