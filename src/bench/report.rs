@@ -82,17 +82,22 @@ impl LatRow {
     fn of<T: Copy>(
         bytes: usize,
         samples: &mut [T],
-        cmp: impl FnMut(&T, &T) -> std::cmp::Ordering,
+        mut cmp: impl FnMut(&T, &T) -> std::cmp::Ordering,
         us: impl Fn(T) -> f64,
     ) -> LatRow {
         let n = samples.len();
         let index = |q: f64| quantile_index(q, n);
-        let [median, p99, p99_9] =
-            if n == 0 { [0.0; 3] } else { select(samples, [index(0.5), index(0.99), index(0.999)], cmp).map(&us) };
-        let (t_min, t_max) = if n == 0 {
-            (0.0, 0.0)
+        let ([median, p99, p99_9], t_min, t_max) = if n == 0 {
+            ([0.0; 3], 0.0, 0.0)
         } else {
-            samples.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &s| (lo.min(us(s)), hi.max(us(s))))
+            let at = [index(0.5), index(0.99), index(0.999)];
+            let quantiles = select(samples, at, &mut cmp).map(&us);
+            // After the selection nothing below the median lies past it,
+            // and nothing above the last quantile before it: the extremes
+            // are found among those few.
+            let lo = samples[..=at[0]].iter().min_by(|a, b| cmp(a, b));
+            let hi = samples[at[2]..].iter().max_by(|a, b| cmp(a, b));
+            (quantiles, lo.map_or(0.0, |&s| us(s)), hi.map_or(0.0, |&s| us(s)))
         };
         let avg = if n == 0 { 0.0 } else { samples.iter().map(|&s| us(s)).sum::<f64>() / n as f64 };
         let var = if n < 2 {

@@ -869,6 +869,7 @@ impl VerbsConn {
     /// unsignaled unless the moderation says signal (see
     /// [`QueueCore::must_signal`]); its outcome then follows from later
     /// requests' completions.
+    #[inline(always)]
     pub(crate) fn post_inline(&self, data: &[u8], imm: Option<u32>, mut due: Deadline, quiet: bool) -> PostedInline {
         let refused = |e| PostedInline::Tracked(Posted::refused(e));
         if data.len() as u64 > u64::from(self.max_inline) {
