@@ -1,9 +1,8 @@
 //! The server: the parameter check, serving a test, its end.
 
-use std::collections::VecDeque;
 use std::time::Duration;
 
-use crate::connection::{Connection, Pending};
+use crate::connection::{Connection, Pending, PersistentRecv};
 use crate::error::{Error, Result};
 use crate::memory::{Exposed, HostMemory, LocalBuffer, RemoteRegion};
 
@@ -102,49 +101,54 @@ pub fn serve<B: Landing>(
             let done = conn.recv_imm();
             ready(conn)?;
             wait_done(done, timeout)?;
-            end_of_test::<B>(conn, VecDeque::new(), timeout)
+            end_of_test(conn, &mut [] as &mut [PersistentRecv<B>], timeout)
         }
         Test::SendBw => {
             let depth = conn.info().recv_queue_depth.clamp(1, 512) as usize;
-            let mut posted: VecDeque<Pending<B>> =
-                (0..depth).map(|_| conn.recv(local.clone().slice(..whole))).collect();
+            // A ring of receives, each reposted into its range once its
+            // message is in, as perftest reposts its prebuilt ones.
+            let mut ring: Vec<PersistentRecv<B>> =
+                (0..depth).map(|_| conn.recv_persistent(local.clone().slice(..whole))).collect();
             ready(conn)?;
+            let mut i = 0;
             loop {
-                let Some(mut p) = posted.pop_front() else { unreachable!("receives are always posted") };
-                let c = p.wait_timeout(timeout)?;
+                let c = ring[i].wait_timeout(timeout)?;
                 if c.imm == Some(DONE) {
                     // The receives still posted would swallow what this
                     // connection receives next: the client fills them.
-                    return end_of_test(conn, posted, timeout);
+                    ring.rotate_left(i + 1);
+                    return end_of_test(conn, &mut ring[..depth - 1], timeout);
                 }
-                posted.push_back(conn.recv(local.clone().slice(..whole)));
+                ring[i].repost()?;
+                i = (i + 1) % depth;
             }
         }
         Test::SendLat => {
             let zeros = vec![0u8; conn.info().max_inline as usize];
             let mut sent = Trailing::new();
-            // Two receives posted, so that the reply goes out first and the
-            // receive is replenished after it, off the path from a message to
-            // its reply.
-            let mut posted: VecDeque<Pending<B>> = (0..2).map(|_| conn.recv(local.clone().slice(..whole))).collect();
+            // Two receives posted, used in turn, so that the reply goes out
+            // first and the receive is replenished after it, off the path
+            // from a message to its reply.
+            let mut rx = [(); 2].map(|()| conn.recv_persistent(local.clone().slice(..whole)));
             ready(conn)?;
+            let mut i = 0;
             loop {
-                let Some(mut rx) = posted.pop_front() else { unreachable!("receives are always posted") };
-                let c = rx.wait_timeout(timeout)?;
+                let c = rx[i].wait_timeout(timeout)?;
                 if c.imm == Some(DONE) {
                     sent.drain(timeout)?;
-                    return end_of_test(conn, posted, timeout);
+                    return end_of_test(conn, &mut rx[1 - i..2 - i], timeout);
                 }
                 let n = c.byte_len as usize;
                 if mode.inline && n <= zeros.len() {
                     // The client's next message says it arrived: nothing to track.
                     conn.send_inline_untracked(&zeros[..n], None)?;
-                    posted.push_back(conn.recv(local.clone().slice(..whole)));
+                    rx[i].repost()?;
                 } else {
                     let tx = conn.send_unsignaled(local.clone().slice(..n));
-                    posted.push_back(conn.recv(local.clone().slice(..whole)));
+                    rx[i].repost()?;
                     sent.push(tx, timeout)?;
                 }
+                i = 1 - i;
             }
         }
         Test::WriteLat => {
@@ -158,7 +162,7 @@ pub fn serve<B: Landing>(
                 let c = rx.wait_timeout(timeout)?;
                 let Some(imm) = c.imm.filter(|i| *i != DONE) else {
                     sent.drain(timeout)?;
-                    return end_of_test::<B>(conn, VecDeque::new(), timeout);
+                    return end_of_test(conn, &mut [] as &mut [PersistentRecv<B>], timeout);
                 };
                 rx = local.await_write(conn);
                 let n = imm as usize;
@@ -169,9 +173,10 @@ pub fn serve<B: Landing>(
     }
 }
 
-/// The server's end of [`finish`]: says how many receives `posted` holds
-/// and waits for the client to fill them.
-fn end_of_test<B: LocalBuffer>(conn: &Connection, mut posted: VecDeque<Pending<B>>, timeout: Duration) -> Result<()> {
+/// The server's end of [`finish`]: says how many receives are still
+/// posted (`posted`, in the order they were posted) and waits for the
+/// client to fill them.
+fn end_of_test<B: LocalBuffer>(conn: &Connection, posted: &mut [PersistentRecv<B>], timeout: Duration) -> Result<()> {
     let left = u32::try_from(posted.len()).map_err(|_| Error::InvalidArgument("too many receives posted".into()))?;
     conn.send_inline(&[], Some(left)).wait_timeout(timeout)?;
     posted.iter_mut().try_for_each(|p| p.wait_timeout(timeout).map(drop))
