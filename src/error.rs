@@ -230,10 +230,10 @@ pub enum Error {
     #[error("this operation failed and its error was already returned")]
     AlreadyReported,
 
-    /// A [`PersistentRecv`](crate::PersistentRecv) was posted again while
-    /// its last receive was still in flight. Nothing was posted; the
-    /// receive in flight is unchanged.
-    #[error("the receive is still in flight: wait for it before posting it again")]
+    /// A [`Persistent`](crate::Persistent) receive or send was posted
+    /// again while its last round was still in flight. Nothing was posted;
+    /// the round in flight is unchanged.
+    #[error("the last round is still in flight: wait for it before posting it again")]
     StillInFlight,
 
     /// A wait was interrupted on purpose (a [`Listener`](crate::Listener)'s

@@ -157,10 +157,11 @@
 //!   thread; [`Pending::on_complete`] runs a callback on the engine.
 //! - Dropping a future, a `Transfer` or a whole set mid-flight is safe: the
 //!   buffers stay with their connections until the device is done.
-//! - [`Connection::recv_persistent`] posts a receive whose handle posts
-//!   the next into the same range once it finished
-//!   ([`PersistentRecv::repost`]), as perftest reposts its prebuilt
-//!   receive: the range is checked once and no handle is built per message.
+//! - [`Connection::recv_persistent`] and [`Connection::send_persistent`]
+//!   post a receive or an (unsignaled) send whose handle posts the next on
+//!   the same range once it finished ([`Persistent::repost`]), as perftest
+//!   reposts its prebuilt requests: the range is checked once and no handle
+//!   is built per message.
 //! - [`ConnectOptions::post_timeout`] `(Duration::ZERO)` makes posts
 //!   try-posts ([`Error::QueueFull`] at once, the buffer back);
 //!   [`Pending::into_result`] hands the buffer back on error too.
@@ -454,8 +455,8 @@ pub use completion::{Completion, CompletionError, Failure, Opcode, WcStatus};
 pub use config::{Transport, TransportPolicy};
 pub use connection::{
     Batch, CompletionSet, ConnectOptions, Connection, ConnectionInfo, ConnectionStats, Failed, Finished, Inbox,
-    InboxStats, Interrupt, Listener, MAX_CONCURRENT_HANDSHAKES, MAX_QUEUED_NOTES, Note, Pending, PersistentRecv,
-    Transfer, Transferred,
+    InboxStats, Interrupt, Listener, MAX_CONCURRENT_HANDSHAKES, MAX_QUEUED_NOTES, Note, Pending, Persistent,
+    PersistentRecv, PersistentSend, Transfer, Transferred,
 };
 pub use domain::{BufError, Domain, DomainConfig, DomainInfo, DomainStats};
 pub use endpoint::Endpoint;

@@ -846,6 +846,65 @@ fn a_persistent_receive_reposts_into_its_range_and_never_while_in_flight(t: Kind
     assert!(matches!(rx.wait_timeout(Duration::from_secs(20)), Err(Error::ConnectionLost { .. })));
 }
 
+fn a_persistent_send_resends_its_range_as_it_is_at_each_post(t: Kind) {
+    let d = domain(t);
+    let (s, c) = pair(&d);
+    let mut rx = s.recv_persistent(d.alloc(32).unwrap());
+    let first = pattern(16, 0);
+    let mut source = filled(&d, &[0u8; 40]);
+    source.as_mut_slice()[8..24].copy_from_slice(&first);
+    let mut tx = c.send_persistent(source.slice(8..24));
+    assert!(tx.buffer_mut().is_none() && tx.buffer().is_none(), "no access while the device may read");
+    for round in 0..200u64 {
+        let got = rx.wait().unwrap();
+        assert_eq!(got.byte_len, 16, "round {round}");
+        assert_eq!(&rx.buffer().unwrap()[..16], &pattern(16, round)[..], "round {round}: this round's message");
+        rx.repost().unwrap();
+        // Unsignaled: the wait learns the outcome from a later signaled
+        // request, posting one if none follows.
+        tx.wait().unwrap();
+        let next = pattern(16, round + 1);
+        tx.buffer_mut().expect("finished").as_mut_slice()[8..24].copy_from_slice(&next);
+        tx.repost().unwrap();
+        assert!(tx.buffer_mut().is_none(), "round {round}: posted again");
+    }
+    rx.wait().unwrap();
+    tx.wait().unwrap();
+    let back = tx.into_buffer().map_err(|_| "finished").unwrap();
+    assert_eq!(&back.as_slice()[8..24], &pattern(16, 200)[..]);
+
+    // A range outside its buffer fails every round, and posts nothing.
+    let (s, c) = pair(&d);
+    let mut bad = c.send_persistent(d.alloc(16).unwrap().slice(8..32));
+    for _ in 0..3 {
+        assert!(matches!(bad.wait(), Err(Error::OutOfBounds { .. })));
+        bad.repost().unwrap();
+    }
+    assert_eq!(c.in_flight().0, 0);
+
+    // Dropped while posted: the buffer stays with the connection; the
+    // message still arrives as it was.
+    let mut rx = s.recv_persistent(d.alloc(16).unwrap());
+    drop(c.send_persistent(filled(&d, b"dropped")));
+    assert_eq!(rx.wait().unwrap().byte_len, 7);
+    assert_eq!(&rx.buffer().unwrap()[..7], b"dropped");
+
+    // On a lost connection a repost is refused by its wait.
+    rx.repost().unwrap();
+    let mut tx = c.send_persistent(filled(&d, b"x"));
+    tx.wait().unwrap();
+    rx.wait().unwrap();
+    drop(s);
+    let t0 = Instant::now();
+    while c.broken().is_none() {
+        let _ = c.progress();
+        assert!(t0.elapsed() < Duration::from_secs(40), "the peer's close was never seen");
+        thread::sleep(Duration::from_millis(1));
+    }
+    tx.repost().unwrap();
+    assert!(matches!(tx.wait_timeout(Duration::from_secs(20)), Err(Error::ConnectionLost { .. })));
+}
+
 fn stats_count_live_resources_and_end_where_they_started(t: Kind) {
     let d = domain(t);
     let before = d.stats();
@@ -1236,6 +1295,7 @@ both!(
     dropping_every_handle_while_requests_are_in_flight_is_safe,
     stats_count_live_resources_and_end_where_they_started,
     a_persistent_receive_reposts_into_its_range_and_never_while_in_flight,
+    a_persistent_send_resends_its_range_as_it_is_at_each_post,
     a_garbled_handshake_is_a_typed_error,
     a_truncated_handshake_is_a_typed_error,
     a_silent_peer_is_a_timeout_within_the_handshake_timeout,

@@ -5,9 +5,9 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use crate::completion::Completion;
-use crate::connection::{Connection, Pending, PersistentRecv, Transfer};
+use crate::connection::{Connection, Pending, Persistent, PersistentRecv, Transfer};
 use crate::error::{Error, Result};
-use crate::memory::{LocalBuffer, RemoteRegion, RemoteSlice};
+use crate::memory::{LocalBuffer, LocalSlice, RemoteRegion, RemoteSlice};
 use crate::protocol::list::Piece;
 
 use super::params::{DONE, LocalMode, Params, Test};
@@ -47,6 +47,61 @@ impl<B: Send + 'static> Trailing<B> {
             p.wait_timeout(timeout)?;
         }
         Ok(())
+    }
+}
+
+/// The sends of a ping-pong too long to go inline, from one range: a ring
+/// of [`Persistent`] sends, each reposted a lap later, as perftest reposts
+/// its prebuilt send (it does not wait for its sends either). No handle is
+/// built or dropped per message. The sends go unsignaled, and at least
+/// every 64th request is signaled, so a lap later a slot's send is known
+/// done and making it ready takes no polling. A failure still surfaces,
+/// from that wait or as the connection's error on the next receive.
+pub(super) struct SendRing<B: Send + 'static> {
+    /// Each slot's send and its length.
+    slots: Vec<(Persistent<B>, usize)>,
+    /// The slot the next send uses.
+    next: usize,
+}
+
+impl<B: LocalBuffer> SendRing<B> {
+    const LAP: usize = 128;
+
+    pub(super) fn new() -> Self {
+        SendRing { slots: Vec::with_capacity(Self::LAP), next: 0 }
+    }
+
+    /// Sends `len` bytes, `local(len)`, from the next slot: the slot's
+    /// send again (made ready by [`ready_next`](Self::ready_next)), or a
+    /// new persistent send while the ring fills and when the length changed.
+    pub(super) fn send(
+        &mut self,
+        conn: &Connection,
+        len: usize,
+        local: impl FnOnce(usize) -> LocalSlice<B>,
+    ) -> Result<()> {
+        match self.slots.get_mut(self.next) {
+            Some((slot, n)) if *n == len => slot.repost()?,
+            // Finished (made ready): nothing of it is in flight to keep.
+            Some(slot) => *slot = (conn.send_persistent(local(len)), len),
+            None => self.slots.push((conn.send_persistent(local(len)), len)),
+        }
+        self.next = (self.next + 1) % Self::LAP;
+        Ok(())
+    }
+
+    /// Waits until the slot the next send uses has finished its last round
+    /// (off the timed path).
+    pub(super) fn ready_next(&mut self, timeout: Duration) -> Result<()> {
+        match self.slots.get_mut(self.next) {
+            Some((slot, _)) if !slot.is_done() => slot.wait_timeout(timeout).map(drop),
+            _ => Ok(()),
+        }
+    }
+
+    /// Waits for every send still in flight.
+    pub(super) fn drain(&mut self, timeout: Duration) -> Result<()> {
+        self.slots.iter_mut().filter(|(s, _)| !s.is_done()).try_for_each(|(s, _)| s.wait_timeout(timeout).map(drop))
     }
 }
 
@@ -300,6 +355,7 @@ pub fn latency<B: LocalBuffer + Clone>(
     let inline = mode.inline && size <= conn.info().max_inline as usize;
     let zeros = vec![0u8; if inline { size } else { 0 }];
     let mut sent = Trailing::new();
+    let mut ring = SendRing::new();
     match test {
         Test::SendLat => {
             // The next receive is posted while the reply is on the way: off
@@ -312,13 +368,12 @@ pub fn latency<B: LocalBuffer + Clone>(
                 [(iters > 0).then(|| conn.recv_persistent(local.clone().slice(..size))), None];
             for i in 0..iters {
                 let t0 = clock.ticks();
-                let tx = if inline {
+                if inline {
                     // The reply says it arrived: nothing to track.
                     conn.send_inline_untracked(&zeros, None)?;
-                    None
                 } else {
-                    Some(conn.send_unsignaled(local.clone().slice(..size)))
-                };
+                    ring.send(conn, size, |n| local.clone().slice(..n))?;
+                }
                 if i + 1 < iters {
                     match &mut rx[(i + 1) % 2] {
                         Some(next) => next.repost()?,
@@ -330,10 +385,9 @@ pub fn latency<B: LocalBuffer + Clone>(
                 }
                 ticks.push(clock.ticks().wrapping_sub(t0));
                 // Bookkeeping after the sample, as perftest keeps its own
-                // off the timed path: the send's handle is kept until the
-                // device is done with its buffer.
-                if let Some(tx) = tx {
-                    sent.push(tx, timeout)?;
+                // off the timed path.
+                if !inline {
+                    ring.ready_next(timeout)?;
                 }
             }
         }
@@ -363,6 +417,7 @@ pub fn latency<B: LocalBuffer + Clone>(
         other => return Err(Error::InvalidArgument(format!("{other} is not a latency test"))),
     }
     sent.drain(timeout)?;
+    ring.drain(timeout)?;
     let us = clock.seconds_per_tick() * 1e6 / if halve { 2.0 } else { 1.0 };
     Ok(LatRow::from_ticks(size, &mut ticks, us))
 }

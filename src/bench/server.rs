@@ -6,7 +6,7 @@ use crate::connection::{Connection, Pending, PersistentRecv};
 use crate::error::{Error, Result};
 use crate::memory::{Exposed, HostMemory, LocalBuffer, RemoteRegion};
 
-use super::client::Trailing;
+use super::client::{SendRing, Trailing};
 use super::params::{DONE, LocalMode, Params, Test};
 
 /// Where the server's memory is, for the write ping-pong: a write with
@@ -125,7 +125,7 @@ pub fn serve<B: Landing>(
         }
         Test::SendLat => {
             let zeros = vec![0u8; conn.info().max_inline as usize];
-            let mut sent = Trailing::new();
+            let mut sent = SendRing::new();
             // Two receives posted, used in turn, so that the reply goes out
             // first and the receive is replenished after it, off the path
             // from a message to its reply.
@@ -144,9 +144,9 @@ pub fn serve<B: Landing>(
                     conn.send_inline_untracked(&zeros[..n], None)?;
                     rx[i].repost()?;
                 } else {
-                    let tx = conn.send_unsignaled(local.clone().slice(..n));
+                    sent.send(conn, n, |n| local.clone().slice(..n))?;
                     rx[i].repost()?;
-                    sent.push(tx, timeout)?;
+                    sent.ready_next(timeout)?;
                 }
                 i = 1 - i;
             }

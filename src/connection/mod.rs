@@ -12,7 +12,7 @@ mod waiting;
 pub use crate::options::{ConnectOptions, ConnectionInfo};
 pub use establish::{Interrupt, Listener, MAX_CONCURRENT_HANDSHAKES};
 pub use inbox::{Inbox, InboxStats, MAX_QUEUED_NOTES, Note};
-pub use persistent::PersistentRecv;
+pub use persistent::{Persistent, PersistentRecv, PersistentSend};
 pub(crate) use transfer::Direction;
 pub use transfer::{Failed, Transfer, Transferred};
 pub use waiting::{CompletionSet, Finished};
@@ -77,6 +77,23 @@ impl ConnShared {
                 self.pending(local.into_inner(), posted)
             }
             Err(e) => Pending::failed(self, local.into_inner(), e),
+        }
+    }
+
+    /// [`Connection::send_unsignaled`].
+    pub(crate) fn send_unsignaled<B: LocalBuffer>(self: &Arc<Self>, local: LocalSlice<B>) -> Pending<B> {
+        let parts = match local.resolve() {
+            Ok(p) => p,
+            Err(e) => return Pending::failed(self, local.into_inner(), e),
+        };
+        #[cfg(feature = "cuda")]
+        if parts.path.is_some() {
+            return self.gpu(local, parts, Some(RemoteOp::Send));
+        }
+        let item = WorkItem { local: Some(parts), op: RemoteOp::Send };
+        match self.transport.post_send_quiet(&item, self.deadline()) {
+            PostedInline::Tracked(posted) => self.pending(local.into_inner(), posted),
+            PostedInline::Quiet(q) => Pending::with(self, local.into_inner(), Stage::Quiet(q, None)),
         }
     }
 
@@ -266,20 +283,7 @@ impl Connection {
     /// so a send waited for at once is cheaper with [`send`](Self::send).
     /// GPU memory and the TCP transport track every send, as `send` does.
     pub fn send_unsignaled<B: LocalBuffer>(&self, local: impl Into<LocalSlice<B>>) -> Pending<B> {
-        let local = local.into();
-        let parts = match local.resolve() {
-            Ok(p) => p,
-            Err(e) => return Pending::failed(&self.shared, local.into_inner(), e),
-        };
-        #[cfg(feature = "cuda")]
-        if parts.path.is_some() {
-            return self.shared.gpu(local, parts, Some(RemoteOp::Send));
-        }
-        let item = WorkItem { local: Some(parts), op: RemoteOp::Send };
-        match self.shared.transport.post_send_quiet(&item, self.shared.deadline()) {
-            PostedInline::Tracked(posted) => self.shared.pending(local.into_inner(), posted),
-            PostedInline::Quiet(q) => Pending::with(&self.shared, local.into_inner(), Stage::Quiet(q, None)),
-        }
+        self.shared.send_unsignaled(local.into())
     }
 
     /// Sends a small message copied from `data` at post time (no registered
@@ -683,16 +687,18 @@ impl<B: Send + 'static> Pending<B> {
         self.is_done()
     }
 
-    /// Starts this finished handle's next round: the operation posted as `posted`.
-    fn restart(&mut self, posted: Posted) {
+    /// Starts this finished handle's next round: the operation posted as
+    /// `posted` (`PostedInline::Quiet` for an unsignaled send).
+    fn restart(&mut self, posted: PostedInline) {
         debug_assert!(self.is_done());
         if let Some(aw) = self.awaiting.take() {
             aw.disarm(&self.shared.domain.inner.engine);
         }
         let next = match posted {
-            Posted::Ok(id) => Stage::InFlight(id),
-            Posted::Refused(e) => Stage::Failed(Some(e)),
-            Posted::Stuck(id, e) => Stage::Stuck(id, Some(e)),
+            PostedInline::Tracked(Posted::Ok(id)) => Stage::InFlight(id),
+            PostedInline::Tracked(Posted::Refused(e)) => Stage::Failed(Some(e)),
+            PostedInline::Tracked(Posted::Stuck(id, e)) => Stage::Stuck(id, Some(e)),
+            PostedInline::Quiet(q) => Stage::Quiet(q, None),
         };
         let last = std::mem::replace(&mut self.stage, next);
         if let Stage::Succeeded(_) = last {

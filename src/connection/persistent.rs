@@ -1,4 +1,5 @@
-//! A receive posted again and again into the same range of one buffer.
+//! A receive or a send posted again and again into or from the same range
+//! of one buffer.
 
 use std::fmt;
 use std::future::Future;
@@ -10,19 +11,21 @@ use super::{Connection, Pending, Stage};
 use crate::completion::Completion;
 use crate::error::{Error, Result};
 use crate::memory::{LocalBuffer, LocalParts, LocalSlice};
+use crate::transport::{PostedInline, RemoteOp, WorkItem};
 
-/// A receive into one range of one buffer that is posted again after each
-/// message, as perftest reposts one prebuilt receive and as MPI's
+/// A receive into, or a send from, one range of one buffer, posted again
+/// after each round, as perftest reposts its prebuilt requests and as MPI's
 /// persistent requests start one request again and again.
 ///
-/// [`Connection::recv_persistent`] posts the first receive; once a receive
-/// finished, [`repost`](Self::repost) posts the next into the same range.
-/// The range is checked once, and each round reuses this handle: no new
-/// [`Pending`] is built and dropped per message, which is most of what a
-/// receive costs on a fast device. Everything else is as for
-/// [`Connection::recv`]: the buffer stays with the connection while a
-/// receive is in flight, also when this value is dropped, and errors come
-/// from the wait.
+/// [`Connection::recv_persistent`] and [`Connection::send_persistent`] post
+/// the first round; once a round finished, [`repost`](Self::repost) posts
+/// the next on the same range. The range is checked once, and each round
+/// reuses this handle: no new [`Pending`] is built and dropped per message,
+/// which is most of what a small operation costs on a fast device.
+/// Everything else is as for [`Connection::recv`] and
+/// [`Connection::send_unsignaled`]: the buffer stays with the connection
+/// while a round is in flight, also when this value is dropped, and errors
+/// come from the wait.
 ///
 /// ```no_run
 /// # fn f(conn: &gpu_rdma::Connection, buf: gpu_rdma::Region) -> gpu_rdma::Result<()> {
@@ -36,28 +39,61 @@ use crate::memory::{LocalBuffer, LocalParts, LocalSlice};
 /// }
 /// # Ok(()) }
 /// ```
-#[must_use = "a receive's outcome and buffer come back through its handle"]
-pub struct PersistentRecv<B: Send + 'static> {
-    /// This round's receive.
+#[must_use = "an operation's outcome and buffer come back through its handle"]
+pub struct Persistent<B: Send + 'static> {
+    /// This round's operation.
     pending: Pending<B>,
-    /// The range, to post a receive of the full kind again
-    /// ([`Connection::recv`]) when `direct` is `None`.
+    /// The range, to post a round of the full kind again
+    /// ([`Connection::recv`], [`Connection::send_unsignaled`]) when
+    /// `direct` is `None`.
     range: LocalSlice<()>,
     /// The range resolved and checked once, when each round posts it
     /// straight to the transport; `None` for a range that did not resolve
     /// (each round reports why) and for GPU memory (each round takes the GPU
-    /// path of [`Connection::recv`]).
+    /// path of the full kind).
     direct: Option<LocalParts>,
+    /// What each round posts.
+    op: Repeated,
+}
+
+/// A receive posted again and again: see [`Persistent`].
+pub type PersistentRecv<B> = Persistent<B>;
+
+/// A send posted again and again: see [`Persistent`].
+pub type PersistentSend<B> = Persistent<B>;
+
+/// What a [`Persistent`] posts each round.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Repeated {
+    Recv,
+    /// As [`Connection::send_unsignaled`].
+    Send,
 }
 
 impl Connection {
     /// Posts a receive into `local` whose handle can post the next one
-    /// into the same range once it finished: see [`PersistentRecv`].
+    /// into the same range once it finished: see [`Persistent`].
     ///
     /// # Errors
     /// As [`recv`](Self::recv): reported by the handle's wait.
     pub fn recv_persistent<B: LocalBuffer>(&self, local: impl Into<LocalSlice<B>>) -> PersistentRecv<B> {
-        let local = local.into();
+        self.persistent(local.into(), Repeated::Recv)
+    }
+
+    /// Posts a send of `local` whose handle can post the next one from the
+    /// same range once it finished: see [`Persistent`]. Each round is sent
+    /// as [`send_unsignaled`](Self::send_unsignaled) sends: no completion
+    /// of its own on verbs, its outcome learned from a later signaled
+    /// request. A ring of these, each waited for and reposted a lap later,
+    /// keeps a stream of sends from building and dropping a handle each.
+    ///
+    /// # Errors
+    /// As [`send_unsignaled`](Self::send_unsignaled): reported by the handle's wait.
+    pub fn send_persistent<B: LocalBuffer>(&self, local: impl Into<LocalSlice<B>>) -> PersistentSend<B> {
+        self.persistent(local.into(), Repeated::Send)
+    }
+
+    fn persistent<B: LocalBuffer>(&self, local: LocalSlice<B>, op: Repeated) -> Persistent<B> {
         let direct = local.resolve().ok().filter(|parts| {
             #[cfg(feature = "cuda")]
             return parts.path.is_none();
@@ -70,21 +106,22 @@ impl Connection {
         let (range, buf) = local.rebind(());
         // A handle with no round yet, then its first round as every later one.
         let pending = Pending::with(&self.shared, buf, Stage::Failed(None));
-        let mut rx = PersistentRecv { pending, range, direct };
-        rx.post();
-        rx
+        let mut p = Persistent { pending, range, direct, op };
+        p.post();
+        p
     }
 }
 
-impl<B: LocalBuffer> PersistentRecv<B> {
-    /// Posts the next receive into the same range, once the last one
-    /// finished (its outcome, if not taken by a wait or poll, is dropped).
+impl<B: LocalBuffer> Persistent<B> {
+    /// Posts the next round on the same range, once the last one finished
+    /// (its outcome, if not taken by a wait or poll, is dropped).
     ///
     /// # Errors
-    /// [`Error::StillInFlight`] while the last receive is in flight: nothing
-    /// is posted, and that receive is unchanged. A receive that cannot be
-    /// posted (the connection is lost, every receive credit is in use)
-    /// fails as [`Connection::recv`] does: its wait reports why.
+    /// [`Error::StillInFlight`] while the last round is in flight: nothing
+    /// is posted, and that round is unchanged. A round that cannot be
+    /// posted (the connection is lost, the queue is full) fails as
+    /// [`Connection::recv`] or [`Connection::send_unsignaled`] does: its
+    /// wait reports why.
     pub fn repost(&mut self) -> Result<()> {
         if !self.pending.finished() {
             return Err(Error::StillInFlight);
@@ -95,16 +132,20 @@ impl<B: LocalBuffer> PersistentRecv<B> {
 
     /// Posts this handle's next round (none is in flight).
     fn post(&mut self) {
-        match self.direct {
-            Some(parts) => {
-                let posted = self.pending.shared.transport.post_recv(Some(parts));
-                self.pending.restart(posted);
+        let Some(parts) = self.direct else { return self.post_slow() };
+        let shared = &self.pending.shared;
+        let posted = match self.op {
+            Repeated::Recv => PostedInline::Tracked(shared.transport.post_recv(Some(parts))),
+            Repeated::Send => {
+                let item = WorkItem { local: Some(parts), op: RemoteOp::Send };
+                shared.transport.post_send_quiet(&item, shared.deadline())
             }
-            None => self.post_slow(),
-        }
+        };
+        self.pending.restart(posted);
     }
 
-    /// [`post`](Self::post) by the full path of [`Connection::recv`].
+    /// [`post`](Self::post) by the full path of [`Connection::recv`] or
+    /// [`Connection::send_unsignaled`].
     #[cold]
     #[inline(never)]
     fn post_slow(&mut self) {
@@ -112,10 +153,13 @@ impl<B: LocalBuffer> PersistentRecv<B> {
         let buf = self.pending.buf.take().expect("the buffer is present until taken");
         let (local, ()) = self.range.clone().rebind(buf);
         // The old round is finished and holds no buffer: dropping it is free.
-        self.pending = shared.recv(local);
+        self.pending = match self.op {
+            Repeated::Recv => shared.recv(local),
+            Repeated::Send => shared.send_unsignaled(local),
+        };
     }
 
-    /// Waits for this round's receive, up to the connection's operation timeout.
+    /// Waits for this round, up to the connection's operation timeout.
     ///
     /// # Errors
     /// As [`Pending::wait`].
@@ -123,7 +167,7 @@ impl<B: LocalBuffer> PersistentRecv<B> {
         self.pending.wait()
     }
 
-    /// Waits up to `timeout` for this round's receive.
+    /// Waits up to `timeout` for this round.
     ///
     /// # Errors
     /// As [`Pending::wait_timeout`].
@@ -145,35 +189,47 @@ impl<B: LocalBuffer> PersistentRecv<B> {
         self.pending.is_done()
     }
 
-    /// The buffer, while no receive is in flight (the last one finished
-    /// and none was posted since): what the last message wrote is there.
-    /// `None` while the device may write it.
+    /// The buffer, while no round is in flight (the last one finished and
+    /// none was posted since): what the last message received wrote is
+    /// there, and what the next send sends may be written there. `None`
+    /// while the device may touch it.
     pub fn buffer(&self) -> Option<&B> {
         if self.pending.is_done() { self.pending.buf.as_ref() } else { None }
+    }
+
+    /// The buffer to change, while no round is in flight: the next send's
+    /// message is written here before [`repost`](Self::repost). `None`
+    /// while the device may touch it.
+    pub fn buffer_mut(&mut self) -> Option<&mut B> {
+        if self.pending.is_done() { self.pending.buf.as_mut() } else { None }
     }
 
     /// The buffer back, once the device is done with it; else `self`.
     ///
     /// # Errors
-    /// `Err(self)` while a receive is in flight.
+    /// `Err(self)` while a round is in flight.
     pub fn into_buffer(self) -> std::result::Result<B, Box<Self>> {
-        let PersistentRecv { pending, range, direct } = self;
-        pending.into_buffer().map_err(|pending| Box::new(PersistentRecv { pending: *pending, range, direct }))
+        let Persistent { pending, range, direct, op } = self;
+        pending.into_buffer().map_err(|pending| Box::new(Persistent { pending: *pending, range, direct, op }))
     }
 }
 
-impl<B: LocalBuffer + Unpin> Future for PersistentRecv<B> {
+impl<B: LocalBuffer + Unpin> Future for Persistent<B> {
     type Output = Result<Completion>;
 
-    /// Awaits this round's receive, as a [`Pending`] is awaited. Await it
-    /// by `&mut` to keep the handle for the next round.
+    /// Awaits this round, as a [`Pending`] is awaited. Await it by `&mut`
+    /// to keep the handle for the next round.
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         Pin::new(&mut self.get_mut().pending).poll(cx)
     }
 }
 
-impl<B: Send + 'static> fmt::Debug for PersistentRecv<B> {
+impl<B: Send + 'static> fmt::Debug for Persistent<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("PersistentRecv").field("round", &self.pending).field("direct", &self.direct.is_some()).finish()
+        f.debug_struct("Persistent")
+            .field("op", &self.op)
+            .field("round", &self.pending)
+            .field("direct", &self.direct.is_some())
+            .finish()
     }
 }
