@@ -83,12 +83,20 @@ pub fn ucx_figure(log: &str, bw: bool) -> Option<f64> {
     f.get(if bw { 5 } else { 2 }).and_then(|s| s.parse().ok())
 }
 
+/// Each case's two sides, one after the other. Every tool's server runs
+/// on the guest's first CPU and its client on the second (when it has
+/// two): left to the scheduler, where a busy-polling pair and rxe's
+/// packet work landed changed from run to run and moved whole rounds of
+/// the same binary by a third and more (a 2-byte ping-pong's minimum at
+/// 11 us in one round, 15-19 us in the next), for perftest and gpu-rdma
+/// alike.
 const PAIR: &str = r#"
+if [ "$(nproc)" -ge 2 ]; then ON_SERVER="taskset -c 0"; ON_CLIENT="taskset -c 1"; else ON_SERVER=; ON_CLIENT=; fi
 pair() { # name, server command, client command
-  timeout 600 $2 > "$VM_OUT/$1.server" 2>&1 &
+  timeout 600 $ON_SERVER $2 > "$VM_OUT/$1.server" 2>&1 &
   local sp=$!
   sleep 1
-  timeout 600 $3 > "$VM_OUT/$1.client" 2>&1
+  timeout 600 $ON_CLIENT $3 > "$VM_OUT/$1.client" 2>&1
   echo $? > "$VM_OUT/$1.rc"
   wait $sp
   echo "  $1: exit $(cat "$VM_OUT/$1.rc")"
