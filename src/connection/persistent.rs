@@ -122,8 +122,10 @@ impl<B: LocalBuffer> Persistent<B> {
     /// posted (the connection is lost, the queue is full) fails as
     /// [`Connection::recv`] or [`Connection::send_unsignaled`] does: its
     /// wait reports why.
+    #[inline(always)]
     pub fn repost(&mut self) -> Result<()> {
-        if !self.pending.finished() {
+        // Most rounds were waited for already: no look at the queue then.
+        if !self.pending.is_done() && !self.pending.finished() {
             return Err(Error::StillInFlight);
         }
         self.post();
