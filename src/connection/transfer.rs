@@ -134,7 +134,11 @@ pub struct Transfer<B: Send + 'static> {
 ///
 /// A wake that finds the list held by a waiter is not lost: it is left
 /// in `asked`, and whoever holds the list catches up when letting go
-/// ([`Held`]'s drop), or the task itself when the list is free.
+/// ([`Held`]'s drop), or the task itself when the list is free. A catch-up
+/// drives once: asked again meanwhile, it hands the next turn to the
+/// engine rather than driving on (on a device that finishes requests as
+/// fast as they are posted, such as soft-RoCE, driving on could post and
+/// reap the whole list in the thread of a caller who only polled).
 struct Driver<B: Send + 'static> {
     list: std::sync::Weak<Mutex<List<B>>>,
     engine: crate::transport::engine::EngineHandle,
@@ -142,15 +146,21 @@ struct Driver<B: Send + 'static> {
 }
 
 impl<B: Send + 'static> Driver<B> {
-    /// Drives the list while drives were asked for and it is free; if it
-    /// is held, its holder catches up when letting go.
-    fn catch_up(&self) {
+    /// Drives the list once if a drive was asked for and it is free (if
+    /// it is held, its holder catches up when letting go); asked again
+    /// meanwhile, leaves the next drive to the engine.
+    fn catch_up(self: &Arc<Self>) {
         use std::sync::atomic::Ordering::SeqCst;
         let Some(list) = self.list.upgrade() else { return };
-        while self.asked.load(SeqCst) {
-            let Ok(mut l) = list.try_lock() else { return };
-            self.asked.store(false, SeqCst);
-            l.drive();
+        if !self.asked.load(SeqCst) {
+            return;
+        }
+        let Ok(mut l) = list.try_lock() else { return };
+        self.asked.store(false, SeqCst);
+        l.drive();
+        drop(l);
+        if self.asked.load(SeqCst) {
+            self.engine.spawn(Arc::clone(self) as Arc<dyn crate::transport::engine::Task>);
         }
     }
 }
@@ -173,7 +183,7 @@ impl<B: Send + 'static> crate::transport::engine::Task for Driver<B> {
 /// meanwhile.
 struct Held<'a, B: Send + 'static> {
     guard: Option<MutexGuard<'a, List<B>>>,
-    task: &'a Driver<B>,
+    task: &'a Arc<Driver<B>>,
 }
 
 impl<B: Send + 'static> std::ops::Deref for Held<'_, B> {
