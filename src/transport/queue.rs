@@ -482,6 +482,7 @@ impl QueueCore {
 
     /// The count of changes a waiter may be waiting for (see the field):
     /// equal counts, no news.
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
     pub(crate) fn changes(&self) -> u64 {
         self.changes
     }
