@@ -27,6 +27,7 @@ mod gpu;
 mod instructions;
 mod layers;
 mod setup;
+mod stats;
 mod test;
 mod vm;
 
