@@ -392,10 +392,8 @@ fn report(dir: &Path, cases: &[Case], rounds: usize) -> (String, usize) {
         "test", "bytes", "iters", "perftest", "ucx", "gpu-rdma", "vs pt", "range", "vs ucx"
     );
     // Each round's figure of a tool (`pick` reads it from the client's log).
-    let per_round = |c: &Case, tool: &str, pick: &dyn Fn(&str) -> Option<f64>| -> (Vec<f64>, usize) {
-        let logs = (0..rounds)
-            .map(|r| fs::read_to_string(dir.join(format!("{}-{tool}-{r}.client", c.name()))).unwrap_or_default());
-        let vals: Vec<f64> = logs.filter_map(|log| pick(&log)).collect();
+    let per_round = |c: &Case, tool: &str, pick: &dyn Fn(&str) -> Option<f64>| {
+        let vals = per_round(dir, c, tool, rounds, pick);
         let lost = rounds - vals.len();
         (vals, lost)
     };
@@ -478,8 +476,18 @@ fn report(dir: &Path, cases: &[Case], rounds: usize) -> (String, usize) {
          cannot settle them either way",
         n = rounds * rounds
     );
-    out.push_str(&best_rounds(cases, rounds, &per_round));
+    out.push_str(&best_rounds(dir, cases, rounds));
     (out, missing)
+}
+
+/// A tool's figure in each round of a case that has one (`pick` reads it
+/// from the client's log).
+fn per_round(dir: &Path, c: &Case, tool: &str, rounds: usize, pick: &dyn Fn(&str) -> Option<f64>) -> Vec<f64> {
+    (0..rounds)
+        .filter_map(|r| {
+            pick(&fs::read_to_string(dir.join(format!("{}-{tool}-{r}.client", c.name()))).unwrap_or_default())
+        })
+        .collect()
 }
 
 /// Each tool's best round (the least latency, the most bandwidth) and
@@ -487,11 +495,7 @@ fn report(dir: &Path, cases: &[Case], rounds: usize) -> (String, usize) {
 /// reaches the guest's fast mode in some rounds of a long enough run: the
 /// best round is the nearest to a tool's own cost, where a median mixes
 /// the modes in whatever share the run drew.
-fn best_rounds(
-    cases: &[Case],
-    rounds: usize,
-    per_round: &dyn Fn(&Case, &str, &dyn Fn(&str) -> Option<f64>) -> (Vec<f64>, usize),
-) -> String {
+fn best_rounds(dir: &Path, cases: &[Case], rounds: usize) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
@@ -502,7 +506,7 @@ fn best_rounds(
         let unit = if c.is_bw() { "MiB/s" } else { "us" };
         let best = |v: Vec<f64>| v.into_iter().reduce(|a, b| if c.is_bw() { a.max(b) } else { a.min(b) });
         let pair = |pick: &dyn Fn(&str) -> Option<f64>| {
-            let [p, g] = ["perftest", "gpu-rdma"].map(|tool| best(per_round(c, tool, pick).0));
+            let [p, g] = ["perftest", "gpu-rdma"].map(|tool| best(per_round(dir, c, tool, rounds, pick)));
             let show = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{v:.2} {unit}"));
             let ratio = match (p, g) {
                 (Some(p), Some(g)) if p > 0.0 => format!("{:.2}x", g / p),
