@@ -1,7 +1,9 @@
 //! `cargo xtask compare`: `gpu-rdma bench` beside two anchors, perftest and
 //! UCX (`ucx_perftest`), with the same sizes and iteration counts,
 //! interleaved (each round rotates which goes first, so drift hits all), and
-//! a table of medians over the rounds and the ratios.
+//! a table of medians over the rounds and the ratios, each ratio with the
+//! range the rounds put it in (see [`crate::stats`]), then each tool's best
+//! round.
 //!
 //! 1. On this machine, TCP on loopback: our TCP transport against UCX over
 //!    TCP (`UCX_TLS=tcp`), put bandwidth at 64 KiB and 1 MiB and latency.
