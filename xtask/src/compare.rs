@@ -20,7 +20,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::stats::{RatioRange, median, ratio_range, verdict};
+use crate::stats::{RatioRange, interval_rank, median, ratio_range, verdict};
 use crate::vm::{self, VmOptions};
 use crate::{Result, cargo, root, run as run_cmd, setup};
 
@@ -388,22 +388,27 @@ fn report(dir: &Path, cases: &[Case], rounds: usize) -> (String, usize) {
     let mut out = String::new();
     let mut missing = 0;
     let mut noisy = 0;
+    // Each tool's best round, beside the medians (see `best_row`).
+    let mut best = format!(
+        "\nbest round of {rounds}\n{:<10} {:>9}  {:>14} {:>14}  {:>7}   {:>14} {:>14}  {:>7}\n",
+        "test", "bytes", "perftest", "gpu-rdma", "ratio", "perftest (min)", "gpu-rdma (min)", "ratio"
+    );
     let _ = writeln!(
         out,
         "\nrxe0 in the soft-RoCE guest\n{:<10} {:>9} {:>7}  {:>14} {:>14} {:>14}  {:>7} {:>11}  {:>7}  goal (vs perftest)",
         "test", "bytes", "iters", "perftest", "ucx", "gpu-rdma", "vs pt", "range", "vs ucx"
     );
-    // Each round's figure of a tool (`pick` reads it from the client's log).
-    let per_round = |c: &Case, tool: &str, pick: &dyn Fn(&str) -> Option<f64>| {
+    // Each round's figure of a tool, and how many rounds have none.
+    let with_lost = |c: &Case, tool: &str, pick: &dyn Fn(&str) -> Option<f64>| {
         let vals = per_round(dir, c, tool, rounds, pick);
         let lost = rounds - vals.len();
         (vals, lost)
     };
     for c in cases {
         let typical = |log: &str| figure(log, c.size, c.is_bw());
-        let (pt, lost_pt) = per_round(c, "perftest", &typical);
-        let (gr, lost_gr) = per_round(c, "gpu-rdma", &|log: &str| figure(log, c.size, c.is_bw()));
-        let (ux, lost_ux) = per_round(c, "ucx", &|log: &str| ucx_figure(log, c.is_bw()));
+        let (pt, lost_pt) = with_lost(c, "perftest", &typical);
+        let (gr, lost_gr) = with_lost(c, "gpu-rdma", &typical);
+        let (ux, lost_ux) = with_lost(c, "ucx", &|log: &str| ucx_figure(log, c.is_bw()));
         missing += lost_pt + lost_gr + lost_ux;
         let med = [median(pt.clone()), median(gr.clone()), median(ux)];
         let unit = if c.is_bw() { "MiB/s" } else { "us" };
@@ -440,11 +445,13 @@ fn report(dir: &Path, cases: &[Case], rounds: usize) -> (String, usize) {
             show_range(range),
             vs_ucx,
         );
+        let _ = write!(best, "{:<10} {:>9}  {}", c.test, c.size, best_row(c, &pt, &gr));
         if !c.is_bw() {
             // The minimum too: steadier than the median in an emulated machine.
             let least = |log: &str| min_latency(log, c.size);
-            let (pt, _) = per_round(c, "perftest", &least);
-            let (gr, _) = per_round(c, "gpu-rdma", &least);
+            let pt = per_round(dir, c, "perftest", rounds, &least);
+            let gr = per_round(dir, c, "gpu-rdma", rounds, &least);
+            let _ = write!(best, "   {}", best_row(c, &pt, &gr));
             let mins = [median(pt.clone()), median(gr.clone())];
             let ratio = match mins {
                 [Some(p), Some(g)] if p > 0.0 => Some(g / p),
@@ -467,8 +474,9 @@ fn report(dir: &Path, cases: &[Case], rounds: usize) -> (String, usize) {
                 "-",
             );
         }
+        best.push('\n');
     }
-    let level = ratio_range(&vec![1.0; rounds], &vec![1.0; rounds]).map_or(0.0, |r| r.confidence * 100.0);
+    let level = if rounds == 0 { 0.0 } else { interval_rank(rounds, rounds).1 * 100.0 };
     let _ = writeln!(
         out,
         "medians of {rounds} rounds; bandwidth: BW average; latency: t_typical (median) and, under (min), \
@@ -478,7 +486,7 @@ fn report(dir: &Path, cases: &[Case], rounds: usize) -> (String, usize) {
          cannot settle them either way",
         n = rounds * rounds
     );
-    out.push_str(&best_rounds(dir, cases, rounds));
+    out.push_str(&best);
     (out, missing)
 }
 
@@ -492,35 +500,21 @@ fn per_round(dir: &Path, c: &Case, tool: &str, rounds: usize, pick: &dyn Fn(&str
         .collect()
 }
 
-/// Each tool's best round (the least latency, the most bandwidth) and
-/// their ratio. Noise in the guest only ever adds time, and every tool
-/// reaches the guest's fast mode in some rounds of a long enough run: the
-/// best round is the nearest to a tool's own cost, where a median mixes
-/// the modes in whatever share the run drew.
-fn best_rounds(dir: &Path, cases: &[Case], rounds: usize) -> String {
-    let mut out = String::new();
-    let _ = writeln!(
-        out,
-        "\nbest round of {rounds}\n{:<10} {:>9}  {:>14} {:>14}  {:>7}   {:>14} {:>14}  {:>7}",
-        "test", "bytes", "perftest", "gpu-rdma", "ratio", "perftest (min)", "gpu-rdma (min)", "ratio"
-    );
-    for c in cases {
-        let unit = if c.is_bw() { "MiB/s" } else { "us" };
-        let best = |v: Vec<f64>| v.into_iter().reduce(|a, b| if c.is_bw() { a.max(b) } else { a.min(b) });
-        let pair = |pick: &dyn Fn(&str) -> Option<f64>| {
-            let [p, g] = ["perftest", "gpu-rdma"].map(|tool| best(per_round(dir, c, tool, rounds, pick)));
-            let show = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{v:.2} {unit}"));
-            let ratio = match (p, g) {
-                (Some(p), Some(g)) if p > 0.0 => format!("{:.2}x", g / p),
-                _ => "-".to_owned(),
-            };
-            format!("{:>14} {:>14}  {:>7}", show(p), show(g), ratio)
-        };
-        let typical = pair(&|log: &str| figure(log, c.size, c.is_bw()));
-        let least = if c.is_bw() { String::new() } else { pair(&|log: &str| min_latency(log, c.size)) };
-        let _ = writeln!(out, "{:<10} {:>9}  {typical}   {least}", c.test, c.size);
-    }
-    out
+/// perftest's and gpu-rdma's best round of a case (the least latency, the
+/// most bandwidth) and their ratio. Noise in the guest only ever adds time,
+/// and every tool reaches the guest's fast mode in some rounds of a long
+/// enough run: the best round is the nearest to a tool's own cost, where a
+/// median mixes the modes in whatever share the run drew.
+fn best_row(c: &Case, perftest: &[f64], ours: &[f64]) -> String {
+    let unit = if c.is_bw() { "MiB/s" } else { "us" };
+    let best = |v: &[f64]| v.iter().copied().reduce(|a, b| if c.is_bw() { a.max(b) } else { a.min(b) });
+    let (p, g) = (best(perftest), best(ours));
+    let show = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{v:.2} {unit}"));
+    let ratio = match (p, g) {
+        (Some(p), Some(g)) if p > 0.0 => format!("{:.2}x", g / p),
+        _ => "-".to_owned(),
+    };
+    format!("{:>14} {:>14}  {:>7}", show(p), show(g), ratio)
 }
 
 /// A ratio range as `lo-hi`.

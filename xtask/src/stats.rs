@@ -12,12 +12,18 @@
 
 /// The median, or `None` for no values.
 pub fn median(mut v: Vec<f64>) -> Option<f64> {
-    if v.is_empty() {
-        return None;
-    }
     v.sort_by(f64::total_cmp);
+    median_of_sorted(&v)
+}
+
+/// The median of values already in order.
+fn median_of_sorted(v: &[f64]) -> Option<f64> {
     let n = v.len();
-    Some(if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 })
+    match n {
+        0 => None,
+        _ if n % 2 == 1 => Some(v[n / 2]),
+        _ => Some((v[n / 2 - 1] + v[n / 2]) / 2.0),
+    }
 }
 
 /// A ratio `ours / theirs` with a range that holds it at `confidence`.
@@ -71,20 +77,25 @@ pub fn ratio_range(ours: &[f64], theirs: &[f64]) -> Option<RatioRange> {
     }
     let mut logs: Vec<f64> = ours.iter().flat_map(|o| theirs.iter().map(move |t| o.ln() - t.ln())).collect();
     logs.sort_by(f64::total_cmp);
-    let estimate = median(logs.clone())?.exp();
+    let estimate = median_of_sorted(&logs)?.exp();
+    let (k, confidence) = interval_rank(n, m);
+    Some(RatioRange { estimate, lo: logs[k - 1].exp(), hi: logs[logs.len() - k].exp(), confidence })
+}
+
+/// For `n` figures against `m`: which pairwise ratio, counted from either
+/// end, bounds the range (the k-th smallest and k-th largest), and the
+/// confidence of that range, 1 - 2 P(U < k): the largest k that keeps it
+/// at or above 95%, and k = 1 where even the widest range falls short.
+pub fn interval_rank(n: usize, m: usize) -> (usize, f64) {
     let counts = mann_whitney_counts(n, m);
     let total: f64 = counts.iter().sum();
-    // The k-th smallest and k-th largest pairwise ratios bound the ratio
-    // with confidence 1 - 2 P(U < k): the largest k that keeps it >= 95%.
     let mut k = 1;
     let mut below = counts[0];
     while k < counts.len() && 1.0 - 2.0 * (below + counts[k]) / total >= 0.95 {
         below += counts[k];
         k += 1;
     }
-    // Below 95% only where even the widest range (k = 1) is.
-    let confidence = 1.0 - 2.0 * below / total;
-    Some(RatioRange { estimate, lo: logs[k - 1].exp(), hi: logs[logs.len() - k].exp(), confidence })
+    (k, 1.0 - 2.0 * below / total)
 }
 
 /// A goal's verdict: the point figure decides met or missed, as the goal
