@@ -13,6 +13,87 @@ use std::time::{Duration, Instant};
 
 use crate::error::Error;
 
+#[cfg(feature = "verbs")]
+pub(crate) use busy::polls_per_clock_read;
+
+/// How often a busy wait (a verbs connection's) looks at the clock.
+#[cfg(feature = "verbs")]
+mod busy {
+    use std::sync::OnceLock;
+    use std::time::{Duration, Instant};
+
+    /// Polls between two clock reads of a busy wait where reading the clock is
+    /// cheap (a vDSO read of the TSC: some tens of nanoseconds).
+    const POLLS_PER_FAST_READ: u32 = 64;
+    /// What such a read costs.
+    const FAST_READ: Duration = Duration::from_nanos(25);
+    /// At most this many polls between reads, however slow the clock.
+    const MAX_POLLS_PER_READ: u32 = 16_384;
+
+    /// How many polls of a completion queue a busy wait lets pass between two
+    /// looks at the clock (for its deadline, its spin window and its peer).
+    ///
+    /// 64 where reading the clock is cheap. Where it is not, proportionally
+    /// more, so that reading it takes the same small share of the spin: on a
+    /// virtual machine whose kernel found no usable TSC (QEMU without KVM, for
+    /// one), every read is a system call and an emulated timer read of about a
+    /// microsecond (717 ns in the soft-RoCE guest), and reading it every 64
+    /// polls cost each one-way message of a ping-pong there about 2 us (8%),
+    /// where perftest reads no clock at all while it waits. Measured once per process. The price: there, a
+    /// wait notices its deadline or the end of its spin window up to that many
+    /// polls late (a few milliseconds at most).
+    pub(crate) fn polls_per_clock_read() -> u32 {
+        static POLLS: OnceLock<u32> = OnceLock::new();
+        *POLLS.get_or_init(|| {
+            let cost = clock_read_cost();
+            let polls = polls_for_read_cost(cost);
+            tracing::debug!("reading the clock costs {cost:?}: busy waits read it every {polls} polls");
+            polls
+        })
+    }
+
+    /// What one `Instant::now` costs here: the cheapest of a few runs of
+    /// back-to-back reads (a run that was preempted is not the clock's cost).
+    fn clock_read_cost() -> Duration {
+        const READS: u32 = 8;
+        (0..4)
+            .map(|_| {
+                let start = Instant::now();
+                let mut last = start;
+                for _ in 0..READS {
+                    last = std::hint::black_box(Instant::now());
+                }
+                last.duration_since(start) / READS
+            })
+            .min()
+            .unwrap_or(FAST_READ)
+    }
+
+    /// [`polls_per_clock_read`] for a clock read that costs `cost`.
+    fn polls_for_read_cost(cost: Duration) -> u32 {
+        let times_fast = (cost.as_nanos() / FAST_READ.as_nanos()).max(1);
+        u32::try_from(u128::from(POLLS_PER_FAST_READ) * times_fast)
+            .map_or(MAX_POLLS_PER_READ, |n| n.min(MAX_POLLS_PER_READ))
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn a_slow_clock_is_read_less_often_while_spinning() {
+            assert_eq!(polls_for_read_cost(Duration::ZERO), 64, "never fewer than 64 polls between reads");
+            assert_eq!(polls_for_read_cost(Duration::from_nanos(30)), 64, "a vDSO TSC read");
+            assert_eq!(polls_for_read_cost(Duration::from_nanos(1_200)), 64 * 48, "a system call and an HPET read");
+            assert_eq!(polls_for_read_cost(Duration::from_secs(1)), MAX_POLLS_PER_READ, "bounded");
+            assert_eq!(polls_for_read_cost(Duration::MAX), MAX_POLLS_PER_READ, "no overflow");
+            let here = polls_per_clock_read();
+            assert!((64..=MAX_POLLS_PER_READ).contains(&here), "{here}");
+            assert_eq!(polls_per_clock_read(), here, "measured once");
+        }
+    }
+}
+
 /// A point in time to stop waiting at, and what the wait was for.
 #[derive(Clone, Copy, Debug)]
 pub struct Deadline {

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use super::queue::{Limits, Posted, PostedInline, QueueCore, QuietSend, RemoteOp, WorkItem};
 use crate::bootstrap::{self, VerbsEndpoint};
 use crate::completion::Opcode;
-use crate::deadline::Deadline;
+use crate::deadline::{Deadline, polls_per_clock_read};
 use crate::error::{Error, Result};
 use crate::memory::domain::Nic;
 use crate::memory::{Access, LocalParts};
@@ -64,8 +64,6 @@ fn random_psn() -> u32 {
 
 /// What one poll of the completion queue reads at most.
 const POLL_BATCH: usize = CompletionQueue::POLL_EACH_MAX;
-/// Completion-queue polls between clock reads while busy-polling.
-const SPINS_PER_CLOCK: u32 = 64;
 
 struct VerbsState {
     // Declared first: dropped (destroyed) before the table's orphaned buffers.
@@ -332,10 +330,11 @@ impl VerbsConn {
     #[inline(never)]
     fn wait_until_slow(&self, due: &mut Deadline, mut ready: impl FnMut(&mut VerbsState) -> bool) -> Result<bool> {
         // Both fixed at the first clock read, not before: a wait that ends
-        // within SPINS_PER_CLOCK polls never reads the clock.
+        // within `polls_per_read` polls never reads the clock.
         let mut spin_until: Option<Instant> = None;
         let mut peer_look: Option<Instant> = None;
-        let mut spins = 0u32;
+        let polls_per_read = polls_per_clock_read();
+        let mut polls_to_read = polls_per_read;
         // `ready` is asked again only when the queue changed since it last
         // said no: an empty poll costs the poll alone.
         let mut seen = None;
@@ -354,7 +353,7 @@ impl VerbsConn {
             };
             // Reading the clock is not free everywhere (a system call and an
             // emulated timer read on machines without a usable TSC): while
-            // spinning, look at it only every SPINS_PER_CLOCK polls. No
+            // spinning, look at it only every `polls_per_read` polls. No
             // PAUSE hint between polls, as perftest and UCX poll: the poll
             // is the spin, and an emulated CPU (QEMU's TCG) leaves its
             // translated code at every PAUSE to let another CPU run, which
@@ -362,9 +361,12 @@ impl VerbsConn {
             //
             // Once the peer has left, nothing but the flushes at the end of
             // its grace can still complete: sleep until then, not spin.
-            spins = spins.wrapping_add(1);
-            if !self.spin.is_zero() && grace_end.is_none() && spins % SPINS_PER_CLOCK != 0 {
-                continue;
+            if !self.spin.is_zero() && grace_end.is_none() {
+                polls_to_read -= 1;
+                if polls_to_read != 0 {
+                    continue;
+                }
+                polls_to_read = polls_per_read;
             }
             let now = Instant::now();
             let deadline = due.at_from(now);
