@@ -331,7 +331,12 @@ fn list_bandwidth<B: LocalBuffer + Clone>(
     Ok(bw_row(&clock, &stamps, size, iters, 2 * per))
 }
 
-/// The client's side of a latency test at one size.
+/// The client's side of a latency test at one size. A ping-pong sends
+/// from the start of `local` and receives into its end, as perftest keeps
+/// its sends and receives in two halves of its buffer: with `local` at
+/// least twice `size`, no send reads what a receive just wrote (in
+/// soft-RoCE, where the CPU moves the bytes, that costs a transfer of the
+/// written cache lines between CPUs on every message).
 ///
 /// # Errors
 /// The first failed operation's error, or a timeout.
@@ -364,8 +369,9 @@ pub fn latency<B: LocalBuffer + Clone>(
             // Two persistent receives, used in turn: iteration i waits on
             // slot i % 2 while the next receive sits in the other, each
             // reposted into its range as perftest reposts its prebuilt one.
+            let end = local.buffer_len().saturating_sub(size);
             let mut rx: [Option<PersistentRecv<B>>; 2] =
-                [(iters > 0).then(|| conn.recv_persistent(local.clone().slice(..size))), None];
+                [(iters > 0).then(|| conn.recv_persistent(local.clone().slice(end..end + size))), None];
             for i in 0..iters {
                 let t0 = clock.ticks();
                 if inline {
@@ -377,7 +383,7 @@ pub fn latency<B: LocalBuffer + Clone>(
                 if i + 1 < iters {
                     match &mut rx[(i + 1) % 2] {
                         Some(next) => next.repost()?,
-                        slot @ None => *slot = Some(conn.recv_persistent(local.clone().slice(..size))),
+                        slot @ None => *slot = Some(conn.recv_persistent(local.clone().slice(end..end + size))),
                     }
                 }
                 if let Some(r) = &mut rx[i % 2] {
@@ -424,7 +430,8 @@ pub fn latency<B: LocalBuffer + Clone>(
 
 /// The client: sends `params`, runs every size, tells the server it is
 /// done, and returns the rows. `remote` is the server's advertised region
-/// (for write and read tests); `local` holds at least the largest size.
+/// (for write and read tests); `local` holds at least the largest size
+/// (twice that keeps a ping-pong's sends and receives apart: [`latency`]).
 ///
 /// # Errors
 /// A refused or mismatched handshake, a failed operation, a timeout.

@@ -141,8 +141,10 @@ fn run_inner(args: &BenchArgs) -> Result<()> {
     let params = args.params();
     params.validate()?;
     let domain = args.domain()?;
-    // At least a page, so that every size fits and the region is never empty.
-    let len = params.max_size().max(4096);
+    // Twice the largest message (at least a page, so that the region is
+    // never empty): a ping-pong's sends and receives use separate halves,
+    // as perftest's do.
+    let len = 2 * params.max_size().max(4096);
     let host = args.gpu.is_none() || args.mem_path == "host";
     if host {
         if args.mem_path != "auto" && args.mem_path != "host" {
