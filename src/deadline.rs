@@ -30,24 +30,35 @@ mod busy {
     /// At most this many polls between reads, however slow the clock.
     const MAX_POLLS_PER_READ: u32 = 16_384;
 
-    /// How many polls of a completion queue a busy wait lets pass between two
-    /// looks at the clock (for its deadline, its spin window and its peer).
+    /// A spin window at least this long is a caller's choice of latency
+    /// over CPU time (the bench spins for its whole timeout).
+    const LONG_SPIN: Duration = Duration::from_millis(1);
+
+    /// How many polls of a completion queue a busy wait with spin window
+    /// `spin` lets pass between two looks at the clock (for its deadline,
+    /// its spin window and its peer).
     ///
-    /// 64 where reading the clock is cheap. Where it is not, proportionally
-    /// more, so that reading it takes the same small share of the spin: on a
-    /// virtual machine whose kernel found no usable TSC (QEMU without KVM, for
-    /// one), every read is a system call and an emulated timer read of about a
-    /// microsecond (717 ns in the soft-RoCE guest), and reading it every 64
-    /// polls cost each one-way message of a ping-pong there about 2 us (8%),
-    /// where perftest reads no clock at all while it waits. Measured once per process. The price: there, a
-    /// wait notices its deadline or the end of its spin window up to that many
-    /// polls late (a few milliseconds at most).
-    pub(crate) fn polls_per_clock_read() -> u32 {
+    /// 64 where reading the clock is cheap, and for a short spin window
+    /// (under 1 ms, such as the default 50 us), whatever the clock costs: such
+    /// a window spares the CPU, and ends on time. A long window reads a slow
+    /// clock proportionally less often, so that reading it takes the same
+    /// small share of the spin. On a virtual machine whose kernel found no
+    /// usable TSC (QEMU without KVM, for one), every read is a system call
+    /// and an emulated timer read of about a microsecond (717 ns in the
+    /// soft-RoCE guest), and reading it every 64 polls cost each one-way
+    /// message of a ping-pong there about 2 us (8%), where perftest reads no
+    /// clock at all while it waits. The cost is measured once per process.
+    /// The price: there, a long spin notices its deadline or its end up to
+    /// that many polls late (about a millisecond).
+    pub(crate) fn polls_per_clock_read(spin: Duration) -> u32 {
         static POLLS: OnceLock<u32> = OnceLock::new();
+        if spin < LONG_SPIN {
+            return POLLS_PER_FAST_READ;
+        }
         *POLLS.get_or_init(|| {
             let cost = clock_read_cost();
             let polls = polls_for_read_cost(cost);
-            tracing::debug!("reading the clock costs {cost:?}: busy waits read it every {polls} polls");
+            tracing::debug!("reading the clock costs {cost:?}: long busy waits read it every {polls} polls");
             polls
         })
     }
@@ -87,9 +98,11 @@ mod busy {
             assert_eq!(polls_for_read_cost(Duration::from_nanos(1_200)), 64 * 48, "a system call and an HPET read");
             assert_eq!(polls_for_read_cost(Duration::from_secs(1)), MAX_POLLS_PER_READ, "bounded");
             assert_eq!(polls_for_read_cost(Duration::MAX), MAX_POLLS_PER_READ, "no overflow");
-            let here = polls_per_clock_read();
+            let here = polls_per_clock_read(Duration::from_secs(60));
             assert!((64..=MAX_POLLS_PER_READ).contains(&here), "{here}");
-            assert_eq!(polls_per_clock_read(), here, "measured once");
+            assert_eq!(polls_per_clock_read(LONG_SPIN), here, "measured once");
+            assert_eq!(polls_per_clock_read(Duration::from_micros(50)), 64, "a short window ends on time");
+            assert_eq!(polls_per_clock_read(Duration::ZERO), 64);
         }
     }
 }

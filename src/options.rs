@@ -44,9 +44,10 @@ pub struct ConnectOptions {
     /// Busy-poll this long before sleeping on the completion channel
     /// (default 50 us; on TCP, look again this long, yielding the CPU,
     /// before sleeping). Zero sleeps at once; long values trade CPU for
-    /// latency. A busy wait looks at the clock only every 64 polls, or every
-    /// few thousand where reading the clock is slow (a virtual machine
-    /// without a usable TSC), so the window may run that much longer.
+    /// latency. A busy wait looks at the clock every 64 polls; with a window
+    /// of 1 ms or more, where reading the clock is slow (a virtual machine
+    /// without a usable TSC), only every few thousand polls, so the window
+    /// may run that much longer.
     pub spin: Duration,
     /// The largest handshake message accepted (default 1 MiB).
     pub max_handshake_payload: u32,

@@ -85,6 +85,8 @@ pub(crate) struct VerbsConn {
     socket: TcpStream,
     max_inline: u32,
     spin: Duration,
+    /// Polls of a busy wait between two clock reads (for this `spin`).
+    polls_per_read: u32,
     /// Watched by the domain's progress engine.
     watched: std::sync::atomic::AtomicBool,
     /// Tells a tokio task watching this connection that it is closing.
@@ -237,6 +239,7 @@ impl Prepared {
             socket: stream,
             max_inline: caps.max_inline_data,
             spin: opts.spin,
+            polls_per_read: polls_per_clock_read(opts.spin),
             watched: std::sync::atomic::AtomicBool::new(false),
             #[cfg(feature = "tokio")]
             closing: Default::default(),
@@ -333,7 +336,7 @@ impl VerbsConn {
         // within `polls_per_read` polls never reads the clock.
         let mut spin_until: Option<Instant> = None;
         let mut peer_look: Option<Instant> = None;
-        let polls_per_read = polls_per_clock_read();
+        let polls_per_read = self.polls_per_read;
         let mut polls_to_read = polls_per_read;
         // `ready` is asked again only when the queue changed since it last
         // said no: an empty poll costs the poll alone.
