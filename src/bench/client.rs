@@ -369,9 +369,10 @@ pub fn latency<B: LocalBuffer + Clone>(
             // Two persistent receives, used in turn: iteration i waits on
             // slot i % 2 while the next receive sits in the other, each
             // reposted into its range as perftest reposts its prebuilt one.
+            // Into the buffer's end, apart from the sends (its start).
             let end = local.buffer_len().saturating_sub(size);
-            let mut rx: [Option<PersistentRecv<B>>; 2] =
-                [(iters > 0).then(|| conn.recv_persistent(local.clone().slice(end..end + size))), None];
+            let receive = || conn.recv_persistent(local.clone().slice(end..end + size));
+            let mut rx: [Option<PersistentRecv<B>>; 2] = [(iters > 0).then(receive), None];
             for i in 0..iters {
                 let t0 = clock.ticks();
                 if inline {
@@ -383,7 +384,7 @@ pub fn latency<B: LocalBuffer + Clone>(
                 if i + 1 < iters {
                     match &mut rx[(i + 1) % 2] {
                         Some(next) => next.repost()?,
-                        slot @ None => *slot = Some(conn.recv_persistent(local.clone().slice(end..end + size))),
+                        slot @ None => *slot = Some(receive()),
                     }
                 }
                 if let Some(r) = &mut rx[i % 2] {
