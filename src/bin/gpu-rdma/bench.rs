@@ -72,6 +72,9 @@ pub struct BenchArgs {
     /// Seconds to wait for the peer and for any one operation.
     #[arg(long, default_value_t = 60)]
     timeout: u64,
+    /// Sleep on completion events instead of busy-polling (perftest's -e).
+    #[arg(short = 'e', long)]
+    events: bool,
     /// Accepted for perftest compatibility (gpu-rdma does not read CPU frequency).
     #[arg(short = 'F', long = "CPU-freq")]
     _cpu_freq: bool,
@@ -117,7 +120,7 @@ impl BenchArgs {
             .op_timeout(timeout)
             .handshake_timeout(timeout)
             .queue_depth(self.tx_depth.max(1), 512)
-            .spin(if passive { Duration::ZERO } else { timeout })
+            .spin(if passive || self.events { Duration::ZERO } else { timeout })
     }
 }
 
