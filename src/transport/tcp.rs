@@ -10,6 +10,13 @@
 //!   and done directly in that memory, a response lands in the waiting
 //!   read's buffer. The receiver never writes to the socket, so two busy
 //!   directions cannot deadlock.
+//! - A waiter that spins (for the connection's spin window) reads small
+//!   frames itself while the receiver thread is not at the socket, and
+//!   acknowledges them itself with one write that never blocks (what the
+//!   socket does not take, the sender finishes): no thread hand-over on the
+//!   latency path, as a verbs waiter polls its own completion queue. One
+//!   thread at a time reads (the reader token); large, partial or waiting
+//!   frames stay the receiver thread's.
 //! - Payloads travel in segments of at most 1 MiB, so control frames are
 //!   not stuck behind a large write.
 //! - An operation completes when the peer acknowledged it (a write: the
@@ -210,10 +217,15 @@ impl Header {
 // ---- raw socket I/O (no Rust references to memory the peer fills) ----
 
 fn wait_fd(fd: RawFd, events: i16) -> io::Result<()> {
+    wait_fd_for(fd, events, -1)
+}
+
+/// [`wait_fd`] for at most `ms` milliseconds (-1: no limit).
+fn wait_fd_for(fd: RawFd, events: i16, ms: i32) -> io::Result<()> {
     let mut p = libc::pollfd { fd, events, revents: 0 };
     loop {
         // SAFETY: one valid pollfd.
-        let n = unsafe { libc::poll(&mut p, 1, -1) };
+        let n = unsafe { libc::poll(&mut p, 1, ms) };
         if n >= 0 {
             return Ok(());
         }
@@ -285,6 +297,49 @@ unsafe fn recv_into(
         }
     }
     Ok(true)
+}
+
+/// Reads what is there now, up to `buf.len()` bytes, without waiting
+/// (`WouldBlock` when nothing is); with `peek`, leaves it in the socket.
+fn recv_now(fd: RawFd, buf: &mut [u8], peek: bool) -> io::Result<usize> {
+    let flags = libc::MSG_DONTWAIT | if peek { libc::MSG_PEEK } else { 0 };
+    loop {
+        // SAFETY: `buf` is exclusively borrowed for the call.
+        let n = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), flags) };
+        if n >= 0 {
+            return Ok(n as usize);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// One attempt to write `bytes` without waiting: how many the socket took
+/// (0 when it is full).
+fn send_now(fd: RawFd, bytes: &[u8]) -> io::Result<usize> {
+    loop {
+        // SAFETY: `bytes` is borrowed for the call; MSG_NOSIGNAL instead of SIGPIPE.
+        let n = unsafe { libc::send(fd, bytes.as_ptr().cast(), bytes.len(), libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+        if n >= 0 {
+            return Ok(n as usize);
+        }
+        let e = io::Error::last_os_error();
+        match e.kind() {
+            io::ErrorKind::WouldBlock => return Ok(0),
+            io::ErrorKind::Interrupted => {}
+            _ => return Err(e),
+        }
+    }
+}
+
+/// Bytes waiting in the socket's receive queue.
+fn readable_bytes(fd: RawFd) -> usize {
+    let mut n: libc::c_int = 0;
+    // SAFETY: FIONREAD writes one int to a valid pointer.
+    let r = unsafe { libc::ioctl(fd, libc::FIONREAD, &mut n) };
+    if r < 0 { 0 } else { n.max(0) as usize }
 }
 
 fn recv_buf(fd: RawFd, buf: &mut [u8]) -> io::Result<bool> {
@@ -441,15 +496,31 @@ struct TcpState {
     /// A message whose first bytes a posting thread wrote before the socket
     /// filled up: the sender thread finishes it before anything else.
     resume: Option<Out>,
+    /// A control frame whose first bytes a reader sent directly before the
+    /// socket filled up (the header, and how many of its bytes went): the
+    /// sender thread finishes it before anything else.
+    ctl_rest: Option<(Header, usize)>,
     /// Read requests queued or sent: seq -> destination.
     reads: HashMap<u32, ReadDst>,
     recvs: VecDeque<Recv>,
     /// The sender thread has ended (after the connection broke or stopped).
     sender_done: bool,
+    /// Threads asleep on `events`: waking nobody costs no system call.
+    sleepers: usize,
+}
+
+/// The right to read the socket: frames are read whole by one thread at a
+/// time, the receiver thread or a waiter that spins (which then carries out
+/// what arrived itself, without a hand-over between threads).
+struct Reader {
+    /// Where refused or withdrawn bytes are read to and dropped.
+    scratch: Vec<u8>,
 }
 
 struct Inner {
     state: Mutex<TcpState>,
+    /// Taken before `state`, never while holding it.
+    reader: Mutex<Reader>,
     /// The sender thread waits here: queued messages, control frames,
     /// stopping.
     work: Condvar,
@@ -499,6 +570,19 @@ fn rnr_timer(code: u8) -> Duration {
 
 fn raw(wr_id: u64, status: WcStatus) -> RawCompletion {
     RawCompletion { wr_id, status, byte_len: 0, imm: None, qp_num: 0, vendor_err: 0, by_write_imm: false }
+}
+
+impl TcpState {
+    /// Whether the sender thread has something to do: a frame to finish or
+    /// to send, or a broken or closing connection to hang up.
+    fn has_work(&self) -> bool {
+        self.resume.is_some()
+            || self.ctl_rest.is_some()
+            || !self.control.is_empty()
+            || !self.queue.is_empty()
+            || self.stopping
+            || self.q.lost().is_some()
+    }
 }
 
 impl Inner {
@@ -552,10 +636,26 @@ impl Inner {
         }
     }
 
+    /// Sleeps on `events` for at most `d` (counted among the sleepers).
+    fn sleep<'a>(&self, mut st: MutexGuard<'a, TcpState>, d: Duration) -> MutexGuard<'a, TcpState> {
+        st.sleepers += 1;
+        let mut st = self.events.wait_timeout(st, d).unwrap_or_else(|e| e.into_inner()).0;
+        st.sleepers -= 1;
+        st
+    }
+
+    /// Wakes the threads asleep on `events`, if any (`st` is their state,
+    /// locked: none can be between its check and its sleep).
+    fn wake(&self, st: &TcpState) {
+        if st.sleepers > 0 {
+            self.events.notify_all();
+        }
+    }
+
     /// Records a completion; frees the queue room it held. Wakes waiters.
     fn complete(&self, st: &mut TcpState, c: &RawCompletion) {
         drop(st.q.complete(c));
-        self.events.notify_all();
+        self.wake(st);
     }
 
     /// The connection broke: say why, and fail what no thread is touching.
@@ -587,7 +687,7 @@ impl Inner {
             self.complete(st, &raw(w, WcStatus::WrFlush));
         }
         self.work.notify_all();
-        self.events.notify_all();
+        self.wake(st);
     }
 }
 
@@ -608,6 +708,38 @@ impl Inner {
         }
         st.control.push_back(ctl);
         self.work.notify_one();
+        Ok(())
+    }
+
+    /// Acknowledges the peer's message `seq`. A spinning waiter that read
+    /// it sends the acknowledgement itself while nobody else writes to the
+    /// socket, with the lock released: no hand-over to the sender thread on
+    /// the latency path. One attempt that never blocks (a reader never
+    /// waits on a peer that does not read); what the socket does not take,
+    /// the sender thread sends. The receiver thread hands it over: the
+    /// sender sends it while the receiver reads on.
+    fn acknowledge(&self, mut st: MutexGuard<'_, TcpState>, seq: u32, by: Reading) -> Step {
+        let socket_free = !st.writing && !st.has_work();
+        if by == Reading::Receiver || !socket_free {
+            return self.reply(&mut st, Ctl::Ack { seq, status: 0 });
+        }
+        st.writing = true;
+        drop(st);
+        let h = Header { op: Op::Ack as u8, seq, ..Header::default() };
+        let sent = send_now(self.fd, &h.encode());
+        let mut st = self.lock();
+        st.writing = false;
+        match sent {
+            Ok(HEADER) => {}
+            // Before anything queued meanwhile (a bye goes last); the sender
+            // meets the error, if any, and breaks the connection.
+            Ok(0) | Err(_) => st.control.push_front(Ctl::Ack { seq, status: 0 }),
+            Ok(n) => st.ctl_rest = Some((h, n)),
+        }
+        if st.has_work() {
+            // The sender thread may wait for the socket to be free.
+            self.work.notify_one();
+        }
         Ok(())
     }
 
@@ -678,10 +810,13 @@ impl TcpConn {
                 sending_op: None,
                 writing: false,
                 resume: None,
+                ctl_rest: None,
                 reads: HashMap::new(),
                 recvs: VecDeque::new(),
                 sender_done: false,
+                sleepers: 0,
             }),
+            reader: Mutex::new(Reader { scratch: vec![0u8; STEP] }),
             work: Condvar::new(),
             events: Condvar::new(),
             fd: stream.as_raw_fd(),
@@ -780,7 +915,7 @@ impl TcpConn {
             if now >= deadline {
                 return Posted::refused(st.q.send_full());
             }
-            st = self.inner.events.wait_timeout(st, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+            st = self.inner.sleep(st, deadline - now);
         }
         let id = st.q.start_send(opcode, n, bytes);
         let first = st.next_seq;
@@ -794,7 +929,8 @@ impl TcpConn {
             }
             st.queue.push_back(Out { seq, wr_id, kind, addr, len, skip: 0, first });
         }
-        let socket_free = !st.writing && st.resume.is_none() && st.control.is_empty() && !st.stopping;
+        let socket_free =
+            !st.writing && st.resume.is_none() && st.ctl_rest.is_none() && st.control.is_empty() && !st.stopping;
         if count == 1 && socket_free && st.queue.len() == 1 && matches!(st.queue[0].kind, OutKind::Inline { .. }) {
             if let Some(o) = st.queue.pop_front() {
                 return self.send_direct(st, o, id);
@@ -832,7 +968,10 @@ impl TcpConn {
                 done = Some(o);
             }
         }
-        self.inner.work.notify_all();
+        if st.has_work() {
+            // The sender thread may wait for the socket to be free.
+            self.inner.work.notify_all();
+        }
         drop(st);
         if let Some(mut o) = done {
             self.inner.recycle(&mut o);
@@ -889,7 +1028,7 @@ impl TcpConn {
             Err(e) => return Posted::refused(e),
         };
         st.recvs.push_back(Recv { wr_id: id.wr_id(true), addr, len });
-        self.inner.events.notify_all();
+        self.inner.wake(&st);
         Posted::Ok(id)
     }
 
@@ -933,7 +1072,9 @@ impl TcpConn {
             let now = Instant::now();
             let until = due.at_from(now).min(now + self.inner.spin);
             loop {
-                std::thread::yield_now();
+                // What arrived is carried out here when the receiver thread
+                // is not at it: no wake-up and hand-over per message.
+                self.inner.read_ready();
                 let mut s = self.inner.lock();
                 if let Some(v) = ready(&mut s) {
                     return Ok(v);
@@ -942,6 +1083,8 @@ impl TcpConn {
                     st = s;
                     break;
                 }
+                drop(s);
+                std::thread::yield_now();
             }
         }
         loop {
@@ -950,7 +1093,7 @@ impl TcpConn {
             if now >= deadline {
                 return Err(due.expired());
             }
-            st = self.inner.events.wait_timeout(st, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+            st = self.inner.sleep(st, deadline - now);
             if let Some(v) = ready(&mut st) {
                 return Ok(v);
             }
@@ -1011,11 +1154,11 @@ impl TcpConn {
             // Give the sender a moment to say bye before the socket closes.
             let t0 = Instant::now();
             while !st.control.is_empty() && !st.sender_done && t0.elapsed() < Duration::from_millis(200) {
-                st = self.inner.events.wait_timeout(st, Duration::from_millis(10)).unwrap_or_else(|e| e.into_inner()).0;
+                st = self.inner.sleep(st, Duration::from_millis(10));
             }
             st.stopping = true;
             self.inner.work.notify_all();
-            self.inner.events.notify_all();
+            self.inner.wake(&st);
         }
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
         let threads: Vec<JoinHandle<()>> = self.threads.lock().unwrap_or_else(|e| e.into_inner()).drain(..).collect();
@@ -1051,6 +1194,8 @@ impl Drop for TcpConn {
 
 enum Work {
     Ctl(Ctl),
+    /// The rest of a control frame a reader began: its header and the bytes sent.
+    Rest(Header, usize),
     /// A message, and whether more are queued behind it.
     Out(Out, bool),
 }
@@ -1066,6 +1211,11 @@ fn sender(inner: &Inner) {
                     st = inner.work.wait(st).unwrap_or_else(|e| e.into_inner());
                     continue;
                 }
+                if let Some((h, sent)) = st.ctl_rest.take() {
+                    // The rest of a control frame a reader began.
+                    st.writing = true;
+                    break Work::Rest(h, sent);
+                }
                 if let Some(o) = st.resume.take() {
                     // The rest of a frame a posting thread began: first, so
                     // the stream stays whole.
@@ -1075,7 +1225,7 @@ fn sender(inner: &Inner) {
                 if let Some(c) = st.control.pop_front() {
                     if st.q.lost().is_some() {
                         // Shutdown may be waiting for the control queue to drain.
-                        inner.events.notify_all();
+                        inner.wake(&st);
                     }
                     st.writing = true;
                     break Work::Ctl(c);
@@ -1085,7 +1235,7 @@ fn sender(inner: &Inner) {
                     // failed): hang up, so the peer sees the end at once and
                     // the receiver stops reading.
                     st.sender_done = true;
-                    inner.events.notify_all();
+                    inner.wake(&st);
                     drop(st);
                     inner.hang_up();
                     return;
@@ -1102,6 +1252,12 @@ fn sender(inner: &Inner) {
             }
         };
         let outcome = match work {
+            Work::Rest(h, sent) => {
+                // SAFETY: no payload.
+                let r = unsafe { send_frame(fd, &h, std::ptr::null(), 0, None, sent, false) }.map(drop);
+                inner.lock().writing = false;
+                r
+            }
             Work::Ctl(c) => {
                 let r = match c {
                     Ctl::Ack { seq, status } => {
@@ -1261,44 +1417,136 @@ fn send_read_response(fd: RawFd, seq: u32, entry: &KeyEntry, addr: u64, len: u64
 
 // ---- the receiver thread ----
 
+const CLOSED: &str = "the peer closed the connection (its process exited or dropped the connection)";
+
+/// Which thread carries a frame out.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Reading {
+    /// The receiver thread: its replies go through the sender thread,
+    /// which sends them while this one reads on.
+    Receiver,
+    /// A spinning waiter: it acknowledges what it read itself.
+    Waiter,
+}
+
+/// Carries out one frame whose header was read.
+fn on_frame(inner: &Inner, h: &Header, scratch: &mut [u8], by: Reading) -> Step {
+    match Op::from_raw(h.op) {
+        Some(Op::Send | Op::Write) if h.flags & FIRST == 0 => {
+            Err(format!("a garbled frame (operation {} without its first segment): the stream is out of step", h.op))
+        }
+        Some(Op::Send) => on_message(inner, h, None, scratch, by),
+        Some(Op::Write) => on_write(inner, h, scratch, by),
+        Some(Op::ReadReq) => on_read_request(inner, h),
+        Some(Op::ReadResp) => on_read_response(inner, h, scratch),
+        Some(Op::Ack) => on_ack(inner, h),
+        Some(Op::Bye) => Err("the peer closed the connection (it said bye)".to_owned()),
+        None => Err(format!("a garbled frame (operation {}): the stream is out of step", h.op)),
+    }
+}
+
+impl Inner {
+    /// A spinning waiter's turn at the socket: if no other thread reads it,
+    /// carries out the small frames (at most [`MAX_INLINE`] bytes of
+    /// payload) that are there whole and need nothing to wait for (no
+    /// receive to wait for, no further segment), then returns. Anything
+    /// else (a large or partial frame, a send with no receive posted, a
+    /// message of several segments, the end of the stream, a garbled
+    /// header) is left to the receiver thread, which reads with blocking
+    /// calls and watches for the receiver-not-ready budget. Never blocks.
+    fn read_ready(&self) {
+        let Ok(mut reader) = self.reader.try_lock() else { return };
+        let fd = self.fd;
+        loop {
+            if self.dead.load(Ordering::Acquire) {
+                return;
+            }
+            let mut head = [0u8; HEADER];
+            match recv_now(fd, &mut head, true) {
+                Ok(HEADER) => {}
+                // Part of a header, the end of the stream, an error: the
+                // receiver thread's (it watches the socket).
+                _ => return,
+            }
+            let Ok(h) = Header::parse(&head) else { return };
+            let whole = h.flags & (FIRST | LAST) == FIRST | LAST;
+            let (payload, needs_recv) = match Op::from_raw(h.op) {
+                Some(Op::Ack | Op::ReadReq) => (0, false),
+                Some(Op::ReadResp) => (h.len, false),
+                Some(Op::Send) if whole => (h.len, true),
+                Some(Op::Write) if whole => (h.len, h.flags & IMM != 0),
+                _ => return,
+            };
+            // A large frame is the receiver thread's: the copy dwarfs the
+            // hand-over, and a waiter polling a stream of them would only
+            // contend with it for the socket.
+            if payload > MAX_INLINE || needs_recv && self.lock().recvs.is_empty() {
+                return;
+            }
+            if readable_bytes(fd) < HEADER + payload as usize {
+                return;
+            }
+            // The header, then the frame: all there, read by this thread only.
+            if !matches!(recv_now(fd, &mut head, false), Ok(HEADER)) {
+                // Cannot happen with the reader held; the receiver thread
+                // would find the stream out of step, so break it here.
+                let mut st = self.lock();
+                self.break_with(&mut st, "the connection to the peer failed: a peeked header went missing".into());
+                return;
+            }
+            if let Err(why) = on_frame(self, &h, &mut reader.scratch, Reading::Waiter) {
+                // As the receiver thread would: it sees `dead` next and
+                // fails what it owns.
+                let mut st = self.lock();
+                self.break_with(&mut st, why);
+                return;
+            }
+        }
+    }
+}
+
 fn receiver(inner: &Inner) {
     let fd = inner.fd;
-    let mut scratch = vec![0u8; STEP];
+    let mut reader = inner.reader.lock().unwrap_or_else(|e| e.into_inner());
     let why = loop {
         if inner.dead.load(Ordering::Acquire) {
-            // Broken (by this thread, the sender, or this side closing):
-            // nothing more from the peer is carried out.
+            // Broken (by this thread, the sender, a waiter, or this side
+            // closing): nothing more from the peer is carried out.
             break inner.lock().q.lost().unwrap_or_default().to_owned();
         }
         let mut head = [0u8; HEADER];
-        match recv_buf(fd, &mut head) {
-            Ok(true) => {}
-            Ok(false) => {
-                break "the peer closed the connection (its process exited or dropped the connection)".to_owned();
+        let got = match recv_now(fd, &mut head, false) {
+            Ok(0) => break CLOSED.to_owned(),
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                // Nothing yet: wait for it without the reader, so that a
+                // spinning waiter can take the next frame itself.
+                drop(reader);
+                let waited = wait_fd_for(fd, libc::POLLIN, RECV_WAIT.as_millis() as i32);
+                reader = inner.reader.lock().unwrap_or_else(|e| e.into_inner());
+                if let Err(e) = waited {
+                    break format!("the connection to the peer failed: {e}");
+                }
+                continue;
             }
             Err(e) => break format!("the connection to the peer failed: {e}"),
+        };
+        if got < HEADER {
+            match recv_buf(fd, &mut head[got..]) {
+                Ok(true) => {}
+                Ok(false) => break CLOSED.to_owned(),
+                Err(e) => break format!("the connection to the peer failed: {e}"),
+            }
         }
         let h = match Header::parse(&head) {
             Ok(h) => h,
             Err(why) => break why,
         };
-        let step = match Op::from_raw(h.op) {
-            Some(Op::Send | Op::Write) if h.flags & FIRST == 0 => Err(format!(
-                "a garbled frame (operation {} without its first segment): the stream is out of step",
-                h.op
-            )),
-            Some(Op::Send) => on_message(inner, &h, None, &mut scratch),
-            Some(Op::Write) => on_write(inner, &h, &mut scratch),
-            Some(Op::ReadReq) => on_read_request(inner, &h),
-            Some(Op::ReadResp) => on_read_response(inner, &h, &mut scratch),
-            Some(Op::Ack) => on_ack(inner, &h),
-            Some(Op::Bye) => Err("the peer closed the connection (it said bye)".to_owned()),
-            None => Err(format!("a garbled frame (operation {}): the stream is out of step", h.op)),
-        };
-        if let Err(why) = step {
+        if let Err(why) = on_frame(inner, &h, &mut reader.scratch, Reading::Receiver) {
             break why;
         }
     };
+    drop(reader);
     let mut st = inner.lock();
     inner.break_with(&mut st, why);
     // This thread owns receives and reads: fail them.
@@ -1320,7 +1568,7 @@ fn receiver(inner: &Inner) {
         if now >= until {
             break;
         }
-        st = inner.events.wait_timeout(st, until - now).unwrap_or_else(|e| e.into_inner()).0;
+        st = inner.sleep(st, until - now);
     }
     drop(st);
     inner.hang_up();
@@ -1389,7 +1637,7 @@ fn next_recv(inner: &Inner) -> std::result::Result<Option<Recv>, String> {
             Some(d) => (d - now).min(WATCH),
             None => WATCH,
         };
-        st = inner.events.wait_timeout(st, slice).unwrap_or_else(|e| e.into_inner()).0;
+        st = inner.sleep(st, slice);
         if st.recvs.is_empty() && inner.peer_gone() {
             return Err("the peer closed the connection while its message waited for a receive".into());
         }
@@ -1399,7 +1647,7 @@ fn next_recv(inner: &Inner) -> std::result::Result<Option<Recv>, String> {
 /// A send (or the receive a write with immediate consumes): lands in the
 /// next posted receive. `written` is the byte count of a write with
 /// immediate whose data already went to its target.
-fn on_message(inner: &Inner, h: &Header, written: Option<u32>, scratch: &mut [u8]) -> Step {
+fn on_message(inner: &Inner, h: &Header, written: Option<u32>, scratch: &mut [u8], by: Reading) -> Step {
     let fd = inner.fd;
     let total = u64::from(written.unwrap_or(h.total));
     let Some(recv) = next_recv(inner)? else {
@@ -1475,10 +1723,10 @@ fn on_message(inner: &Inner, h: &Header, written: Option<u32>, scratch: &mut [u8
     if h.flags & ACK == 0 {
         return Ok(());
     }
-    inner.reply(&mut st, Ctl::Ack { seq: h.seq, status: 0 })
+    inner.acknowledge(st, h.seq, by)
 }
 
-fn on_write(inner: &Inner, h: &Header, scratch: &mut [u8]) -> Step {
+fn on_write(inner: &Inner, h: &Header, scratch: &mut [u8], by: Reading) -> Step {
     let fd = inner.fd;
     let total = u64::from(h.total);
     let entry = inner.lookup(h.key);
@@ -1518,13 +1766,12 @@ fn on_write(inner: &Inner, h: &Header, scratch: &mut [u8]) -> Step {
         return refuse(inner, h.seq, WcStatus::RemoteAccess, "the region was withdrawn during a write".into());
     }
     if h.flags & IMM != 0 {
-        return on_message(inner, h, Some(h.total), scratch);
+        return on_message(inner, h, Some(h.total), scratch, by);
     }
     if h.flags & ACK == 0 {
         return Ok(());
     }
-    let mut st = inner.lock();
-    inner.reply(&mut st, Ctl::Ack { seq: h.seq, status: 0 })
+    inner.acknowledge(inner.lock(), h.seq, by)
 }
 
 fn on_read_request(inner: &Inner, h: &Header) -> Step {
@@ -1705,6 +1952,45 @@ mod tests {
             assert_eq!(&read_exactly(&mut rx, frame.len()), frame, "frame {i} of {}", frames.len());
         }
         drop(writer.join().unwrap().unwrap());
+    }
+
+    #[test]
+    fn a_direct_acknowledgement_into_a_full_socket_is_finished_by_the_sender_and_stays_whole() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let tx = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (mut rx, _) = listener.accept().unwrap();
+        // Acknowledgements sent directly until the socket takes one only in
+        // part, or not at all (as a reader's attempt meets a peer that does
+        // not read).
+        let mut sent = Vec::new();
+        let (rest, already) = loop {
+            let seq = sent.len() as u32 + 1;
+            let h = Header { op: Op::Ack as u8, seq, ..Header::default() };
+            let n = send_now(tx.as_raw_fd(), &h.encode()).unwrap();
+            sent.push(h);
+            if n < HEADER {
+                break (h, n);
+            }
+            assert!(sent.len() < 1_000_000, "the socket never filled");
+        };
+        // The sender thread's part: the rest of that frame (all of it when
+        // none went), blocking until the peer reads.
+        let writer = std::thread::spawn(move || {
+            // SAFETY: no payload.
+            unsafe { send_frame(tx.as_raw_fd(), &rest, std::ptr::null(), 0, None, already, false) }.map(|_| tx)
+        });
+        for (i, h) in sent.iter().enumerate() {
+            let got: [u8; HEADER] = read_tcp(&mut rx, HEADER).try_into().unwrap();
+            assert_eq!(Header::parse(&got).unwrap(), *h, "acknowledgement {i} of {}", sent.len());
+        }
+        drop(writer.join().unwrap().unwrap());
+    }
+
+    fn read_tcp(r: &mut TcpStream, n: usize) -> Vec<u8> {
+        use std::io::Read;
+        let mut v = vec![0u8; n];
+        r.read_exact(&mut v).unwrap();
+        v
     }
 
     #[test]
