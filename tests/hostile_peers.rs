@@ -401,6 +401,63 @@ fn four_million_unread_acknowledgements_stay_within_the_per_connection_bound() {
     drop(conn);
 }
 
+/// A peer that sends small writes without pause cannot hold a waiter past
+/// its deadline, though a waiter that spins carries such frames out itself:
+/// it looks at its deadline between turns of a few frames.
+#[test]
+fn a_flood_of_small_writes_does_not_hold_a_spinning_waiter_past_its_deadline() {
+    let _serial = serial();
+    let victim = Victim::new();
+    let listener = victim.domain.listen("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    // The waiter spins for far longer than its deadline.
+    let opts = victim.opts().spin(Duration::from_secs(30));
+    let server = thread::spawn(move || listener.accept_timeout(&opts, Duration::from_secs(10)));
+    let (s, theirs) = hostile_client(addr, endpoint(0, 128));
+    let conn = server.join().unwrap().expect("the victim accepts");
+    let target = theirs.regions.first().copied().expect("the victim advertised its region");
+    let stop = Arc::new(AtomicBool::new(false));
+    let flood = {
+        let stop = Arc::clone(&stop);
+        let s = s.try_clone().unwrap();
+        thread::spawn(move || {
+            let mut out = Vec::new();
+            let mut seq = 1u32;
+            for _ in 0..4096 {
+                // 8 bytes into the advertised region, not acknowledged.
+                frame(WRITE, FIRST | LAST, seq, target.rkey, target.addr, 8, 8, &mut out);
+                out.extend_from_slice(&[0x5a; 8]);
+                seq += 1;
+            }
+            s.set_write_timeout(Some(Duration::from_secs(2))).unwrap();
+            // Once the waiter spins.
+            thread::sleep(Duration::from_millis(20));
+            let mut frames = 0u64;
+            // At most 5 s: a waiter held by the flood shows as a slow wait.
+            let t0 = Instant::now();
+            while !stop.load(Ordering::Relaxed) && t0.elapsed() < Duration::from_secs(5) && (&s).write_all(&out).is_ok()
+            {
+                frames += 4096;
+            }
+            frames
+        })
+    };
+    // A receive the peer never fills, waited for with a deadline.
+    let mut rx = conn.recv(victim.domain.alloc(64).unwrap());
+    let t0 = Instant::now();
+    let r = rx.wait_timeout(Duration::from_millis(200));
+    let took = t0.elapsed();
+    stop.store(true, Ordering::Relaxed);
+    let frames = flood.join().unwrap();
+    println!("a wait of 200 ms under a flood of {frames} small writes returned after {took:?}: {r:?}");
+    assert!(r.is_err(), "the receive completed: {r:?}");
+    assert!(took < Duration::from_secs(2), "the wait took {took:?}");
+    assert!(frames > 0, "the flood never started");
+    drop(rx);
+    drop(s);
+    drop(conn);
+}
+
 // ---- 4. handshakes run concurrently ----
 
 /// 64 stalled handshakes (32 silent after connecting, 32 that sent half a

@@ -1419,6 +1419,10 @@ fn send_read_response(fd: RawFd, seq: u32, entry: &KeyEntry, addr: u64, len: u64
 
 const CLOSED: &str = "the peer closed the connection (its process exited or dropped the connection)";
 
+/// The most frames a spinning waiter carries out before it looks at its
+/// own condition and deadline again.
+const WAITER_FRAMES: usize = 16;
+
 /// Which thread carries a frame out.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Reading {
@@ -1457,7 +1461,9 @@ impl Inner {
     fn read_ready(&self) {
         let Ok(mut reader) = self.reader.try_lock() else { return };
         let fd = self.fd;
-        loop {
+        // A few frames a turn: a peer that keeps sending cannot hold a
+        // waiter here past its deadline (the wait looks at it between turns).
+        for _ in 0..WAITER_FRAMES {
             if self.dead.load(Ordering::Acquire) {
                 return;
             }
