@@ -422,12 +422,10 @@ fn a_flood_of_small_writes_does_not_hold_a_spinning_waiter_past_its_deadline() {
         let s = s.try_clone().unwrap();
         thread::spawn(move || {
             let mut out = Vec::new();
-            let mut seq = 1u32;
-            for _ in 0..4096 {
+            for seq in 1..=4096u32 {
                 // 8 bytes into the advertised region, not acknowledged.
                 frame(WRITE, FIRST | LAST, seq, target.rkey, target.addr, 8, 8, &mut out);
                 out.extend_from_slice(&[0x5a; 8]);
-                seq += 1;
             }
             s.set_write_timeout(Some(Duration::from_secs(2))).unwrap();
             // Once the waiter spins.

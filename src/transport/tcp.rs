@@ -16,7 +16,11 @@
 //!   socket does not take, the sender finishes): no thread hand-over on the
 //!   latency path, as a verbs waiter polls its own completion queue. One
 //!   thread at a time reads (the reader token); large, partial or waiting
-//!   frames stay the receiver thread's.
+//!   frames stay the receiver thread's. While waiters spin, the receiver
+//!   thread naps instead of waking at every frame (which on a busy machine
+//!   takes a CPU from a spinner): a spinner that meets a frame it leaves,
+//!   or a thread that goes to sleep, ends the nap, and it lasts at most
+//!   [`NAP`] in any case.
 //! - Payloads travel in segments of at most 1 MiB, so control frames are
 //!   not stuck behind a large write.
 //! - An operation completes when the peer acknowledged it (a write: the
@@ -46,7 +50,7 @@ use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::net::TcpStream;
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -521,6 +525,15 @@ struct Inner {
     state: Mutex<TcpState>,
     /// Taken before `state`, never while holding it.
     reader: Mutex<Reader>,
+    /// Waiters spinning now: while there are any, the receiver thread naps
+    /// instead of watching the socket, so that it does not take a CPU from
+    /// them at every frame they carry out themselves.
+    spinners: AtomicUsize,
+    /// The receiver thread naps (on `rx_wake`, with the reader released).
+    napping: AtomicBool,
+    /// Ends the receiver thread's nap: a waiter left it a frame, or a
+    /// thread goes to sleep on `events` and needs it to watch the socket.
+    rx_wake: Condvar,
     /// The sender thread waits here: queued messages, control frames,
     /// stopping.
     work: Condvar,
@@ -638,10 +651,19 @@ impl Inner {
 
     /// Sleeps on `events` for at most `d` (counted among the sleepers).
     fn sleep<'a>(&self, mut st: MutexGuard<'a, TcpState>, d: Duration) -> MutexGuard<'a, TcpState> {
+        // What this thread waits for now comes only through the receiver thread.
+        self.end_nap();
         st.sleepers += 1;
         let mut st = self.events.wait_timeout(st, d).unwrap_or_else(|e| e.into_inner()).0;
         st.sleepers -= 1;
         st
+    }
+
+    /// Ends the receiver thread's nap, if it naps.
+    fn end_nap(&self) {
+        if self.napping.load(Ordering::Acquire) {
+            self.rx_wake.notify_one();
+        }
     }
 
     /// Wakes the threads asleep on `events`, if any (`st` is their state,
@@ -817,6 +839,9 @@ impl TcpConn {
                 sleepers: 0,
             }),
             reader: Mutex::new(Reader { scratch: vec![0u8; STEP] }),
+            spinners: AtomicUsize::new(0),
+            napping: AtomicBool::new(false),
+            rx_wake: Condvar::new(),
             work: Condvar::new(),
             events: Condvar::new(),
             fd: stream.as_raw_fd(),
@@ -1069,6 +1094,8 @@ impl TcpConn {
         }
         if spin && !self.inner.spin.is_zero() {
             drop(st);
+            self.inner.spinners.fetch_add(1, Ordering::AcqRel);
+            let _spinning = Spinning(&self.inner);
             let now = Instant::now();
             let until = due.at_from(now).min(now + self.inner.spin);
             loop {
@@ -1419,6 +1446,18 @@ fn send_read_response(fd: RawFd, seq: u32, entry: &KeyEntry, addr: u64, len: u64
 
 const CLOSED: &str = "the peer closed the connection (its process exited or dropped the connection)";
 
+/// The longest the receiver thread naps while waiters spin.
+const NAP: Duration = Duration::from_millis(1);
+
+/// A spinning waiter, counted while it lives.
+struct Spinning<'a>(&'a Inner);
+
+impl Drop for Spinning<'_> {
+    fn drop(&mut self) {
+        self.0.spinners.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// The most frames a spinning waiter carries out before it looks at its
 /// own condition and deadline again.
 const WAITER_FRAMES: usize = 16;
@@ -1470,27 +1509,28 @@ impl Inner {
             let mut head = [0u8; HEADER];
             match recv_now(fd, &mut head, true) {
                 Ok(HEADER) => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 // Part of a header, the end of the stream, an error: the
-                // receiver thread's (it watches the socket).
-                _ => return,
+                // receiver thread's.
+                _ => return self.end_nap(),
             }
-            let Ok(h) = Header::parse(&head) else { return };
+            let Ok(h) = Header::parse(&head) else { return self.end_nap() };
             let whole = h.flags & (FIRST | LAST) == FIRST | LAST;
             let (payload, needs_recv) = match Op::from_raw(h.op) {
                 Some(Op::Ack | Op::ReadReq) => (0, false),
                 Some(Op::ReadResp) => (h.len, false),
                 Some(Op::Send) if whole => (h.len, true),
                 Some(Op::Write) if whole => (h.len, h.flags & IMM != 0),
-                _ => return,
+                _ => return self.end_nap(),
             };
             // A large frame is the receiver thread's: the copy dwarfs the
             // hand-over, and a waiter polling a stream of them would only
             // contend with it for the socket.
             if payload > MAX_INLINE || needs_recv && self.lock().recvs.is_empty() {
-                return;
+                return self.end_nap();
             }
             if readable_bytes(fd) < HEADER + payload as usize {
-                return;
+                return self.end_nap();
             }
             // The header, then the frame: all there, read by this thread only.
             if !matches!(recv_now(fd, &mut head, false), Ok(HEADER)) {
@@ -1525,6 +1565,16 @@ fn receiver(inner: &Inner) {
             Ok(0) => break CLOSED.to_owned(),
             Ok(n) => n,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                if inner.spinners.load(Ordering::Acquire) > 0 {
+                    // Waiters spin and carry out what arrives: nap until one
+                    // leaves a frame to this thread or a thread goes to
+                    // sleep, or for a millisecond (the last spinner may have
+                    // gone meanwhile).
+                    inner.napping.store(true, Ordering::Release);
+                    reader = inner.rx_wake.wait_timeout(reader, NAP).unwrap_or_else(|e| e.into_inner()).0;
+                    inner.napping.store(false, Ordering::Release);
+                    continue;
+                }
                 // Nothing yet: wait for it without the reader, so that a
                 // spinning waiter can take the next frame itself.
                 drop(reader);
