@@ -323,9 +323,17 @@ fn recv_now(fd: RawFd, buf: &mut [u8], peek: bool) -> io::Result<usize> {
 /// One attempt to write `bytes` without waiting: how many the socket took
 /// (0 when it is full).
 fn send_now(fd: RawFd, bytes: &[u8]) -> io::Result<usize> {
-    loop {
+    sent_without_waiting(|| {
         // SAFETY: `bytes` is borrowed for the call; MSG_NOSIGNAL instead of SIGPIPE.
-        let n = unsafe { libc::send(fd, bytes.as_ptr().cast(), bytes.len(), libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+        unsafe { libc::send(fd, bytes.as_ptr().cast(), bytes.len(), libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) }
+    })
+}
+
+/// The bytes a non-blocking send call took: 0 when the socket is full;
+/// the call is made again when a signal interrupted it.
+fn sent_without_waiting(mut call: impl FnMut() -> isize) -> io::Result<usize> {
+    loop {
+        let n = call();
         if n >= 0 {
             return Ok(n as usize);
         }
@@ -1341,19 +1349,10 @@ fn try_send_inline(fd: RawFd, o: &Out) -> io::Result<usize> {
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = iov.as_mut_ptr();
     msg.msg_iovlen = iov.len();
-    loop {
+    sent_without_waiting(|| {
         // SAFETY: valid socket, message and buffers; MSG_NOSIGNAL instead of SIGPIPE.
-        let n = unsafe { libc::sendmsg(fd, &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
-        if n >= 0 {
-            return Ok(n as usize);
-        }
-        let e = io::Error::last_os_error();
-        match e.kind() {
-            io::ErrorKind::WouldBlock => return Ok(0),
-            io::ErrorKind::Interrupted => {}
-            _ => return Err(e),
-        }
-    }
+        unsafe { libc::sendmsg(fd, &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) }
+    })
 }
 
 fn send_message(fd: RawFd, o: &Out, more: bool) -> io::Result<()> {
