@@ -240,19 +240,20 @@ fn wait_fd_for(fd: RawFd, events: i16, ms: i32) -> io::Result<()> {
     }
 }
 
-/// Reads `len` bytes into `ptr`, or fewer if [`RECV_WAIT`] passes first
+/// Reads up to `len` bytes into `ptr`: what is there, or, with no
+/// `MSG_DONTWAIT` in `flags`, what comes before [`RECV_WAIT`] passes
 /// (`WouldBlock` when none came); 0 means EOF.
 ///
 /// # Safety
 /// `ptr..ptr + len` must be valid for writes and not referenced by Rust code.
-unsafe fn recv_some(fd: RawFd, ptr: *mut u8, len: usize) -> io::Result<usize> {
+unsafe fn recv_some(fd: RawFd, ptr: *mut u8, len: usize, flags: libc::c_int) -> io::Result<usize> {
     loop {
         // SAFETY: the caller guarantees the destination. The socket's receive
-        // timeout (RECV_WAIT) bounds the wait. Without MSG_WAITALL: it would
+        // timeout (RECV_WAIT) bounds a wait. Without MSG_WAITALL: it would
         // wake this thread at every packet only to sleep again until the
         // whole length is there; taking what is there costs fewer wake-ups
         // (measured: 64 KiB lists 0.82x -> 0.92x of a plain socket).
-        let n = unsafe { libc::recv(fd, ptr.cast(), len, 0) };
+        let n = unsafe { libc::recv(fd, ptr.cast(), len, flags) };
         if n >= 0 {
             return Ok(n as usize);
         }
@@ -284,12 +285,12 @@ unsafe fn recv_into(
         let guard = gate.map(|g| g.read().unwrap_or_else(|e| e.into_inner()));
         let n = if guard.as_ref().is_none_or(|alive| **alive) {
             // SAFETY: inside the range the caller vouches for, while the gate holds.
-            unsafe { recv_some(fd, ptr.add(got), want) }
+            unsafe { recv_some(fd, ptr.add(got), want, 0) }
         } else {
             // The region was revoked: drop the bytes.
             let k = want.min(scratch.len());
             // SAFETY: `scratch` is our own buffer.
-            unsafe { recv_some(fd, scratch.as_mut_ptr(), k) }
+            unsafe { recv_some(fd, scratch.as_mut_ptr(), k, 0) }
         };
         drop(guard);
         match n {
@@ -307,17 +308,9 @@ unsafe fn recv_into(
 /// (`WouldBlock` when nothing is); with `peek`, leaves it in the socket.
 fn recv_now(fd: RawFd, buf: &mut [u8], peek: bool) -> io::Result<usize> {
     let flags = libc::MSG_DONTWAIT | if peek { libc::MSG_PEEK } else { 0 };
-    loop {
-        // SAFETY: `buf` is exclusively borrowed for the call.
-        let n = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), flags) };
-        if n >= 0 {
-            return Ok(n as usize);
-        }
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
-        }
-    }
+    // SAFETY: `buf` is exclusively borrowed for the call, so no Rust code
+    // refers to it while the kernel writes it.
+    unsafe { recv_some(fd, buf.as_mut_ptr(), buf.len(), flags) }
 }
 
 /// One attempt to write `bytes` without waiting: how many the socket took
@@ -594,6 +587,14 @@ fn raw(wr_id: u64, status: WcStatus) -> RawCompletion {
 }
 
 impl TcpState {
+    /// Whether a new frame could go to the socket now, ahead of nothing:
+    /// no thread writes, no frame is half sent, no control frame waits and
+    /// the connection is not closing (the operation queue is the caller's
+    /// to judge).
+    fn socket_idle(&self) -> bool {
+        !self.writing && self.resume.is_none() && self.ctl_rest.is_none() && self.control.is_empty() && !self.stopping
+    }
+
     /// Whether the sender thread has something to do: a frame to finish or
     /// to send, or a broken or closing connection to hang up.
     fn has_work(&self) -> bool {
@@ -749,7 +750,7 @@ impl Inner {
     /// the sender thread sends. The receiver thread hands it over: the
     /// sender sends it while the receiver reads on.
     fn acknowledge(&self, mut st: MutexGuard<'_, TcpState>, seq: u32, by: Reading) -> Step {
-        let socket_free = !st.writing && !st.has_work();
+        let socket_free = st.socket_idle() && st.queue.is_empty() && st.q.lost().is_none();
         if by == Reading::Receiver || !socket_free {
             return self.reply(&mut st, Ctl::Ack { seq, status: 0 });
         }
@@ -962,9 +963,7 @@ impl TcpConn {
             }
             st.queue.push_back(Out { seq, wr_id, kind, addr, len, skip: 0, first });
         }
-        let socket_free =
-            !st.writing && st.resume.is_none() && st.ctl_rest.is_none() && st.control.is_empty() && !st.stopping;
-        if count == 1 && socket_free && st.queue.len() == 1 && matches!(st.queue[0].kind, OutKind::Inline { .. }) {
+        if count == 1 && st.socket_idle() && st.queue.len() == 1 && matches!(st.queue[0].kind, OutKind::Inline { .. }) {
             if let Some(o) = st.queue.pop_front() {
                 return self.send_direct(st, o, id);
             }
@@ -1102,8 +1101,7 @@ impl TcpConn {
         }
         if spin && !self.inner.spin.is_zero() {
             drop(st);
-            self.inner.spinners.fetch_add(1, Ordering::AcqRel);
-            let _spinning = Spinning(&self.inner);
+            let _spinning = Spinning::new(&self.inner);
             let now = Instant::now();
             let until = due.at_from(now).min(now + self.inner.spin);
             loop {
@@ -1450,6 +1448,13 @@ const NAP: Duration = Duration::from_millis(1);
 
 /// A spinning waiter, counted while it lives.
 struct Spinning<'a>(&'a Inner);
+
+impl<'a> Spinning<'a> {
+    fn new(inner: &'a Inner) -> Self {
+        inner.spinners.fetch_add(1, Ordering::AcqRel);
+        Spinning(inner)
+    }
+}
 
 impl Drop for Spinning<'_> {
     fn drop(&mut self) {
