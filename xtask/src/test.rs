@@ -275,9 +275,12 @@ etcd --name guest --data-dir "$ETCD_DIR" --listen-client-urls http://127.0.0.1:2
 ETCD_PID=$!
 for i in $(seq 1 100); do (exec 3<>/dev/tcp/127.0.0.1/23790) 2>/dev/null && break; sleep 0.1; done
 target/release/examples/all_to_all --ranks 4 --etcd http://127.0.0.1:23790 > "$VM_OUT/all-to-all-etcd.log" 2>&1
-echo "all_to_all exit $?" >> "$VM_OUT/all-to-all-etcd.log"
+RC=$?
+echo "all_to_all exit $RC" >> "$VM_OUT/all-to-all-etcd.log"
 kill $ETCD_PID; wait $ETCD_PID 2>/dev/null
 echo "=== all_to_all --ranks 4 --etcd (rxe0)"; sed 's/^/  /' "$VM_OUT/all-to-all-etcd.log"
+# On failure, what etcd saw (expired leases, slow requests) goes in the log too.
+if [ "$RC" != 0 ]; then echo "=== etcd's log, last 40 lines"; tail -n 40 "$VM_OUT/etcd.log" | sed 's/^/  /'; fi
 "#;
 
 /// Whether an all_to_all run of `ranks` verified every shard, each rank
