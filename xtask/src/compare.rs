@@ -83,7 +83,15 @@ pub fn ucx_figure(log: &str, bw: bool) -> Option<f64> {
     let line = log.lines().find(|l| l.trim_start().starts_with("Final:"))?;
     let f: Vec<&str> = line.split_whitespace().collect();
     // Final: iterations p50 average overall bw-average bw-overall rate-average rate-overall
-    f.get(if bw { 5 } else { 2 }).and_then(|s| s.parse().ok())
+    f.get(if bw { 5 } else { 2 }).and_then(|s| usable(s))
+}
+
+/// A figure that measures something: a finite, positive number. perftest
+/// prints 0.00 or `inf` when a run failed to time itself (seen in the
+/// guest: a first round's 1 MiB `ib_write_bw` printed 0.00 MB/s, and a 64 B
+/// `ib_send_lat` printed `inf` in every column); such a round has no figure.
+fn usable(text: &str) -> Option<f64> {
+    text.parse::<f64>().ok().filter(|v| v.is_finite() && *v > 0.0)
 }
 
 /// Each case's two sides, one after the other. Every tool's server runs
@@ -134,7 +142,7 @@ fn column(log: &str, size: u64, index: usize) -> Option<f64> {
         }
         let f: Vec<&str> = line.split_whitespace().collect();
         if f.first().and_then(|s| s.parse::<u64>().ok()) == Some(size) {
-            return f.get(index).and_then(|s| s.parse().ok());
+            return f.get(index).and_then(|s| usable(s));
         }
     }
     None
@@ -386,7 +394,6 @@ fn plain_socket_mib_s(size: usize, iters: usize) -> Result<f64> {
 /// The table, and how many runs gave no figure.
 fn report(dir: &Path, cases: &[Case], rounds: usize) -> (String, usize) {
     let mut out = String::new();
-    let mut missing = 0;
     let mut noisy = 0;
     // Each tool's best round, beside the medians (see `best_row`).
     let mut best = format!(
@@ -398,18 +405,18 @@ fn report(dir: &Path, cases: &[Case], rounds: usize) -> (String, usize) {
         "\nrxe0 in the soft-RoCE guest\n{:<10} {:>9} {:>7}  {:>14} {:>14} {:>14}  {:>7} {:>11}  {:>7}  goal (vs perftest)",
         "test", "bytes", "iters", "perftest", "ucx", "gpu-rdma", "vs pt", "range", "vs ucx"
     );
-    // Each round's figure of a tool, and how many rounds have none.
-    let with_lost = |c: &Case, tool: &str, pick: &dyn Fn(&str) -> Option<f64>| {
-        let vals = per_round(dir, c, tool, rounds, pick);
-        let lost = rounds - vals.len();
-        (vals, lost)
-    };
+    // The runs with no figure, left out of medians and ranges.
+    let mut lost: Vec<String> = Vec::new();
     for c in cases {
         let typical = |log: &str| figure(log, c.size, c.is_bw());
-        let (pt, lost_pt) = with_lost(c, "perftest", &typical);
-        let (gr, lost_gr) = with_lost(c, "gpu-rdma", &typical);
-        let (ux, lost_ux) = with_lost(c, "ucx", &|log: &str| ucx_figure(log, c.is_bw()));
-        missing += lost_pt + lost_gr + lost_ux;
+        let mut take = |tool: &str, pick: &dyn Fn(&str) -> Option<f64>| {
+            let (vals, without) = per_round(dir, c, tool, rounds, pick);
+            lost.extend(without.iter().map(|r| format!("{}-{tool}-{r}", c.name())));
+            vals
+        };
+        let pt = take("perftest", &typical);
+        let gr = take("gpu-rdma", &typical);
+        let ux = take("ucx", &|log: &str| ucx_figure(log, c.is_bw()));
         let med = [median(pt.clone()), median(gr.clone()), median(ux)];
         let unit = if c.is_bw() { "MiB/s" } else { "us" };
         let show = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{v:.2} {unit}"));
@@ -449,8 +456,8 @@ fn report(dir: &Path, cases: &[Case], rounds: usize) -> (String, usize) {
         if !c.is_bw() {
             // The minimum too: steadier than the median in an emulated machine.
             let least = |log: &str| min_latency(log, c.size);
-            let pt = per_round(dir, c, "perftest", rounds, &least);
-            let gr = per_round(dir, c, "gpu-rdma", rounds, &least);
+            let (pt, _) = per_round(dir, c, "perftest", rounds, &least);
+            let (gr, _) = per_round(dir, c, "gpu-rdma", rounds, &least);
             let _ = write!(best, "   {}", best_row(c, &pt, &gr));
             let mins = [median(pt.clone()), median(gr.clone())];
             let ratio = match mins {
@@ -486,18 +493,37 @@ fn report(dir: &Path, cases: &[Case], rounds: usize) -> (String, usize) {
          cannot settle them either way",
         n = rounds * rounds
     );
+    if !lost.is_empty() {
+        // Named, so a reader can open their logs (`<name>.client`).
+        let _ = writeln!(
+            out,
+            "{} run(s) gave no figure (no table, or 0 or inf in it), left out of medians and ranges: {}",
+            lost.len(),
+            lost.join(", ")
+        );
+    }
     out.push_str(&best);
-    (out, missing)
+    (out, lost.len())
 }
 
-/// A tool's figure in each round of a case that has one (`pick` reads it
-/// from the client's log).
-fn per_round(dir: &Path, c: &Case, tool: &str, rounds: usize, pick: &dyn Fn(&str) -> Option<f64>) -> Vec<f64> {
-    (0..rounds)
-        .filter_map(|r| {
-            pick(&fs::read_to_string(dir.join(format!("{}-{tool}-{r}.client", c.name()))).unwrap_or_default())
-        })
-        .collect()
+/// A tool's figures in the rounds of a case that have one (`pick` reads it
+/// from the client's log), and the rounds that have none.
+fn per_round(
+    dir: &Path,
+    c: &Case,
+    tool: &str,
+    rounds: usize,
+    pick: &dyn Fn(&str) -> Option<f64>,
+) -> (Vec<f64>, Vec<usize>) {
+    let mut figures = Vec::new();
+    let mut without = Vec::new();
+    for r in 0..rounds {
+        match pick(&fs::read_to_string(dir.join(format!("{}-{tool}-{r}.client", c.name()))).unwrap_or_default()) {
+            Some(v) => figures.push(v),
+            None => without.push(r),
+        }
+    }
+    (figures, without)
 }
 
 /// perftest's and gpu-rdma's best round of a case (the least latency, the
@@ -537,6 +563,14 @@ mod tests {
         assert_eq!(figure(lat, 4096, false), None);
         assert_eq!(min_latency(lat, 2), Some(29.87));
         assert_eq!(figure("65536 1000 1 2 3", 65536, true), None, "no header, no figure");
+        // What perftest prints when a run failed to time itself: no figure.
+        let zero = " #bytes     #iterations    BW peak[MB/sec]    BW average[MB/sec]   MsgRate[Mpps]\n \
+                    1048576    100              0.00               0.00   \t\t   0.000000\n";
+        assert_eq!(figure(zero, 1 << 20, true), None);
+        let inf = " #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec] ...\n \
+                   64      5000          inf            inf          inf      \t       inf\n";
+        assert_eq!(figure(inf, 64, false), None);
+        assert_eq!(min_latency(inf, 64), None);
         assert_eq!(median(vec![3.0, 1.0, 2.0]), Some(2.0));
         assert_eq!(median(vec![4.0, 1.0]), Some(2.5));
         let ucx = "|    Stage     | # iterations | 50.0%ile | average | overall |  average |  overall |\n\
