@@ -13,6 +13,8 @@
 //! 4. Silent and half-sent handshakes do not delay other clients: the
 //!    listener runs handshakes concurrently, each with its deadline.
 //! 5. Region keys on a TCP-only domain are not predictable from each other.
+//! 6. An untracked inline send asks for no acknowledgement and is done
+//!    without one; a tracked send waits for the peer's.
 //!
 //! These tests count threads, descriptors and resident memory of this
 //! process, so they run one at a time (a lock), and each measures against
@@ -89,6 +91,8 @@ const ACK: u8 = 5;
 const FIRST: u8 = 1;
 const LAST: u8 = 2;
 const IMM: u8 = 4;
+/// The flag by which a frame asks for an acknowledgement.
+const WANTS_ACK: u8 = 8;
 const HEADER: usize = 32;
 
 /// The transport's frame header, as documented in `transport/tcp.rs`:
@@ -583,4 +587,55 @@ fn tcp_region_keys_are_not_predictable_from_each_other() {
     unique.dedup();
     assert_eq!(unique.len(), keys.len(), "keys repeat");
     assert!(!keys.contains(&0));
+}
+
+// ---- 6. acknowledgements asked for ----
+
+/// The next `n` frames the victim sends: (op, flags, seq, payload).
+fn next_frames(s: &TcpStream, n: usize) -> Vec<(u8, u8, u32, Vec<u8>)> {
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    (0..n)
+        .map(|_| {
+            let mut h = [0u8; HEADER];
+            (&*s).read_exact(&mut h).expect("a frame from the victim");
+            let len = u32::from_le_bytes([h[24], h[25], h[26], h[27]]) as usize;
+            let mut payload = vec![0u8; len];
+            (&*s).read_exact(&mut payload).expect("the frame's payload");
+            (h[0], h[1], u32::from_le_bytes([h[4], h[5], h[6], h[7]]), payload)
+        })
+        .collect()
+}
+
+/// A peer that acknowledges nothing: untracked inline sends reach it
+/// without asking for an acknowledgement and leave nothing in flight; a
+/// tracked send asks for one, stays in flight without it, and completes
+/// when it comes.
+#[test]
+fn an_untracked_inline_send_is_done_without_an_acknowledgement_and_a_tracked_one_waits_for_it() {
+    let _serial = serial();
+    let victim = Victim::new();
+    let (conn, s, _) = victim.accept(endpoint(0, 128));
+    for i in 0..8u8 {
+        conn.send_inline_untracked(&[i; 16], Some(u32::from(i))).unwrap();
+    }
+    for (i, (op, flags, _, payload)) in next_frames(&s, 8).into_iter().enumerate() {
+        assert_eq!((op, flags & !IMM), (SEND, FIRST | LAST), "frame {i}: one whole message, no acknowledgement asked");
+        assert_eq!(payload, vec![i as u8; 16], "frame {i}");
+    }
+    let drained = within(Duration::from_secs(5), || conn.stats().in_flight == 0);
+    assert!(drained.is_some(), "untracked sends stay in flight without acknowledgements: {:?}", conn.stats());
+
+    let mut tracked = conn.send_inline(b"tracked", None);
+    let (op, flags, seq, payload) = next_frames(&s, 1).remove(0);
+    assert_eq!((op, flags), (SEND, FIRST | LAST | WANTS_ACK), "a tracked send asks for an acknowledgement");
+    assert_eq!(payload, b"tracked");
+    assert!(tracked.wait_timeout(Duration::from_millis(200)).is_err(), "completed without its acknowledgement");
+    assert_eq!(conn.stats().in_flight, 1, "the tracked send waits for its acknowledgement");
+    let mut ack = Vec::new();
+    frame(ACK, 0, seq, 0, 0, 0, 0, &mut ack);
+    (&s).write_all(&ack).unwrap();
+    tracked.wait_timeout(Duration::from_secs(10)).expect("acknowledged");
+    assert_eq!(conn.stats().in_flight, 0);
+    drop(s);
+    drop(conn);
 }

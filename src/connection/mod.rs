@@ -314,13 +314,18 @@ impl Connection {
     /// order). A send that fails breaks the connection: operations posted or
     /// waited on after that fail with [`Error::ConnectionLost`], which says why.
     ///
+    /// Over TCP the peer sends no acknowledgement for it (a tracked send gets
+    /// one): it is done once the socket has its frame, which frees its place
+    /// in the send queue; the peer carries frames out in order, so a later
+    /// operation's acknowledgement still covers it.
+    ///
     /// # Errors
     /// What refuses the post: [`Error::MessageTooLarge`] past
     /// [`ConnectionInfo::max_inline`], [`Error::ConnectionLost`], or
     /// [`Error::Timeout`] when the send queue stays full for the connection's
     /// post timeout.
     pub fn send_inline_untracked(&self, data: &[u8], imm: Option<u32>) -> Result<()> {
-        match self.shared.transport.post_inline_quiet(data, imm, self.shared.deadline()) {
+        match self.shared.transport.post_inline_untracked(data, imm, self.shared.deadline()) {
             PostedInline::Quiet(_) => Ok(()),
             PostedInline::Tracked(posted) => self.untrack(posted),
         }

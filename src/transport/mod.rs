@@ -243,7 +243,7 @@ impl ConnTransport {
                 // Asked for a tracked send, the transport posts no quiet one.
                 PostedInline::Quiet(_) => unreachable!("a tracked inline send was posted quiet"),
             },
-            ConnTransport::Tcp(t) => t.post_inline(data, imm, due),
+            ConnTransport::Tcp(t) => t.post_inline(data, imm, due, false),
         }
     }
 
@@ -254,7 +254,19 @@ impl ConnTransport {
         match self {
             #[cfg(feature = "verbs")]
             ConnTransport::Verbs(t) => t.post_inline(data, imm, due, true),
-            ConnTransport::Tcp(t) => PostedInline::Tracked(t.post_inline(data, imm, due)),
+            ConnTransport::Tcp(t) => PostedInline::Tracked(t.post_inline(data, imm, due, false)),
+        }
+    }
+
+    /// Posts an inline send whose outcome nobody waits for: unsignaled on
+    /// verbs where it can be, unacknowledged on TCP (done once the socket
+    /// has it).
+    #[inline]
+    pub(crate) fn post_inline_untracked(&self, data: &[u8], imm: Option<u32>, due: Deadline) -> PostedInline {
+        match self {
+            #[cfg(feature = "verbs")]
+            ConnTransport::Verbs(t) => t.post_inline(data, imm, due, true),
+            ConnTransport::Tcp(t) => PostedInline::Tracked(t.post_inline(data, imm, due, true)),
         }
     }
 

@@ -435,10 +435,25 @@ fn send_header(fd: RawFd, header: &Header) -> io::Result<()> {
 // ---- the connection ----
 
 enum OutKind {
-    Send { imm: Option<u32> },
-    Write { raddr: u64, key: u32, imm: Option<u32> },
-    ReadReq { raddr: u64, key: u32 },
-    Inline { data: Vec<u8>, imm: Option<u32> },
+    Send {
+        imm: Option<u32>,
+    },
+    Write {
+        raddr: u64,
+        key: u32,
+        imm: Option<u32>,
+    },
+    ReadReq {
+        raddr: u64,
+        key: u32,
+    },
+    /// `unacked`: the peer sends no acknowledgement, and the send is done
+    /// once the socket has its frame (see [`TcpConn::post_inline`]).
+    Inline {
+        data: Vec<u8>,
+        imm: Option<u32>,
+        unacked: bool,
+    },
 }
 
 /// A message of this side's send queue.
@@ -628,6 +643,15 @@ impl Inner {
         st.sending = None;
         st.sending_op = None;
         st.writing = false;
+        if !write_failed
+            && st.q.lost().is_none()
+            && matches!(o.kind, OutKind::Inline { unacked: true, .. })
+            && st.awaiting.remove(&o.seq).is_some()
+        {
+            // The socket has the whole frame, and no acknowledgement will
+            // come: done. (A refusal still may: it breaks the connection.)
+            self.complete(st, &raw(o.wr_id, WcStatus::Success));
+        }
         if write_failed || st.q.lost().is_some() {
             let pending = st.awaiting.remove(&o.seq).is_some() || st.reads.remove(&o.seq).is_some();
             if pending {
@@ -1028,7 +1052,14 @@ impl TcpConn {
         self.enqueue(last.op.opcode(), items.len(), bytes, due, |i| Self::message(&items[i]))
     }
 
-    pub(crate) fn post_inline(&self, data: &[u8], imm: Option<u32>, due: Deadline) -> Posted {
+    /// Posts an inline send. `unacked` (an untracked send, whose outcome
+    /// nobody waits for) asks the peer for no acknowledgement: the send is
+    /// done once the socket has its frame, as UCX's TCP transport completes
+    /// a send, and a ping-pong's ping costs no acknowledgement frame each
+    /// way. Delivery is still confirmed in order: the peer carries out frames
+    /// in stream order, so the acknowledgement of any later operation covers
+    /// it, and a refusal (no receive posted in time) breaks the connection.
+    pub(crate) fn post_inline(&self, data: &[u8], imm: Option<u32>, due: Deadline, unacked: bool) -> Posted {
         if data.len() as u64 > u64::from(MAX_INLINE) {
             return Posted::refused(Error::MessageTooLarge { len: data.len() as u64, max: u64::from(MAX_INLINE) });
         }
@@ -1040,7 +1071,7 @@ impl TcpConn {
         copy.extend_from_slice(data);
         let mut copy = Some(copy);
         self.enqueue(opcode, 1, data.len() as u64, due, |_| {
-            (OutKind::Inline { data: copy.take().unwrap_or_default(), imm }, 0, data.len() as u64)
+            (OutKind::Inline { data: copy.take().unwrap_or_default(), imm, unacked }, 0, data.len() as u64)
         })
     }
 
@@ -1323,10 +1354,10 @@ fn sender(inner: &Inner) {
 /// One attempt, without blocking, to write an inline message's whole frame
 /// (header and data); how many bytes of it the socket took.
 fn try_send_inline(fd: RawFd, o: &Out) -> io::Result<usize> {
-    let OutKind::Inline { data, imm } = &o.kind else {
+    let OutKind::Inline { data, imm, .. } = &o.kind else {
         return Ok(0);
     };
-    let flags = FIRST | LAST | if imm.is_some() { IMM } else { 0 } | if is_final(o.wr_id) { ACK } else { 0 };
+    let flags = FIRST | LAST | if imm.is_some() { IMM } else { 0 } | if wants_ack(o) { ACK } else { 0 };
     let h = Header {
         op: Op::Send as u8,
         flags,
@@ -1353,6 +1384,12 @@ fn try_send_inline(fd: RawFd, o: &Out) -> io::Result<usize> {
     })
 }
 
+/// Whether the peer acknowledges `o`: the last message of an operation,
+/// unless it is an unacknowledged inline send.
+fn wants_ack(o: &Out) -> bool {
+    is_final(o.wr_id) && !matches!(o.kind, OutKind::Inline { unacked: true, .. })
+}
+
 fn send_message(fd: RawFd, o: &Out, more: bool) -> io::Result<()> {
     let (op, key, raddr, imm) = match &o.kind {
         OutKind::Send { imm } | OutKind::Inline { imm, .. } => (Op::Send, 0, 0, *imm),
@@ -1365,7 +1402,7 @@ fn send_message(fd: RawFd, o: &Out, more: bool) -> io::Result<()> {
         _ => Some((o.addr as *const u8, o.len)),
     };
     let total = u32::try_from(o.len).unwrap_or(u32::MAX);
-    let imm_flag = if imm.is_some() { IMM } else { 0 } | if is_final(o.wr_id) { ACK } else { 0 };
+    let imm_flag = if imm.is_some() { IMM } else { 0 } | if wants_ack(o) { ACK } else { 0 };
     let Some((ptr, len)) = payload else {
         let h = Header { op: op as u8, flags: FIRST | LAST, seq: o.seq, key, imm: 0, addr: raddr, len: 0, total };
         return send_header(fd, &h);
@@ -1933,7 +1970,7 @@ mod tests {
         let o = Out {
             seq,
             wr_id: 1,
-            kind: OutKind::Inline { data: data.to_vec(), imm: Some(7) },
+            kind: OutKind::Inline { data: data.to_vec(), imm: Some(7), unacked: false },
             addr: 0,
             len: data.len() as u64,
             skip: 0,
