@@ -28,7 +28,9 @@
 //!   (bad key, out of bounds, missing right, a send larger than the
 //!   receive, no receive within the receiver-not-ready budget) fails the
 //!   operation with the verbs status and breaks the connection on both
-//!   ends, as a queue pair in the error state does.
+//!   ends, as a queue pair in the error state does. The exception is an
+//!   untracked inline send, which asks for no acknowledgement and is done
+//!   once the socket has it (see [`TcpConn::post_inline`]).
 //! - After the first error (a refused request either way, a lost peer, a
 //!   garbled frame) the receiver carries out nothing more from the peer;
 //!   the sender delivers the replies already queued (the refusal among
@@ -142,6 +144,7 @@ const IMM: u8 = 4;
 /// The others of a chain are acknowledged by that one (the receiver
 /// carries messages out in order), or fail it with an error
 /// acknowledgement of their own, as an unsignaled request does on verbs.
+/// An untracked inline send goes without it (see [`wants_ack`]).
 const ACK: u8 = 8;
 
 /// A frame header: `op u8, flags u8, 2 reserved, seq u32, key u32, imm u32,
