@@ -297,7 +297,7 @@ impl Connection {
     /// waiting on one that no signaled request follows yet posts a
     /// zero-length write to learn it.
     pub fn send_inline(&self, data: &[u8], imm: Option<u32>) -> Pending<()> {
-        match self.shared.transport.post_inline_quiet(data, imm, self.shared.deadline()) {
+        match self.shared.transport.post_inline_quiet(data, imm, self.shared.deadline(), false) {
             PostedInline::Tracked(posted) => self.shared.pending((), posted),
             PostedInline::Quiet(q) => Pending::with(&self.shared, (), Stage::Quiet(q, None)),
         }
@@ -325,7 +325,7 @@ impl Connection {
     /// [`Error::Timeout`] when the send queue stays full for the connection's
     /// post timeout.
     pub fn send_inline_untracked(&self, data: &[u8], imm: Option<u32>) -> Result<()> {
-        match self.shared.transport.post_inline_untracked(data, imm, self.shared.deadline()) {
+        match self.shared.transport.post_inline_quiet(data, imm, self.shared.deadline(), true) {
             PostedInline::Quiet(_) => Ok(()),
             PostedInline::Tracked(posted) => self.untrack(posted),
         }

@@ -247,26 +247,21 @@ impl ConnTransport {
         }
     }
 
-    /// Posts an inline send that may go unsignaled (verbs; TCP tracks
-    /// every send).
+    /// Posts an inline send that may go unsignaled (verbs). TCP tracks
+    /// every send; one that is `untracked` (nobody waits for its outcome)
+    /// goes unacknowledged there, done once the socket has it.
     #[inline]
-    pub(crate) fn post_inline_quiet(&self, data: &[u8], imm: Option<u32>, due: Deadline) -> PostedInline {
+    pub(crate) fn post_inline_quiet(
+        &self,
+        data: &[u8],
+        imm: Option<u32>,
+        due: Deadline,
+        untracked: bool,
+    ) -> PostedInline {
         match self {
             #[cfg(feature = "verbs")]
             ConnTransport::Verbs(t) => t.post_inline(data, imm, due, true),
-            ConnTransport::Tcp(t) => PostedInline::Tracked(t.post_inline(data, imm, due, false)),
-        }
-    }
-
-    /// Posts an inline send whose outcome nobody waits for: unsignaled on
-    /// verbs where it can be, unacknowledged on TCP (done once the socket
-    /// has it).
-    #[inline]
-    pub(crate) fn post_inline_untracked(&self, data: &[u8], imm: Option<u32>, due: Deadline) -> PostedInline {
-        match self {
-            #[cfg(feature = "verbs")]
-            ConnTransport::Verbs(t) => t.post_inline(data, imm, due, true),
-            ConnTransport::Tcp(t) => PostedInline::Tracked(t.post_inline(data, imm, due, true)),
+            ConnTransport::Tcp(t) => PostedInline::Tracked(t.post_inline(data, imm, due, untracked)),
         }
     }
 

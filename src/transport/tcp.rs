@@ -474,6 +474,13 @@ struct Out {
     first: u32,
 }
 
+impl Out {
+    /// An inline send the peer does not acknowledge.
+    fn unacked(&self) -> bool {
+        matches!(self.kind, OutKind::Inline { unacked: true, .. })
+    }
+}
+
 /// A frame the receiver asks the sender to send.
 enum Ctl {
     Ack { seq: u32, status: u32 },
@@ -642,20 +649,18 @@ impl Inner {
     /// If the write failed, or the connection broke meanwhile (and its flush
     /// skipped this message, which was in use), the writer owned the message,
     /// so it fails it, unless the acknowledgement already completed it.
+    /// Written whole, an unacknowledged inline send is done here.
     fn end_write(&self, st: &mut TcpState, o: &Out, write_failed: bool) {
         st.sending = None;
         st.sending_op = None;
         st.writing = false;
-        if !write_failed
-            && st.q.lost().is_none()
-            && matches!(o.kind, OutKind::Inline { unacked: true, .. })
-            && st.awaiting.remove(&o.seq).is_some()
-        {
-            // The socket has the whole frame, and no acknowledgement will
-            // come: done. (A refusal still may: it breaks the connection.)
-            self.complete(st, &raw(o.wr_id, WcStatus::Success));
-        }
-        if write_failed || st.q.lost().is_some() {
+        if !write_failed && st.q.lost().is_none() {
+            if o.unacked() && st.awaiting.remove(&o.seq).is_some() {
+                // The socket has the whole frame, and no acknowledgement will
+                // come: done. (A refusal still may: it breaks the connection.)
+                self.complete(st, &raw(o.wr_id, WcStatus::Success));
+            }
+        } else {
             let pending = st.awaiting.remove(&o.seq).is_some() || st.reads.remove(&o.seq).is_some();
             if pending {
                 self.complete(st, &raw(o.wr_id, WcStatus::WrFlush));
@@ -1390,7 +1395,7 @@ fn try_send_inline(fd: RawFd, o: &Out) -> io::Result<usize> {
 /// Whether the peer acknowledges `o`: the last message of an operation,
 /// unless it is an unacknowledged inline send.
 fn wants_ack(o: &Out) -> bool {
-    is_final(o.wr_id) && !matches!(o.kind, OutKind::Inline { unacked: true, .. })
+    is_final(o.wr_id) && !o.unacked()
 }
 
 fn send_message(fd: RawFd, o: &Out, more: bool) -> io::Result<()> {
