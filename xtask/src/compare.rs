@@ -1,9 +1,9 @@
 //! `cargo xtask compare`: `gpu-rdma bench` beside two anchors, perftest and
 //! UCX (`ucx_perftest`), with the same sizes and iteration counts,
 //! interleaved (each round rotates which goes first, so drift hits all), and
-//! a table of medians over the rounds and the ratios, each ratio with the
-//! range the rounds put it in (see [`crate::stats`]), then each tool's best
-//! round.
+//! a table of medians over the rounds and their ratios, each tool's figure
+//! over perftest's round by round with the range the rounds put it in (see
+//! [`crate::stats`]), then each tool's best round.
 //!
 //! 1. On this machine, TCP on loopback: our TCP transport against UCX over
 //!    TCP (`UCX_TLS=tcp`), put bandwidth at 64 KiB and 1 MiB and latency.
@@ -20,7 +20,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::stats::{RatioRange, interval_rank, median, ratio_range, verdict};
+use crate::stats::{RatioRange, median, paired_range, paired_rank, verdict};
 use crate::vm::{self, VmOptions};
 use crate::{Result, cargo, root, run as run_cmd, setup};
 
@@ -53,10 +53,17 @@ fn cases() -> Vec<Case> {
     // The engine: 4 KiB pages in lists of 1,024 against ib_write_bw's
     // message rate at 4 KiB (the same bytes each, so bandwidth is rate).
     v.push(Case { test: "list-bw", perftest: "ib_write_bw", ucx: "ucp_put_bw", size: 4096, iters: 51200 });
-    // Latency runs are short next to process start-up: 5000 ping-pongs
-    // steady the median at little cost.
-    for size in [2, 64, 1024, 4096] {
-        v.push(Case { test: "send-lat", perftest: "ib_send_lat", ucx: "tag_lat", size, iters: 5000 });
+    // Latency runs of 2-4 s each in the guest. The emulated machine flips
+    // between a fast mode and a slow one every few tens of milliseconds
+    // (an unsorted 40,000-iteration `ib_send_lat -U` at 2 B: medians of
+    // 200-iteration windows from 17 to 34 us), so a run of 5,000 (0.3 s)
+    // caught few flips and its typical latency and minimum were whichever
+    // mode it met: over 6 interleaved rounds, 5,000 iterations spread
+    // perftest's typical over 24.9-29.0 us and ours over 16.7-33.4 us (the
+    // minimum: 14.2-20.8 and 14.4-31.8), 50,000 over 26.9-28.6 and
+    // 26.3-29.6 (minimum 14.7-16.2 and 13.7-15.4).
+    for (size, iters) in [(2, 50_000), (64, 50_000), (1024, 25_000), (4096, 10_000)] {
+        v.push(Case { test: "send-lat", perftest: "ib_send_lat", ucx: "tag_lat", size, iters });
     }
     v
 }
@@ -101,8 +108,8 @@ fn usable(text: &str) -> Option<f64> {
 /// the same binary by a third and more (a 2-byte ping-pong's minimum at
 /// 11 us in one round, 15-19 us in the next), for perftest and gpu-rdma
 /// alike. The client starts as soon as its server listens (at most 10 s
-/// later), not after a fixed second: a latency run takes a fraction of a
-/// second, and rounds are what narrow a ratio's range.
+/// later), not after a fixed second: a latency run takes 2-4 s, and rounds
+/// are what narrow a ratio's range.
 const PAIR: &str = r#"
 if [ "$(nproc)" -ge 2 ]; then ON_SERVER="taskset -c 0"; ON_CLIENT="taskset -c 1"; else ON_SERVER=; ON_CLIENT=; fi
 pair() { # name, server's TCP port, server command, client command
@@ -402,22 +409,23 @@ fn report(dir: &Path, cases: &[Case], rounds: usize) -> (String, usize) {
     );
     let _ = writeln!(
         out,
-        "\nrxe0 in the soft-RoCE guest\n{:<10} {:>9} {:>7}  {:>14} {:>14} {:>14}  {:>7} {:>11}  {:>7}  goal (vs perftest)",
-        "test", "bytes", "iters", "perftest", "ucx", "gpu-rdma", "vs pt", "range", "vs ucx"
+        "\nrxe0 in the soft-RoCE guest\n{:<10} {:>9} {:>7}  {:>14} {:>14} {:>14}  {:>7} {:>7} {:>11}  {:>7}  goal (paired, vs perftest)",
+        "test", "bytes", "iters", "perftest", "ucx", "gpu-rdma", "vs pt", "paired", "range", "vs ucx"
     );
     // The runs with no figure, left out of medians and ranges.
     let mut lost: Vec<String> = Vec::new();
     for c in cases {
         let typical = |log: &str| figure(log, c.size, c.is_bw());
         let mut take = |tool: &str, pick: &dyn Fn(&str) -> Option<f64>| {
-            let (vals, without) = per_round(dir, c, tool, rounds, pick);
-            lost.extend(without.iter().map(|r| format!("{}-{tool}-{r}", c.name())));
+            let vals = per_round(dir, c, tool, rounds, pick);
+            let without = vals.iter().enumerate().filter(|(_, v)| v.is_none());
+            lost.extend(without.map(|(r, _)| format!("{}-{tool}-{r}", c.name())));
             vals
         };
         let pt = take("perftest", &typical);
         let gr = take("gpu-rdma", &typical);
         let ux = take("ucx", &|log: &str| ucx_figure(log, c.is_bw()));
-        let med = [median(pt.clone()), median(gr.clone()), median(ux)];
+        let med = [median(figures(&pt)), median(figures(&gr)), median(figures(&ux))];
         let unit = if c.is_bw() { "MiB/s" } else { "us" };
         let show = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{v:.2} {unit}"));
         let ratio = match med {
@@ -428,27 +436,29 @@ fn report(dir: &Path, cases: &[Case], rounds: usize) -> (String, usize) {
             [_, Some(g), Some(u)] if u > 0.0 => format!("{:.2}x", g / u),
             _ => "-".to_owned(),
         };
-        let range = ratio_range(&gr, &pt);
+        let range = paired_range(&gr, &pt);
+        let paired = range.map(|r| r.estimate);
         // Bandwidth: higher is better, at least 1.00x from 64 KiB. Latency:
         // lower is better, at most 1.05x up to 4 KiB.
         // Transfer lists: at least 0.90x of perftest's message rate.
         let floor = if c.test == "list-bw" { 0.90 } else { 1.0 };
         let (goal, said) = if c.is_bw() {
-            (if floor < 1.0 { ">= 0.90x" } else { ">= 1.00x" }, verdict(ratio, range, |r| r >= floor))
+            (if floor < 1.0 { ">= 0.90x" } else { ">= 1.00x" }, verdict(paired, range, |r| r >= floor))
         } else {
-            ("<= 1.05x", verdict(ratio, range, |r| r <= 1.05))
+            ("<= 1.05x", verdict(paired, range, |r| r <= 1.05))
         };
         noisy += usize::from(said.contains("noisy"));
         let _ = writeln!(
             out,
-            "{:<10} {:>9} {:>7}  {:>14} {:>14} {:>14}  {:>7} {:>11}  {:>7}  {goal} {said}",
+            "{:<10} {:>9} {:>7}  {:>14} {:>14} {:>14}  {:>7} {:>7} {:>11}  {:>7}  {goal} {said}",
             c.test,
             c.size,
             c.iters,
             show(med[0]),
             show(med[2]),
             show(med[1]),
-            ratio.map_or("-".to_owned(), |r| format!("{r:.2}x")),
+            times(ratio),
+            times(paired),
             show_range(range),
             vs_ucx,
         );
@@ -456,42 +466,45 @@ fn report(dir: &Path, cases: &[Case], rounds: usize) -> (String, usize) {
         if !c.is_bw() {
             // The minimum too: steadier than the median in an emulated machine.
             let least = |log: &str| min_latency(log, c.size);
-            let (pt, _) = per_round(dir, c, "perftest", rounds, &least);
-            let (gr, _) = per_round(dir, c, "gpu-rdma", rounds, &least);
+            let pt = per_round(dir, c, "perftest", rounds, &least);
+            let gr = per_round(dir, c, "gpu-rdma", rounds, &least);
             let _ = write!(best, "   {}", best_row(c, &pt, &gr));
-            let mins = [median(pt.clone()), median(gr.clone())];
+            let mins = [median(figures(&pt)), median(figures(&gr))];
             let ratio = match mins {
                 [Some(p), Some(g)] if p > 0.0 => Some(g / p),
                 _ => None,
             };
-            let range = ratio_range(&gr, &pt);
-            let said = verdict(ratio, range, |r| r <= 1.05);
+            let range = paired_range(&gr, &pt);
+            let paired = range.map(|r| r.estimate);
+            let said = verdict(paired, range, |r| r <= 1.05);
             noisy += usize::from(said.contains("noisy"));
             let _ = writeln!(
                 out,
-                "{:<10} {:>9} {:>7}  {:>14} {:>14} {:>14}  {:>7} {:>11}  {:>7}  <= 1.05x {said}",
+                "{:<10} {:>9} {:>7}  {:>14} {:>14} {:>14}  {:>7} {:>7} {:>11}  {:>7}  <= 1.05x {said}",
                 "  (min)",
                 c.size,
                 c.iters,
                 show(mins[0]),
                 "-",
                 show(mins[1]),
-                ratio.map_or("-".to_owned(), |r| format!("{r:.2}x")),
+                times(ratio),
+                times(paired),
                 show_range(range),
                 "-",
             );
         }
         best.push('\n');
     }
-    let level = if rounds == 0 { 0.0 } else { interval_rank(rounds, rounds).1 * 100.0 };
+    let level = if rounds == 0 { 0.0 } else { paired_rank(rounds).1 * 100.0 };
     let _ = writeln!(
         out,
         "medians of {rounds} rounds; bandwidth: BW average; latency: t_typical (median) and, under (min), \
          t_min, one-way; UCX: ucp_put_bw, ucp_get, tag_lat (median)\n\
-         range: where the ratio lies with {level:.1}% confidence (Hodges-Lehmann, from the {n} pairwise ratios of \
-         gpu-rdma's rounds to perftest's); {noisy} verdict(s) noisy: their range crosses the goal, and {rounds} rounds \
-         cannot settle them either way",
-        n = rounds * rounds
+         vs pt: the ratio of the medians; paired: gpu-rdma's figure over perftest's in the same round, the \
+         Hodges-Lehmann estimate over the rounds (the tools of a round run back to back: the ratio cancels what \
+         the machine did to both), and the goal's verdict\n\
+         range: where the paired ratio lies with {level:.1}% confidence (Wilcoxon signed-rank, {rounds} rounds); \
+         {noisy} verdict(s) noisy: their range crosses the goal, and {rounds} rounds cannot settle them either way"
     );
     if !lost.is_empty() {
         // Named, so a reader can open their logs (`<name>.client`).
@@ -506,24 +519,22 @@ fn report(dir: &Path, cases: &[Case], rounds: usize) -> (String, usize) {
     (out, lost.len())
 }
 
-/// A tool's figures in the rounds of a case that have one (`pick` reads it
-/// from the client's log), and the rounds that have none.
-fn per_round(
-    dir: &Path,
-    c: &Case,
-    tool: &str,
-    rounds: usize,
-    pick: &dyn Fn(&str) -> Option<f64>,
-) -> (Vec<f64>, Vec<usize>) {
-    let mut figures = Vec::new();
-    let mut without = Vec::new();
-    for r in 0..rounds {
-        match pick(&fs::read_to_string(dir.join(format!("{}-{tool}-{r}.client", c.name()))).unwrap_or_default()) {
-            Some(v) => figures.push(v),
-            None => without.push(r),
-        }
-    }
-    (figures, without)
+/// A tool's figure in each round of a case (`pick` reads it from the
+/// client's log), `None` in a round that has none.
+fn per_round(dir: &Path, c: &Case, tool: &str, rounds: usize, pick: &dyn Fn(&str) -> Option<f64>) -> Vec<Option<f64>> {
+    (0..rounds)
+        .map(|r| pick(&fs::read_to_string(dir.join(format!("{}-{tool}-{r}.client", c.name()))).unwrap_or_default()))
+        .collect()
+}
+
+/// The rounds' figures, without the rounds that have none.
+fn figures(rounds: &[Option<f64>]) -> Vec<f64> {
+    rounds.iter().flatten().copied().collect()
+}
+
+/// A ratio as `1.02x`.
+fn times(ratio: Option<f64>) -> String {
+    ratio.map_or("-".to_owned(), |r| format!("{r:.2}x"))
 }
 
 /// perftest's and gpu-rdma's best round of a case (the least latency, the
@@ -531,9 +542,10 @@ fn per_round(
 /// and every tool reaches the guest's fast mode in some rounds of a long
 /// enough run: the best round is the nearest to a tool's own cost, where a
 /// median mixes the modes in whatever share the run drew.
-fn best_row(c: &Case, perftest: &[f64], ours: &[f64]) -> String {
+fn best_row(c: &Case, perftest: &[Option<f64>], ours: &[Option<f64>]) -> String {
     let unit = if c.is_bw() { "MiB/s" } else { "us" };
-    let best = |v: &[f64]| v.iter().copied().reduce(|a, b| if c.is_bw() { a.max(b) } else { a.min(b) });
+    let best =
+        |v: &[Option<f64>]| v.iter().flatten().copied().reduce(|a, b| if c.is_bw() { a.max(b) } else { a.min(b) });
     let (p, g) = (best(perftest), best(ours));
     let show = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{v:.2} {unit}"));
     let ratio = match (p, g) {

@@ -1,14 +1,22 @@
 //! How far a ratio of two tools' figures can be trusted, from a handful of
-//! rounds each: the Hodges-Lehmann estimate of the ratio and its
-//! distribution-free (Moses) interval, both from the pairwise ratios of one
-//! tool's rounds to the other's.
+//! interleaved rounds: the Hodges-Lehmann estimate of the ratio from the
+//! rounds' paired log-ratios and its distribution-free (Wilcoxon
+//! signed-rank) interval.
 //!
-//! Why: in the soft-RoCE guest, latency runs of perftest and of gpu-rdma
-//! alike flip between two modes (at 2 B, a typical one-way time of about
-//! 11.5 us or of 17-22 us), within a run and from run to run. The median of
-//! five rounds then swings by a third, and a ratio of two such medians says
-//! "met" or "MISSED" by chance. The interval says which verdicts the rounds
-//! settle and which they cannot.
+//! Why: in the soft-RoCE guest, the emulated machine's speed wanders, and
+//! every tool with it: latency flips between a fast mode and a slow one
+//! every few tens of milliseconds (at 2 B, a typical one-way time of about
+//! 14 us or 25-34 us), and a bandwidth round of every tool can run a third
+//! above or below the round before. The median of five rounds then swings
+//! by a third, and a ratio of two such medians says "met" or "MISSED" by
+//! chance. Each round runs the tools back to back, so the ratio within a
+//! round cancels what the round's stretch of weather did to both: over
+//! five kept runs of `cargo xtask compare` (35 rounds), the spread across
+//! rounds of the log-ratio of bandwidths and typical latencies was smaller
+//! paired than unpaired for 39 of 45 figures (median standard deviation
+//! 0.13 against 0.19); for minimum latencies, a fast moment within a run,
+//! pairing did not help (8 of 20). The interval says which verdicts the
+//! rounds settle and which they cannot.
 
 /// The median, or `None` for no values.
 pub fn median(mut v: Vec<f64>) -> Option<f64> {
@@ -29,65 +37,69 @@ fn median_of_sorted(v: &[f64]) -> Option<f64> {
 /// A ratio `ours / theirs` with a range that holds it at `confidence`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct RatioRange {
-    /// The Hodges-Lehmann estimate: the median of all pairwise ratios.
+    /// The Hodges-Lehmann estimate: the median of the Walsh averages of
+    /// the rounds' log-ratios.
     pub estimate: f64,
     pub lo: f64,
     pub hi: f64,
-    /// How often such a range holds the true ratio (0.968 for 5 rounds
-    /// against 5, 0.90 for 3 against 3), if the rounds of each tool are
-    /// independent draws and the two differ by a factor.
+    /// How often such a range holds the true ratio (0.9375 for 5 rounds,
+    /// 0.958 for 15), if the rounds' log-ratios are independent and
+    /// symmetric about it.
     pub confidence: f64,
 }
 
-/// The number of orderings of `n` values of one sample among `m` of
-/// another, with no ties, that give the Mann-Whitney statistic `U = u`
-/// (the count of pairs where the first sample's value is the smaller),
-/// for `u` in `0..=n*m`.
-fn mann_whitney_counts(n: usize, m: usize) -> Vec<f64> {
-    // counts[j] for the current i: the distribution for (i, j).
-    let mut prev: Vec<Vec<f64>> = (0..=m).map(|_| vec![1.0]).collect();
-    for i in 1..=n {
-        let mut cur: Vec<Vec<f64>> = vec![vec![1.0]];
-        for j in 1..=m {
-            // The largest of all i + j values is either the first sample's
-            // (i - 1 of them left, each pair with it adds nothing), or the
-            // second's (it is above all i of the first: U grows by i).
-            let mut d = vec![0.0; i * j + 1];
-            for (u, c) in prev[j].iter().enumerate() {
-                d[u] += c;
-            }
-            for (u, c) in cur[j - 1].iter().enumerate() {
-                d[u + i] += c;
-            }
-            cur.push(d);
+/// The number of subsets of the ranks `1..=n` whose sum is `w`, for `w` in
+/// `0..=n(n+1)/2`: under no difference, each sign pattern of `n` paired
+/// differences is equally likely, and `w` is the Wilcoxon signed-rank
+/// statistic (the sum of the positive differences' ranks).
+fn signed_rank_counts(n: usize) -> Vec<f64> {
+    let mut counts = vec![1.0];
+    for rank in 1..=n {
+        let mut next = vec![0.0; counts.len() + rank];
+        for (w, c) in counts.iter().enumerate() {
+            // Rank `rank`'s difference negative (adds nothing) or positive.
+            next[w] += c;
+            next[w + rank] += c;
         }
-        prev = cur;
+        counts = next;
     }
-    prev.swap_remove(m)
+    counts
 }
 
-/// The ratio of `ours` to `theirs` (positive figures, a round each) and the
-/// distribution-free range that holds it with about 95% confidence (the
-/// widest level the sample sizes allow when they allow less: 90% for 3
-/// rounds each). `None` when either side has no figure.
-pub fn ratio_range(ours: &[f64], theirs: &[f64]) -> Option<RatioRange> {
-    let (n, m) = (ours.len(), theirs.len());
-    if n == 0 || m == 0 || ours.iter().chain(theirs).any(|v| !v.is_finite() || *v <= 0.0) {
+/// The ratio of `ours` to `theirs` round by round, and the distribution-free
+/// range that holds it with about 95% confidence (the widest level `n`
+/// rounds allow when they allow less: 93.75% for 5). Round `i` of each tool
+/// ran back to back in the same stretch of the machine's weather, so the
+/// ratio of the two is free of what slowed or sped up that stretch for
+/// both; a round where either has no figure is left out. `None` without a
+/// round that has both.
+pub fn paired_range(ours: &[Option<f64>], theirs: &[Option<f64>]) -> Option<RatioRange> {
+    let logs: Vec<f64> = ours
+        .iter()
+        .zip(theirs)
+        .filter_map(|(o, t)| match (o, t) {
+            (Some(o), Some(t)) if o.is_finite() && t.is_finite() && *o > 0.0 && *t > 0.0 => Some(o.ln() - t.ln()),
+            _ => None,
+        })
+        .collect();
+    let n = logs.len();
+    if n == 0 {
         return None;
     }
-    let mut logs: Vec<f64> = ours.iter().flat_map(|o| theirs.iter().map(move |t| o.ln() - t.ln())).collect();
-    logs.sort_by(f64::total_cmp);
-    let estimate = median_of_sorted(&logs)?.exp();
-    let (k, confidence) = interval_rank(n, m);
-    Some(RatioRange { estimate, lo: logs[k - 1].exp(), hi: logs[logs.len() - k].exp(), confidence })
+    let mut walsh: Vec<f64> =
+        logs.iter().enumerate().flat_map(|(i, a)| logs[i..].iter().map(move |b| (a + b) / 2.0)).collect();
+    walsh.sort_by(f64::total_cmp);
+    let estimate = median_of_sorted(&walsh)?.exp();
+    let (k, confidence) = paired_rank(n);
+    Some(RatioRange { estimate, lo: walsh[k - 1].exp(), hi: walsh[walsh.len() - k].exp(), confidence })
 }
 
-/// For `n` figures against `m`: which pairwise ratio, counted from either
-/// end, bounds the range (the k-th smallest and k-th largest), and the
-/// confidence of that range, 1 - 2 P(U < k): the largest k that keeps it
+/// For `n` paired rounds: which Walsh average, counted from either end,
+/// bounds the range (the k-th smallest and k-th largest), and the
+/// confidence of that range, 1 - 2 P(W < k): the largest k that keeps it
 /// at or above 95%, and k = 1 where even the widest range falls short.
-pub fn interval_rank(n: usize, m: usize) -> (usize, f64) {
-    let counts = mann_whitney_counts(n, m);
+pub fn paired_rank(n: usize) -> (usize, f64) {
+    let counts = signed_rank_counts(n);
     let total: f64 = counts.iter().sum();
     let mut k = 1;
     let mut below = counts[0];
@@ -124,43 +136,49 @@ pub fn verdict(ratio: Option<f64>, range: Option<RatioRange>, meets: impl Fn(f64
 mod tests {
     use super::*;
 
-    fn binomial(n: usize, k: usize) -> f64 {
-        (0..k).fold(1.0, |acc, i| acc * (n - i) as f64 / (i + 1) as f64)
-    }
-
     #[test]
-    fn mann_whitney_counts_match_the_tables() {
-        // Every ordering once: C(n + m, n) in all, symmetric about nm / 2.
-        for (n, m) in [(1, 1), (2, 3), (3, 3), (5, 5), (4, 7), (9, 9)] {
-            let c = mann_whitney_counts(n, m);
-            assert_eq!(c.len(), n * m + 1);
-            assert_eq!(c.iter().sum::<f64>(), binomial(n + m, n), "{n} x {m}");
-            assert!(c.iter().zip(c.iter().rev()).all(|(a, b)| a == b), "{n} x {m} symmetric");
+    fn signed_rank_counts_match_the_tables() {
+        // Every sign pattern once: 2^n in all, symmetric about n(n+1)/4.
+        for n in [1, 2, 5, 9, 15] {
+            let c = signed_rank_counts(n);
+            assert_eq!(c.len(), n * (n + 1) / 2 + 1);
+            assert_eq!(c.iter().sum::<f64>(), 2f64.powi(n as i32), "{n}");
+            assert!(c.iter().zip(c.iter().rev()).all(|(a, b)| a == b), "{n} symmetric");
         }
-        // 5 against 5: U = 0, 1, 2, 3 in 1, 1, 2, 3 of 252 orderings.
-        assert_eq!(mann_whitney_counts(5, 5)[..4], [1.0, 1.0, 2.0, 3.0]);
-        assert_eq!(mann_whitney_counts(2, 2), [1.0, 1.0, 2.0, 1.0, 1.0]);
+        // 3 ranks: the sums 0..=6 of the subsets of {1, 2, 3}.
+        assert_eq!(signed_rank_counts(3), [1.0, 1.0, 1.0, 2.0, 1.0, 1.0, 1.0]);
+        // 5 ranks: W = 0, 1, 2, 3 in 1, 1, 1, 2 of 32 patterns.
+        assert_eq!(signed_rank_counts(5)[..4], [1.0, 1.0, 1.0, 2.0]);
+        // The tables' critical value for 15 pairs at 5% two-sided is 25.
+        assert_eq!(paired_rank(15).0, 26);
+        assert!((paired_rank(15).1 - 0.95209).abs() < 1e-4, "{:?}", paired_rank(15));
     }
 
     #[test]
-    fn the_range_holds_the_ratio_at_the_stated_confidence() {
-        let r = ratio_range(&[2.0; 5], &[1.0; 5]).unwrap();
-        assert_eq!((r.estimate, r.lo, r.hi), (2.0, 2.0, 2.0));
-        // 5 rounds each: the 3rd smallest and largest of 25 pairwise
-        // ratios, 1 - 2 * 4/252.
-        assert!((r.confidence - (1.0 - 8.0 / 252.0)).abs() < 1e-12);
-        let ours = [1.0, 2.0, 3.0, 4.0, 5.0];
-        let theirs = [1.0, 1.0, 1.0, 1.0, 1.0];
-        let r = ratio_range(&ours, &theirs).unwrap();
+    fn the_range_holds_the_paired_ratio_at_the_stated_confidence() {
+        let some = |v: &[f64]| v.iter().map(|x| Some(*x)).collect::<Vec<_>>();
         let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
-        assert!(close(r.estimate, 3.0) && close(r.lo, 1.0) && close(r.hi, 5.0), "{r:?}");
-        // 3 each: nothing reaches 95%; the whole span, at 90%.
-        let r = ratio_range(&[1.0, 1.1, 1.2], &[1.0, 1.0, 1.0]).unwrap();
-        assert!((r.confidence - 0.9).abs() < 1e-12);
-        assert!((r.lo - 1.0).abs() < 1e-12 && (r.hi - 1.2).abs() < 1e-12);
-        assert_eq!(ratio_range(&[], &[1.0]), None);
-        assert_eq!(ratio_range(&[1.0], &[0.0]), None, "a zero figure has no ratio");
-        assert_eq!(ratio_range(&[f64::NAN], &[1.0]), None);
+        let r = paired_range(&some(&[2.0; 5]), &some(&[1.0; 5])).unwrap();
+        assert_eq!((r.estimate, r.lo, r.hi), (2.0, 2.0, 2.0));
+        // 5 rounds: nothing reaches 95%; the whole span, at 1 - 2/32.
+        assert!(close(r.confidence, 1.0 - 2.0 / 32.0), "{r:?}");
+        // Rounds that move both tools together move no ratio: a machine
+        // twice as slow in round 2 and half as fast in round 4.
+        let theirs = [10.0, 20.0, 10.0, 5.0, 10.0];
+        let ours = [11.0, 22.0, 11.0, 5.5, 11.0];
+        let r = paired_range(&some(&ours), &some(&theirs)).unwrap();
+        assert!(close(r.estimate, 1.1) && close(r.lo, 1.1) && close(r.hi, 1.1), "{r:?}");
+        // The ends of the range are the extreme rounds at 5; the estimate
+        // is the median of the 15 Walsh averages of the log-ratios.
+        let ours = [1.0, 2.0, 4.0, 8.0, 16.0];
+        let r = paired_range(&some(&ours), &some(&[1.0; 5])).unwrap();
+        assert!(close(r.estimate, 4.0) && close(r.lo, 1.0) && close(r.hi, 16.0), "{r:?}");
+        // A round without a figure on either side is left out: 4 pairs.
+        let r = paired_range(&[Some(2.0), None, Some(2.0), Some(2.0), Some(2.0)], &[Some(1.0); 5]).unwrap();
+        assert!(close(r.estimate, 2.0) && close(r.confidence, 1.0 - 2.0 / 16.0), "{r:?}");
+        assert_eq!(paired_range(&[None], &[Some(1.0)]), None);
+        assert_eq!(paired_range(&[Some(1.0)], &[Some(0.0)]), None, "a zero figure has no ratio");
+        assert_eq!(paired_range(&[Some(f64::NAN)], &[Some(1.0)]), None);
     }
 
     #[test]
