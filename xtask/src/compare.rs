@@ -425,73 +425,45 @@ fn report(dir: &Path, cases: &[Case], rounds: usize) -> (String, usize) {
         let pt = take("perftest", &typical);
         let gr = take("gpu-rdma", &typical);
         let ux = take("ucx", &|log: &str| ucx_figure(log, c.is_bw()));
-        let med = [median(figures(&pt)), median(figures(&gr)), median(figures(&ux))];
         let unit = if c.is_bw() { "MiB/s" } else { "us" };
         let show = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{v:.2} {unit}"));
-        let ratio = match med {
-            [Some(p), Some(g), _] if p > 0.0 => Some(g / p),
-            _ => None,
-        };
-        let vs_ucx = match med {
-            [_, Some(g), Some(u)] if u > 0.0 => format!("{:.2}x", g / u),
-            _ => "-".to_owned(),
-        };
-        let range = paired_range(&gr, &pt);
-        let paired = range.map(|r| r.estimate);
-        // Bandwidth: higher is better, at least 1.00x from 64 KiB. Latency:
-        // lower is better, at most 1.05x up to 4 KiB.
-        // Transfer lists: at least 0.90x of perftest's message rate.
+        // Bandwidth: higher is better, at least 1.00x from 64 KiB (transfer
+        // lists: 0.90x of perftest's message rate). Latency: lower is
+        // better, at most 1.05x up to 4 KiB.
         let floor = if c.test == "list-bw" { 0.90 } else { 1.0 };
-        let (goal, said) = if c.is_bw() {
-            (if floor < 1.0 { ">= 0.90x" } else { ">= 1.00x" }, verdict(paired, range, |r| r >= floor))
-        } else {
-            ("<= 1.05x", verdict(paired, range, |r| r <= 1.05))
+        let goal = if c.is_bw() { format!(">= {floor:.2}x") } else { "<= 1.05x".to_owned() };
+        let meets = |r: f64| if c.is_bw() { r >= floor } else { r <= 1.05 };
+        // A row: the medians and their ratios, the paired ratio with its
+        // range, and the goal's verdict on it.
+        let mut row = |label: &str, pt: &[Option<f64>], gr: &[Option<f64>], ucx: Option<f64>| {
+            let (p, g) = (median(figures(pt)), median(figures(gr)));
+            let range = paired_range(gr, pt);
+            let paired = range.map(|r| r.estimate);
+            let said = verdict(paired, range, meets);
+            noisy += usize::from(said.contains("noisy"));
+            let _ = writeln!(
+                out,
+                "{label:<10} {:>9} {:>7}  {:>14} {:>14} {:>14}  {:>7} {:>7} {:>11}  {:>7}  {goal} {said}",
+                c.size,
+                c.iters,
+                show(p),
+                show(ucx),
+                show(g),
+                times(ratio_of(g, p)),
+                times(paired),
+                show_range(range),
+                times(ratio_of(g, ucx)),
+            );
         };
-        noisy += usize::from(said.contains("noisy"));
-        let _ = writeln!(
-            out,
-            "{:<10} {:>9} {:>7}  {:>14} {:>14} {:>14}  {:>7} {:>7} {:>11}  {:>7}  {goal} {said}",
-            c.test,
-            c.size,
-            c.iters,
-            show(med[0]),
-            show(med[2]),
-            show(med[1]),
-            times(ratio),
-            times(paired),
-            show_range(range),
-            vs_ucx,
-        );
+        row(c.test, &pt, &gr, median(figures(&ux)));
         let _ = write!(best, "{:<10} {:>9}  {}", c.test, c.size, best_row(c, &pt, &gr));
         if !c.is_bw() {
             // The minimum too: steadier than the median in an emulated machine.
             let least = |log: &str| min_latency(log, c.size);
             let pt = per_round(dir, c, "perftest", rounds, &least);
             let gr = per_round(dir, c, "gpu-rdma", rounds, &least);
+            row("  (min)", &pt, &gr, None);
             let _ = write!(best, "   {}", best_row(c, &pt, &gr));
-            let mins = [median(figures(&pt)), median(figures(&gr))];
-            let ratio = match mins {
-                [Some(p), Some(g)] if p > 0.0 => Some(g / p),
-                _ => None,
-            };
-            let range = paired_range(&gr, &pt);
-            let paired = range.map(|r| r.estimate);
-            let said = verdict(paired, range, |r| r <= 1.05);
-            noisy += usize::from(said.contains("noisy"));
-            let _ = writeln!(
-                out,
-                "{:<10} {:>9} {:>7}  {:>14} {:>14} {:>14}  {:>7} {:>7} {:>11}  {:>7}  <= 1.05x {said}",
-                "  (min)",
-                c.size,
-                c.iters,
-                show(mins[0]),
-                "-",
-                show(mins[1]),
-                times(ratio),
-                times(paired),
-                show_range(range),
-                "-",
-            );
         }
         best.push('\n');
     }
@@ -530,6 +502,14 @@ fn per_round(dir: &Path, c: &Case, tool: &str, rounds: usize, pick: &dyn Fn(&str
 /// The rounds' figures, without the rounds that have none.
 fn figures(rounds: &[Option<f64>]) -> Vec<f64> {
     rounds.iter().flatten().copied().collect()
+}
+
+/// `num / den`, when both are figures.
+fn ratio_of(num: Option<f64>, den: Option<f64>) -> Option<f64> {
+    match (num, den) {
+        (Some(n), Some(d)) if d > 0.0 => Some(n / d),
+        _ => None,
+    }
 }
 
 /// A ratio as `1.02x`.
