@@ -109,6 +109,12 @@ fn frame(op: u8, flags: u8, seq: u32, key: u32, addr: u64, len: u32, total: u32,
     out.extend_from_slice(&total.to_le_bytes());
 }
 
+/// The little-endian `u32` at byte `at` of a frame header (seq at 4, len
+/// at 24, total at 28; see [`frame`]).
+fn u32_at(h: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([h[at], h[at + 1], h[at + 2], h[at + 3]])
+}
+
 fn endpoint(rnr_retry: u8, send_depth: u32) -> TcpEndpoint {
     TcpEndpoint { rnr_retry, min_rnr_timer: 1, max_message: 1 << 30, send_depth }
 }
@@ -193,9 +199,8 @@ fn read_replies(s: &TcpStream, limit: Duration) -> (Vec<(u8, u32, u32)>, bool) {
     let mut at = 0;
     while at + HEADER <= buf.len() {
         let h = &buf[at..at + HEADER];
-        let u32_at = |i: usize| u32::from_le_bytes([h[i], h[i + 1], h[i + 2], h[i + 3]]);
-        frames.push((h[0], u32_at(4), u32_at(28)));
-        at += HEADER + u32_at(24) as usize;
+        frames.push((h[0], u32_at(h, 4), u32_at(h, 28)));
+        at += HEADER + u32_at(h, 24) as usize;
     }
     (frames, ended)
 }
@@ -598,10 +603,9 @@ fn next_frames(s: &TcpStream, n: usize) -> Vec<(u8, u8, u32, Vec<u8>)> {
         .map(|_| {
             let mut h = [0u8; HEADER];
             (&*s).read_exact(&mut h).expect("a frame from the victim");
-            let len = u32::from_le_bytes([h[24], h[25], h[26], h[27]]) as usize;
-            let mut payload = vec![0u8; len];
+            let mut payload = vec![0u8; u32_at(&h, 24) as usize];
             (&*s).read_exact(&mut payload).expect("the frame's payload");
-            (h[0], h[1], u32::from_le_bytes([h[4], h[5], h[6], h[7]]), payload)
+            (h[0], h[1], u32_at(&h, 4), payload)
         })
         .collect()
 }
