@@ -11,12 +11,14 @@
 //!    (`UCX_TLS=rc_verbs,ud_verbs,self`) and gpu-rdma.
 //!
 //! Absolute speeds in the guest mean nothing; the ratios do.
-//! `--host` runs part 1 only; `--from DIR --rounds N` prints part 2's table
-//! again from a kept guest run.
+//! `--host` runs part 1 only; `--from DIR` prints part 2's table again from
+//! a kept guest run, and from several (`--from A --from B`) with their
+//! rounds pooled: kept runs of the same settings add up to the rounds that
+//! settle what five cannot.
 
 use std::fmt::Write as _;
 use std::fs;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -156,35 +158,47 @@ fn column(log: &str, size: u64, index: usize) -> Option<f64> {
 }
 
 pub fn command(args: &[String]) -> Result<i32> {
-    let mut rounds = 3;
+    let mut rounds = None;
     let mut host_only = false;
-    let mut from = None;
+    let mut from = Vec::new();
     let mut only: Option<String> = None;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
             "--rounds" => {
                 let n = it.next().ok_or("--rounds needs a number")?;
-                rounds = n.parse().map_err(|_| format!("--rounds {n}: not a number"))?;
+                rounds = Some(n.parse().map_err(|_| format!("--rounds {n}: not a number"))?);
             }
             "--host" => host_only = true,
             "--only" => only = Some(it.next().ok_or("--only needs a test name (write-bw, list-bw, ...)")?.clone()),
-            "--from" => from = Some(it.next().ok_or("--from needs the folder of a guest run")?.clone()),
+            "--from" => from.push(PathBuf::from(it.next().ok_or("--from needs the folder of a guest run")?)),
             _ => {
                 return Err(format!(
                     "compare takes --rounds N (default 3), --host, --only TEST (the guest's cases of one test, \
-                     without the host part) and --from DIR; got {args:?}"
+                     without the host part) and --from DIR (repeatable: the kept runs' rounds pooled); got {args:?}"
                 ));
             }
         }
     }
-    if let Some(dir) = from {
-        // The table again from a kept guest run's logs, without running anything.
-        let cases: Vec<Case> = cases().into_iter().filter(|c| only.as_ref().is_none_or(|t| c.test == t)).collect();
-        let (table, missing) = report(Path::new(&dir), &cases, rounds);
+    let cases: Vec<Case> = cases().into_iter().filter(|c| only.as_ref().is_none_or(|t| c.test == t)).collect();
+    if cases.is_empty() {
+        return Err(format!("--only {only:?}: no such test among the guest's cases"));
+    }
+    if !from.is_empty() {
+        // The table again from kept guest runs' logs, without running
+        // anything: each run's rounds (the first N with --rounds), pooled.
+        let runs = from
+            .into_iter()
+            .map(|dir| {
+                let n = rounds.unwrap_or_else(|| rounds_in(&dir, &cases));
+                check_settings(&dir, &cases, n).map(|()| Run { dir, rounds: n })
+            })
+            .collect::<Result<Vec<Run>>>()?;
+        let (table, missing) = report(&runs, &cases);
         print!("{table}");
         return Ok(i32::from(missing != 0));
     }
+    let rounds = rounds.unwrap_or(3);
     let kernel = setup::setup()?;
     run_cmd(cargo().args(["build", "--release", "--features", "cli", "--bin", "gpu-rdma"]))?;
     let (host_table, host_missing) = if only.is_some() { (String::new(), 0) } else { host(rounds)? };
@@ -192,10 +206,6 @@ pub fn command(args: &[String]) -> Result<i32> {
     if host_only {
         let _ = fs::write(root().join("target/compare.txt"), &host_table);
         return Ok(i32::from(host_missing != 0));
-    }
-    let cases: Vec<Case> = cases().into_iter().filter(|c| only.as_ref().is_none_or(|t| c.test == t)).collect();
-    if cases.is_empty() {
-        return Err(format!("--only {only:?}: no such test among the guest's cases"));
     }
     let mut script = String::from(PAIR);
     for round in 0..rounds {
@@ -223,7 +233,7 @@ pub fn command(args: &[String]) -> Result<i32> {
     );
     let opts = VmOptions { timeout: Duration::from_secs(3600), keep: true, ..VmOptions::default() };
     let guest = vm::run_script(&kernel, &root(), &script, &opts)?;
-    let (table, missing) = report(&guest.dir, &cases, rounds);
+    let (table, missing) = report(&[Run { dir: guest.dir.clone(), rounds }], &cases);
     print!("{table}");
     let _ = fs::write(root().join("target/compare.txt"), format!("{host_table}{table}"));
     println!("(also in target/compare.txt; guest logs in {})", guest.dir.display());
@@ -399,7 +409,8 @@ fn plain_socket_mib_s(size: usize, iters: usize) -> Result<f64> {
 }
 
 /// The table, and how many runs gave no figure.
-fn report(dir: &Path, cases: &[Case], rounds: usize) -> (String, usize) {
+fn report(runs: &[Run], cases: &[Case]) -> (String, usize) {
+    let rounds: usize = runs.iter().map(|r| r.rounds).sum();
     let mut out = String::new();
     let mut noisy = 0;
     // Each tool's best round, beside the medians (see `best_row`).
@@ -417,10 +428,10 @@ fn report(dir: &Path, cases: &[Case], rounds: usize) -> (String, usize) {
     for c in cases {
         let typical = |log: &str| figure(log, c.size, c.is_bw());
         let mut take = |tool: &str, pick: &dyn Fn(&str) -> Option<f64>| {
-            let vals = per_round(dir, c, tool, rounds, pick);
-            let without = vals.iter().enumerate().filter(|(_, v)| v.is_none());
-            lost.extend(without.map(|(r, _)| format!("{}-{tool}-{r}", c.name())));
-            vals
+            let vals = per_round(runs, c, tool, pick);
+            let without = vals.iter().filter(|(_, v)| v.is_none());
+            lost.extend(without.map(|(name, _)| name.clone()));
+            vals.into_iter().map(|(_, v)| v).collect::<Vec<_>>()
         };
         let pt = take("perftest", &typical);
         let gr = take("gpu-rdma", &typical);
@@ -460,8 +471,8 @@ fn report(dir: &Path, cases: &[Case], rounds: usize) -> (String, usize) {
         if !c.is_bw() {
             // The minimum too: steadier than the median in an emulated machine.
             let least = |log: &str| min_latency(log, c.size);
-            let pt = per_round(dir, c, "perftest", rounds, &least);
-            let gr = per_round(dir, c, "gpu-rdma", rounds, &least);
+            let values = |tool| per_round(runs, c, tool, &least).into_iter().map(|(_, v)| v).collect::<Vec<_>>();
+            let (pt, gr) = (values("perftest"), values("gpu-rdma"));
             row("  (min)", &pt, &gr, None);
             let _ = write!(best, "   {}", best_row(c, &pt, &gr));
         }
@@ -478,6 +489,10 @@ fn report(dir: &Path, cases: &[Case], rounds: usize) -> (String, usize) {
          range: where the paired ratio lies with {level:.1}% confidence (Wilcoxon signed-rank, {rounds} rounds); \
          {noisy} verdict(s) noisy: their range crosses the goal, and {rounds} rounds cannot settle them either way"
     );
+    if runs.len() > 1 {
+        let each: Vec<String> = runs.iter().map(|r| format!("{} ({})", r.dir.display(), r.rounds)).collect();
+        let _ = writeln!(out, "pooled: the rounds of {} kept runs: {}", runs.len(), each.join(", "));
+    }
     if !lost.is_empty() {
         // Named, so a reader can open their logs (`<name>.client`).
         let _ = writeln!(
@@ -491,12 +506,80 @@ fn report(dir: &Path, cases: &[Case], rounds: usize) -> (String, usize) {
     (out, lost.len())
 }
 
-/// A tool's figure in each round of a case (`pick` reads it from the
-/// client's log), `None` in a round that has none.
-fn per_round(dir: &Path, c: &Case, tool: &str, rounds: usize, pick: &dyn Fn(&str) -> Option<f64>) -> Vec<Option<f64>> {
-    (0..rounds)
-        .map(|r| pick(&fs::read_to_string(dir.join(format!("{}-{tool}-{r}.client", c.name()))).unwrap_or_default()))
-        .collect()
+/// The tools of a guest round, as their logs are named.
+const TOOLS: [&str; 3] = ["perftest", "ucx", "gpu-rdma"];
+
+/// A kept guest run of `compare`: its folder of logs and how many of its
+/// rounds to read.
+struct Run {
+    dir: PathBuf,
+    rounds: usize,
+}
+
+/// A client's log: `<case>-<tool>-<round>.client` in a run's folder.
+fn log_path(dir: &Path, c: &Case, tool: &str, round: usize) -> PathBuf {
+    dir.join(format!("{}-{tool}-{round}.client", c.name()))
+}
+
+/// A tool's figure in each round of a case, over every run in turn
+/// (`pick` reads it from the client's log), `None` in a round that has
+/// none; each named as its log is (with its run's folder when there are
+/// several).
+fn per_round(runs: &[Run], c: &Case, tool: &str, pick: &dyn Fn(&str) -> Option<f64>) -> Vec<(String, Option<f64>)> {
+    let mut out = Vec::new();
+    for run in runs {
+        for r in 0..run.rounds {
+            let log = fs::read_to_string(log_path(&run.dir, c, tool, r)).unwrap_or_default();
+            let name = format!("{}-{tool}-{r}", c.name());
+            let name = if runs.len() > 1 { format!("{}/{name}", run.dir.display()) } else { name };
+            out.push((name, pick(&log)));
+        }
+    }
+    out
+}
+
+/// How many rounds a kept run holds: one past the highest round of any
+/// case's log in its folder.
+fn rounds_in(dir: &Path, cases: &[Case]) -> usize {
+    let Ok(entries) = fs::read_dir(dir) else { return 0 };
+    entries
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            let stem = name.strip_suffix(".client")?;
+            let (case_tool, round) = stem.rsplit_once('-')?;
+            let ours = |c: &Case| TOOLS.iter().any(|t| case_tool.strip_suffix(t) == Some(&format!("{}-", c.name())));
+            let round: usize = round.parse().ok()?;
+            cases.iter().any(ours).then_some(round + 1)
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+/// Pooled rounds must have run what this compare runs: a run whose
+/// perftest or gpu-rdma log shows another iteration count for a case (an
+/// older compare's settings) is refused, as is a folder with no rounds.
+fn check_settings(dir: &Path, cases: &[Case], rounds: usize) -> Result<()> {
+    if rounds == 0 {
+        return Err(format!("{}: no rounds of these cases (no <case>-<tool>-<round>.client logs)", dir.display()));
+    }
+    for c in cases {
+        for tool in ["perftest", "gpu-rdma"] {
+            for r in 0..rounds {
+                let log = fs::read_to_string(log_path(dir, c, tool, r)).unwrap_or_default();
+                if let Some(n) = column(&log, c.size, 1).filter(|n| *n != f64::from(c.iters)) {
+                    return Err(format!(
+                        "{}: {tool} ran {} with {n} iterations, where this compare runs {}: \
+                         pool only runs of the same settings",
+                        dir.display(),
+                        c.name(),
+                        c.iters
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The rounds' figures, without the rounds that have none.
@@ -570,5 +653,58 @@ mod tests {
         assert_eq!(ucx_figure(ucx, false), Some(4.011));
         assert_eq!(ucx_figure(ucx, true), Some(7.47));
         assert_eq!(ucx_figure("no final line", true), None);
+    }
+
+    /// A kept run's folder with a 2-byte send-lat case's client logs:
+    /// `(perftest, gpu-rdma)` typical latencies per round (UCX's as
+    /// perftest's), run with `iters`.
+    fn kept_run(name: &str, rounds: &[(f64, f64)], iters: u32) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("xtask-compare-{}-{name}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).unwrap();
+        let log = |typical: f64| {
+            format!(
+                " #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]\n 2  {iters}  10.00  99.00  {typical}\n"
+            )
+        };
+        for (r, (pt, ours)) in rounds.iter().enumerate() {
+            fs::write(dir.join(format!("send-lat-2-perftest-{r}.client")), log(*pt)).unwrap();
+            fs::write(dir.join(format!("send-lat-2-gpu-rdma-{r}.client")), log(*ours)).unwrap();
+            let ucx = format!("Final: {iters} {pt} {pt} {pt} 0 0 0 0\n");
+            fs::write(dir.join(format!("send-lat-2-ucx-{r}.client")), ucx).unwrap();
+        }
+        // Another case's log, and a server's, count no rounds.
+        fs::write(dir.join("send-lat-8-perftest-9.client"), log(1.0)).unwrap();
+        fs::write(dir.join("send-lat-2-perftest-9.server"), "").unwrap();
+        dir
+    }
+
+    #[test]
+    fn kept_runs_pool_their_rounds_and_refuse_other_settings() {
+        let cases: Vec<Case> = cases().into_iter().filter(|c| c.test == "send-lat" && c.size == 2).collect();
+        let iters = cases[0].iters;
+        let a = kept_run("a", &[(20.0, 21.0), (30.0, 30.0), (25.0, 24.0)], iters);
+        let b = kept_run("b", &[(22.0, 22.0), (26.0, 27.0)], iters);
+        assert_eq!(rounds_in(&a, &cases), 3);
+        assert_eq!(rounds_in(&b, &cases), 2);
+        assert!(check_settings(&a, &cases, 3).is_ok());
+        let runs = [Run { dir: a.clone(), rounds: 3 }, Run { dir: b.clone(), rounds: 2 }];
+        let typical = |log: &str| figure(log, 2, false);
+        let pooled = per_round(&runs, &cases[0], "gpu-rdma", &typical);
+        let values: Vec<Option<f64>> = pooled.iter().map(|(_, v)| *v).collect();
+        assert_eq!(values, [21.0, 30.0, 24.0, 22.0, 27.0].map(Some));
+        assert!(pooled[3].0.ends_with("-b/send-lat-2-gpu-rdma-0"), "named with its run: {}", pooled[3].0);
+        let (table, missing) = report(&runs, &cases);
+        assert_eq!(missing, 0);
+        assert!(table.contains("medians of 5 rounds"), "{table}");
+        assert!(table.contains("pooled: the rounds of 2 kept runs"), "{table}");
+        // A run of an older compare's iteration count is not pooled.
+        let old = kept_run("old", &[(20.0, 20.0)], iters / 10);
+        let refused = check_settings(&old, &cases, 1).unwrap_err();
+        assert!(refused.contains("iterations"), "{refused}");
+        assert!(check_settings(&old, &cases, 0).is_err(), "a run with no rounds");
+        for d in [a, b, old] {
+            let _ = fs::remove_dir_all(d);
+        }
     }
 }

@@ -47,8 +47,9 @@ commands:
   demo [--vm]           the transfer example with no arguments here: best path, write/read/send, verified;
                           --vm: two processes on rxe0 in the guest, 256 MiB each way
   bench                 the criterion suite benches/ops.rs on rxe0 in the guest (verbs and TCP)
-  compare [--rounds N] [--host] [--from DIR]
-                        gpu-rdma bench beside perftest and UCX on rxe0 (and UCX over TCP here): medians, ratios
+  compare [--rounds N] [--host] [--only TEST] [--from DIR]...
+                        gpu-rdma bench beside perftest and UCX on rxe0 (and UCX over TCP here): medians, ratios;
+                          --from: the table from kept guest runs, their rounds pooled
   instructions          instructions per send-lat iteration under callgrind, ib_send_lat beside gpu-rdma
   layers [--cycles]     the library's module graph: fails on a cycle or an import a layer may not make
                           (--cycles: on a cycle only, reporting the rest)
