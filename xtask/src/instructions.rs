@@ -1,10 +1,15 @@
-//! `cargo xtask instructions`: the CPU cost of one `send-lat` client
-//! iteration, perftest's `ib_send_lat` beside `gpu-rdma bench send-lat`, on
-//! rxe0 in the guest, counted by callgrind: each client runs 1,000 and then
-//! 3,000 iterations (2-byte messages) under callgrind, and the difference
-//! of the two totals over 2,000 is the cost of an iteration, with start-up
-//! and teardown cancelled out. The servers run natively. Instruction
-//! counts are steady where times in an emulated machine are not.
+//! `cargo xtask instructions`: the CPU cost of one `send-lat` iteration,
+//! perftest's `ib_send_lat` beside `gpu-rdma bench send-lat`, on rxe0 in
+//! the guest, counted by callgrind: each client runs 1,000 and then 3,000
+//! iterations under callgrind, and the difference of the two totals over
+//! 2,000 is the cost of an iteration, with start-up and teardown cancelled
+//! out. The other side runs natively. Instruction counts are steady where
+//! times in an emulated machine are not.
+//!
+//! `--size N` (default 2): the message size; above rxe0's inline limit,
+//! our sends go from the ring of persistent sends. `--server`: count the
+//! server's iterations instead, whose turnaround (from a message to its
+//! reply) is on every round trip's path.
 
 use std::fmt::Write as _;
 use std::fs;
@@ -13,20 +18,24 @@ use std::time::Duration;
 use crate::vm::{self, VmOptions};
 use crate::{Result, cargo, root, run as run_cmd, setup};
 
+/// The guest's script: `SIZE` and `SIDE` (client or server) are set before it.
 const SCRIPT: &str = r#"
 B=target/release/gpu-rdma
 for tool in perftest gpu-rdma; do
   for n in 1000 3000; do
     if [ $tool = perftest ]; then
-      srv="ib_send_lat -d rxe0 -x 0 -F -s 2 -n $n"; cli="$srv 127.0.0.1"
+      srv="ib_send_lat -d rxe0 -x 0 -F -s $SIZE -n $n"; cli="$srv 127.0.0.1"; port=18515
     else
-      srv="$B bench send-lat --bind 127.0.0.1 -p 18600 -n $n -s 2 -d rxe0"
-      cli="$B bench send-lat 127.0.0.1 -p 18600 -n $n -s 2 -d rxe0"
+      srv="$B bench send-lat --bind 127.0.0.1 -p 18600 -n $n -s $SIZE -d rxe0"
+      cli="$B bench send-lat 127.0.0.1 -p 18600 -n $n -s $SIZE -d rxe0"; port=18600
     fi
-    timeout 300 $srv > "$VM_OUT/$tool-$n.server" 2>&1 &
+    counted="valgrind --tool=callgrind --callgrind-out-file=$VM_OUT/$tool-$n.cg"
+    if [ $SIDE = server ]; then srv="$counted $srv"; else cli="$counted $cli"; fi
+    timeout 600 $srv > "$VM_OUT/$tool-$n.server" 2>&1 &
     sp=$!
-    sleep 1
-    timeout 600 valgrind --tool=callgrind --callgrind-out-file="$VM_OUT/$tool-$n.cg" $cli > "$VM_OUT/$tool-$n.client" 2>&1
+    # The client starts once its server listens (under callgrind, seconds).
+    for i in $(seq 600); do ss -ltn | grep -q ":$port " && break; sleep 0.05; done
+    timeout 600 $cli > "$VM_OUT/$tool-$n.client" 2>&1
     wait $sp
   done
 done
@@ -42,17 +51,42 @@ pub fn total(cg: &str) -> Option<u64> {
         .and_then(|v| v.parse().ok())
 }
 
-pub fn command(args: &[String]) -> Result<i32> {
-    if !args.is_empty() {
-        return Err(format!("instructions takes no arguments; got {args:?}"));
+/// What to count: the message size and which side.
+#[derive(Debug, PartialEq)]
+struct Options {
+    size: u32,
+    server: bool,
+}
+
+fn parse(args: &[String]) -> Result<Options> {
+    let mut o = Options { size: 2, server: false };
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--size" => {
+                let n = it.next().ok_or("--size needs a number of bytes")?;
+                o.size = n.parse().ok().filter(|s| *s > 0).ok_or_else(|| format!("--size {n}: not a size"))?;
+            }
+            "--server" => o.server = true,
+            _ => return Err(format!("instructions takes --size N and --server; got {args:?}")),
+        }
     }
+    Ok(o)
+}
+
+pub fn command(args: &[String]) -> Result<i32> {
+    let o = parse(args)?;
+    let side = if o.server { "server" } else { "client" };
     let kernel = setup::setup()?;
     run_cmd(cargo().args(["build", "--release", "--features", "cli", "--bin", "gpu-rdma"]))?;
     println!(
-        "xtask: instructions: ib_send_lat and gpu-rdma bench send-lat under callgrind on rxe0, 1,000 and 3,000 iterations"
+        "xtask: instructions: ib_send_lat and gpu-rdma bench send-lat, the {side} under callgrind on rxe0, {} B, \
+         1,000 and 3,000 iterations",
+        o.size
     );
     let opts = VmOptions { timeout: Duration::from_secs(1800), ..VmOptions::default() };
-    let guest = vm::run_script(&kernel, &root(), SCRIPT, &opts)?;
+    let script = format!("SIZE={}\nSIDE={side}\n{SCRIPT}", o.size);
+    let guest = vm::run_script(&kernel, &root(), &script, &opts)?;
     let mut out = String::new();
     let mut per = Vec::new();
     for tool in ["perftest", "gpu-rdma"] {
@@ -61,7 +95,10 @@ pub fn command(args: &[String]) -> Result<i32> {
             (Some(a), Some(b)) if b > a => {
                 let each = (b - a) / 2000;
                 per.push(each);
-                let _ = writeln!(out, "{tool:<9} {a:>12} (1,000) {b:>12} (3,000): {each} instructions per iteration");
+                let _ = writeln!(
+                    out,
+                    "{tool:<9} {a:>12} (1,000) {b:>12} (3,000): {each} instructions per {side} iteration"
+                );
             }
             _ => {
                 let _ = writeln!(out, "{tool:<9} no count (see {})", guest.dir.display());
@@ -87,5 +124,15 @@ mod tests {
         assert_eq!(total("events: Ir\nsummary: 6815764\n"), Some(6_815_764));
         assert_eq!(total("totals: 12\n"), Some(12));
         assert_eq!(total("events: Ir\n"), None);
+    }
+
+    #[test]
+    fn parses_the_size_and_the_side() {
+        let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(parse(&[]), Ok(Options { size: 2, server: false }));
+        assert_eq!(parse(&args(&["--size", "4096", "--server"])), Ok(Options { size: 4096, server: true }));
+        assert!(parse(&args(&["--size", "0"])).is_err());
+        assert!(parse(&args(&["--size"])).is_err());
+        assert!(parse(&args(&["--bytes", "4"])).is_err());
     }
 }
