@@ -428,10 +428,9 @@ fn report(runs: &[Run], cases: &[Case]) -> (String, usize) {
     for c in cases {
         let typical = |log: &str| figure(log, c.size, c.is_bw());
         let mut take = |tool: &str, pick: &dyn Fn(&str) -> Option<f64>| {
-            let vals = per_round(runs, c, tool, pick);
-            let without = vals.iter().filter(|(_, v)| v.is_none());
-            lost.extend(without.map(|(name, _)| name.clone()));
-            vals.into_iter().map(|(_, v)| v).collect::<Vec<_>>()
+            let (vals, without) = per_round(runs, c, tool, pick);
+            lost.extend(without);
+            vals
         };
         let pt = take("perftest", &typical);
         let gr = take("gpu-rdma", &typical);
@@ -471,8 +470,8 @@ fn report(runs: &[Run], cases: &[Case]) -> (String, usize) {
         if !c.is_bw() {
             // The minimum too: steadier than the median in an emulated machine.
             let least = |log: &str| min_latency(log, c.size);
-            let values = |tool| per_round(runs, c, tool, &least).into_iter().map(|(_, v)| v).collect::<Vec<_>>();
-            let (pt, gr) = (values("perftest"), values("gpu-rdma"));
+            let (pt, _) = per_round(runs, c, "perftest", &least);
+            let (gr, _) = per_round(runs, c, "gpu-rdma", &least);
             row("  (min)", &pt, &gr, None);
             let _ = write!(best, "   {}", best_row(c, &pt, &gr));
         }
@@ -523,19 +522,27 @@ fn log_path(dir: &Path, c: &Case, tool: &str, round: usize) -> PathBuf {
 
 /// A tool's figure in each round of a case, over every run in turn
 /// (`pick` reads it from the client's log), `None` in a round that has
-/// none; each named as its log is (with its run's folder when there are
-/// several).
-fn per_round(runs: &[Run], c: &Case, tool: &str, pick: &dyn Fn(&str) -> Option<f64>) -> Vec<(String, Option<f64>)> {
-    let mut out = Vec::new();
+/// none; and those rounds, named as their logs are (with their run's
+/// folder when there are several).
+fn per_round(
+    runs: &[Run],
+    c: &Case,
+    tool: &str,
+    pick: &dyn Fn(&str) -> Option<f64>,
+) -> (Vec<Option<f64>>, Vec<String>) {
+    let mut values = Vec::new();
+    let mut without = Vec::new();
     for run in runs {
         for r in 0..run.rounds {
-            let log = fs::read_to_string(log_path(&run.dir, c, tool, r)).unwrap_or_default();
-            let name = format!("{}-{tool}-{r}", c.name());
-            let name = if runs.len() > 1 { format!("{}/{name}", run.dir.display()) } else { name };
-            out.push((name, pick(&log)));
+            let value = pick(&fs::read_to_string(log_path(&run.dir, c, tool, r)).unwrap_or_default());
+            if value.is_none() {
+                let name = format!("{}-{tool}-{r}", c.name());
+                without.push(if runs.len() > 1 { format!("{}/{name}", run.dir.display()) } else { name });
+            }
+            values.push(value);
         }
     }
-    out
+    (values, without)
 }
 
 /// How many rounds a kept run holds: one past the highest round of any
@@ -690,10 +697,16 @@ mod tests {
         assert!(check_settings(&a, &cases, 3).is_ok());
         let runs = [Run { dir: a.clone(), rounds: 3 }, Run { dir: b.clone(), rounds: 2 }];
         let typical = |log: &str| figure(log, 2, false);
-        let pooled = per_round(&runs, &cases[0], "gpu-rdma", &typical);
-        let values: Vec<Option<f64>> = pooled.iter().map(|(_, v)| *v).collect();
+        let (values, without) = per_round(&runs, &cases[0], "gpu-rdma", &typical);
         assert_eq!(values, [21.0, 30.0, 24.0, 22.0, 27.0].map(Some));
-        assert!(pooled[3].0.ends_with("-b/send-lat-2-gpu-rdma-0"), "named with its run: {}", pooled[3].0);
+        assert!(without.is_empty(), "{without:?}");
+        // A round without a figure is named with its run.
+        fs::write(b.join("send-lat-2-gpu-rdma-0.client"), "no table").unwrap();
+        let (values, without) = per_round(&runs, &cases[0], "gpu-rdma", &typical);
+        assert_eq!(values, [Some(21.0), Some(30.0), Some(24.0), None, Some(27.0)]);
+        assert_eq!(without.len(), 1);
+        assert!(without[0].ends_with("-b/send-lat-2-gpu-rdma-0"), "named with its run: {}", without[0]);
+        let b = kept_run("b", &[(22.0, 22.0), (26.0, 27.0)], iters);
         let (table, missing) = report(&runs, &cases);
         assert_eq!(missing, 0);
         assert!(table.contains("medians of 5 rounds"), "{table}");

@@ -1,15 +1,15 @@
 //! `cargo xtask instructions`: the CPU cost of one `send-lat` iteration,
 //! perftest's `ib_send_lat` beside `gpu-rdma bench send-lat`, on rxe0 in
-//! the guest, counted by callgrind: each client runs 1,000 and then 3,000
-//! iterations under callgrind, and the difference of the two totals over
-//! 2,000 is the cost of an iteration, with start-up and teardown cancelled
-//! out. The other side runs natively. Instruction counts are steady where
+//! the guest, counted by callgrind: the counted side (the client, or the
+//! server with `--server`) runs 1,000 and then 3,000 iterations under
+//! callgrind, and the difference of the two totals over 2,000 is the cost
+//! of an iteration, with start-up and teardown cancelled out. The other
+//! side runs natively. Instruction counts are steady where
 //! times in an emulated machine are not.
 //!
 //! `--size N` (default 2): the message size; above rxe0's inline limit,
-//! our sends go from the ring of persistent sends. `--server`: count the
-//! server's iterations instead, whose turnaround (from a message to its
-//! reply) is on every round trip's path.
+//! our sends go from the ring of persistent sends. The server's
+//! turnaround (from a message to its reply) is on every round trip's path.
 
 use std::fmt::Write as _;
 use std::fs;

@@ -43,7 +43,7 @@ pub struct RatioRange {
     pub lo: f64,
     pub hi: f64,
     /// How often such a range holds the true ratio (0.9375 for 5 rounds,
-    /// 0.958 for 15), if the rounds' log-ratios are independent and
+    /// 0.952 for 15), if the rounds' log-ratios are independent and
     /// symmetric about it.
     pub confidence: f64,
 }
