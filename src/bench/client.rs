@@ -331,12 +331,22 @@ fn list_bandwidth<B: LocalBuffer + Clone>(
     Ok(bw_row(&clock, &stamps, size, iters, 2 * per))
 }
 
+/// Where a ping-pong's second direction goes in a buffer of `len` bytes
+/// whose first `size` bytes the first direction uses: the second half's
+/// start, as perftest lays out its sends and receives, when both fit
+/// apart; else the last `size` bytes (overlapping the first when the
+/// buffer is shorter than both).
+pub(super) fn second_half(len: usize, size: usize) -> usize {
+    if size <= len / 2 { len / 2 } else { len.saturating_sub(size) }
+}
+
 /// The client's side of a latency test at one size. A ping-pong sends
-/// from the start of `local` and receives into its end, as perftest keeps
-/// its sends and receives in two halves of its buffer: with `local` at
-/// least twice `size`, no send reads what a receive just wrote (in
-/// soft-RoCE, where the CPU moves the bytes, that costs a transfer of the
-/// written cache lines between CPUs on every message).
+/// from the start of `local` and receives into its second half
+/// ([`second_half`]), as perftest keeps its sends and receives in two
+/// halves of its buffer: with `local` at least twice `size`, no send reads
+/// what a receive just wrote (in soft-RoCE, where the CPU moves the bytes,
+/// that costs a transfer of the written cache lines between CPUs on every
+/// message).
 ///
 /// # Errors
 /// The first failed operation's error, or a timeout.
@@ -369,9 +379,9 @@ pub fn latency<B: LocalBuffer + Clone>(
             // Two persistent receives, used in turn: iteration i waits on
             // slot i % 2 while the next receive sits in the other, each
             // reposted into its range as perftest reposts its prebuilt one.
-            // Into the buffer's end, apart from the sends (its start).
-            let end = local.buffer_len().saturating_sub(size);
-            let receive = || conn.recv_persistent(local.clone().slice(end..end + size));
+            // Into the buffer's second half, apart from the sends (its start).
+            let at = second_half(local.buffer_len(), size);
+            let receive = || conn.recv_persistent(local.clone().slice(at..at + size));
             let mut rx: [Option<PersistentRecv<B>>; 2] = [(iters > 0).then(receive), None];
             for i in 0..iters {
                 let t0 = clock.ticks();
@@ -528,5 +538,22 @@ mod tests {
         std::thread::sleep(Duration::from_millis(30));
         let secs = w.ticks().wrapping_sub(t0) as f64 * w.seconds_per_tick();
         assert!((0.025..0.5).contains(&secs), "{secs}");
+    }
+
+    #[test]
+    fn the_second_half_stays_in_the_buffer_and_apart_when_both_fit() {
+        for len in (0..=40).chain([4096, 8192, 8193]) {
+            for size in 0..=len {
+                let at = second_half(len, size);
+                assert!(at + size <= len, "len {len} size {size}: {at} runs past the end");
+                if 2 * size <= len {
+                    assert!(at >= size, "len {len} size {size}: {at} overlaps the first {size} bytes");
+                    assert_eq!(at, len / 2, "len {len} size {size}");
+                }
+            }
+        }
+        // The bench's buffer: twice the largest message, the halves perftest uses.
+        assert_eq!(second_half(8192, 1024), 4096);
+        assert_eq!(second_half(8192, 4096), 4096);
     }
 }

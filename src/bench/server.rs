@@ -6,7 +6,7 @@ use crate::connection::{Connection, Pending, PersistentRecv};
 use crate::error::{Error, Result};
 use crate::memory::{Exposed, HostMemory, LocalBuffer, RemoteRegion};
 
-use super::client::{SendRing, Trailing};
+use super::client::{SendRing, Trailing, second_half};
 use super::params::{DONE, LocalMode, Params, Test};
 
 /// Where the server's memory is, for the write ping-pong: a write with
@@ -144,10 +144,13 @@ pub fn serve<B: Landing>(
                     conn.send_inline_untracked(&zeros[..n], None)?;
                     rx[i].repost()?;
                 } else {
-                    // From the buffer's end, apart from where the message
-                    // landed (its start) when the buffer holds both, as
-                    // perftest's send and receive halves are apart.
-                    sent.send(conn, n, |n| local.clone().slice(whole.saturating_sub(n)..))?;
+                    // From the buffer's second half, apart from where the
+                    // message landed (its start) when the buffer holds
+                    // both, as perftest's send and receive halves are apart.
+                    sent.send(conn, n, |n| {
+                        let at = second_half(whole, n);
+                        local.clone().slice(at..at + n)
+                    })?;
                     rx[i].repost()?;
                     sent.ready_next(timeout)?;
                 }
