@@ -10,7 +10,9 @@
 //! 2. In one soft-RoCE guest run, on rxe0: perftest, UCX
 //!    (`UCX_TLS=rc_verbs,ud_verbs,self`) and gpu-rdma.
 //!
-//! Absolute speeds in the guest mean nothing; the ratios do.
+//! Absolute speeds in the guest mean nothing; the ratios do. Under the
+//! table, how steady this machine's own CPU ran before and after the guest
+//! run ([`crate::steady`]): the guest's CPUs are its threads.
 //! `--host` runs part 1 only; `--from DIR` prints part 2's table again from
 //! a kept guest run, and from several (`--from A --from B`) with their
 //! rounds pooled: kept runs of the same settings add up to the rounds that
@@ -24,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use crate::stats::{RatioRange, median, paired_range, paired_rank, verdict};
 use crate::vm::{self, VmOptions};
-use crate::{Result, cargo, root, run as run_cmd, setup};
+use crate::{Result, cargo, root, run as run_cmd, setup, steady};
 
 /// One measurement: a test at a size.
 struct Case {
@@ -232,7 +234,11 @@ pub fn command(args: &[String]) -> Result<i32> {
         cases.len()
     );
     let opts = VmOptions { timeout: Duration::from_secs(3600), keep: true, ..VmOptions::default() };
+    let before = host_steadiness("before");
     let guest = vm::run_script(&kernel, &root(), &script, &opts)?;
+    let steadiness = format!("{before}{}", host_steadiness("after"));
+    // Kept with the logs, so that `--from` shows it again.
+    let _ = fs::write(guest.dir.join(STEADINESS), &steadiness);
     let (table, missing) = report(&[Run { dir: guest.dir.clone(), rounds }], &cases);
     print!("{table}");
     let _ = fs::write(root().join("target/compare.txt"), format!("{host_table}{table}"));
@@ -408,6 +414,18 @@ fn plain_socket_mib_s(size: usize, iters: usize) -> Result<f64> {
     Ok((size * iters) as f64 / started.elapsed().as_secs_f64() / (1024.0 * 1024.0))
 }
 
+/// Where a guest run's folder keeps [`host_steadiness`]'s lines.
+const STEADINESS: &str = "host-steadiness.txt";
+
+/// A line on how steady this machine's CPU ran just `when` the guest run
+/// (2 s of a fixed loop in 10 ms windows; see [`crate::steady`]).
+fn host_steadiness(when: &str) -> String {
+    match steady::probe(Duration::from_millis(10), Duration::from_secs(2)) {
+        Some(s) => format!("this machine's CPU {when} the guest run: {s}\n"),
+        None => format!("this machine's CPU {when} the guest run: not measured\n"),
+    }
+}
+
 /// The table, and how many runs gave no figure.
 fn report(runs: &[Run], cases: &[Case]) -> (String, usize) {
     let rounds: usize = runs.iter().map(|r| r.rounds).sum();
@@ -488,6 +506,15 @@ fn report(runs: &[Run], cases: &[Case]) -> (String, usize) {
          range: where the paired ratio lies with {level:.1}% confidence (Wilcoxon signed-rank, {rounds} rounds); \
          {noisy} verdict(s) noisy: their range crosses the goal, and {rounds} rounds cannot settle them either way"
     );
+    for run in runs {
+        // A goal nearer than this spread needs many rounds to settle.
+        if let Ok(lines) = fs::read_to_string(run.dir.join(STEADINESS)) {
+            let from = if runs.len() > 1 { format!(" ({})", run.dir.display()) } else { String::new() };
+            lines.lines().for_each(|l| {
+                let _ = writeln!(out, "{l}{from}");
+            });
+        }
+    }
     if runs.len() > 1 {
         let each: Vec<String> = runs.iter().map(|r| format!("{} ({})", r.dir.display(), r.rounds)).collect();
         let _ = writeln!(out, "pooled: the rounds of {} kept runs: {}", runs.len(), each.join(", "));

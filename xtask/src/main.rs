@@ -28,6 +28,7 @@ mod instructions;
 mod layers;
 mod setup;
 mod stats;
+mod steady;
 mod test;
 mod vm;
 

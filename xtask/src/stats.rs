@@ -3,10 +3,11 @@
 //! rounds' paired log-ratios and its distribution-free (Wilcoxon
 //! signed-rank) interval.
 //!
-//! Why: in the soft-RoCE guest, the emulated machine's speed wanders, and
-//! every tool with it: latency flips between a fast mode and a slow one
-//! every few tens of milliseconds (at 2 B, a typical one-way time of about
-//! 14 us or 25-34 us), and a bandwidth round of every tool can run a third
+//! Why: in the soft-RoCE guest, the emulated machine's speed wanders with
+//! the host's own CPU (see [`crate::steady`]), and every tool with it:
+//! latency flips between a fast mode and a slow one every few tens of
+//! milliseconds (at 2 B, a typical one-way time of about 14 us or 25-34
+//! us), and a bandwidth round of every tool can run a third
 //! above or below the round before. The median of five rounds then swings
 //! by a third, and a ratio of two such medians says "met" or "MISSED" by
 //! chance. Each round runs the tools back to back, so the ratio within a
