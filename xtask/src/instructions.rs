@@ -10,6 +10,13 @@
 //! `--size N` (default 2): the message size; above rxe0's inline limit,
 //! our sends go from the ring of persistent sends. The server's
 //! turnaround (from a message to its reply) is on every round trip's path.
+//!
+//! `--runs N` (default 3) counts N times in one boot, the tools alternating,
+//! and prints each count and their median: both tools' counts include a
+//! busy poll that spins in wall time until the reply arrives, so they move
+//! from run to run with how the two sides' timing fell (perftest's by
+//! hundreds of instructions, ours by about 130, one empty poll an
+//! iteration).
 
 use std::fmt::Write as _;
 use std::fs;
@@ -18,9 +25,11 @@ use std::time::Duration;
 use crate::vm::{self, VmOptions};
 use crate::{Result, cargo, root, run as run_cmd, setup};
 
-/// The guest's script: `SIZE` and `SIDE` (client or server) are set before it.
+/// The guest's script: `SIZE`, `SIDE` (client or server) and `RUNS` are set
+/// before it.
 const SCRIPT: &str = r#"
 B=target/release/gpu-rdma
+for run in $(seq 0 $((RUNS - 1))); do
 for tool in perftest gpu-rdma; do
   for n in 1000 3000; do
     if [ $tool = perftest ]; then
@@ -29,17 +38,18 @@ for tool in perftest gpu-rdma; do
       srv="$B bench send-lat --bind 127.0.0.1 -p 18600 -n $n -s $SIZE -d rxe0"
       cli="$B bench send-lat 127.0.0.1 -p 18600 -n $n -s $SIZE -d rxe0"; port=18600
     fi
-    counted="valgrind --tool=callgrind --callgrind-out-file=$VM_OUT/$tool-$n.cg"
+    counted="valgrind --tool=callgrind --callgrind-out-file=$VM_OUT/$tool-$run-$n.cg"
     if [ $SIDE = server ]; then srv="$counted $srv"; else cli="$counted $cli"; fi
-    timeout 600 $srv > "$VM_OUT/$tool-$n.server" 2>&1 &
+    timeout 600 $srv > "$VM_OUT/$tool-$run-$n.server" 2>&1 &
     sp=$!
     # The client starts once its server listens (under callgrind, seconds).
     for i in $(seq 600); do ss -ltn | grep -q ":$port " && break; sleep 0.05; done
-    timeout 600 $cli > "$VM_OUT/$tool-$n.client" 2>&1
+    timeout 600 $cli > "$VM_OUT/$tool-$run-$n.client" 2>&1
     wait $sp
   done
 done
-callgrind_annotate "$VM_OUT/gpu-rdma-3000.cg" 2>/dev/null | sed -n '/file:function/,$p' | grep 'gpu-rdma\]' | head -25 > "$VM_OUT/profile.txt"
+done
+callgrind_annotate "$VM_OUT/gpu-rdma-0-3000.cg" 2>/dev/null | sed -n '/file:function/,$p' | grep 'gpu-rdma\]' | head -25 > "$VM_OUT/profile.txt"
 exit 0
 "#;
 
@@ -51,15 +61,16 @@ pub fn total(cg: &str) -> Option<u64> {
         .and_then(|v| v.parse().ok())
 }
 
-/// What to count: the message size and which side.
+/// What to count: the message size, which side, and how many times.
 #[derive(Debug, PartialEq)]
 struct Options {
     size: u32,
     server: bool,
+    runs: u32,
 }
 
 fn parse(args: &[String]) -> Result<Options> {
-    let mut o = Options { size: 2, server: false };
+    let mut o = Options { size: 2, server: false, runs: 3 };
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
@@ -68,10 +79,30 @@ fn parse(args: &[String]) -> Result<Options> {
                 o.size = n.parse().ok().filter(|s| *s > 0).ok_or_else(|| format!("--size {n}: not a size"))?;
             }
             "--server" => o.server = true,
-            _ => return Err(format!("instructions takes --size N and --server; got {args:?}")),
+            "--runs" => {
+                let n = it.next().ok_or("--runs needs a number")?;
+                o.runs = n.parse().ok().filter(|r| *r > 0).ok_or_else(|| format!("--runs {n}: not a count"))?;
+            }
+            _ => return Err(format!("instructions takes --size N, --server and --runs N; got {args:?}")),
         }
     }
     Ok(o)
+}
+
+/// One iteration's count from the totals of a 1,000- and a 3,000-iteration
+/// run: start-up and teardown cancel.
+fn per_iteration(short: Option<u64>, long: Option<u64>) -> Option<u64> {
+    match (short, long) {
+        (Some(a), Some(b)) if b > a => Some((b - a) / 2000),
+        _ => None,
+    }
+}
+
+/// The median of counts (the lower middle one of an even number).
+fn median_count(counts: &[u64]) -> Option<u64> {
+    let mut v = counts.to_vec();
+    v.sort_unstable();
+    v.get(v.len().checked_sub(1)? / 2).copied()
 }
 
 pub fn command(args: &[String]) -> Result<i32> {
@@ -81,36 +112,47 @@ pub fn command(args: &[String]) -> Result<i32> {
     run_cmd(cargo().args(["build", "--release", "--features", "cli", "--bin", "gpu-rdma"]))?;
     println!(
         "xtask: instructions: ib_send_lat and gpu-rdma bench send-lat, the {side} under callgrind on rxe0, {} B, \
-         1,000 and 3,000 iterations",
-        o.size
+         1,000 and 3,000 iterations, {} run(s)",
+        o.size, o.runs
     );
     let opts = VmOptions { timeout: Duration::from_secs(1800), ..VmOptions::default() };
-    let script = format!("SIZE={}\nSIDE={side}\n{SCRIPT}", o.size);
+    let script = format!("SIZE={}\nSIDE={side}\nRUNS={}\n{SCRIPT}", o.size, o.runs);
     let guest = vm::run_script(&kernel, &root(), &script, &opts)?;
     let mut out = String::new();
+    // Each tool's median count, when every run gave one.
     let mut per = Vec::new();
     for tool in ["perftest", "gpu-rdma"] {
-        let count = |n: u32| fs::read_to_string(guest.dir.join(format!("{tool}-{n}.cg"))).ok().and_then(|t| total(&t));
-        match (count(1000), count(3000)) {
-            (Some(a), Some(b)) if b > a => {
-                let each = (b - a) / 2000;
-                per.push(each);
+        let count = |run: u32, n: u32| {
+            fs::read_to_string(guest.dir.join(format!("{tool}-{run}-{n}.cg"))).ok().and_then(|t| total(&t))
+        };
+        let counts: Vec<Option<u64>> = (0..o.runs).map(|r| per_iteration(count(r, 1000), count(r, 3000))).collect();
+        let shown: Vec<String> = counts.iter().map(|c| c.map_or("-".to_owned(), |c| c.to_string())).collect();
+        let got: Vec<u64> = counts.iter().flatten().copied().collect();
+        match median_count(&got) {
+            Some(m) if got.len() == counts.len() => {
+                per.push(m);
                 let _ = writeln!(
                     out,
-                    "{tool:<9} {a:>12} (1,000) {b:>12} (3,000): {each} instructions per {side} iteration"
+                    "{tool:<9} {m} instructions per {side} iteration (median; runs: {})",
+                    shown.join(", ")
                 );
             }
             _ => {
-                let _ = writeln!(out, "{tool:<9} no count (see {})", guest.dir.display());
+                let _ = writeln!(
+                    out,
+                    "{tool:<9} no count in some runs ({}; see {})",
+                    shown.join(", "),
+                    guest.dir.display()
+                );
             }
         }
     }
     if let [p, g] = per[..] {
-        let _ = writeln!(out, "gpu-rdma / perftest: {:.2}x", g as f64 / p as f64);
+        let _ = writeln!(out, "gpu-rdma / perftest: {:.2}x (medians)", g as f64 / p as f64);
     }
     print!("{out}");
     if let Ok(profile) = fs::read_to_string(guest.dir.join("profile.txt")) {
-        println!("gpu-rdma's own functions, 3,000 iterations (self cost):\n{profile}");
+        println!("gpu-rdma's own functions, first run, 3,000 iterations (self cost):\n{profile}");
     }
     Ok(if per.len() == 2 { 0 } else { 1 })
 }
@@ -127,10 +169,24 @@ mod tests {
     }
 
     #[test]
+    fn an_iteration_is_the_difference_over_2000_and_the_median_the_middle_run() {
+        assert_eq!(per_iteration(Some(3_900_000), Some(6_400_000)), Some(1250));
+        assert_eq!(per_iteration(Some(6_400_000), Some(3_900_000)), None);
+        assert_eq!(per_iteration(None, Some(1)), None);
+        assert_eq!(median_count(&[1371, 1239, 1358]), Some(1358));
+        assert_eq!(median_count(&[1371, 1239, 1358, 1247]), Some(1247));
+        assert_eq!(median_count(&[]), None);
+    }
+
+    #[test]
     fn parses_the_size_and_the_side() {
         let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-        assert_eq!(parse(&[]), Ok(Options { size: 2, server: false }));
-        assert_eq!(parse(&args(&["--size", "4096", "--server"])), Ok(Options { size: 4096, server: true }));
+        assert_eq!(parse(&[]), Ok(Options { size: 2, server: false, runs: 3 }));
+        assert_eq!(
+            parse(&args(&["--size", "4096", "--server", "--runs", "5"])),
+            Ok(Options { size: 4096, server: true, runs: 5 })
+        );
+        assert!(parse(&args(&["--runs", "0"])).is_err());
         assert!(parse(&args(&["--size", "0"])).is_err());
         assert!(parse(&args(&["--size"])).is_err());
         assert!(parse(&args(&["--bytes", "4"])).is_err());

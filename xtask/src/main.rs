@@ -51,9 +51,10 @@ commands:
   compare [--rounds N] [--host] [--only TEST] [--from DIR]...
                         gpu-rdma bench beside perftest and UCX on rxe0 (and UCX over TCP here): medians, ratios;
                           --from: the table from kept guest runs, their rounds pooled
-  instructions [--size N] [--server]
+  instructions [--size N] [--server] [--runs N]
                         instructions per send-lat iteration under callgrind, ib_send_lat beside gpu-rdma
-                          (the client's, or with --server the server's; 2 B unless --size)
+                          (the client's, or with --server the server's; 2 B unless --size; the median of
+                          3 runs unless --runs)
   layers [--cycles]     the library's module graph: fails on a cycle or an import a layer may not make
                           (--cycles: on a cycle only, reporting the rest)
   gpu-check [--run]     build the GPU checks into target/gpu-bundle (binaries, libraries, run.sh)
