@@ -166,6 +166,24 @@ verbs_test! {
 }
 
 verbs_test! {
+    fn the_gid_table_holds_exactly_the_valid_entries_of_a_scan_in_index_order() {
+        let (ctx, port) = open();
+        let table = ctx.gid_table(port.port).unwrap();
+        // Every index asked one by one: the table (read in one call where
+        // libibverbs can) must hold the same entries.
+        let scanned: Vec<(u32, verbs::Gid)> = (0..port.gid_tbl_len)
+            .filter_map(|i| ctx.query_gid(port.port, i).ok().filter(|g| !g.is_zero()).map(|g| (i, g)))
+            .collect();
+        let read: Vec<(u32, verbs::Gid)> = table.iter().map(|e| (e.index, e.gid)).collect();
+        assert!(!read.is_empty());
+        assert_eq!(read, scanned);
+        assert!(read.windows(2).all(|w| w[0].0 < w[1].0), "{read:?}");
+        // A port past the device's has no table.
+        assert!(ctx.gid_table(port.port.wrapping_add(8)).is_err());
+    }
+}
+
+verbs_test! {
     fn completion_queue_polls_empty_and_channel_wait_times_out() {
         let (ctx, _) = open();
         let ch = CompletionChannel::new(&ctx).unwrap();

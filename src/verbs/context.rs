@@ -4,7 +4,7 @@ use std::ffi::CStr;
 use std::fmt;
 use std::path::PathBuf;
 use std::ptr::NonNull;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use rdma_sys as ffi;
 
@@ -185,19 +185,24 @@ impl Context {
     /// The non-empty GID table entries of a port, with their types and
     /// network devices read from sysfs.
     ///
-    /// Empty entries read as zero GIDs and their sysfs attributes fail with
-    /// `EINVAL`; both are skipped.
+    /// Read in one call (`ibv_query_gid_table`) where libibverbs has it,
+    /// else index by index (`ibv_query_gid`), where empty entries fail or
+    /// read as zero GIDs and their sysfs attributes fail with `EINVAL`; all
+    /// are skipped.
     ///
     /// # Errors
     /// [`Error::Verbs`] from `ibv_query_port`.
     pub fn gid_table(&self, port: u8) -> Result<Vec<GidEntry>> {
         let attr = self.query_port(port)?;
         let attrs_dir = self.inner.ibdev_path.join(format!("ports/{port}/gid_attrs"));
+        // One call where libibverbs has it; else one query per index (a
+        // failing system call for each empty entry: 1,024 on soft-RoCE).
+        let valid = match self.valid_gids(port, attr.gid_tbl_len) {
+            Some(valid) => valid,
+            None => (0..attr.gid_tbl_len).filter_map(|i| self.query_gid(port, i).ok().map(|g| (i, g))).collect(),
+        };
         let mut entries = Vec::new();
-        for index in 0..attr.gid_tbl_len {
-            let Ok(gid) = self.query_gid(port, index) else {
-                continue;
-            };
+        for (index, gid) in valid {
             if gid.is_zero() {
                 continue;
             }
@@ -212,6 +217,65 @@ impl Context {
         }
         Ok(entries)
     }
+}
+
+impl Context {
+    /// The valid GIDs of `port` (index and GID, in index order) from
+    /// libibverbs' `ibv_query_gid_table`, or `None` where this libibverbs
+    /// lacks it or it failed (the caller then queries index by index).
+    fn valid_gids(&self, port: u8, port_len: u32) -> Option<Vec<(u32, Gid)>> {
+        let query = query_gid_table()?;
+        // The table holds every port's entries.
+        let ports = u32::from(self.query_device().ok()?.phys_port_cnt.max(1));
+        let room = usize::try_from(port_len.checked_mul(ports)?).ok()?;
+        let mut raw: Vec<RawGidEntry> = Vec::with_capacity(room);
+        // SAFETY: a live context; `raw` has room for `room` entries of the
+        // size passed, which libibverbs fills from the start and counts in
+        // its return value (or returns a negative errno and fills nothing
+        // that is read).
+        let n = unsafe { query(self.as_raw(), raw.as_mut_ptr(), room, 0, std::mem::size_of::<RawGidEntry>()) };
+        let n = usize::try_from(n).ok()?.min(room);
+        // SAFETY: the first `n` entries were written (above), and every
+        // bit pattern is a valid `RawGidEntry` (integers and bytes).
+        unsafe { raw.set_len(n) };
+        let mut valid: Vec<(u32, Gid)> =
+            raw.iter().filter(|e| e.port_num == u32::from(port)).map(|e| (e.gid_index, Gid(e.gid))).collect();
+        valid.sort_unstable_by_key(|(index, _)| *index);
+        Some(valid)
+    }
+}
+
+/// rdma-core's `struct ibv_gid_entry` (verbs.h, since rdma-core 24), which
+/// rdma-sys 0.3 does not bind.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct RawGidEntry {
+    gid: [u8; 16],
+    gid_index: u32,
+    port_num: u32,
+    gid_type: u32,
+    ndev_ifindex: u32,
+}
+
+/// `ssize_t _ibv_query_gid_table(struct ibv_context *, struct ibv_gid_entry
+/// *entries, size_t max_entries, uint32_t flags, size_t entry_size)`: the
+/// number of entries written, or a negative errno.
+type QueryGidTable = unsafe extern "C" fn(*mut ffi::ibv_context, *mut RawGidEntry, usize, u32, usize) -> isize;
+
+/// libibverbs' `_ibv_query_gid_table` (what the `ibv_query_gid_table`
+/// inline calls), looked up at run time so that a libibverbs older than
+/// rdma-core 24 still loads this library: `None` there.
+fn query_gid_table() -> Option<QueryGidTable> {
+    static FOUND: OnceLock<Option<QueryGidTable>> = OnceLock::new();
+    *FOUND.get_or_init(|| {
+        // SAFETY: a lookup by a NUL-terminated name in the global scope,
+        // where the program's libibverbs (linked at start-up) is.
+        let sym = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"_ibv_query_gid_table".as_ptr()) };
+        // SAFETY: where present, the symbol is that function, with the
+        // signature of `QueryGidTable` (verbs.h); a non-null data pointer
+        // from dlsym converts to a function pointer on Linux.
+        (!sym.is_null()).then(|| unsafe { std::mem::transmute::<*mut libc::c_void, QueryGidTable>(sym) })
+    })
 }
 
 impl fmt::Debug for Context {
