@@ -217,9 +217,7 @@ impl Context {
         }
         Ok(entries)
     }
-}
 
-impl Context {
     /// The valid GIDs of `port` (index and GID, in index order) from
     /// libibverbs' `ibv_query_gid_table`, or `None` where this libibverbs
     /// lacks it or it failed (the caller then queries index by index).
