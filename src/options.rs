@@ -250,6 +250,12 @@ pub struct ConnectionInfo {
     pub send_queue_depth: u32,
     /// Receive queue depth granted.
     pub recv_queue_depth: u32,
+    /// The most RDMA reads this side has in flight at once. Verbs: the
+    /// smaller of this device's initiator limit and the peer's responder
+    /// resources (each side offers its device's limit, as perftest does);
+    /// further reads wait in the send queue for earlier ones to finish.
+    /// TCP: the send queue depth (the peer answers reads as they arrive).
+    pub reads_in_flight: u32,
     /// The most memory, in bytes, this side's transport holds for the
     /// connection whatever the peer sends or fails to read (TCP: the
     /// receive buffer, replies queued for the peer's outstanding requests,

@@ -124,6 +124,41 @@ fn write_then_read_back_through_an_advertised_region(t: Kind) {
     assert_eq!(&back[..], &data[4096..8192]);
 }
 
+fn more_reads_than_the_peer_serves_at_once_each_land_where_they_should(t: Kind) {
+    const PIECE: usize = 1024;
+    const PIECES: usize = 300;
+    let d = domain(t);
+    let data = pattern(PIECES * PIECE, 8);
+    let target = d.expose(filled(&d, &data), Access::REMOTE_READ, 78).unwrap();
+    let (_s, c) = pair_on(&d, &d, opts().advertise(&target), opts().queue_depth(512, 64));
+    let info = c.info().clone();
+    assert!((1..=info.send_queue_depth).contains(&info.reads_in_flight), "{info:?}");
+    if t == Kind::Verbs {
+        // Both ends are this device: each offers its limit, as perftest does.
+        let list = gpu_rdma::verbs::DeviceList::new().unwrap();
+        let dev = list.iter().find(|x| x.name() == device()).expect("the test device is listed");
+        let attr = dev.open().unwrap().query_device().unwrap();
+        let limit = attr.max_qp_init_rd_atom.min(attr.max_qp_rd_atom).clamp(1, 255);
+        assert_eq!(info.reads_in_flight, limit, "{info:?}");
+    }
+    // Up to twice as many as are served at once: the rest wait their turn
+    // in the send queue, and each still lands in its own buffer.
+    let remote = c.remote_region(78).unwrap();
+    let n = (2 * info.reads_in_flight).min(info.send_queue_depth) as usize;
+    let n = n.min(PIECES);
+    let reads: Vec<_> = (0..n)
+        .map(|i| {
+            let at = (i * PIECE) as u64;
+            c.read(d.alloc(PIECE).unwrap(), &remote.slice(at..at + PIECE as u64).unwrap())
+        })
+        .collect();
+    for (i, read) in reads.into_iter().enumerate() {
+        let (done, buf) = read.finish().unwrap();
+        assert_eq!((done.opcode, done.byte_len), (Opcode::Read, PIECE as u32));
+        assert_eq!(&buf[..], &data[i * PIECE..][..PIECE], "read {i} of {n}");
+    }
+}
+
 fn withdrawing_a_region_while_a_peer_writes_it_stops_the_writes(t: Kind) {
     // Once withdraw returns, the memory is this side's again: a write still
     // streaming in must not land in it (it fails at the peer instead, or
@@ -1272,6 +1307,7 @@ both!(
     send_and_receive_a_registered_buffer,
     send_with_immediate_and_inline_sends,
     write_then_read_back_through_an_advertised_region,
+    more_reads_than_the_peer_serves_at_once_each_land_where_they_should,
     write_with_immediate_delivers_data_and_notification,
     withdrawing_a_region_while_a_peer_writes_it_stops_the_writes,
     writes_and_reads_larger_than_the_maximum_message_are_split,

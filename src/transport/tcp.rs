@@ -921,6 +921,7 @@ impl TcpConn {
             max_inline: MAX_INLINE,
             send_queue_depth: limits.send_depth,
             recv_queue_depth: limits.recv_depth,
+            reads_in_flight: limits.send_depth,
             memory_bound: Some(memory_bound(inner.peer_depth as u32, limits.send_depth, limits.recv_depth)),
         };
         Ok((TcpConn { inner, stream, threads: Mutex::new(vec![sender, receiver]) }, info))

@@ -134,7 +134,10 @@ impl Prepared {
             qp,
             cq,
             psn: random_psn(),
-            responder_resources: vd.device.max_qp_rd_atom.min(16) as u8,
+            // As many of the peer's reads and atomics in flight as the
+            // device takes (perftest's default too): a bandwidth-bound
+            // reader is held back by the fewer of the two sides' limits.
+            responder_resources: u8::try_from(vd.device.max_qp_rd_atom).unwrap_or(u8::MAX),
             port: vd.port,
             gid_index: vd.gid.entry.index,
             gid: vd.gid.entry.gid,
@@ -190,12 +193,14 @@ impl Prepared {
             bootstrap::send_reject(&stream, &e.to_string());
             return Err(e);
         }
+        // At least one: a peer offering none still gets our reads one at a time.
+        let reads_in_flight = max_init_rd_atom.min(u32::from(theirs.responder_resources)).max(1) as u8;
         let rts = RtsAttr {
             sq_psn: psn,
             timeout: opts.ack_timeout,
             retry_cnt: opts.retry_count,
             rnr_retry: opts.rnr_retry,
-            max_rd_atomic: (max_init_rd_atom.min(u32::from(theirs.responder_resources)).max(1)) as u8,
+            max_rd_atomic: reads_in_flight,
         };
         if let Err(e) = qp.ready_to_send(&rts) {
             bootstrap::send_reject(&stream, &e.to_string());
@@ -218,6 +223,7 @@ impl Prepared {
             max_inline: caps.max_inline_data,
             send_queue_depth: caps.max_send_wr,
             recv_queue_depth: caps.max_recv_wr,
+            reads_in_flight: u32::from(reads_in_flight),
             memory_bound: None,
         };
         tracing::debug!(?info, "verbs connection established");

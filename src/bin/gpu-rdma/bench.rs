@@ -298,6 +298,9 @@ fn banner(args: &BenchArgs, params: &Params, domain: &Domain, conn: &Connection,
             args.cq_mod
         ));
     }
+    if matches!(params.test, Test::ReadBw | Test::ReadLat) {
+        s.push_str(&format!(" Outstand reads  : {}\n", i.reads_in_flight));
+    }
     s.push_str(&format!(
         " Max inline data : {}[B]\n Iterations      : {}\n{}",
         i.max_inline,
