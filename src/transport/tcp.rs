@@ -342,14 +342,6 @@ fn sent_without_waiting(mut call: impl FnMut() -> isize) -> io::Result<usize> {
     }
 }
 
-/// Bytes waiting in the socket's receive queue.
-fn readable_bytes(fd: RawFd) -> usize {
-    let mut n: libc::c_int = 0;
-    // SAFETY: FIONREAD writes one int to a valid pointer.
-    let r = unsafe { libc::ioctl(fd, libc::FIONREAD, &mut n) };
-    if r < 0 { 0 } else { n.max(0) as usize }
-}
-
 fn recv_buf(fd: RawFd, buf: &mut [u8]) -> io::Result<bool> {
     let (ptr, len) = (buf.as_mut_ptr(), buf.len());
     let mut scratch = [];
@@ -1512,6 +1504,13 @@ impl Drop for Spinning<'_> {
 /// own condition and deadline again.
 const WAITER_FRAMES: usize = 16;
 
+/// How much of the stream a spinning waiter looks at in one call: a
+/// header, the largest payload it carries out, and one byte to tell
+/// whether anything follows.
+const LOOK: usize = HEADER + MAX_INLINE as usize + 1;
+// The look lands in the reader's scratch buffer.
+const _: () = assert!(LOOK <= STEP);
+
 /// Which thread carries a frame out.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Reading {
@@ -1556,14 +1555,20 @@ impl Inner {
             if self.dead.load(Ordering::Acquire) {
                 return;
             }
-            let mut head = [0u8; HEADER];
-            match recv_now(fd, &mut head, true) {
-                Ok(HEADER) => {}
+            // One look shows the header and, for a frame a waiter carries
+            // out, the whole frame and whether more follows it: one system
+            // call where a look at the header, then one at the queue's
+            // length, and one more finding nothing after the frame took three.
+            let window = &mut reader.scratch[..LOOK];
+            let seen = match recv_now(fd, window, true) {
+                Ok(n) if n >= HEADER => n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 // Part of a header, the end of the stream, an error: the
                 // receiver thread's.
                 _ => return self.end_nap(),
-            }
+            };
+            let mut head = [0u8; HEADER];
+            head.copy_from_slice(&window[..HEADER]);
             let Ok(h) = Header::parse(&head) else { return self.end_nap() };
             let whole = h.flags & (FIRST | LAST) == FIRST | LAST;
             let (payload, needs_recv) = match Op::from_raw(h.op) {
@@ -1579,7 +1584,8 @@ impl Inner {
             if payload > MAX_INLINE || needs_recv && self.lock().recvs.is_empty() {
                 return self.end_nap();
             }
-            if readable_bytes(fd) < HEADER + payload as usize {
+            let frame = HEADER + payload as usize;
+            if seen < frame {
                 return self.end_nap();
             }
             // The header, then the frame: all there, read by this thread only.
@@ -1595,6 +1601,11 @@ impl Inner {
                 // fails what it owns.
                 let mut st = self.lock();
                 self.break_with(&mut st, why);
+                return;
+            }
+            if seen == frame {
+                // Nothing followed it when this side looked; what arrives
+                // since, the next turn finds.
                 return;
             }
         }
