@@ -1522,15 +1522,15 @@ enum Reading {
 }
 
 /// Carries out one frame whose header was read.
-fn on_frame(inner: &Inner, h: &Header, scratch: &mut [u8], by: Reading) -> Step {
+fn on_frame(inner: &Inner, h: &Header, src: &mut Source<'_>, scratch: &mut [u8], by: Reading) -> Step {
     match Op::from_raw(h.op) {
         Some(Op::Send | Op::Write) if h.flags & FIRST == 0 => {
             Err(format!("a garbled frame (operation {} without its first segment): the stream is out of step", h.op))
         }
-        Some(Op::Send) => on_message(inner, h, None, scratch, by),
-        Some(Op::Write) => on_write(inner, h, scratch, by),
+        Some(Op::Send) => on_message(inner, h, None, src, scratch, by),
+        Some(Op::Write) => on_write(inner, h, src, scratch, by),
         Some(Op::ReadReq) => on_read_request(inner, h),
-        Some(Op::ReadResp) => on_read_response(inner, h, scratch),
+        Some(Op::ReadResp) => on_read_response(inner, h, src, scratch),
         Some(Op::Ack) => on_ack(inner, h),
         Some(Op::Bye) => Err("the peer closed the connection (it said bye)".to_owned()),
         None => Err(format!("a garbled frame (operation {}): the stream is out of step", h.op)),
@@ -1549,6 +1549,7 @@ impl Inner {
     fn read_ready(&self) {
         let Ok(mut reader) = self.reader.try_lock() else { return };
         let fd = self.fd;
+        let (look, scratch) = reader.scratch.split_at_mut(LOOK);
         // A few frames a turn: a peer that keeps sending cannot hold a
         // waiter here past its deadline (the wait looks at it between turns).
         for _ in 0..WAITER_FRAMES {
@@ -1559,8 +1560,7 @@ impl Inner {
             // out, the whole frame and whether more follows it: one system
             // call where a look at the header, then one at the queue's
             // length, and one more finding nothing after the frame took three.
-            let window = &mut reader.scratch[..LOOK];
-            let seen = match recv_now(fd, window, true) {
+            let seen = match recv_now(fd, look, true) {
                 Ok(n) if n >= HEADER => n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 // Part of a header, the end of the stream, an error: the
@@ -1568,7 +1568,7 @@ impl Inner {
                 _ => return self.end_nap(),
             };
             let mut head = [0u8; HEADER];
-            head.copy_from_slice(&window[..HEADER]);
+            head.copy_from_slice(&look[..HEADER]);
             let Ok(h) = Header::parse(&head) else { return self.end_nap() };
             let whole = h.flags & (FIRST | LAST) == FIRST | LAST;
             let (payload, needs_recv) = match Op::from_raw(h.op) {
@@ -1588,15 +1588,17 @@ impl Inner {
             if seen < frame {
                 return self.end_nap();
             }
-            // The header, then the frame: all there, read by this thread only.
-            if !matches!(recv_now(fd, &mut head, false), Ok(HEADER)) {
+            // The frame, all there, read by this thread only: one call,
+            // and its payload is carried out from here.
+            if !matches!(recv_now(fd, &mut look[..frame], false), Ok(n) if n == frame) {
                 // Cannot happen with the reader held; the receiver thread
                 // would find the stream out of step, so break it here.
                 let mut st = self.lock();
-                self.break_with(&mut st, "the connection to the peer failed: a peeked header went missing".into());
+                self.break_with(&mut st, "the connection to the peer failed: a peeked frame went missing".into());
                 return;
             }
-            if let Err(why) = on_frame(self, &h, &mut reader.scratch, Reading::Waiter) {
+            let mut src = Source::Read(&look[HEADER..frame]);
+            if let Err(why) = on_frame(self, &h, &mut src, scratch, Reading::Waiter) {
                 // As the receiver thread would: it sees `dead` next and
                 // fails what it owns.
                 let mut st = self.lock();
@@ -1659,7 +1661,7 @@ fn receiver(inner: &Inner) {
             Ok(h) => h,
             Err(why) => break why,
         };
-        if let Err(why) = on_frame(inner, &h, &mut reader.scratch, Reading::Receiver) {
+        if let Err(why) = on_frame(inner, &h, &mut Source::Socket(fd), &mut reader.scratch, Reading::Receiver) {
             break why;
         }
     };
@@ -1697,29 +1699,83 @@ fn io_err(e: io::Error) -> String {
     format!("the connection to the peer failed: {e}")
 }
 
-/// Reads the rest of the message the header `h` starts, dropping it.
-fn drain_message(fd: RawFd, h: &Header, scratch: &mut [u8]) -> Step {
-    let mut cur = *h;
-    loop {
-        if !discard(fd, cur.len as usize, scratch).map_err(io_err)? {
-            return Err("the peer closed the connection".into());
-        }
-        if cur.flags & LAST != 0 {
-            return Ok(());
-        }
-        cur = next_segment(fd, h)?;
-    }
+/// Where a frame's payload is read from.
+enum Source<'a> {
+    /// The socket, as the payload arrives (the receiver thread).
+    Socket(RawFd),
+    /// What a spinning waiter read with the header: the payload of a
+    /// frame of one segment, whole.
+    Read(&'a [u8]),
 }
 
-/// Reads the header of the next segment of the message `first` started.
-fn next_segment(fd: RawFd, first: &Header) -> std::result::Result<Header, String> {
-    let mut head = [0u8; HEADER];
-    if !recv_buf(fd, &mut head).map_err(io_err)? {
-        return Err("the peer closed the connection".into());
+impl Source<'_> {
+    /// Fills `ptr..ptr+len` with the payload's next `len` bytes, as
+    /// [`recv_into`] does (`gate` as there; `Ok(false)` on EOF).
+    ///
+    /// # Safety
+    /// As [`recv_into`]: while `gate` returns true, `ptr..ptr + len` must
+    /// be valid for writes and not referenced by Rust code.
+    unsafe fn fill(
+        &mut self,
+        ptr: *mut u8,
+        len: usize,
+        gate: Option<&RwLock<bool>>,
+        scratch: &mut [u8],
+    ) -> io::Result<bool> {
+        match self {
+            // SAFETY: the caller's promise, passed on.
+            Source::Socket(fd) => unsafe { recv_into(*fd, ptr, len, gate, scratch) },
+            Source::Read(bytes) => {
+                let Some((now, rest)) = bytes.split_at_checked(len) else {
+                    return Err(io::Error::new(io::ErrorKind::InvalidData, "a payload shorter than its header says"));
+                };
+                let guard = gate.map(|g| g.read().unwrap_or_else(|e| e.into_inner()));
+                if guard.as_ref().is_none_or(|alive| **alive) {
+                    // SAFETY: `ptr..ptr + len` is writable and unreferenced while
+                    // the gate holds (the caller's promise); `now` is `len` bytes
+                    // of this side's scratch buffer, which no region overlaps.
+                    unsafe { std::ptr::copy_nonoverlapping(now.as_ptr(), ptr, len) };
+                }
+                // Revoked: the bytes are dropped, as `recv_into` drops them.
+                *bytes = rest;
+                Ok(true)
+            }
+        }
     }
-    let next = Header::parse(&head)?;
-    next.continues(first)?;
-    Ok(next)
+
+    /// Reads the rest of the message the header `h` starts, dropping it.
+    fn drain(&mut self, h: &Header, scratch: &mut [u8]) -> Step {
+        let mut cur = *h;
+        loop {
+            match self {
+                Source::Socket(fd) => {
+                    if !discard(*fd, cur.len as usize, scratch).map_err(io_err)? {
+                        return Err("the peer closed the connection".into());
+                    }
+                }
+                Source::Read(bytes) => *bytes = bytes.get(cur.len as usize..).unwrap_or_default(),
+            }
+            if cur.flags & LAST != 0 {
+                return Ok(());
+            }
+            cur = self.next_segment(h)?;
+        }
+    }
+
+    /// Reads the header of the next segment of the message `first` started.
+    fn next_segment(&mut self, first: &Header) -> std::result::Result<Header, String> {
+        let Source::Socket(fd) = self else {
+            // A waiter carries out messages of one segment only.
+            return Err("a garbled frame (a segment after the last): the stream is out of step".into());
+        };
+        let mut head = [0u8; HEADER];
+        if !recv_buf(*fd, &mut head).map_err(io_err)? {
+            return Err("the peer closed the connection".into());
+        }
+        let next = Header::parse(&head)?;
+        next.continues(first)?;
+        Ok(next)
+    }
 }
 
 /// Fails the connection after a request the peer made was refused: the
@@ -1764,12 +1820,18 @@ fn next_recv(inner: &Inner) -> std::result::Result<Option<Recv>, String> {
 /// A send (or the receive a write with immediate consumes): lands in the
 /// next posted receive. `written` is the byte count of a write with
 /// immediate whose data already went to its target.
-fn on_message(inner: &Inner, h: &Header, written: Option<u32>, scratch: &mut [u8], by: Reading) -> Step {
-    let fd = inner.fd;
+fn on_message(
+    inner: &Inner,
+    h: &Header,
+    written: Option<u32>,
+    src: &mut Source<'_>,
+    scratch: &mut [u8],
+    by: Reading,
+) -> Step {
     let total = u64::from(written.unwrap_or(h.total));
     let Some(recv) = next_recv(inner)? else {
         if written.is_none() {
-            drain_message(fd, h, scratch)?;
+            src.drain(h, scratch)?;
         }
         return refuse(
             inner,
@@ -1784,7 +1846,7 @@ fn on_message(inner: &Inner, h: &Header, written: Option<u32>, scratch: &mut [u8
         let mut st = inner.lock();
         inner.complete(&mut st, &RawCompletion { byte_len: h.total, ..raw(recv.wr_id, WcStatus::LocalLength) });
         drop(st);
-        drain_message(fd, h, scratch)?;
+        src.drain(h, scratch)?;
         return refuse(
             inner,
             h.seq,
@@ -1804,7 +1866,7 @@ fn on_message(inner: &Inner, h: &Header, written: Option<u32>, scratch: &mut [u8
             }
             // SAFETY: inside the receive's buffer (checked), which its operation owns
             // until this thread completes it.
-            let ok = unsafe { recv_into(fd, (recv.addr + off) as *mut u8, n as usize, None, scratch) };
+            let ok = unsafe { src.fill((recv.addr + off) as *mut u8, n as usize, None, scratch) };
             if let Err(why) = ok
                 .map_err(io_err)
                 .and_then(|ok| ok.then_some(()).ok_or_else(|| "the peer closed the connection".into()))
@@ -1818,7 +1880,7 @@ fn on_message(inner: &Inner, h: &Header, written: Option<u32>, scratch: &mut [u8
             if cur.flags & LAST != 0 {
                 break;
             }
-            match next_segment(fd, h) {
+            match src.next_segment(h) {
                 Ok(next) => cur = next,
                 Err(why) => {
                     // The receive was taken off the queue: this thread fails it.
@@ -1843,13 +1905,12 @@ fn on_message(inner: &Inner, h: &Header, written: Option<u32>, scratch: &mut [u8
     inner.acknowledge(st, h.seq, by)
 }
 
-fn on_write(inner: &Inner, h: &Header, scratch: &mut [u8], by: Reading) -> Step {
-    let fd = inner.fd;
+fn on_write(inner: &Inner, h: &Header, src: &mut Source<'_>, scratch: &mut [u8], by: Reading) -> Step {
     let total = u64::from(h.total);
     let entry = inner.lookup(h.key);
     let admitted = entry.as_ref().is_some_and(|e| e.admits(h.addr, total, Access::REMOTE_WRITE));
     if !admitted {
-        drain_message(fd, h, scratch)?;
+        src.drain(h, scratch)?;
         return refuse(
             inner,
             h.seq,
@@ -1865,25 +1926,25 @@ fn on_write(inner: &Inner, h: &Header, scratch: &mut [u8], by: Reading) -> Step 
     loop {
         let n = u64::from(cur.len);
         if !entry.admits(cur.addr, n, Access::REMOTE_WRITE) {
-            drain_message(fd, &cur, scratch)?;
+            src.drain(&cur, scratch)?;
             return refuse(inner, h.seq, WcStatus::RemoteAccess, "a write segment left its region".into());
         }
         // SAFETY: inside the exposed region (checked); its memory stays valid while
         // the gate says alive, and revocation waits for the gate.
-        let ok = unsafe { recv_into(fd, cur.addr as *mut u8, n as usize, Some(&entry.alive), scratch) };
+        let ok = unsafe { src.fill(cur.addr as *mut u8, n as usize, Some(&entry.alive), scratch) };
         if !ok.map_err(io_err)? {
             return Err("the peer closed the connection".into());
         }
         if cur.flags & LAST != 0 {
             break;
         }
-        cur = next_segment(fd, h)?;
+        cur = src.next_segment(h)?;
     }
     if !*entry.alive.read().unwrap_or_else(|e| e.into_inner()) {
         return refuse(inner, h.seq, WcStatus::RemoteAccess, "the region was withdrawn during a write".into());
     }
     if h.flags & IMM != 0 {
-        return on_message(inner, h, Some(h.total), scratch, by);
+        return on_message(inner, h, Some(h.total), src, scratch, by);
     }
     if h.flags & ACK == 0 {
         return Ok(());
@@ -1910,21 +1971,20 @@ fn on_read_request(inner: &Inner, h: &Header) -> Step {
     }
 }
 
-fn on_read_response(inner: &Inner, h: &Header, scratch: &mut [u8]) -> Step {
-    let fd = inner.fd;
+fn on_read_response(inner: &Inner, h: &Header, src: &mut Source<'_>, scratch: &mut [u8]) -> Step {
     let dst = inner.lock().reads.get(&h.seq).map(|d| (d.wr_id, d.addr, d.len));
     let Some((wr_id, addr, len)) = dst else {
-        drain_message(fd, h, scratch)?;
+        src.drain(h, scratch)?;
         return Err("a read response for no read".into());
     };
     let n = u64::from(h.len);
     if h.addr.checked_add(n).is_none_or(|e| e > len) {
-        drain_message(fd, h, scratch)?;
+        src.drain(h, scratch)?;
         return Err("a read response past its read's buffer".into());
     }
     // SAFETY: inside the read's destination (checked), owned by its operation
     // until this thread completes it.
-    let ok = unsafe { recv_into(fd, (addr + h.addr) as *mut u8, n as usize, None, scratch) };
+    let ok = unsafe { src.fill((addr + h.addr) as *mut u8, n as usize, None, scratch) };
     if !ok.map_err(io_err)? {
         return Err("the peer closed the connection".into());
     }
@@ -2108,6 +2168,35 @@ mod tests {
         let mut v = vec![0u8; n];
         r.read_exact(&mut v).unwrap();
         v
+    }
+
+    #[test]
+    fn a_payload_read_with_its_header_is_carried_out_as_the_socket_would_carry_it() {
+        let bytes = [1u8, 2, 3, 4, 5, 6, 7];
+        let mut scratch = [0u8; 8];
+        let mut src = Source::Read(&bytes);
+        let mut out = [0u8; 4];
+        // SAFETY: `out` is this test's, 4 bytes, referenced by nothing during the call.
+        assert!(unsafe { src.fill(out.as_mut_ptr(), 4, None, &mut scratch) }.unwrap());
+        assert_eq!(out, [1, 2, 3, 4]);
+        // A withdrawn target: its bytes are dropped, not written.
+        let gone = RwLock::new(false);
+        let mut two = [9u8; 2];
+        // SAFETY: as above; the closed gate keeps it unwritten anyway.
+        assert!(unsafe { src.fill(two.as_mut_ptr(), 2, Some(&gone), &mut scratch) }.unwrap());
+        assert_eq!(two, [9, 9]);
+        // Never past the frame: asking for more than is left is an error.
+        // SAFETY: as above.
+        assert!(unsafe { src.fill(two.as_mut_ptr(), 2, None, &mut scratch) }.is_err());
+        assert_eq!(two, [9, 9]);
+        // A message of one segment drains its payload; there is no next segment.
+        let h = Header { op: Op::Send as u8, flags: FIRST | LAST, len: 3, total: 3, ..Header::default() };
+        let mut src = Source::Read(&bytes[..3]);
+        src.drain(&h, &mut scratch).unwrap();
+        assert!(matches!(src, Source::Read(rest) if rest.is_empty()));
+        let first = Header { flags: FIRST, ..h };
+        assert!(Source::Read(&bytes).drain(&first, &mut scratch).is_err());
+        assert!(Source::Read(&bytes).next_segment(&first).is_err());
     }
 
     #[test]
