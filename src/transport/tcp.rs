@@ -11,7 +11,9 @@
 //!   read's buffer. The receiver never writes to the socket, so two busy
 //!   directions cannot deadlock.
 //! - A waiter that spins (for the connection's spin window) reads small
-//!   frames itself while the receiver thread is not at the socket, and
+//!   frames itself while the receiver thread is not at the socket (two
+//!   calls a frame: one look that shows whether it is whole and whether
+//!   more follow, one read of it all), and
 //!   acknowledges them itself with one write that never blocks (what the
 //!   socket does not take, the sender finishes): no thread hand-over on the
 //!   latency path, as a verbs waiter polls its own completion queue. One
