@@ -643,3 +643,83 @@ fn an_untracked_inline_send_is_done_without_an_acknowledgement_and_a_tracked_one
     drop(s);
     drop(conn);
 }
+
+// ---- 7. lengths that do not add up ----
+
+/// A peer whose message, write or read response ends before the length it
+/// announced: the operation it lands in fails (it would otherwise report
+/// bytes that never arrived, or leave part of a read's buffer as it was),
+/// and the connection breaks, naming why. A small frame may be carried
+/// out by a waiter that spins, a large one (over 1 KiB) always by the
+/// receiver thread: both sizes are tried.
+#[test]
+fn a_message_write_or_read_response_shorter_than_announced_fails_and_breaks_the_connection() {
+    let _serial = serial();
+    let victim = Victim::new();
+    for payload in [16u32, 4000] {
+        // A send announcing twice what its only segment carries.
+        let (conn, s, _) = victim.accept(endpoint(0, 128));
+        let mut rx = conn.recv(victim.domain.alloc(16384).unwrap());
+        let mut out = Vec::new();
+        frame(SEND, FIRST | LAST | WANTS_ACK, 1, 0, 0, payload, 2 * payload, &mut out);
+        out.extend(std::iter::repeat_n(5u8, payload as usize));
+        (&s).write_all(&out).unwrap();
+        let got = rx.wait_timeout(Duration::from_secs(10));
+        assert!(got.is_err(), "send of {payload}: a receive completed with bytes that never arrived: {got:?}");
+        let why = within(Duration::from_secs(5), || conn.broken().is_some()).and_then(|_| conn.broken());
+        assert!(why.as_deref().is_some_and(|w| w.contains("announced")), "send of {payload}: {why:?}");
+        drop((conn, s));
+
+        // A write with immediate announcing more than it carries.
+        let (conn, s, r) = victim.accept(endpoint(0, 128));
+        let mut rx = conn.recv_imm();
+        let mut out = Vec::new();
+        frame(WRITE, FIRST | LAST | IMM | WANTS_ACK, 1, r.rkey, r.addr, payload, payload + 32, &mut out);
+        out.extend(std::iter::repeat_n(6u8, payload as usize));
+        (&s).write_all(&out).unwrap();
+        let got = rx.wait_timeout(Duration::from_secs(10));
+        assert!(got.is_err(), "write of {payload}: its immediate arrived as if whole: {got:?}");
+        let why = within(Duration::from_secs(5), || conn.broken().is_some()).and_then(|_| conn.broken());
+        assert!(why.as_deref().is_some_and(|w| w.contains("announced")), "write of {payload}: {why:?}");
+        drop((conn, s));
+    }
+    // A read answered with half of what it asked.
+    for want in [64u64, 8192] {
+        let listener = victim.domain.listen("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let opts = victim.opts();
+        let server = thread::spawn(move || listener.accept_timeout(&opts, Duration::from_secs(10)));
+        let s = TcpStream::connect(addr).unwrap();
+        let deadline = Deadline::after(Duration::from_secs(10), "the victim");
+        let theirs_region = RemoteRegion { tag: 9, addr: 0x1000, len: 1 << 20, rkey: 77, access: Access::REMOTE_READ };
+        let mine = Hello {
+            caps: CAP_TCP,
+            verbs: None,
+            tcp: Some(endpoint(0, 128)),
+            regions: vec![theirs_region],
+            name: vec![],
+        };
+        bootstrap::exchange_hello(&s, &mine, deadline, 1 << 20).unwrap();
+        bootstrap::exchange_ready(&s, deadline).unwrap();
+        let conn = server.join().unwrap().unwrap();
+        let remote = conn.remote_region(9).expect("advertised");
+        let mut local = victim.domain.alloc(want as usize).unwrap();
+        local.copy_from_slice(&vec![0xee; want as usize]);
+        let mut read = conn.read(local, &remote.slice(0..want).unwrap());
+        let (op, _, seq, _) = next_frames(&s, 1).remove(0);
+        assert_eq!(op, READ_REQ);
+        let half = (want / 2) as u32;
+        let mut out = Vec::new();
+        frame(READ_RESP, FIRST | LAST, seq, 0, 0, half, 0, &mut out);
+        out.extend(std::iter::repeat_n(7u8, half as usize));
+        (&s).write_all(&out).unwrap();
+        let got = read.wait_timeout(Duration::from_secs(10));
+        assert!(got.is_err(), "a read of {want} completed with {half} bytes: {got:?}");
+        let why = within(Duration::from_secs(5), || conn.broken().is_some()).and_then(|_| conn.broken());
+        assert!(
+            why.as_deref().is_some_and(|w| w.contains(&format!("for a read of {want}"))),
+            "read of {want}: {why:?}"
+        );
+        drop((conn, s));
+    }
+}

@@ -492,6 +492,8 @@ struct ReadDst {
     wr_id: u64,
     addr: u64,
     len: u64,
+    /// Where the response's next segment starts.
+    next: u64,
 }
 
 struct TcpState {
@@ -986,7 +988,7 @@ impl TcpConn {
             st.next_seq = st.next_seq.wrapping_add(1).max(1);
             let wr_id = id.wr_id(i + 1 == count);
             if let OutKind::ReadReq { .. } = kind {
-                st.reads.insert(seq, ReadDst { wr_id, addr, len });
+                st.reads.insert(seq, ReadDst { wr_id, addr, len, next: 0 });
             }
             st.queue.push_back(Out { seq, wr_id, kind, addr, len, skip: 0, first });
         }
@@ -1892,6 +1894,13 @@ fn on_message(
                 }
             }
         }
+        if off != total {
+            // Its last segment came early: the receive would report bytes
+            // that never arrived.
+            let mut st = inner.lock();
+            inner.complete(&mut st, &raw(recv.wr_id, WcStatus::WrFlush));
+            return Err(short_message(total, off));
+        }
     }
     let mut st = inner.lock();
     let c = RawCompletion {
@@ -1925,6 +1934,7 @@ fn on_write(inner: &Inner, h: &Header, src: &mut Source<'_>, scratch: &mut [u8],
     }
     let entry = entry.expect("admitted");
     let mut cur = *h;
+    let mut off = 0u64;
     loop {
         let n = u64::from(cur.len);
         if !entry.admits(cur.addr, n, Access::REMOTE_WRITE) {
@@ -1937,10 +1947,15 @@ fn on_write(inner: &Inner, h: &Header, src: &mut Source<'_>, scratch: &mut [u8],
         if !ok.map_err(io_err)? {
             return Err("the peer closed the connection".into());
         }
+        off += n;
         if cur.flags & LAST != 0 {
             break;
         }
         cur = src.next_segment(h)?;
+    }
+    if off != total {
+        // A write with immediate would report bytes that never arrived.
+        return Err(short_message(total, off));
     }
     if !*entry.alive.read().unwrap_or_else(|e| e.into_inner()) {
         return refuse(inner, h.seq, WcStatus::RemoteAccess, "the region was withdrawn during a write".into());
@@ -1974,15 +1989,25 @@ fn on_read_request(inner: &Inner, h: &Header) -> Step {
 }
 
 fn on_read_response(inner: &Inner, h: &Header, src: &mut Source<'_>, scratch: &mut [u8]) -> Step {
-    let dst = inner.lock().reads.get(&h.seq).map(|d| (d.wr_id, d.addr, d.len));
-    let Some((wr_id, addr, len)) = dst else {
+    let n = u64::from(h.len);
+    // Where this segment must start (the peer sends a read's response in
+    // order, from its start), and where the next one then starts.
+    let dst = inner.lock().reads.get_mut(&h.seq).map(|d| {
+        let at = d.next;
+        d.next = h.addr.saturating_add(n);
+        (d.wr_id, d.addr, d.len, at)
+    });
+    let Some((wr_id, addr, len, at)) = dst else {
         src.drain(h, scratch)?;
         return Err("a read response for no read".into());
     };
-    let n = u64::from(h.len);
     if h.addr.checked_add(n).is_none_or(|e| e > len) {
         src.drain(h, scratch)?;
         return Err("a read response past its read's buffer".into());
+    }
+    if h.addr != at {
+        src.drain(h, scratch)?;
+        return Err(format!("a read response out of order (bytes from {} where {at} were due)", h.addr));
     }
     // SAFETY: inside the read's destination (checked), owned by its operation
     // until this thread completes it.
@@ -1993,9 +2018,21 @@ fn on_read_response(inner: &Inner, h: &Header, src: &mut Source<'_>, scratch: &m
     if h.flags & LAST != 0 {
         let mut st = inner.lock();
         st.reads.remove(&h.seq);
+        let end = h.addr + n;
+        if end != len {
+            // Part of the read's buffer would hold what was there before.
+            inner.complete(&mut st, &raw(wr_id, WcStatus::BadResponse));
+            return Err(format!("a read response of {end} bytes for a read of {len}"));
+        }
         inner.complete(&mut st, &raw(wr_id, WcStatus::Success));
     }
     Ok(())
+}
+
+/// Why a message whose segments fell short of its announced length broke
+/// the connection.
+fn short_message(total: u64, arrived: u64) -> String {
+    format!("a garbled frame (a message of {total} bytes announced, {arrived} arrived): the stream is out of step")
 }
 
 /// The final request's work request id of the chain whose messages
