@@ -647,7 +647,8 @@ fn an_untracked_inline_send_is_done_without_an_acknowledgement_and_a_tracked_one
 // ---- 7. lengths that do not add up ----
 
 /// A peer whose message, write or read response ends before the length it
-/// announced: the operation it lands in fails (it would otherwise report
+/// announced, or that acknowledges a read instead of answering it: the
+/// operation it lands in fails (it would otherwise report
 /// bytes that never arrived, or leave part of a read's buffer as it was),
 /// and the connection breaks, naming why. A small frame may be carried
 /// out by a waiter that spins, a large one (over 1 KiB) always by the
@@ -683,8 +684,9 @@ fn a_message_write_or_read_response_shorter_than_announced_fails_and_breaks_the_
         assert!(why.as_deref().is_some_and(|w| w.contains("announced")), "write of {payload}: {why:?}");
         drop((conn, s));
     }
-    // A read answered with half of what it asked.
-    for want in [64u64, 8192] {
+    // A read answered with half of what it asked, or acknowledged as if
+    // answered (an acknowledgement carries a read's refusal, never its data).
+    for (want, acknowledged) in [(64u64, false), (8192, false), (64, true)] {
         let listener = victim.domain.listen("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         let opts = victim.opts();
@@ -710,16 +712,18 @@ fn a_message_write_or_read_response_shorter_than_announced_fails_and_breaks_the_
         assert_eq!(op, READ_REQ);
         let half = (want / 2) as u32;
         let mut out = Vec::new();
-        frame(READ_RESP, FIRST | LAST, seq, 0, 0, half, 0, &mut out);
-        out.extend(std::iter::repeat_n(7u8, half as usize));
+        if acknowledged {
+            frame(ACK, 0, seq, 0, 0, 0, 0, &mut out);
+        } else {
+            frame(READ_RESP, FIRST | LAST, seq, 0, 0, half, 0, &mut out);
+            out.extend(std::iter::repeat_n(7u8, half as usize));
+        }
         (&s).write_all(&out).unwrap();
         let got = read.wait_timeout(Duration::from_secs(10));
-        assert!(got.is_err(), "a read of {want} completed with {half} bytes: {got:?}");
+        assert!(got.is_err(), "a read of {want} completed without its data (acknowledged: {acknowledged}): {got:?}");
         let why = within(Duration::from_secs(5), || conn.broken().is_some()).and_then(|_| conn.broken());
-        assert!(
-            why.as_deref().is_some_and(|w| w.contains(&format!("for a read of {want}"))),
-            "read of {want}: {why:?}"
-        );
+        let named = if acknowledged { "without sending its data".to_owned() } else { format!("for a read of {want}") };
+        assert!(why.as_deref().is_some_and(|w| w.contains(&named)), "read of {want}: {why:?}");
         drop((conn, s));
     }
 }

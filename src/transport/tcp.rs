@@ -2052,7 +2052,21 @@ fn on_ack(inner: &Inner, h: &Header) -> Step {
     let status = WcStatus::from_raw(h.total);
     let mut st = inner.lock();
     // A refused read is answered with an acknowledgement carrying the status.
-    let wr_id = st.awaiting.remove(&h.seq).map(|(w, _)| w).or_else(|| st.reads.remove(&h.seq).map(|r| r.wr_id));
+    let wr_id = match st.awaiting.remove(&h.seq) {
+        Some((w, _)) => Some(w),
+        None => match st.reads.remove(&h.seq) {
+            Some(r) if status.is_success() => {
+                // A read is answered by its data; only a refusal comes as an
+                // acknowledgement. Taken as success, its buffer would keep
+                // what was there before.
+                inner.complete(&mut st, &raw(r.wr_id, WcStatus::BadResponse));
+                let why = "the peer acknowledged a read without sending its data".to_owned();
+                inner.break_with(&mut st, why.clone());
+                return Err(why);
+            }
+            r => r.map(|r| r.wr_id),
+        },
+    };
     let wr_id = match wr_id {
         Some(w) => w,
         // An error for a message not acknowledged itself: an earlier
