@@ -646,6 +646,23 @@ fn an_untracked_inline_send_is_done_without_an_acknowledgement_and_a_tracked_one
 
 // ---- 7. lengths that do not add up ----
 
+/// The hostile peer writes `out`; `op` must fail (not complete with bytes
+/// that never arrived) and the connection break with a reason naming `named`.
+fn fails_and_breaks<B: Send + 'static>(
+    what: &str,
+    conn: &Connection,
+    s: &TcpStream,
+    op: &mut gpu_rdma::Pending<B>,
+    out: &[u8],
+    named: &str,
+) {
+    (&*s).write_all(out).unwrap();
+    let got = op.wait_timeout(Duration::from_secs(10));
+    assert!(got.is_err(), "{what}: completed as if whole: {got:?}");
+    let why = within(Duration::from_secs(5), || conn.broken().is_some()).and_then(|_| conn.broken());
+    assert!(why.as_deref().is_some_and(|w| w.contains(named)), "{what}: {why:?}");
+}
+
 /// A peer whose message, write or read response ends before the length it
 /// announced, or that acknowledges a read instead of answering it: the
 /// operation it lands in fails (it would otherwise report
@@ -664,11 +681,7 @@ fn a_message_write_or_read_response_shorter_than_announced_fails_and_breaks_the_
         let mut out = Vec::new();
         frame(SEND, FIRST | LAST | WANTS_ACK, 1, 0, 0, payload, 2 * payload, &mut out);
         out.extend(std::iter::repeat_n(5u8, payload as usize));
-        (&s).write_all(&out).unwrap();
-        let got = rx.wait_timeout(Duration::from_secs(10));
-        assert!(got.is_err(), "send of {payload}: a receive completed with bytes that never arrived: {got:?}");
-        let why = within(Duration::from_secs(5), || conn.broken().is_some()).and_then(|_| conn.broken());
-        assert!(why.as_deref().is_some_and(|w| w.contains("announced")), "send of {payload}: {why:?}");
+        fails_and_breaks(&format!("a send of {payload}"), &conn, &s, &mut rx, &out, "announced");
         drop((conn, s));
 
         // A write with immediate announcing more than it carries.
@@ -677,11 +690,7 @@ fn a_message_write_or_read_response_shorter_than_announced_fails_and_breaks_the_
         let mut out = Vec::new();
         frame(WRITE, FIRST | LAST | IMM | WANTS_ACK, 1, r.rkey, r.addr, payload, payload + 32, &mut out);
         out.extend(std::iter::repeat_n(6u8, payload as usize));
-        (&s).write_all(&out).unwrap();
-        let got = rx.wait_timeout(Duration::from_secs(10));
-        assert!(got.is_err(), "write of {payload}: its immediate arrived as if whole: {got:?}");
-        let why = within(Duration::from_secs(5), || conn.broken().is_some()).and_then(|_| conn.broken());
-        assert!(why.as_deref().is_some_and(|w| w.contains("announced")), "write of {payload}: {why:?}");
+        fails_and_breaks(&format!("a write of {payload}"), &conn, &s, &mut rx, &out, "announced");
         drop((conn, s));
     }
     // A read answered with half of what it asked, or acknowledged as if
@@ -718,12 +727,14 @@ fn a_message_write_or_read_response_shorter_than_announced_fails_and_breaks_the_
             frame(READ_RESP, FIRST | LAST, seq, 0, 0, half, 0, &mut out);
             out.extend(std::iter::repeat_n(7u8, half as usize));
         }
-        (&s).write_all(&out).unwrap();
-        let got = read.wait_timeout(Duration::from_secs(10));
-        assert!(got.is_err(), "a read of {want} completed without its data (acknowledged: {acknowledged}): {got:?}");
-        let why = within(Duration::from_secs(5), || conn.broken().is_some()).and_then(|_| conn.broken());
         let named = if acknowledged { "without sending its data".to_owned() } else { format!("for a read of {want}") };
-        assert!(why.as_deref().is_some_and(|w| w.contains(&named)), "read of {want}: {why:?}");
-        drop((conn, s));
+        fails_and_breaks(
+            &format!("a read of {want} (acknowledged: {acknowledged})"),
+            &conn,
+            &s,
+            &mut read,
+            &out,
+            &named,
+        );
     }
 }
