@@ -193,7 +193,8 @@ impl Prepared {
             bootstrap::send_reject(&stream, &e.to_string());
             return Err(e);
         }
-        // At least one: a peer offering none still gets our reads one at a time.
+        // At least one: with none, this side could post no read at all; a
+        // peer that offers none refuses a read instead, a typed error here.
         let reads_in_flight = max_init_rd_atom.min(u32::from(theirs.responder_resources)).max(1) as u8;
         let rts = RtsAttr {
             sq_psn: psn,
