@@ -119,12 +119,12 @@ fn endpoint(rnr_retry: u8, send_depth: u32) -> TcpEndpoint {
     TcpEndpoint { rnr_retry, min_rnr_timer: 1, max_message: 1 << 30, send_depth }
 }
 
-/// Connects to `addr` and plays the handshake as a TCP-only client.
-/// Returns the socket and the victim's hello.
-fn hostile_client(addr: SocketAddr, tcp: TcpEndpoint) -> (TcpStream, Hello) {
+/// Connects to `addr` and plays the handshake as a TCP-only client that
+/// advertises `regions`. Returns the socket and the victim's hello.
+fn hostile_client(addr: SocketAddr, tcp: TcpEndpoint, regions: Vec<RemoteRegion>) -> (TcpStream, Hello) {
     let s = TcpStream::connect(addr).expect("connect to the victim");
     let deadline = Deadline::after(Duration::from_secs(10), "the victim");
-    let mine = Hello { caps: CAP_TCP, verbs: None, tcp: Some(tcp), regions: vec![], name: vec![] };
+    let mine = Hello { caps: CAP_TCP, verbs: None, tcp: Some(tcp), regions, name: vec![] };
     let theirs = bootstrap::exchange_hello(&s, &mine, deadline, 1 << 20).expect("the victim's hello");
     bootstrap::exchange_ready(&s, deadline).expect("the victim's ready");
     (s, theirs)
@@ -158,11 +158,21 @@ impl Victim {
     /// Accepts the hostile client; returns the victim's connection, the
     /// socket and the region's descriptor as the client saw it.
     fn accept(&self, tcp: TcpEndpoint) -> (Connection, TcpStream, RemoteRegion) {
+        self.accept_advertising(tcp, Vec::new())
+    }
+
+    /// As [`accept`](Self::accept), the hostile client advertising
+    /// `regions` of its own.
+    fn accept_advertising(
+        &self,
+        tcp: TcpEndpoint,
+        regions: Vec<RemoteRegion>,
+    ) -> (Connection, TcpStream, RemoteRegion) {
         let listener = self.domain.listen("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         let opts = self.opts();
         let server = thread::spawn(move || listener.accept_timeout(&opts, Duration::from_secs(10)));
-        let (s, theirs) = hostile_client(addr, tcp);
+        let (s, theirs) = hostile_client(addr, tcp, regions);
         let conn = server.join().unwrap().expect("the victim accepts");
         let region = theirs.regions.first().copied().expect("the victim advertised its region");
         (conn, s, region)
@@ -422,7 +432,7 @@ fn a_flood_of_small_writes_does_not_hold_a_spinning_waiter_past_its_deadline() {
     // The waiter spins for far longer than its deadline.
     let opts = victim.opts().spin(Duration::from_secs(30));
     let server = thread::spawn(move || listener.accept_timeout(&opts, Duration::from_secs(10)));
-    let (s, theirs) = hostile_client(addr, endpoint(0, 128));
+    let (s, theirs) = hostile_client(addr, endpoint(0, 128), Vec::new());
     let conn = server.join().unwrap().expect("the victim accepts");
     let target = theirs.regions.first().copied().expect("the victim advertised its region");
     let stop = Arc::new(AtomicBool::new(false));
@@ -696,23 +706,8 @@ fn a_message_write_or_read_response_shorter_than_announced_fails_and_breaks_the_
     // A read answered with half of what it asked, or acknowledged as if
     // answered (an acknowledgement carries a read's refusal, never its data).
     for (want, acknowledged) in [(64u64, false), (8192, false), (64, true)] {
-        let listener = victim.domain.listen("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        let opts = victim.opts();
-        let server = thread::spawn(move || listener.accept_timeout(&opts, Duration::from_secs(10)));
-        let s = TcpStream::connect(addr).unwrap();
-        let deadline = Deadline::after(Duration::from_secs(10), "the victim");
-        let theirs_region = RemoteRegion { tag: 9, addr: 0x1000, len: 1 << 20, rkey: 77, access: Access::REMOTE_READ };
-        let mine = Hello {
-            caps: CAP_TCP,
-            verbs: None,
-            tcp: Some(endpoint(0, 128)),
-            regions: vec![theirs_region],
-            name: vec![],
-        };
-        bootstrap::exchange_hello(&s, &mine, deadline, 1 << 20).unwrap();
-        bootstrap::exchange_ready(&s, deadline).unwrap();
-        let conn = server.join().unwrap().unwrap();
+        let theirs = RemoteRegion { tag: 9, addr: 0x1000, len: 1 << 20, rkey: 77, access: Access::REMOTE_READ };
+        let (conn, s, _) = victim.accept_advertising(endpoint(0, 128), vec![theirs]);
         let remote = conn.remote_region(9).expect("advertised");
         let mut local = victim.domain.alloc(want as usize).unwrap();
         local.copy_from_slice(&vec![0xee; want as usize]);
