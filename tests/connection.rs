@@ -135,9 +135,8 @@ fn more_reads_than_the_peer_serves_at_once_each_land_where_they_should(t: Kind) 
     assert!((1..=info.send_queue_depth).contains(&info.reads_in_flight), "{info:?}");
     if t == Kind::Verbs {
         // Both ends are this device: each offers its limit, as perftest does.
-        let list = gpu_rdma::verbs::DeviceList::new().unwrap();
-        let dev = list.iter().find(|x| x.name() == device()).expect("the test device is listed");
-        let attr = dev.open().unwrap().query_device().unwrap();
+        let (ctx, _) = gpu_rdma::verbs::open_device(Some(&device()), None).expect("open the test device");
+        let attr = ctx.query_device().unwrap();
         let limit = attr.max_qp_init_rd_atom.min(attr.max_qp_rd_atom).clamp(1, 255);
         assert_eq!(info.reads_in_flight, limit, "{info:?}");
     }
