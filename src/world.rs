@@ -342,12 +342,16 @@ impl World {
         // wait at once rather than at its end.
         let bytes = loop {
             let left = until.saturating_duration_since(Instant::now());
+            // Whether the rank was seen before this lookup looks: a rank
+            // the watch sees arrive while a slow lookup is out (a lookup
+            // that looked before it published) has not left.
+            let seen_before = inner.lock().known.contains(&rank);
             match inner.rdv.lookup(&name, left.min(Duration::from_millis(200))) {
                 Ok(bytes) => break bytes,
                 Err(Error::Timeout { .. }) if !left.is_zero() => {
                     let mut st = inner.lock();
-                    if !st.gone.contains_key(&rank) && st.known.contains(&rank) {
-                        // Seen before and missing now: it left.
+                    if !st.gone.contains_key(&rank) && seen_before {
+                        // Seen before the lookup and missing from it: it left.
                         st.gone.insert(
                             rank,
                             format!(

@@ -149,6 +149,49 @@ fn a_rank_that_leaves_is_gone_until_it_comes_back(t: Kind) {
     assert!(c2.broken().is_none());
 }
 
+/// A store whose lookups answer late: each looks once, then takes its
+/// whole timeout and more to answer, as a loaded etcd can. What it
+/// answers is what was there when it looked.
+struct SlowLookups(MemRendezvous);
+
+impl Rendezvous for SlowLookups {
+    fn publish(&self, key: &str, value: &[u8]) -> gpu_rdma::Result<()> {
+        self.0.publish(key, value)
+    }
+    fn lookup(&self, key: &str, timeout: Duration) -> gpu_rdma::Result<Vec<u8>> {
+        let seen = self.0.lookup(key, Duration::ZERO);
+        thread::sleep(timeout + Duration::from_millis(400));
+        seen
+    }
+    fn remove(&self, key: &str) -> gpu_rdma::Result<()> {
+        self.0.remove(key)
+    }
+    fn list(&self, prefix: &str) -> gpu_rdma::Result<Vec<(String, Vec<u8>)>> {
+        self.0.list(prefix)
+    }
+}
+
+/// A rank that publishes while a lookup of it is on its way is not taken
+/// for gone: the lookup looked before the rank was there, and the watch
+/// saw it arrive before the lookup answered.
+#[test]
+fn a_rank_published_while_a_late_lookup_is_out_is_dialed_not_gone() {
+    let rdv: Arc<dyn Rendezvous> = Arc::new(SlowLookups(MemRendezvous::default()));
+    let d = domain(Kind::Tcp);
+    let w = Arc::new(World::join(&d, 0, 2, Arc::clone(&rdv), world_opts("late")).unwrap());
+    let dialing = {
+        let w = Arc::clone(&w);
+        thread::spawn(move || w.peer(1).map(|c| c.broken().is_none()))
+    };
+    // Rank 1 arrives while rank 0's first lookup of it is out.
+    thread::sleep(Duration::from_millis(100));
+    let _one = World::join(&d, 1, 2, Arc::clone(&rdv), world_opts("late")).unwrap();
+    match dialing.join().unwrap() {
+        Ok(healthy) => assert!(healthy, "the dialed connection works"),
+        Err(e) => panic!("rank 1 published while it was looked up, and dialing it failed: {e}"),
+    }
+}
+
 both!(
     ranks_reach_each_other_on_first_use,
     the_pool_is_bounded,
