@@ -107,8 +107,8 @@ struct State {
     incoming: HashMap<u32, Arc<Connection>>,
     /// Ranks whose key left the rendezvous, and why.
     gone: HashMap<u32, String>,
-    /// Ranks whose key was seen (a rank seen once and missing since is gone,
-    /// even where a polling watch missed its going).
+    /// Ranks whose key was seen (a rank seen once and missing from a lookup
+    /// made after that is gone, even where a polling watch missed its going).
     known: std::collections::HashSet<u32>,
     clock: u64,
 }
