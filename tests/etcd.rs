@@ -69,6 +69,35 @@ fn publish_look_up_list_watch_and_remove() {
     assert!(matches!(a.lookup("../bad", Duration::ZERO), Err(Error::InvalidArgument(_))));
 }
 
+/// A watch reports every change made after it was asked for, even one
+/// made at once from another client, before the watch's stream to etcd
+/// is set up; and none from before (those are in the listing).
+#[test]
+fn a_watch_misses_nothing_published_right_after_it_was_asked_for() {
+    let server = EtcdServer::start();
+    let watcher = Arc::new(store(&server, "gap/", 5));
+    let other = store(&server, "gap/", 5);
+    other.publish("rank/before", b"old").unwrap();
+    for round in 0..40 {
+        let w = Arc::clone(&watcher).watch("rank/").unwrap();
+        let key = format!("rank/{round}");
+        other.publish(&key, b"new").unwrap();
+        let until = Instant::now() + Duration::from_secs(5);
+        let got = loop {
+            match w.next_timeout(Duration::from_millis(100)) {
+                Some(c) => break Some(c),
+                None if Instant::now() < until => {}
+                None => break None,
+            }
+        };
+        assert_eq!(
+            got,
+            Some(Change::Put { key, value: b"new".to_vec() }),
+            "round {round}: the first change the watch reports is the publish made right after it was asked for"
+        );
+    }
+}
+
 /// Run as a child by `a_killed_process_disappears_when_its_lease_expires`:
 /// publishes under a 2-second lease, says so, and waits to be killed.
 #[test]

@@ -261,86 +261,110 @@ impl Rendezvous for EtcdRendezvous {
     }
 
     fn list(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>> {
-        let mut c = self.client.clone();
-        let full = self.full(prefix);
-        let ns = self.opts.namespace.len();
-        let kvs = self.call("listing", async move {
-            let r = c.get(full, Some(GetOptions::new().with_prefix())).await?;
-            Ok(r.kvs().iter().map(|kv| (kv.key().to_vec(), kv.value().to_vec())).collect::<Vec<_>>())
-        })?;
-        let mut out: Vec<(String, Vec<u8>)> =
-            kvs.into_iter().filter_map(|(k, v)| String::from_utf8(k).ok().map(|k| (k[ns..].to_owned(), v))).collect();
-        out.sort();
-        Ok(out)
+        // A BTreeMap's order is key order.
+        Ok(self.listing(prefix)?.0.into_iter().collect())
     }
 
-    /// etcd's own watch: changes as they happen. If etcd goes away the
-    /// watch is set up again once it is back, and what changed meanwhile is
-    /// reported from a listing.
+    /// etcd's own watch: changes as they happen, from the revision of the
+    /// listing it starts from, so a change made while the watch's stream
+    /// is being set up is reported too. If etcd goes away (or compacted
+    /// what the watch had yet to report) the prefix is listed again once
+    /// it is back, what changed meanwhile is reported from that listing,
+    /// and the watch goes on from the listing's revision.
     fn watch(self: Arc<Self>, prefix: &str) -> Result<Watch> {
-        let mut known: BTreeMap<String, Vec<u8>> = self.list(prefix)?.into_iter().collect();
+        let (mut known, mut revision) = self.listing(prefix)?;
         let (tx, stop, watch) = Watch::channel();
         let ns = self.opts.namespace.clone();
         let full = self.full(prefix);
         let mut client = self.client.clone();
         let rt = self.rt.as_ref().expect("the runtime lives as long as the store");
         rt.spawn(async move {
-            let strip =
-                |k: &[u8]| std::str::from_utf8(k).ok().and_then(|k| k.strip_prefix(ns.as_str())).map(str::to_owned);
-            let mut resync = false;
+            let strip = |k: &[u8]| strip_namespace(&ns, k);
             while !stop.load(Ordering::Acquire) {
-                let Ok((_watcher, mut stream)) =
-                    client.watch(full.clone(), Some(WatchOptions::new().with_prefix())).await
-                else {
-                    resync = true;
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                    continue;
-                };
-                if resync {
-                    // What changed while the watch was down.
-                    let Ok(r) = client.get(full.clone(), Some(GetOptions::new().with_prefix())).await else { continue };
-                    let now: BTreeMap<String, Vec<u8>> =
-                        r.kvs().iter().filter_map(|kv| strip(kv.key()).map(|k| (k, kv.value().to_vec()))).collect();
-                    for change in super::diff(&known, &now) {
-                        if tx.send(change).is_err() {
+                // From the revision after the listing's (0: from now, when
+                // etcd named none).
+                let from = if revision > 0 { revision + 1 } else { 0 };
+                let options = WatchOptions::new().with_prefix().with_start_revision(from);
+                if let Ok((_watcher, mut stream)) = client.watch(full.clone(), Some(options)).await {
+                    loop {
+                        let next = tokio::time::timeout(Duration::from_millis(100), stream.message()).await;
+                        if stop.load(Ordering::Acquire) {
                             return;
                         }
+                        let resp = match next {
+                            Err(_) => continue,
+                            // Cancelled by etcd (it compacted past `from`).
+                            Ok(Ok(Some(resp))) if resp.canceled() => break,
+                            Ok(Ok(Some(resp))) => resp,
+                            Ok(_) => break,
+                        };
+                        for ev in resp.events() {
+                            let Some(kv) = ev.kv() else { continue };
+                            revision = revision.max(kv.mod_revision());
+                            let Some(key) = strip(kv.key()) else { continue };
+                            let change = match ev.event_type() {
+                                EventType::Put => {
+                                    known.insert(key.clone(), kv.value().to_vec());
+                                    Change::Put { key, value: kv.value().to_vec() }
+                                }
+                                EventType::Delete => {
+                                    known.remove(&key);
+                                    Change::Removed { key }
+                                }
+                            };
+                            if tx.send(change).is_err() {
+                                return;
+                            }
+                        }
                     }
-                    known = now;
                 }
+                // The watch is down: list again once etcd answers, report
+                // what changed meanwhile, and watch on from that listing.
                 loop {
-                    let next = tokio::time::timeout(Duration::from_millis(100), stream.message()).await;
+                    tokio::time::sleep(Duration::from_millis(200)).await;
                     if stop.load(Ordering::Acquire) {
                         return;
                     }
-                    let resp = match next {
-                        Err(_) => continue,
-                        Ok(Ok(Some(resp))) => resp,
-                        Ok(_) => break,
-                    };
-                    for ev in resp.events() {
-                        let Some(kv) = ev.kv() else { continue };
-                        let Some(key) = strip(kv.key()) else { continue };
-                        let change = match ev.event_type() {
-                            EventType::Put => {
-                                known.insert(key.clone(), kv.value().to_vec());
-                                Change::Put { key, value: kv.value().to_vec() }
+                    if let Ok(r) = client.get(full.clone(), Some(GetOptions::new().with_prefix())).await {
+                        let (now, at) = snapshot(&ns, &r);
+                        for change in super::diff(&known, &now) {
+                            if tx.send(change).is_err() {
+                                return;
                             }
-                            EventType::Delete => {
-                                known.remove(&key);
-                                Change::Removed { key }
-                            }
-                        };
-                        if tx.send(change).is_err() {
-                            return;
                         }
+                        (known, revision) = (now, at);
+                        break;
                     }
                 }
-                resync = true;
-                tokio::time::sleep(Duration::from_millis(200)).await;
             }
         });
         Ok(watch)
+    }
+}
+
+/// A key without the store's namespace (`None`: not in it, or not UTF-8).
+fn strip_namespace(ns: &str, key: &[u8]) -> Option<String> {
+    std::str::from_utf8(key).ok()?.strip_prefix(ns).map(str::to_owned)
+}
+
+/// What a prefix listing found, keys without the namespace, and the
+/// revision it was taken at (0 if etcd named none).
+fn snapshot(ns: &str, r: &etcd_client::GetResponse) -> (BTreeMap<String, Vec<u8>>, i64) {
+    let kvs = r.kvs().iter().filter_map(|kv| strip_namespace(ns, kv.key()).map(|k| (k, kv.value().to_vec())));
+    (kvs.collect(), r.header().map_or(0, |h| h.revision()))
+}
+
+impl EtcdRendezvous {
+    /// Every key under `prefix` (without the namespace) and the revision
+    /// the listing was taken at.
+    fn listing(&self, prefix: &str) -> Result<(BTreeMap<String, Vec<u8>>, i64)> {
+        let mut c = self.client.clone();
+        let full = self.full(prefix);
+        let ns = self.opts.namespace.clone();
+        self.call("listing", async move {
+            let r = c.get(full, Some(GetOptions::new().with_prefix())).await?;
+            Ok(snapshot(&ns, &r))
+        })
     }
 }
 
