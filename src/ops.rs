@@ -16,10 +16,10 @@ use crate::error::{Error, Result};
 /// A finished operation's outcome as the queue core hands it on: its
 /// error boxed, so that the success every wait moves is a 40-byte
 /// completion, not a 72-byte `Result<Completion>`.
-pub(crate) type Outcome = Result<Completion, Box<Error>>;
+pub(crate) type OpOutcome = Result<Completion, Box<Error>>;
 
 /// How a wait for one operation ended, flat: its completion, or why not.
-/// (One level, not an `Outcome` inside a `Result`: the success a wait
+/// (One level, not an `OpOutcome` inside a `Result`: the success a wait
 /// hands up through each layer is the completion alone.)
 pub(crate) type Waited = Result<Completion, WaitError>;
 
@@ -44,7 +44,7 @@ impl WaitError {
 
 /// An operation's outcome as a [`Waited`].
 #[inline(always)]
-pub(crate) fn waited(outcome: Outcome) -> Waited {
+pub(crate) fn waited(outcome: OpOutcome) -> Waited {
     outcome.map_err(WaitError::Failed)
 }
 
@@ -124,7 +124,9 @@ pub(crate) struct Held {
     pub sq_end: u64,
 }
 
-type Orphan = Box<dyn Any + Send>;
+/// An orphaned buffer: its operation was dropped while the device could
+/// still touch it, so it is dropped once the device is done with it.
+pub(crate) type Orphan = Box<dyn Any + Send>;
 
 /// Where an entry is in its life.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -312,7 +314,7 @@ impl OpTable {
     /// operation then fails with [`Error::ConnectionLost`] rather than a
     /// flush status.
     #[inline]
-    pub(crate) fn outcome(effective: Completion, lost: Option<&str>) -> Outcome {
+    pub(crate) fn outcome(effective: Completion, lost: Option<&str>) -> OpOutcome {
         if effective.status.is_success() {
             return Ok(effective);
         }
@@ -322,7 +324,7 @@ impl OpTable {
     /// [`outcome`](Self::outcome)'s error, out of the way of the fast path.
     #[cold]
     #[inline(never)]
-    fn failure(effective: Completion, lost: Option<&str>) -> Outcome {
+    fn failure(effective: Completion, lost: Option<&str>) -> OpOutcome {
         match (effective.result(), lost) {
             (Ok(c), _) => Ok(c),
             (Err(CompletionError { status: WcStatus::WrFlush, opcode, .. }), Some(reason)) => {
@@ -350,7 +352,7 @@ impl OpTable {
 
     /// Takes a finished operation's outcome, freeing its slot. `lost` is
     /// why the connection broke, if it did.
-    pub(crate) fn take(&mut self, id: OpId, lost: Option<&str>) -> Option<Outcome> {
+    pub(crate) fn take(&mut self, id: OpId, lost: Option<&str>) -> Option<OpOutcome> {
         let e = self.entry(id, Phase::Done)?;
         e.phase = Phase::Free;
         let effective = e.effective;

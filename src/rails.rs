@@ -260,7 +260,7 @@ impl Rails {
             for (r, (d, a)) in self.domains.iter().zip(addrs).enumerate() {
                 let mut c = opts.connect.clone();
                 c.name = place(r, self.len(), q, opts.queue_pairs).into_bytes();
-                links.push(Link::new(r, d.connect(a, &c)?));
+                links.push(RailLink::new(r, d.connect(a, &c)?));
             }
         }
         Ok(RailConnection::new(self, links, opts))
@@ -507,7 +507,7 @@ impl RailListener {
                         detail: format!("expected the dialer's \"{want}\", it says \"{got}\""),
                     });
                 }
-                links.push(Link::new(r, conn));
+                links.push(RailLink::new(r, conn));
             }
         }
         Ok(RailConnection::new(&self.rails, links, opts))
@@ -515,15 +515,15 @@ impl RailListener {
 }
 
 /// One queue pair of a rail connection.
-struct Link {
+struct RailLink {
     rail: usize,
     conn: Connection,
     dead: AtomicBool,
 }
 
-impl Link {
+impl RailLink {
     fn new(rail: usize, conn: Connection) -> Self {
-        Link { rail, conn, dead: AtomicBool::new(false) }
+        RailLink { rail, conn, dead: AtomicBool::new(false) }
     }
 
     fn alive(&self) -> bool {
@@ -563,7 +563,7 @@ pub struct RailStats {
 
 struct RailShared {
     /// Rail-major within each queue-pair round: (r0 q0), (r1 q0), (r0 q1), ...
-    links: Vec<Link>,
+    links: Vec<RailLink>,
     rails: Vec<RailState>,
     stripe: u64,
     op_timeout: Duration,
@@ -627,7 +627,7 @@ impl std::fmt::Debug for RailConnection {
 }
 
 impl RailConnection {
-    fn new(rails: &Rails, links: Vec<Link>, opts: &RailOptions) -> Self {
+    fn new(rails: &Rails, links: Vec<RailLink>, opts: &RailOptions) -> Self {
         let rails = rails
             .names()
             .into_iter()

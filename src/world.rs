@@ -96,14 +96,14 @@ impl WorldOptions {
 }
 
 /// A dialed connection, or a dial in progress.
-enum Out {
+enum Dial {
     Dialing,
     Ready { conn: Arc<Connection>, used: u64 },
 }
 
 #[derive(Default)]
-struct State {
-    out: HashMap<u32, Out>,
+struct WorldState {
+    out: HashMap<u32, Dial>,
     incoming: HashMap<u32, Arc<Connection>>,
     /// Ranks whose key left the rendezvous, and why.
     gone: HashMap<u32, String>,
@@ -113,20 +113,20 @@ struct State {
     clock: u64,
 }
 
-struct Inner {
+struct WorldInner {
     rank: u32,
     size: u32,
     domain: Domain,
     opts: WorldOptions,
     rdv: Arc<dyn Rendezvous>,
-    state: Mutex<State>,
+    state: Mutex<WorldState>,
     changed: Condvar,
     stop: AtomicBool,
 }
 
 /// A rank's view of its job (see the module docs).
 pub struct World {
-    inner: Arc<Inner>,
+    inner: Arc<WorldInner>,
     interrupt: Interrupt,
     threads: Vec<std::thread::JoinHandle<()>>,
 }
@@ -146,8 +146,8 @@ fn rank_of(job: &str, name: &[u8]) -> Option<u32> {
     std::str::from_utf8(name).ok()?.strip_prefix(job)?.strip_prefix("/rank/")?.parse().ok()
 }
 
-impl Inner {
-    fn lock(&self) -> MutexGuard<'_, State> {
+impl WorldInner {
+    fn lock(&self) -> MutexGuard<'_, WorldState> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -157,9 +157,9 @@ impl Inner {
             let mut st = self.lock();
             st.gone.insert(r, reason.clone());
             let out = match st.out.remove(&r) {
-                Some(Out::Ready { conn, .. }) => Some(conn),
-                Some(Out::Dialing) => {
-                    st.out.insert(r, Out::Dialing);
+                Some(Dial::Ready { conn, .. }) => Some(conn),
+                Some(Dial::Dialing) => {
+                    st.out.insert(r, Dial::Dialing);
                     None
                 }
                 None => None,
@@ -197,13 +197,13 @@ impl World {
         let listener = domain.listen(opts.listen.as_str())?;
         let endpoint = listener.endpoint()?;
         let interrupt = listener.interrupt_handle();
-        let inner = Arc::new(Inner {
+        let inner = Arc::new(WorldInner {
             rank,
             size,
             domain: domain.clone(),
             opts,
             rdv: Arc::clone(&rdv),
-            state: Mutex::new(State::default()),
+            state: Mutex::new(WorldState::default()),
             changed: Condvar::new(),
             stop: AtomicBool::new(false),
         });
@@ -275,11 +275,11 @@ impl World {
             st.clock += 1;
             let now = st.clock;
             match st.out.get_mut(&rank) {
-                Some(Out::Ready { conn, used }) if conn.broken().is_none() => {
+                Some(Dial::Ready { conn, used }) if conn.broken().is_none() => {
                     *used = now;
                     return Ok(Arc::clone(conn));
                 }
-                Some(Out::Dialing) => {
+                Some(Dial::Dialing) => {
                     let left = until.saturating_duration_since(Instant::now());
                     if left.is_zero() {
                         return Err(Error::Timeout {
@@ -295,7 +295,7 @@ impl World {
                 }
                 // None, or broken: dial (a restarted peer has a new endpoint).
                 _ => {
-                    st.out.insert(rank, Out::Dialing);
+                    st.out.insert(rank, Dial::Dialing);
                     break;
                 }
             }
@@ -308,7 +308,7 @@ impl World {
                 let conn = Arc::new(conn);
                 st.clock += 1;
                 let used = st.clock;
-                st.out.insert(rank, Out::Ready { conn: Arc::clone(&conn), used });
+                st.out.insert(rank, Dial::Ready { conn: Arc::clone(&conn), used });
                 let evicted = evict(&mut st, inner.opts.max_connections);
                 drop(st);
                 drop(evicted);
@@ -409,32 +409,32 @@ impl World {
 
     /// Dialed connections in the pool now.
     pub fn pooled(&self) -> usize {
-        self.inner.lock().out.values().filter(|o| matches!(o, Out::Ready { .. })).count()
+        self.inner.lock().out.values().filter(|o| matches!(o, Dial::Ready { .. })).count()
     }
 }
 
 /// Drops the least recently used dialed connections nobody else holds
 /// until at most `max` remain; returns them to be dropped unlocked.
-fn evict(st: &mut State, max: usize) -> Vec<Arc<Connection>> {
+fn evict(st: &mut WorldState, max: usize) -> Vec<Arc<Connection>> {
     let mut out = Vec::new();
     while st.out.len() > max {
         let victim = st
             .out
             .iter()
             .filter_map(|(r, o)| match o {
-                Out::Ready { conn, used } if Arc::strong_count(conn) == 1 => Some((*used, *r)),
+                Dial::Ready { conn, used } if Arc::strong_count(conn) == 1 => Some((*used, *r)),
                 _ => None,
             })
             .min();
         let Some((_, r)) = victim else { break };
-        if let Some(Out::Ready { conn, .. }) = st.out.remove(&r) {
+        if let Some(Dial::Ready { conn, .. }) = st.out.remove(&r) {
             out.push(conn);
         }
     }
     out
 }
 
-fn accept_loop(inner: &Arc<Inner>, listener: &Listener) {
+fn accept_loop(inner: &Arc<WorldInner>, listener: &Listener) {
     let opts = inner.opts.connect.clone().name(key(&inner.opts.job, inner.rank));
     while !inner.stop.load(Ordering::Acquire) {
         match listener.accept(&opts) {

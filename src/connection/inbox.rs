@@ -15,7 +15,7 @@ use bytes::Bytes;
 use super::{ConnShared, Connection, Pending};
 use crate::error::{Error, Result};
 use crate::memory::parts_of;
-use crate::protocol::notify::{self, Status};
+use crate::protocol::notify::{self, NotifyStatus};
 use crate::{HostMemory, Region};
 
 /// One notification: its tag and payload.
@@ -126,8 +126,8 @@ impl Inbox {
                 self.stats.received += 1;
                 self.queued += 1;
                 let entry = match status {
-                    Status::Done => Ok(Bytes::copy_from_slice(payload)),
-                    Status::Failed => Err(String::from_utf8_lossy(payload).into_owned()),
+                    NotifyStatus::Done => Ok(Bytes::copy_from_slice(payload)),
+                    NotifyStatus::Failed => Err(String::from_utf8_lossy(payload).into_owned()),
                 };
                 self.by_tag.entry(tag).or_default().push_back(entry);
             }

@@ -30,7 +30,7 @@ use crate::error::{Error, Result};
 use crate::memory::LocalParts;
 use crate::memory::{Counter, Live};
 use crate::memory::{Exposed, LocalBuffer, LocalSlice, Memory, RemoteRegion, RemoteSlice};
-use crate::ops::{OpId, Outcome, WaitError, Waited};
+use crate::ops::{OpId, OpOutcome, WaitError, Waited};
 use crate::transport::{self, ConnTransport, Posted, PostedInline, QuietSend, RemoteOp, WorkItem};
 
 pub(crate) struct ConnShared {
@@ -722,7 +722,7 @@ impl<B: Send + 'static> Pending<B> {
     }
 
     /// Keeps an outcome to report.
-    fn absorb(&mut self, outcome: Outcome) {
+    fn absorb(&mut self, outcome: OpOutcome) {
         match outcome {
             Ok(c) => self.succeed(c),
             Err(e) => self.stage = Stage::Failed(Some(e)),
@@ -873,7 +873,7 @@ impl<B: Send + 'static> Pending<B> {
     /// Records the outcome just taken from the transport and reports it
     /// (an error once, as [`report`](Self::report) does).
     #[inline]
-    fn settle(&mut self, outcome: Outcome) -> Result<Completion> {
+    fn settle(&mut self, outcome: OpOutcome) -> Result<Completion> {
         match outcome {
             Ok(c) if self.after.is_none() => {
                 let before = std::mem::replace(&mut self.stage, Stage::Succeeded(c));
@@ -902,7 +902,7 @@ impl<B: Send + 'static> Pending<B> {
     /// [`settle`](Self::settle) with an after-hook to run, or an error.
     #[cold]
     #[inline(never)]
-    fn settle_slow(&mut self, outcome: Outcome) -> Result<Completion> {
+    fn settle_slow(&mut self, outcome: OpOutcome) -> Result<Completion> {
         match outcome {
             Ok(c) => {
                 self.succeed(c);

@@ -21,7 +21,7 @@ use crate::error::{Error, Result};
 use crate::memory::{LocalBuffer, LocalParts, LocalSlice, RemoteSlice};
 use crate::ops::{OpId, WaitError};
 use crate::protocol::list::{self, Piece};
-use crate::protocol::notify::{self, Status};
+use crate::protocol::notify::{self, NotifyStatus};
 use crate::transport::engine::{Awaiting, LOOK_AGAIN};
 use crate::transport::{Posted, RemoteOp, WorkItem};
 use crate::{HostMemory, Region};
@@ -134,7 +134,7 @@ pub struct Transfer<B: Send + 'static> {
 ///
 /// A wake that finds the list held by a waiter is not lost: it is left
 /// in `asked`, and whoever holds the list catches up when letting go
-/// ([`Held`]'s drop), or the task itself when the list is free. A catch-up
+/// ([`HeldBuffers`]'s drop), or the task itself when the list is free. A catch-up
 /// drives once: asked again meanwhile, it hands the next turn to the
 /// engine rather than driving on (on a device that finishes requests as
 /// fast as they are posted, such as soft-RoCE, driving on could post and
@@ -183,25 +183,25 @@ impl<B: Send + 'static> crate::transport::engine::Task for Driver<B> {
 
 /// The list, locked by a handle; on release, drives the engine asked for
 /// meanwhile.
-struct Held<'a, B: Send + 'static> {
+struct HeldBuffers<'a, B: Send + 'static> {
     guard: Option<MutexGuard<'a, List<B>>>,
     task: &'a Arc<Driver<B>>,
 }
 
-impl<B: Send + 'static> std::ops::Deref for Held<'_, B> {
+impl<B: Send + 'static> std::ops::Deref for HeldBuffers<'_, B> {
     type Target = List<B>;
     fn deref(&self) -> &List<B> {
         self.guard.as_ref().expect("held until dropped")
     }
 }
 
-impl<B: Send + 'static> std::ops::DerefMut for Held<'_, B> {
+impl<B: Send + 'static> std::ops::DerefMut for HeldBuffers<'_, B> {
     fn deref_mut(&mut self) -> &mut List<B> {
         self.guard.as_mut().expect("held until dropped")
     }
 }
 
-impl<B: Send + 'static> Drop for Held<'_, B> {
+impl<B: Send + 'static> Drop for HeldBuffers<'_, B> {
     fn drop(&mut self) {
         drop(self.guard.take());
         self.task.catch_up();
@@ -222,8 +222,8 @@ impl<B: Send + 'static> Transfer<B> {
         t
     }
 
-    fn lock(&self) -> Held<'_, B> {
-        Held { guard: Some(self.list.lock().unwrap_or_else(|e| e.into_inner())), task: &self.driver }
+    fn lock(&self) -> HeldBuffers<'_, B> {
+        HeldBuffers { guard: Some(self.list.lock().unwrap_or_else(|e| e.into_inner())), task: &self.driver }
     }
 
     /// Runs `f` on the list, then leaves the engine armed.
@@ -341,7 +341,7 @@ impl Connection {
         payload: &[u8],
     ) -> Transfer<B> {
         let mut msg = Vec::new();
-        notify::encode(Status::Done, payload, &mut msg);
+        notify::encode(NotifyStatus::Done, payload, &mut msg);
         let note = NoteOut { tag, msg, sent: false, id: None, region: None };
         Transfer::new(List::start(self, local.into(), *remote, pieces, Direction::Write, Some(note)))
     }
@@ -684,7 +684,7 @@ impl<B: Send + 'static> List<B> {
         }
         self.failed = true;
         if let Some(note) = self.note.as_mut().filter(|n| !n.sent) {
-            notify::encode(Status::Failed, e.to_string().as_bytes(), &mut note.msg);
+            notify::encode(NotifyStatus::Failed, e.to_string().as_bytes(), &mut note.msg);
             note.sent = true;
             let due = Deadline::lazy(self.shared.op_timeout, "room in the send queue");
             if let Posted::Ok(id) | Posted::Stuck(id, _) = Self::send_note(&self.shared, note, due) {
@@ -696,7 +696,7 @@ impl<B: Send + 'static> List<B> {
     }
 
     /// Records a chain's outcome.
-    fn record(&mut self, outcome: crate::ops::Outcome) {
+    fn record(&mut self, outcome: crate::ops::OpOutcome) {
         let id = self.in_flight.pop_front();
         if let Some(note) = self.note.as_mut().filter(|n| n.id.is_some() && n.id == id) {
             if let Some(region) = note.region.take() {

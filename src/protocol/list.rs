@@ -94,7 +94,7 @@ impl PageLayout {
 /// bytes long, zero-length pieces dropped, and each run of pieces
 /// contiguous on both sides merged (before splitting).
 #[derive(Debug, Default)]
-pub(crate) struct Plan {
+pub(crate) struct ListPlan {
     pub pieces: Vec<Piece>,
     pub bytes: u64,
 }
@@ -110,7 +110,7 @@ pub(crate) fn plan(
     local_len: u64,
     remote_len: u64,
     max_piece: u64,
-) -> Result<Plan> {
+) -> Result<ListPlan> {
     let max_piece = max_piece.max(1);
     let mut merged: Vec<Piece> = Vec::new();
     for p in pieces {
@@ -133,7 +133,7 @@ pub(crate) fn plan(
             _ => merged.push(p),
         }
     }
-    let mut plan = Plan { pieces: Vec::with_capacity(merged.len()), bytes: 0 };
+    let mut plan = ListPlan { pieces: Vec::with_capacity(merged.len()), bytes: 0 };
     for p in merged {
         plan.bytes += p.len;
         let mut off = 0;

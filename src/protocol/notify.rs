@@ -24,7 +24,7 @@ const VERSION: u8 = 1;
 
 /// What a notification says about its transfer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Status {
+pub(crate) enum NotifyStatus {
     /// Every piece landed.
     Done,
     /// The transfer failed; the payload is the reason, in UTF-8.
@@ -34,9 +34,9 @@ pub(crate) enum Status {
 /// Encodes a notification message into `out` (cleared first). The payload
 /// is cut at [`MAX_NOTIFY_PAYLOAD`] bytes (on a UTF-8 boundary for a
 /// failure's reason).
-pub(crate) fn encode(status: Status, payload: &[u8], out: &mut Vec<u8>) {
+pub(crate) fn encode(status: NotifyStatus, payload: &[u8], out: &mut Vec<u8>) {
     let mut len = payload.len().min(MAX_NOTIFY_PAYLOAD);
-    if status == Status::Failed {
+    if status == NotifyStatus::Failed {
         if let Ok(text) = std::str::from_utf8(payload) {
             while !text.is_char_boundary(len) {
                 len -= 1;
@@ -48,8 +48,8 @@ pub(crate) fn encode(status: Status, payload: &[u8], out: &mut Vec<u8>) {
     out.put_u16(MAGIC);
     out.put_u8(VERSION);
     out.put_u8(match status {
-        Status::Done => 0,
-        Status::Failed => 1,
+        NotifyStatus::Done => 0,
+        NotifyStatus::Failed => 1,
     });
     out.put_u32(len as u32);
     out.extend_from_slice(&payload[..len]);
@@ -60,7 +60,7 @@ pub(crate) fn encode(status: Status, payload: &[u8], out: &mut Vec<u8>) {
 pub(crate) struct Malformed(pub String);
 
 /// Decodes a notification message: its status and payload.
-pub(crate) fn decode(mut msg: &[u8]) -> Result<(Status, &[u8]), Malformed> {
+pub(crate) fn decode(mut msg: &[u8]) -> Result<(NotifyStatus, &[u8]), Malformed> {
     if msg.len() < HEADER {
         return Err(Malformed(format!("{} bytes, shorter than the {HEADER}-byte header", msg.len())));
     }
@@ -73,8 +73,8 @@ pub(crate) fn decode(mut msg: &[u8]) -> Result<(Status, &[u8]), Malformed> {
         return Err(Malformed(format!("version {version}, this side speaks {VERSION}")));
     }
     let status = match msg.get_u8() {
-        0 => Status::Done,
-        1 => Status::Failed,
+        0 => NotifyStatus::Done,
+        1 => NotifyStatus::Failed,
         other => return Err(Malformed(format!("unknown status {other}"))),
     };
     let len = msg.get_u32() as usize;
@@ -92,7 +92,7 @@ mod tests {
     fn what_is_encoded_decodes_to_the_same() {
         let mut buf = Vec::new();
         for payload in [&b""[..], b"x", &[7u8; MAX_NOTIFY_PAYLOAD]] {
-            for status in [Status::Done, Status::Failed] {
+            for status in [NotifyStatus::Done, NotifyStatus::Failed] {
                 encode(status, payload, &mut buf);
                 assert_eq!(decode(&buf), Ok((status, payload)));
             }
@@ -102,11 +102,11 @@ mod tests {
     #[test]
     fn a_long_payload_is_cut_and_a_reason_on_a_character_boundary() {
         let mut buf = Vec::new();
-        encode(Status::Done, &[1u8; MAX_NOTIFY_PAYLOAD + 10], &mut buf);
+        encode(NotifyStatus::Done, &[1u8; MAX_NOTIFY_PAYLOAD + 10], &mut buf);
         assert_eq!(decode(&buf).unwrap().1.len(), MAX_NOTIFY_PAYLOAD);
         let reason = "é".repeat(MAX_NOTIFY_PAYLOAD); // 2 bytes each
         let cut = format!("x{reason}");
-        encode(Status::Failed, cut.as_bytes(), &mut buf);
+        encode(NotifyStatus::Failed, cut.as_bytes(), &mut buf);
         let (_, got) = decode(&buf).unwrap();
         assert!(std::str::from_utf8(got).is_ok(), "cut inside a character");
         assert_eq!(got.len(), MAX_NOTIFY_PAYLOAD - 1);
@@ -115,7 +115,7 @@ mod tests {
     #[test]
     fn anything_else_is_malformed_never_a_panic() {
         let mut good = Vec::new();
-        encode(Status::Done, b"payload", &mut good);
+        encode(NotifyStatus::Done, b"payload", &mut good);
         // Every cut, every single-byte change of the header, random bytes.
         for n in 0..good.len() {
             assert!(decode(&good[..n]).is_err(), "cut at {n}");

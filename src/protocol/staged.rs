@@ -197,19 +197,19 @@ impl Stager {
 /// What a staged operation does: the operation as posted (`None`: a
 /// receive). The same [`RemoteOp`] the direct path posts, so the kind is
 /// never converted back and forth.
-type Op = Option<RemoteOp>;
+type NextOp = Option<RemoteOp>;
 
-fn opcode(op: Op) -> Opcode {
+fn opcode(op: NextOp) -> Opcode {
     op.map_or(Opcode::Recv, RemoteOp::opcode)
 }
 
 /// Whether the data flows GPU -> network (copy out first).
-fn outbound(op: Op) -> bool {
+fn outbound(op: NextOp) -> bool {
     op.is_some_and(RemoteOp::outbound)
 }
 
 /// Whether the operation is one message (one slot, one step).
-fn single(op: Op) -> bool {
+fn single(op: NextOp) -> bool {
     matches!(op, None | Some(RemoteOp::Send | RemoteOp::SendWithImm(_)))
 }
 
@@ -232,7 +232,7 @@ struct Step {
 
 /// One staged operation in progress.
 pub(crate) struct Pipeline {
-    op: Op,
+    op: NextOp,
     stager: Arc<Stager>,
     domain_id: u64,
     dev: u64,
@@ -290,7 +290,7 @@ impl MessageOrder {
 impl Pipeline {
     /// Plans a staged operation on `local` (a range of GPU memory).
     pub(crate) fn new(
-        op: Op,
+        op: NextOp,
         home: &StagingHome,
         device: &CudaDevice,
         local: LocalParts,

@@ -57,7 +57,7 @@ impl TimerKey {
 #[derive(Default)]
 struct State {
     #[cfg(feature = "verbs")]
-    watched: Vec<Watch>,
+    watched: Vec<Watched>,
     timers: BTreeMap<TimerKey, Waker>,
     next_timer: u64,
     tasks: VecDeque<Arc<dyn Task>>,
@@ -65,7 +65,7 @@ struct State {
 }
 
 #[cfg(feature = "verbs")]
-struct Watch {
+struct Watched {
     conn: Weak<VerbsConn>,
     /// The completion channel's descriptor (owned by the connection; the
     /// engine only polls it while the connection lives).
@@ -74,13 +74,13 @@ struct Watch {
     socket: Option<RawFd>,
 }
 
-struct Shared {
+struct EngineShared {
     state: Mutex<State>,
     /// An eventfd: written to wake the thread.
     wake: OwnedFd,
 }
 
-impl Shared {
+impl EngineShared {
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -100,7 +100,7 @@ impl Shared {
 
 /// A domain's progress engine (see the module documentation).
 pub(crate) struct Engine {
-    shared: Arc<Shared>,
+    shared: Arc<EngineShared>,
     /// Set once the thread started (on first use).
     thread: std::sync::OnceLock<JoinHandle<()>>,
     /// Held while starting it; a failed start is tried again next time.
@@ -110,7 +110,7 @@ pub(crate) struct Engine {
 /// A handle to queue tasks on an engine from anywhere (a waker).
 #[derive(Clone)]
 pub(crate) struct EngineHandle {
-    shared: Weak<Shared>,
+    shared: Weak<EngineShared>,
 }
 
 impl EngineHandle {
@@ -137,7 +137,7 @@ impl Engine {
         // SAFETY: a fresh descriptor nothing else owns.
         let wake = unsafe { OwnedFd::from_raw_fd(fd) };
         Ok(Engine {
-            shared: Arc::new(Shared { state: Mutex::default(), wake }),
+            shared: Arc::new(EngineShared { state: Mutex::default(), wake }),
             thread: std::sync::OnceLock::new(),
             starting: Mutex::new(()),
         })
@@ -174,7 +174,11 @@ impl Engine {
         }
         self.ensure_thread();
         let Some(channel) = conn.channel_fd() else { return };
-        self.shared.lock().watched.push(Watch { conn: Arc::downgrade(conn), channel, socket: Some(conn.socket_fd()) });
+        self.shared.lock().watched.push(Watched {
+            conn: Arc::downgrade(conn),
+            channel,
+            socket: Some(conn.socket_fd()),
+        });
         self.shared.notify();
         #[cfg(feature = "tokio")]
         tokio_watch(conn, channel);
@@ -324,7 +328,7 @@ impl Awaiting {
 }
 
 /// The engine's thread.
-fn run(shared: &Shared) {
+fn run(shared: &EngineShared) {
     let mut last_sweep = Instant::now();
     loop {
         let now = Instant::now();

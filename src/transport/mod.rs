@@ -10,7 +10,7 @@ use crate::bootstrap::{self, Hello};
 use crate::deadline::Deadline;
 use crate::error::{BootstrapError, Error, Result};
 use crate::memory::{LocalParts, MemoryDomain, RemoteRegion};
-use crate::ops::{OpId, Outcome, Waited};
+use crate::ops::{OpId, OpOutcome, Waited};
 use crate::options::{ConnectOptions, ConnectionInfo, TransportPolicy};
 
 pub(crate) mod engine;
@@ -267,7 +267,7 @@ impl ConnTransport {
 
     /// Quiet send `q`'s outcome, polling once if it is not known yet.
     #[inline]
-    pub(crate) fn poll_quiet(&self, q: &QuietSend) -> Result<Option<Outcome>> {
+    pub(crate) fn poll_quiet(&self, q: &QuietSend) -> Result<Option<OpOutcome>> {
         match self {
             #[cfg(feature = "verbs")]
             ConnTransport::Verbs(t) => t.poll_quiet(q),
@@ -280,7 +280,7 @@ impl ConnTransport {
 
     /// Quiet send `q`'s outcome if known, without polling.
     #[inline]
-    pub(crate) fn quiet_outcome(&self, q: &QuietSend) -> Option<Outcome> {
+    pub(crate) fn quiet_outcome(&self, q: &QuietSend) -> Option<OpOutcome> {
         match self {
             #[cfg(feature = "verbs")]
             ConnTransport::Verbs(t) => t.quiet_outcome(q),
@@ -332,7 +332,7 @@ impl ConnTransport {
 
     /// Polls once; `id`'s outcome if it is done.
     #[inline]
-    pub(crate) fn poll_take(&self, id: OpId) -> Result<Option<Outcome>> {
+    pub(crate) fn poll_take(&self, id: OpId) -> Result<Option<OpOutcome>> {
         dispatch!(self, t => t.poll_take(id))
     }
 
@@ -345,7 +345,7 @@ impl ConnTransport {
         id: OpId,
         waker: &std::task::Waker,
         engine: &engine::Engine,
-    ) -> Result<Option<Outcome>> {
+    ) -> Result<Option<OpOutcome>> {
         match self {
             #[cfg(feature = "verbs")]
             ConnTransport::Verbs(t) => {
@@ -369,7 +369,7 @@ impl ConnTransport {
     }
 
     #[inline]
-    pub(crate) fn take(&self, id: OpId) -> Option<Outcome> {
+    pub(crate) fn take(&self, id: OpId) -> Option<OpOutcome> {
         dispatch!(self, t => t.take(id))
     }
 

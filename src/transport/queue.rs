@@ -7,7 +7,7 @@ use crate::access::Access;
 use crate::completion::{Completion, Opcode};
 use crate::error::{Error, Result};
 use crate::memory::{LocalParts, RemoteSlice};
-use crate::ops::{Held, OpId, OpTable, Outcome, RawCompletion, quiet_seq};
+use crate::ops::{Held, OpId, OpOutcome, OpTable, Orphan, RawCompletion, quiet_seq};
 
 /// One operation of a post: the local range it uses and what it does.
 #[derive(Clone, Copy, Debug)]
@@ -176,9 +176,6 @@ pub(crate) struct QueueCore {
     /// unchanged since its last look has nothing new to look at.
     changes: u64,
 }
-
-/// An orphaned buffer, dropped once the device is done with it.
-pub(crate) type Orphan = Box<dyn std::any::Any + Send>;
 
 impl QueueCore {
     pub(crate) fn new(limits: Limits) -> Self {
@@ -379,7 +376,7 @@ impl QueueCore {
     /// up to it completed and none before it failed; its own error if it
     /// failed; the loss if an earlier request failed (it was flushed).
     #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
-    pub(crate) fn quiet_outcome(&self, q: &QuietSend) -> Option<Outcome> {
+    pub(crate) fn quiet_outcome(&self, q: &QuietSend) -> Option<OpOutcome> {
         if q.seq >= self.order.done {
             return None;
         }
@@ -494,7 +491,7 @@ impl QueueCore {
 
     /// Takes `id`'s outcome if it is done, else has `waker` woken when it
     /// is (at its final completion, or the flush after a loss).
-    pub(crate) fn take_or_register(&mut self, id: OpId, waker: &std::task::Waker) -> Option<Outcome> {
+    pub(crate) fn take_or_register(&mut self, id: OpId, waker: &std::task::Waker) -> Option<OpOutcome> {
         if let Some(outcome) = self.take(id) {
             return Some(outcome);
         }
@@ -507,7 +504,7 @@ impl QueueCore {
     }
 
     /// Takes a finished operation's outcome.
-    pub(crate) fn take(&mut self, id: OpId) -> Option<Outcome> {
+    pub(crate) fn take(&mut self, id: OpId) -> Option<OpOutcome> {
         self.table.take(id, self.lost.as_deref())
     }
 

@@ -66,7 +66,7 @@ use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::memory::keys::{KeyEntry, KeyTable};
 use crate::memory::{Access, LocalParts};
-use crate::ops::{OpId, Outcome, RawCompletion, WaitError, Waited, is_final, op_of, waited};
+use crate::ops::{OpId, OpOutcome, RawCompletion, WaitError, Waited, is_final, op_of, waited};
 use crate::options::{ConnectOptions, ConnectionInfo, Transport};
 
 /// The largest message (send, or write with immediate) this side accepts.
@@ -116,7 +116,7 @@ pub(crate) fn memory_bound(peer_depth: u32, send_depth: u32, recv_depth: u32) ->
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
-enum Op {
+enum FrameOp {
     Send = 1,
     Write = 2,
     ReadReq = 3,
@@ -125,15 +125,15 @@ enum Op {
     Bye = 6,
 }
 
-impl Op {
-    fn from_raw(b: u8) -> Option<Op> {
+impl FrameOp {
+    fn from_raw(b: u8) -> Option<FrameOp> {
         Some(match b {
-            1 => Op::Send,
-            2 => Op::Write,
-            3 => Op::ReadReq,
-            4 => Op::ReadResp,
-            5 => Op::Ack,
-            6 => Op::Bye,
+            1 => FrameOp::Send,
+            2 => FrameOp::Write,
+            3 => FrameOp::ReadReq,
+            4 => FrameOp::ReadResp,
+            5 => FrameOp::Ack,
+            6 => FrameOp::Bye,
             _ => return None,
         })
     }
@@ -155,7 +155,7 @@ const ACK: u8 = 8;
 /// response segment; `total` the whole message's length on its first
 /// segment, the status on an acknowledgement.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-struct Header {
+struct FrameHeader {
     op: u8,
     flags: u8,
     seq: u32,
@@ -166,7 +166,7 @@ struct Header {
     total: u32,
 }
 
-impl Header {
+impl FrameHeader {
     fn encode(&self) -> [u8; HEADER] {
         let mut b = [0u8; HEADER];
         b[0] = self.op;
@@ -182,8 +182,8 @@ impl Header {
 
     /// Decodes a header from the peer and checks what needs no context:
     /// known flag bits, a segment no longer than [`SEGMENT`].
-    fn parse(b: &[u8; HEADER]) -> std::result::Result<Header, String> {
-        let h = Header::decode(b);
+    fn parse(b: &[u8; HEADER]) -> std::result::Result<FrameHeader, String> {
+        let h = FrameHeader::decode(b);
         if h.flags & !(FIRST | LAST | IMM | ACK) != 0 {
             return Err(format!("a garbled frame (flags {:#04x}): the stream is out of step", h.flags));
         }
@@ -198,7 +198,7 @@ impl Header {
 
     /// Checks that `self`, read inside a message, continues the message
     /// `first` started (messages are never interleaved on the stream).
-    fn continues(&self, first: &Header) -> Step {
+    fn continues(&self, first: &FrameHeader) -> Handled {
         if self.op != first.op || self.seq != first.seq || self.flags & FIRST != 0 {
             return Err(format!(
                 "a garbled frame (operation {} of request {} inside operation {} of request {}): the stream is out of step",
@@ -208,9 +208,9 @@ impl Header {
         Ok(())
     }
 
-    fn decode(b: &[u8; HEADER]) -> Header {
+    fn decode(b: &[u8; HEADER]) -> FrameHeader {
         let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
-        Header {
+        FrameHeader {
             op: b[0],
             flags: b[1],
             seq: u32_at(4),
@@ -370,7 +370,7 @@ fn discard(fd: RawFd, mut len: usize, scratch: &mut [u8]) -> io::Result<bool> {
 /// While `gate` returns true, `ptr..ptr + len` must be valid for reads.
 unsafe fn send_frame(
     fd: RawFd,
-    header: &Header,
+    header: &FrameHeader,
     ptr: *const u8,
     len: usize,
     gate: Option<&RwLock<bool>>,
@@ -424,7 +424,7 @@ unsafe fn send_frame(
     Ok(true)
 }
 
-fn send_header(fd: RawFd, header: &Header) -> io::Result<()> {
+fn send_header(fd: RawFd, header: &FrameHeader) -> io::Result<()> {
     // SAFETY: no payload.
     unsafe { send_frame(fd, header, std::ptr::null(), 0, None, 0, false) }.map(drop)
 }
@@ -525,7 +525,7 @@ struct TcpState {
     /// A control frame whose first bytes a reader sent directly before the
     /// socket filled up (the header, and how many of its bytes went): the
     /// sender thread finishes it before anything else.
-    ctl_rest: Option<(Header, usize)>,
+    ctl_rest: Option<(FrameHeader, usize)>,
     /// Read requests queued or sent: seq -> destination.
     reads: HashMap<u32, ReadDst>,
     recvs: VecDeque<Recv>,
@@ -755,7 +755,7 @@ impl Inner {
     /// keeps at most its send-queue depth of requests outstanding, so more
     /// queued replies than that means it ignores its depth or does not read
     /// what it is sent: the connection breaks rather than buffering more.
-    fn reply(&self, st: &mut TcpState, ctl: Ctl) -> Step {
+    fn reply(&self, st: &mut TcpState, ctl: Ctl) -> Handled {
         if st.control.len() >= self.peer_depth {
             let why = format!(
                 "the peer has more than {} requests awaiting replies (its send-queue depth): \
@@ -777,14 +777,14 @@ impl Inner {
     /// waits on a peer that does not read); what the socket does not take,
     /// the sender thread sends. The receiver thread hands it over: the
     /// sender sends it while the receiver reads on.
-    fn acknowledge(&self, mut st: MutexGuard<'_, TcpState>, seq: u32, by: Reading) -> Step {
+    fn acknowledge(&self, mut st: MutexGuard<'_, TcpState>, seq: u32, by: Reading) -> Handled {
         let socket_free = st.socket_idle() && st.queue.is_empty() && st.q.lost().is_none();
         if by == Reading::Receiver || !socket_free {
             return self.reply(&mut st, Ctl::Ack { seq, status: 0 });
         }
         st.writing = true;
         drop(st);
-        let h = Header { op: Op::Ack as u8, seq, ..Header::default() };
+        let h = FrameHeader { op: FrameOp::Ack as u8, seq, ..FrameHeader::default() };
         let sent = send_now(self.fd, &h.encode());
         let mut st = self.lock();
         st.writing = false;
@@ -1102,7 +1102,7 @@ impl TcpConn {
 
     /// Takes `id`'s outcome if it is done, else registers `waker`: the
     /// connection's threads wake it when they complete the operation.
-    pub(crate) fn poll_register(&self, id: OpId, waker: &std::task::Waker) -> Option<Outcome> {
+    pub(crate) fn poll_register(&self, id: OpId, waker: &std::task::Waker) -> Option<OpOutcome> {
         self.inner.lock().q.take_or_register(id, waker)
     }
 
@@ -1170,7 +1170,7 @@ impl TcpConn {
     }
 
     /// Takes `id`'s outcome if it is done.
-    pub(crate) fn poll_take(&self, id: OpId) -> Result<Option<Outcome>> {
+    pub(crate) fn poll_take(&self, id: OpId) -> Result<Option<OpOutcome>> {
         Ok(self.inner.lock().q.take(id))
     }
 
@@ -1178,7 +1178,7 @@ impl TcpConn {
         Ok(self.inner.lock().q.is_done(id))
     }
 
-    pub(crate) fn take(&self, id: OpId) -> Option<Outcome> {
+    pub(crate) fn take(&self, id: OpId) -> Option<OpOutcome> {
         self.inner.lock().q.take(id)
     }
 
@@ -1264,7 +1264,7 @@ impl Drop for TcpConn {
 enum Work {
     Ctl(Ctl),
     /// The rest of a control frame a reader began: its header and the bytes sent.
-    Rest(Header, usize),
+    Rest(FrameHeader, usize),
     /// A message, and whether more are queued behind it.
     Out(Out, bool),
 }
@@ -1329,11 +1329,12 @@ fn sender(inner: &Inner) {
             }
             Work::Ctl(c) => {
                 let r = match c {
-                    Ctl::Ack { seq, status } => {
-                        send_header(fd, &Header { op: Op::Ack as u8, seq, total: status, ..Header::default() })
-                    }
+                    Ctl::Ack { seq, status } => send_header(
+                        fd,
+                        &FrameHeader { op: FrameOp::Ack as u8, seq, total: status, ..FrameHeader::default() },
+                    ),
                     Ctl::Bye => {
-                        let _ = send_header(fd, &Header { op: Op::Bye as u8, ..Header::default() });
+                        let _ = send_header(fd, &FrameHeader { op: FrameOp::Bye as u8, ..FrameHeader::default() });
                         Ok(())
                     }
                     Ctl::ReadResp { seq, entry, addr, len } => send_read_response(fd, seq, &entry, addr, len),
@@ -1363,8 +1364,8 @@ fn try_send_inline(fd: RawFd, o: &Out) -> io::Result<usize> {
         return Ok(0);
     };
     let flags = FIRST | LAST | if imm.is_some() { IMM } else { 0 } | if wants_ack(o) { ACK } else { 0 };
-    let h = Header {
-        op: Op::Send as u8,
+    let h = FrameHeader {
+        op: FrameOp::Send as u8,
         flags,
         seq: o.seq,
         key: 0,
@@ -1397,9 +1398,9 @@ fn wants_ack(o: &Out) -> bool {
 
 fn send_message(fd: RawFd, o: &Out, more: bool) -> io::Result<()> {
     let (op, key, raddr, imm) = match &o.kind {
-        OutKind::Send { imm } | OutKind::Inline { imm, .. } => (Op::Send, 0, 0, *imm),
-        OutKind::Write { raddr, key, imm } => (Op::Write, *key, *raddr, *imm),
-        OutKind::ReadReq { raddr, key } => (Op::ReadReq, *key, *raddr, None),
+        OutKind::Send { imm } | OutKind::Inline { imm, .. } => (FrameOp::Send, 0, 0, *imm),
+        OutKind::Write { raddr, key, imm } => (FrameOp::Write, *key, *raddr, *imm),
+        OutKind::ReadReq { raddr, key } => (FrameOp::ReadReq, *key, *raddr, None),
     };
     let payload: Option<(*const u8, u64)> = match &o.kind {
         OutKind::Inline { data, .. } => Some((data.as_ptr(), data.len() as u64)),
@@ -1409,7 +1410,7 @@ fn send_message(fd: RawFd, o: &Out, more: bool) -> io::Result<()> {
     let total = u32::try_from(o.len).unwrap_or(u32::MAX);
     let imm_flag = if imm.is_some() { IMM } else { 0 } | if wants_ack(o) { ACK } else { 0 };
     let Some((ptr, len)) = payload else {
-        let h = Header { op: op as u8, flags: FIRST | LAST, seq: o.seq, key, imm: 0, addr: raddr, len: 0, total };
+        let h = FrameHeader { op: op as u8, flags: FIRST | LAST, seq: o.seq, key, imm: 0, addr: raddr, len: 0, total };
         return send_header(fd, &h);
     };
     let mut off = 0u64;
@@ -1422,7 +1423,7 @@ fn send_message(fd: RawFd, o: &Out, more: bool) -> io::Result<()> {
         if off + n >= len {
             flags |= LAST;
         }
-        let h = Header {
+        let h = FrameHeader {
             op: op as u8,
             flags,
             seq: o.seq,
@@ -1459,13 +1460,13 @@ fn send_read_response(fd: RawFd, seq: u32, entry: &KeyEntry, addr: u64, len: u64
     loop {
         let n = (len - off).min(SEGMENT as u64);
         let last = off + n >= len;
-        let h = Header {
-            op: Op::ReadResp as u8,
+        let h = FrameHeader {
+            op: FrameOp::ReadResp as u8,
             flags: if last { LAST } else { 0 } | if off == 0 { FIRST } else { 0 },
             seq,
             addr: off,
             len: n as u32,
-            ..Header::default()
+            ..FrameHeader::default()
         };
         // SAFETY: the range was checked against the exposure, whose memory stays
         // valid while its gate says alive (revocation waits for the gate).
@@ -1526,17 +1527,17 @@ enum Reading {
 }
 
 /// Carries out one frame whose header was read.
-fn on_frame(inner: &Inner, h: &Header, src: &mut Source<'_>, scratch: &mut [u8], by: Reading) -> Step {
-    match Op::from_raw(h.op) {
-        Some(Op::Send | Op::Write) if h.flags & FIRST == 0 => {
+fn on_frame(inner: &Inner, h: &FrameHeader, src: &mut Source<'_>, scratch: &mut [u8], by: Reading) -> Handled {
+    match FrameOp::from_raw(h.op) {
+        Some(FrameOp::Send | FrameOp::Write) if h.flags & FIRST == 0 => {
             Err(format!("a garbled frame (operation {} without its first segment): the stream is out of step", h.op))
         }
-        Some(Op::Send) => on_message(inner, h, None, src, scratch, by),
-        Some(Op::Write) => on_write(inner, h, src, scratch, by),
-        Some(Op::ReadReq) => on_read_request(inner, h),
-        Some(Op::ReadResp) => on_read_response(inner, h, src, scratch),
-        Some(Op::Ack) => on_ack(inner, h),
-        Some(Op::Bye) => Err("the peer closed the connection (it said bye)".to_owned()),
+        Some(FrameOp::Send) => on_message(inner, h, None, src, scratch, by),
+        Some(FrameOp::Write) => on_write(inner, h, src, scratch, by),
+        Some(FrameOp::ReadReq) => on_read_request(inner, h),
+        Some(FrameOp::ReadResp) => on_read_response(inner, h, src, scratch),
+        Some(FrameOp::Ack) => on_ack(inner, h),
+        Some(FrameOp::Bye) => Err("the peer closed the connection (it said bye)".to_owned()),
         None => Err(format!("a garbled frame (operation {}): the stream is out of step", h.op)),
     }
 }
@@ -1573,13 +1574,13 @@ impl Inner {
             };
             let mut head = [0u8; HEADER];
             head.copy_from_slice(&look[..HEADER]);
-            let Ok(h) = Header::parse(&head) else { return self.end_nap() };
+            let Ok(h) = FrameHeader::parse(&head) else { return self.end_nap() };
             let whole = h.flags & (FIRST | LAST) == FIRST | LAST;
-            let (payload, needs_recv) = match Op::from_raw(h.op) {
-                Some(Op::Ack | Op::ReadReq) => (0, false),
-                Some(Op::ReadResp) => (h.len, false),
-                Some(Op::Send) if whole => (h.len, true),
-                Some(Op::Write) if whole => (h.len, h.flags & IMM != 0),
+            let (payload, needs_recv) = match FrameOp::from_raw(h.op) {
+                Some(FrameOp::Ack | FrameOp::ReadReq) => (0, false),
+                Some(FrameOp::ReadResp) => (h.len, false),
+                Some(FrameOp::Send) if whole => (h.len, true),
+                Some(FrameOp::Write) if whole => (h.len, h.flags & IMM != 0),
                 _ => return self.end_nap(),
             };
             // A large frame is the receiver thread's: the copy dwarfs the
@@ -1661,7 +1662,7 @@ fn receiver(inner: &Inner) {
                 Err(e) => break format!("the connection to the peer failed: {e}"),
             }
         }
-        let h = match Header::parse(&head) {
+        let h = match FrameHeader::parse(&head) {
             Ok(h) => h,
             Err(why) => break why,
         };
@@ -1697,7 +1698,7 @@ fn receiver(inner: &Inner) {
     inner.hang_up();
 }
 
-type Step = std::result::Result<(), String>;
+type Handled = std::result::Result<(), String>;
 
 fn io_err(e: io::Error) -> String {
     format!("the connection to the peer failed: {e}")
@@ -1748,7 +1749,7 @@ impl Source<'_> {
     }
 
     /// Reads the rest of the message the header `h` starts, dropping it.
-    fn drain(&mut self, h: &Header, scratch: &mut [u8]) -> Step {
+    fn drain(&mut self, h: &FrameHeader, scratch: &mut [u8]) -> Handled {
         let mut cur = *h;
         loop {
             match self {
@@ -1767,7 +1768,7 @@ impl Source<'_> {
     }
 
     /// Reads the header of the next segment of the message `first` started.
-    fn next_segment(&mut self, first: &Header) -> std::result::Result<Header, String> {
+    fn next_segment(&mut self, first: &FrameHeader) -> std::result::Result<FrameHeader, String> {
         let Source::Socket(fd) = self else {
             // A waiter carries out messages of one segment only.
             return Err("a garbled frame (a segment after the last): the stream is out of step".into());
@@ -1776,7 +1777,7 @@ impl Source<'_> {
         if !recv_buf(*fd, &mut head).map_err(io_err)? {
             return Err("the peer closed the connection".into());
         }
-        let next = Header::parse(&head)?;
+        let next = FrameHeader::parse(&head)?;
         next.continues(first)?;
         Ok(next)
     }
@@ -1786,7 +1787,7 @@ impl Source<'_> {
 /// peer gets `status` (the last reply it gets), this side breaks too, as a
 /// responder in the error state does, and the receiver stops: nothing the
 /// peer sent after the refused request is carried out.
-fn refuse(inner: &Inner, seq: u32, status: WcStatus, why: String) -> Step {
+fn refuse(inner: &Inner, seq: u32, status: WcStatus, why: String) -> Handled {
     let mut st = inner.lock();
     st.control.push_back(Ctl::Ack { seq, status: status.to_raw() });
     inner.work.notify_one();
@@ -1826,12 +1827,12 @@ fn next_recv(inner: &Inner) -> std::result::Result<Option<Recv>, String> {
 /// immediate whose data already went to its target.
 fn on_message(
     inner: &Inner,
-    h: &Header,
+    h: &FrameHeader,
     written: Option<u32>,
     src: &mut Source<'_>,
     scratch: &mut [u8],
     by: Reading,
-) -> Step {
+) -> Handled {
     let total = u64::from(written.unwrap_or(h.total));
     let Some(recv) = next_recv(inner)? else {
         if written.is_none() {
@@ -1916,7 +1917,7 @@ fn on_message(
     inner.acknowledge(st, h.seq, by)
 }
 
-fn on_write(inner: &Inner, h: &Header, src: &mut Source<'_>, scratch: &mut [u8], by: Reading) -> Step {
+fn on_write(inner: &Inner, h: &FrameHeader, src: &mut Source<'_>, scratch: &mut [u8], by: Reading) -> Handled {
     let total = u64::from(h.total);
     let entry = inner.lookup(h.key);
     let admitted = entry.as_ref().is_some_and(|e| e.admits(h.addr, total, Access::REMOTE_WRITE));
@@ -1969,7 +1970,7 @@ fn on_write(inner: &Inner, h: &Header, src: &mut Source<'_>, scratch: &mut [u8],
     inner.acknowledge(inner.lock(), h.seq, by)
 }
 
-fn on_read_request(inner: &Inner, h: &Header) -> Step {
+fn on_read_request(inner: &Inner, h: &FrameHeader) -> Handled {
     let total = u64::from(h.total);
     match inner.lookup(h.key) {
         Some(entry) if entry.admits(h.addr, total, Access::REMOTE_READ) => {
@@ -1988,7 +1989,7 @@ fn on_read_request(inner: &Inner, h: &Header) -> Step {
     }
 }
 
-fn on_read_response(inner: &Inner, h: &Header, src: &mut Source<'_>, scratch: &mut [u8]) -> Step {
+fn on_read_response(inner: &Inner, h: &FrameHeader, src: &mut Source<'_>, scratch: &mut [u8]) -> Handled {
     let n = u64::from(h.len);
     // Where this segment must start (the peer sends a read's response in
     // order, from its start), and where the next one then starts.
@@ -2048,7 +2049,7 @@ fn chain_of(st: &TcpState, seq: u32) -> Option<u64> {
         .or_else(|| st.queue.iter().find(|o| is_final(o.wr_id) && within(o.first, o.seq)).map(|o| o.wr_id))
 }
 
-fn on_ack(inner: &Inner, h: &Header) -> Step {
+fn on_ack(inner: &Inner, h: &FrameHeader) -> Handled {
     let status = WcStatus::from_raw(h.total);
     let mut st = inner.lock();
     // A refused read is answered with an acknowledgement carrying the status.
@@ -2109,8 +2110,8 @@ mod tests {
             skip: 0,
             first: seq,
         };
-        let h = Header {
-            op: Op::Send as u8,
+        let h = FrameHeader {
+            op: FrameOp::Send as u8,
             flags: FIRST | LAST | IMM,
             seq,
             key: 0,
@@ -2195,7 +2196,7 @@ mod tests {
         let mut sent = Vec::new();
         let (rest, already) = loop {
             let seq = sent.len() as u32 + 1;
-            let h = Header { op: Op::Ack as u8, seq, ..Header::default() };
+            let h = FrameHeader { op: FrameOp::Ack as u8, seq, ..FrameHeader::default() };
             let n = send_now(tx.as_raw_fd(), &h.encode()).unwrap();
             sent.push(h);
             if n < HEADER {
@@ -2211,7 +2212,7 @@ mod tests {
         });
         for (i, h) in sent.iter().enumerate() {
             let got: [u8; HEADER] = read_tcp(&mut rx, HEADER).try_into().unwrap();
-            assert_eq!(Header::parse(&got).unwrap(), *h, "acknowledgement {i} of {}", sent.len());
+            assert_eq!(FrameHeader::parse(&got).unwrap(), *h, "acknowledgement {i} of {}", sent.len());
         }
         drop(writer.join().unwrap().unwrap());
     }
@@ -2243,18 +2244,19 @@ mod tests {
         assert!(unsafe { src.fill(two.as_mut_ptr(), 2, None, &mut scratch) }.is_err());
         assert_eq!(two, [9, 9]);
         // A message of one segment drains its payload; there is no next segment.
-        let h = Header { op: Op::Send as u8, flags: FIRST | LAST, len: 3, total: 3, ..Header::default() };
+        let h =
+            FrameHeader { op: FrameOp::Send as u8, flags: FIRST | LAST, len: 3, total: 3, ..FrameHeader::default() };
         let mut src = Source::Read(&bytes[..3]);
         src.drain(&h, &mut scratch).unwrap();
         assert!(matches!(src, Source::Read(rest) if rest.is_empty()));
-        let first = Header { flags: FIRST, ..h };
+        let first = FrameHeader { flags: FIRST, ..h };
         assert!(Source::Read(&bytes).drain(&first, &mut scratch).is_err());
         assert!(Source::Read(&bytes).next_segment(&first).is_err());
     }
 
     #[test]
     fn headers_round_trip() {
-        let h = Header {
+        let h = FrameHeader {
             op: 2,
             flags: FIRST | LAST | IMM,
             seq: 7,
@@ -2264,7 +2266,7 @@ mod tests {
             len: 4096,
             total: 9000,
         };
-        assert_eq!(Header::decode(&h.encode()), h);
+        assert_eq!(FrameHeader::decode(&h.encode()), h);
     }
 
     #[test]
@@ -2278,7 +2280,7 @@ mod tests {
             x ^= x << 17;
             x
         };
-        let first = Header { op: 1, flags: FIRST, seq: 1, len: 10, total: 20, ..Header::default() };
+        let first = FrameHeader { op: 1, flags: FIRST, seq: 1, len: 10, total: 20, ..FrameHeader::default() };
         let (mut ok, mut refused, mut continuing) = (0, 0, 0);
         for i in 0..1_000_000 {
             let mut b = [0u8; HEADER];
@@ -2292,11 +2294,11 @@ mod tests {
                 b[4..8].copy_from_slice(&(next() as u32 % 3).to_le_bytes());
                 b[24..28].copy_from_slice(&(next() as u32 % (2 * SEGMENT as u32)).to_le_bytes());
             }
-            match Header::parse(&b) {
+            match FrameHeader::parse(&b) {
                 Ok(h) => {
                     ok += 1;
                     assert!(h.len as usize <= SEGMENT && h.flags & !(FIRST | LAST | IMM | ACK) == 0, "{h:?}");
-                    assert_eq!(Header::decode(&h.encode()), h);
+                    assert_eq!(FrameHeader::decode(&h.encode()), h);
                     continuing += usize::from(h.continues(&first).is_ok());
                 }
                 Err(why) => {

@@ -15,7 +15,7 @@ use crate::deadline::{Deadline, polls_per_clock_read};
 use crate::error::{Error, Result};
 use crate::memory::domain::Nic;
 use crate::memory::{Access, LocalParts};
-use crate::ops::{OpId, Outcome, RawCompletion, WaitError, Waited, quiet_wr_id, waited};
+use crate::ops::{OpId, OpOutcome, RawCompletion, WaitError, Waited, quiet_wr_id, waited};
 use crate::options::{ConnectOptions, ConnectionInfo, Transport};
 use crate::verbs::{
     self, CompletionChannel, CompletionQueue, LinkLayer, Mtu, PortAttr, QpCaps, QpState, QueuePair, QueuePairBuilder,
@@ -451,7 +451,11 @@ impl VerbsConn {
 
     /// Waits, driving progress, until `outcome` gives one (it is asked
     /// after every poll), or the deadline passes ([`WaitError::Unfinished`]).
-    fn wait_outcome(&self, due: &mut Deadline, mut outcome: impl FnMut(&mut VerbsState) -> Option<Outcome>) -> Waited {
+    fn wait_outcome(
+        &self,
+        due: &mut Deadline,
+        mut outcome: impl FnMut(&mut VerbsState) -> Option<OpOutcome>,
+    ) -> Waited {
         let mut found = None;
         match self.wait_until_slow(due, |st| {
             found = outcome(st);
@@ -464,7 +468,7 @@ impl VerbsConn {
 
     /// Polls once (unless `id` was already reaped) and takes its outcome if
     /// it is done.
-    pub(crate) fn poll_take(&self, id: OpId) -> Result<Option<Outcome>> {
+    pub(crate) fn poll_take(&self, id: OpId) -> Result<Option<OpOutcome>> {
         let mut st = self.lock();
         if let Some(outcome) = st.q.take(id) {
             return Ok(Some(outcome));
@@ -476,7 +480,7 @@ impl VerbsConn {
     /// Takes `id`'s outcome if it is done (polling once), else registers
     /// `waker` for its completion. The caller has the engine watch this
     /// connection, so the completion is seen without anyone waiting.
-    pub(crate) fn poll_register(&self, id: OpId, waker: &std::task::Waker) -> Result<Option<Outcome>> {
+    pub(crate) fn poll_register(&self, id: OpId, waker: &std::task::Waker) -> Result<Option<OpOutcome>> {
         let mut st = self.lock();
         if let Some(outcome) = st.q.take(id) {
             return Ok(Some(outcome));
@@ -544,7 +548,7 @@ impl VerbsConn {
         self.progress(&mut st)
     }
 
-    pub(crate) fn take(&self, id: OpId) -> Option<Outcome> {
+    pub(crate) fn take(&self, id: OpId) -> Option<OpOutcome> {
         self.lock().q.take(id)
     }
 
@@ -949,7 +953,7 @@ impl VerbsConn {
     /// A poll that finds nothing posted since the last one has a signaled
     /// request follow `q` if none does: polling alone would never learn
     /// its outcome, and a caller posting more meanwhile needs no extra request.
-    pub(crate) fn poll_quiet(&self, q: &QuietSend) -> Result<Option<Outcome>> {
+    pub(crate) fn poll_quiet(&self, q: &QuietSend) -> Result<Option<OpOutcome>> {
         let mut st = self.lock();
         if let Some(outcome) = st.q.quiet_outcome(q) {
             return Ok(Some(outcome));
@@ -975,7 +979,7 @@ impl VerbsConn {
     }
 
     /// The outcome of quiet send `q` if known, without polling.
-    pub(crate) fn quiet_outcome(&self, q: &QuietSend) -> Option<Outcome> {
+    pub(crate) fn quiet_outcome(&self, q: &QuietSend) -> Option<OpOutcome> {
         self.lock().q.quiet_outcome(q)
     }
 
