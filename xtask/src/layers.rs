@@ -2,7 +2,9 @@
 //! through `crate::`, `super::`, `self::` or a child module, in `use` items
 //! and in code; doc links, strings, re-exports (`pub use`) and
 //! `#[cfg(test)]` modules are not imports), prints the module graph, and fails on any cycle and on any
-//! import a layer may not make.
+//! import a layer may not make. It also fails on a type name (struct,
+//! enum, union, alias, trait) defined in two modules outside test code:
+//! two `Shared`s or two `State`s in one crate read as one.
 //!
 //! The layers, lowest first (a module may import only lower layers and its
 //! own submodules; leaves may use each other, the cycle check keeps them
@@ -233,6 +235,72 @@ pub fn graph(src: &Path) -> Result<BTreeMap<String, BTreeSet<String>>> {
     Ok(g)
 }
 
+/// Records where each type name is defined, outside test code.
+struct Types<'a> {
+    scope: Vec<String>,
+    found: &'a mut BTreeMap<String, BTreeSet<String>>,
+}
+
+impl Types<'_> {
+    fn define(&mut self, attrs: &[syn::Attribute], name: &syn::Ident) {
+        if !is_cfg_test(attrs) {
+            self.found.entry(name.to_string()).or_default().insert(self.scope.join("::"));
+        }
+    }
+}
+
+impl<'ast> Visit<'ast> for Types<'_> {
+    fn visit_item_mod(&mut self, m: &'ast syn::ItemMod) {
+        if is_cfg_test(&m.attrs) {
+            return;
+        }
+        self.scope.push(m.ident.to_string());
+        syn::visit::visit_item_mod(self, m);
+        self.scope.pop();
+    }
+    fn visit_item_struct(&mut self, i: &'ast syn::ItemStruct) {
+        self.define(&i.attrs, &i.ident);
+        syn::visit::visit_item_struct(self, i);
+    }
+    fn visit_item_enum(&mut self, i: &'ast syn::ItemEnum) {
+        self.define(&i.attrs, &i.ident);
+        syn::visit::visit_item_enum(self, i);
+    }
+    fn visit_item_union(&mut self, i: &'ast syn::ItemUnion) {
+        self.define(&i.attrs, &i.ident);
+        syn::visit::visit_item_union(self, i);
+    }
+    fn visit_item_type(&mut self, i: &'ast syn::ItemType) {
+        self.define(&i.attrs, &i.ident);
+        syn::visit::visit_item_type(self, i);
+    }
+    fn visit_item_trait(&mut self, i: &'ast syn::ItemTrait) {
+        self.define(&i.attrs, &i.ident);
+        syn::visit::visit_item_trait(self, i);
+    }
+}
+
+/// Type names defined in more than one module of the library (outside
+/// test code), with those modules. One module defining a name twice under
+/// opposite `cfg`s is one definition.
+pub fn duplicate_types(src: &Path) -> Result<BTreeMap<String, BTreeSet<String>>> {
+    let mut files = Vec::new();
+    rust_files(src, &mut files);
+    let mut found = BTreeMap::new();
+    for file in &files {
+        let module = match module_of(src, file) {
+            Some(m) => m,
+            None if file == &src.join("lib.rs") => "crate".to_owned(),
+            None => continue,
+        };
+        let text = fs::read_to_string(file).map_err(|e| format!("{}: {e}", file.display()))?;
+        let ast = syn::parse_file(&text).map_err(|e| format!("{}: {e}", file.display()))?;
+        Types { scope: vec![module], found: &mut found }.visit_file(&ast);
+    }
+    found.retain(|_, modules| modules.len() > 1);
+    Ok(found)
+}
+
 /// The crate root's `pub use` items: the name each makes visible at the
 /// root, and the module it comes from (its path without the item).
 fn root_reexports(lib: &Path) -> Result<BTreeMap<String, String>> {
@@ -377,8 +445,17 @@ pub fn command(args: &[String]) -> Result<i32> {
     for (from, to, why) in &bad {
         println!("not allowed: {from} -> {to} ({why})");
     }
-    println!("xtask layers: {} cycle(s), {} import(s) a layer may not make", cyc.len(), bad.len());
-    let failed = !cyc.is_empty() || (!cycles_only && !bad.is_empty());
+    let twice = duplicate_types(&root().join("src"))?;
+    for (name, modules) in &twice {
+        println!("type name defined twice: {name} (in {})", modules.iter().cloned().collect::<Vec<_>>().join(", "));
+    }
+    println!(
+        "xtask layers: {} cycle(s), {} import(s) a layer may not make, {} type name(s) defined twice",
+        cyc.len(),
+        bad.len(),
+        twice.len()
+    );
+    let failed = !cyc.is_empty() || (!cycles_only && (!bad.is_empty() || !twice.is_empty()));
     Ok(i32::from(failed))
 }
 
@@ -411,6 +488,31 @@ mod tests {
         assert_eq!((v[0].0.as_str(), v[0].1.as_str()), ("memory", "transport"));
         let v = violations(&g(&[("memory::gpu", "bootstrap")]));
         assert_eq!(v.len(), 1, "siblings of one layer do not import each other: {v:?}");
+    }
+
+    #[test]
+    fn a_type_name_in_two_modules_is_found_and_test_code_and_cfg_alternatives_are_not() {
+        let dir = std::env::temp_dir().join(format!("xtask-types-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(dir.join("transport")).unwrap();
+        fs::write(dir.join("lib.rs"), "pub mod transport; pub mod region; struct Root;").unwrap();
+        fs::write(
+            dir.join("transport/mod.rs"),
+            "struct Shared; type Step = (); mod inner { enum State { A } }\n\
+             #[cfg(feature = \"x\")] struct Alt;\n#[cfg(not(feature = \"x\"))] struct Alt;\n\
+             #[cfg(test)] mod tests { struct Fake; }",
+        )
+        .unwrap();
+        fs::write(
+            dir.join("region.rs"),
+            "pub struct Shared; fn f() { struct State; } trait Step {}\n#[cfg(test)] mod tests { struct Fake; }",
+        )
+        .unwrap();
+        let twice = duplicate_types(&dir).unwrap();
+        let names: Vec<&str> = twice.keys().map(String::as_str).collect();
+        assert_eq!(names, ["Shared", "State", "Step"], "{twice:?}");
+        assert_eq!(twice["State"].iter().cloned().collect::<Vec<_>>(), ["region", "transport::inner"]);
+        let _ = fs::remove_dir_all(&dir);
     }
 
     #[test]

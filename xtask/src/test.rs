@@ -2,7 +2,7 @@
 //!
 //! 1. Here: formatting, clippy, a build without default features, the
 //!    module graph (`cargo xtask layers`: no import cycle, no import against
-//!    the layer order), and
+//!    the layer order, no type name defined in two modules), and
 //!    `cargo test` (the verbs tests are `#[ignore]`d here and say why).
 //!    Then the CUDA layer's tests against the test-only CUDA stand-in
 //!    (`cuda-stub/`, exposed as `libcuda.so` in `target/cuda-stub/` and put
@@ -358,9 +358,11 @@ pub fn run() -> Result<i32> {
         failures.push("cargo clippy --features tokio".into());
     }
     // The library's module graph has no cycle and no import against the
-    // layer order (see `cargo xtask layers`).
+    // layer order, and no type name is defined twice (see `cargo xtask layers`).
     if crate::layers::command(&[]) != Ok(0) {
-        failures.push("cargo xtask layers: an import cycle, or an import a layer may not make".into());
+        failures.push(
+            "cargo xtask layers: an import cycle, an import a layer may not make, or a type name defined twice".into(),
+        );
     }
     let (host_ok, host_out) =
         run_tee(cargo().args(["test", "--workspace", "--features", "gpu-rdma/cli,gpu-rdma/etcd"]))?;
