@@ -204,49 +204,55 @@ impl<'ast> Visit<'ast> for Refs<'_> {
     }
 }
 
-/// The module graph: module -> the modules it refers to.
-pub fn graph(src: &Path) -> Result<BTreeMap<String, BTreeSet<String>>> {
+/// The library's source files, parsed, each with its module path (`None`
+/// for the crate root; binaries are not the library).
+pub fn parse(src: &Path) -> Result<Vec<(Option<String>, syn::File)>> {
     let mut files = Vec::new();
     rust_files(src, &mut files);
-    let modules: BTreeSet<String> = files.iter().filter_map(|f| module_of(src, f)).collect();
-    let root = root_reexports(&src.join("lib.rs"))?;
-    let mut g = BTreeMap::new();
+    let mut out = Vec::new();
     for file in &files {
-        let Some(module) = module_of(src, file) else { continue };
+        let module = module_of(src, file);
+        if module.is_none() && *file != src.join("lib.rs") {
+            continue;
+        }
         let text = fs::read_to_string(file).map_err(|e| format!("{}: {e}", file.display()))?;
         let ast = syn::parse_file(&text).map_err(|e| format!("{}: {e}", file.display()))?;
+        out.push((module, ast));
+    }
+    Ok(out)
+}
+
+/// The module graph: module -> the modules it refers to.
+pub fn graph(sources: &[(Option<String>, syn::File)]) -> BTreeMap<String, BTreeSet<String>> {
+    let modules: BTreeSet<String> = sources.iter().filter_map(|(m, _)| m.clone()).collect();
+    let root = sources.iter().find(|(m, _)| m.is_none()).map(|(_, ast)| root_reexports(ast)).unwrap_or_default();
+    let mut g = BTreeMap::new();
+    for (module, ast) in sources {
+        let Some(module) = module else { continue };
         let mut refs = Refs {
             scope: module.split("::").map(str::to_owned).collect(),
             modules: &modules,
             root: &root,
             found: BTreeSet::new(),
         };
-        refs.visit_file(&ast);
+        refs.visit_file(ast);
         let mut deps = BTreeSet::new();
         for path in refs.found {
             // The longest prefix that is a module; the crate root does not count.
             let target = (1..=path.len()).rev().map(|n| path[..n].join("::")).find(|m| modules.contains(m));
-            if let Some(t) = target.filter(|t| *t != module) {
+            if let Some(t) = target.filter(|t| t != module) {
                 deps.insert(t);
             }
         }
-        g.insert(module, deps);
+        g.insert(module.clone(), deps);
     }
-    Ok(g)
+    g
 }
 
 /// Records where each type name is defined, outside test code.
 struct Types<'a> {
     scope: Vec<String>,
     found: &'a mut BTreeMap<String, BTreeSet<String>>,
-}
-
-impl Types<'_> {
-    fn define(&mut self, attrs: &[syn::Attribute], name: &syn::Ident) {
-        if !is_cfg_test(attrs) {
-            self.found.entry(name.to_string()).or_default().insert(self.scope.join("::"));
-        }
-    }
 }
 
 impl<'ast> Visit<'ast> for Types<'_> {
@@ -258,52 +264,40 @@ impl<'ast> Visit<'ast> for Types<'_> {
         syn::visit::visit_item_mod(self, m);
         self.scope.pop();
     }
-    fn visit_item_struct(&mut self, i: &'ast syn::ItemStruct) {
-        self.define(&i.attrs, &i.ident);
-        syn::visit::visit_item_struct(self, i);
-    }
-    fn visit_item_enum(&mut self, i: &'ast syn::ItemEnum) {
-        self.define(&i.attrs, &i.ident);
-        syn::visit::visit_item_enum(self, i);
-    }
-    fn visit_item_union(&mut self, i: &'ast syn::ItemUnion) {
-        self.define(&i.attrs, &i.ident);
-        syn::visit::visit_item_union(self, i);
-    }
-    fn visit_item_type(&mut self, i: &'ast syn::ItemType) {
-        self.define(&i.attrs, &i.ident);
-        syn::visit::visit_item_type(self, i);
-    }
-    fn visit_item_trait(&mut self, i: &'ast syn::ItemTrait) {
-        self.define(&i.attrs, &i.ident);
-        syn::visit::visit_item_trait(self, i);
+    fn visit_item(&mut self, item: &'ast syn::Item) {
+        let defined = match item {
+            syn::Item::Struct(i) => Some((&i.attrs, &i.ident)),
+            syn::Item::Enum(i) => Some((&i.attrs, &i.ident)),
+            syn::Item::Union(i) => Some((&i.attrs, &i.ident)),
+            syn::Item::Type(i) => Some((&i.attrs, &i.ident)),
+            syn::Item::Trait(i) => Some((&i.attrs, &i.ident)),
+            _ => None,
+        };
+        if let Some((attrs, name)) = defined
+            && !is_cfg_test(attrs)
+        {
+            self.found.entry(name.to_string()).or_default().insert(self.scope.join("::"));
+        }
+        syn::visit::visit_item(self, item);
     }
 }
 
 /// Type names defined in more than one module of the library (outside
 /// test code), with those modules. One module defining a name twice under
 /// opposite `cfg`s is one definition.
-pub fn duplicate_types(src: &Path) -> Result<BTreeMap<String, BTreeSet<String>>> {
-    let mut files = Vec::new();
-    rust_files(src, &mut files);
+pub fn duplicate_types(sources: &[(Option<String>, syn::File)]) -> BTreeMap<String, BTreeSet<String>> {
     let mut found = BTreeMap::new();
-    for file in &files {
-        let module = match module_of(src, file) {
-            Some(m) => m,
-            None if file == &src.join("lib.rs") => "crate".to_owned(),
-            None => continue,
-        };
-        let text = fs::read_to_string(file).map_err(|e| format!("{}: {e}", file.display()))?;
-        let ast = syn::parse_file(&text).map_err(|e| format!("{}: {e}", file.display()))?;
-        Types { scope: vec![module], found: &mut found }.visit_file(&ast);
+    for (module, ast) in sources {
+        let scope = vec![module.clone().unwrap_or_else(|| "crate".to_owned())];
+        Types { scope, found: &mut found }.visit_file(ast);
     }
     found.retain(|_, modules| modules.len() > 1);
-    Ok(found)
+    found
 }
 
 /// The crate root's `pub use` items: the name each makes visible at the
 /// root, and the module it comes from (its path without the item).
-fn root_reexports(lib: &Path) -> Result<BTreeMap<String, String>> {
+fn root_reexports(ast: &syn::File) -> BTreeMap<String, String> {
     fn walk(prefix: &mut Vec<String>, tree: &syn::UseTree, out: &mut BTreeMap<String, String>) {
         match tree {
             syn::UseTree::Path(p) => {
@@ -326,8 +320,6 @@ fn root_reexports(lib: &Path) -> Result<BTreeMap<String, String>> {
         }
     }
     let mut out = BTreeMap::new();
-    let Ok(text) = fs::read_to_string(lib) else { return Ok(out) };
-    let ast = syn::parse_file(&text).map_err(|e| format!("{}: {e}", lib.display()))?;
     for item in &ast.items {
         if let syn::Item::Use(u) = item
             && !matches!(u.vis, syn::Visibility::Inherited)
@@ -335,7 +327,7 @@ fn root_reexports(lib: &Path) -> Result<BTreeMap<String, String>> {
             walk(&mut Vec::new(), &u.tree, &mut out);
         }
     }
-    Ok(out)
+    out
 }
 
 /// The strongly connected components with more than one module (cycles).
@@ -430,7 +422,8 @@ pub fn violations(g: &BTreeMap<String, BTreeSet<String>>) -> Vec<(String, String
 /// order without failing (what CI runs until the last of them is gone).
 pub fn command(args: &[String]) -> Result<i32> {
     let cycles_only = args.iter().any(|a| a == "--cycles");
-    let g = graph(&root().join("src"))?;
+    let sources = parse(&root().join("src"))?;
+    let g = graph(&sources);
     println!("xtask layers: {} modules", g.len());
     for (m, deps) in &g {
         let l = layer(m).map_or("-".to_owned(), |l| l.to_string());
@@ -445,7 +438,7 @@ pub fn command(args: &[String]) -> Result<i32> {
     for (from, to, why) in &bad {
         println!("not allowed: {from} -> {to} ({why})");
     }
-    let twice = duplicate_types(&root().join("src"))?;
+    let twice = duplicate_types(&sources);
     for (name, modules) in &twice {
         println!("type name defined twice: {name} (in {})", modules.iter().cloned().collect::<Vec<_>>().join(", "));
     }
@@ -508,7 +501,7 @@ mod tests {
             "pub struct Shared; fn f() { struct State; } trait Step {}\n#[cfg(test)] mod tests { struct Fake; }",
         )
         .unwrap();
-        let twice = duplicate_types(&dir).unwrap();
+        let twice = duplicate_types(&parse(&dir).unwrap());
         let names: Vec<&str> = twice.keys().map(String::as_str).collect();
         assert_eq!(names, ["Shared", "State", "Step"], "{twice:?}");
         assert_eq!(twice["State"].iter().cloned().collect::<Vec<_>>(), ["region", "transport::inner"]);
@@ -536,7 +529,7 @@ mod tests {
             "use super::{X as Y};\npub struct T; fn f() { let _ = \"crate::error\"; }",
         )
         .unwrap();
-        let graph = graph(&dir).unwrap();
+        let graph = graph(&parse(&dir).unwrap());
         let deps = |m: &str| graph[m].iter().cloned().collect::<Vec<_>>();
         assert_eq!(deps("error"), Vec::<String>::new(), "a doc link is not an import");
         assert_eq!(deps("user"), vec!["transport"], "a path through a root re-export counts against its module");
