@@ -325,8 +325,7 @@ impl Rendezvous for EtcdRendezvous {
                     if stop.load(Ordering::Acquire) {
                         return;
                     }
-                    if let Ok(r) = client.get(full.clone(), Some(GetOptions::new().with_prefix())).await {
-                        let (now, at) = snapshot(&ns, &r);
+                    if let Ok((now, at)) = list_prefix(&mut client, full.clone(), &ns).await {
                         for change in super::diff(&known, &now) {
                             if tx.send(change).is_err() {
                                 return;
@@ -347,11 +346,16 @@ fn strip_namespace(ns: &str, key: &[u8]) -> Option<String> {
     std::str::from_utf8(key).ok()?.strip_prefix(ns).map(str::to_owned)
 }
 
-/// What a prefix listing found, keys without the namespace, and the
-/// revision it was taken at (0 if etcd named none).
-fn snapshot(ns: &str, r: &etcd_client::GetResponse) -> (BTreeMap<String, Vec<u8>>, i64) {
+/// Every key under the full prefix `full` (without the namespace `ns`)
+/// and the revision the listing was taken at (0 if etcd named none).
+async fn list_prefix(
+    client: &mut Client,
+    full: String,
+    ns: &str,
+) -> std::result::Result<(BTreeMap<String, Vec<u8>>, i64), etcd_client::Error> {
+    let r = client.get(full, Some(GetOptions::new().with_prefix())).await?;
     let kvs = r.kvs().iter().filter_map(|kv| strip_namespace(ns, kv.key()).map(|k| (k, kv.value().to_vec())));
-    (kvs.collect(), r.header().map_or(0, |h| h.revision()))
+    Ok((kvs.collect(), r.header().map_or(0, |h| h.revision())))
 }
 
 impl EtcdRendezvous {
@@ -361,10 +365,7 @@ impl EtcdRendezvous {
         let mut c = self.client.clone();
         let full = self.full(prefix);
         let ns = self.opts.namespace.clone();
-        self.call("listing", async move {
-            let r = c.get(full, Some(GetOptions::new().with_prefix())).await?;
-            Ok(snapshot(&ns, &r))
-        })
+        self.call("listing", async move { list_prefix(&mut c, full, &ns).await })
     }
 }
 
