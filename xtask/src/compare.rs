@@ -16,7 +16,9 @@
 //! `--host` runs part 1 only; `--from DIR` prints part 2's table again from
 //! a kept guest run, and from several (`--from A --from B`) with their
 //! rounds pooled: kept runs of the same settings add up to the rounds that
-//! settle what five cannot.
+//! settle what five cannot. `--null` runs perftest twice in each round and
+//! adds the null comparison: perftest against itself, paired and judged by
+//! the same goals, which shows how far the machine alone moves a ratio.
 
 use std::fmt::Write as _;
 use std::fs;
@@ -164,6 +166,7 @@ pub fn command(args: &[String]) -> Result<i32> {
     let mut host_only = false;
     let mut from = Vec::new();
     let mut only: Option<String> = None;
+    let mut null = false;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
@@ -172,12 +175,14 @@ pub fn command(args: &[String]) -> Result<i32> {
                 rounds = Some(n.parse().map_err(|_| format!("--rounds {n}: not a number"))?);
             }
             "--host" => host_only = true,
+            "--null" => null = true,
             "--only" => only = Some(it.next().ok_or("--only needs a test name (write-bw, list-bw, ...)")?.clone()),
             "--from" => from.push(PathBuf::from(it.next().ok_or("--from needs the folder of a guest run")?)),
             _ => {
                 return Err(format!(
                     "compare takes --rounds N (default 3), --host, --only TEST (the guest's cases of one test, \
-                     without the host part) and --from DIR (repeatable: the kept runs' rounds pooled); got {args:?}"
+                     without the host part), --null (perftest a second time each round, against itself) and \
+                     --from DIR (repeatable: the kept runs' rounds pooled); got {args:?}"
                 ));
             }
         }
@@ -216,7 +221,13 @@ pub fn command(args: &[String]) -> Result<i32> {
             let pt = format!("{} -d rxe0 -x 0 -F -s {} -n {}", c.perftest, c.size, c.iters);
             let gr = format!("$B bench {} -d rxe0 -p 18516 -s {} -n {}", c.test, c.size, c.iters);
             let ucx = format!("env UCX_TLS=rc_verbs,ud_verbs,self UCX_NET_DEVICES=rxe0:1 {}", ucx_cmd(c, 13337));
-            let all = [("perftest", pt, 18515), ("ucx", ucx, 13337), ("gpu-rdma", gr, 18516)];
+            let mut all = vec![("perftest", pt.clone(), 18515), ("ucx", ucx, 13337), ("gpu-rdma", gr, 18516)];
+            if null {
+                // Not next to perftest's first run: the two are two runs
+                // apart in every round (gpu-rdma is one or three from it),
+                // so the null is no steadier for running back to back.
+                all.insert(2, (AGAIN, pt, 18515));
+            }
             for k in 0..all.len() {
                 let (tool, cmd, port) = &all[(round + i + k) % all.len()];
                 let client = if *tool == "ucx" {
@@ -230,8 +241,9 @@ pub fn command(args: &[String]) -> Result<i32> {
     }
     script.push_str("exit 0\n");
     println!(
-        "xtask: compare: {} cases x {rounds} rounds, perftest, UCX and gpu-rdma bench interleaved on rxe0",
-        cases.len()
+        "xtask: compare: {} cases x {rounds} rounds, perftest{}, UCX and gpu-rdma bench interleaved on rxe0",
+        cases.len(),
+        if null { " (twice)" } else { "" }
     );
     let opts = VmOptions { timeout: Duration::from_secs(3600), keep: true, ..VmOptions::default() };
     let before = host_steadiness("before");
@@ -441,6 +453,13 @@ fn report(runs: &[Run], cases: &[Case]) -> (String, usize) {
         "\nrxe0 in the soft-RoCE guest\n{:<10} {:>9} {:>7}  {:>14} {:>14} {:>14}  {:>7} {:>7} {:>11}  {:>7}  goal (paired, vs perftest)",
         "test", "bytes", "iters", "perftest", "ucx", "gpu-rdma", "vs pt", "paired", "range", "vs ucx"
     );
+    // perftest against itself, where the runs have its second run.
+    let mut null = format!(
+        "\nthe null: perftest's second run of a round over its first, paired and judged as gpu-rdma is\n\
+         {:<10} {:>9}  {:>7} {:>11}  goal\n",
+        "test", "bytes", "paired", "range"
+    );
+    let mut null_rows = 0;
     // The runs with no figure, left out of medians and ranges.
     let mut lost: Vec<String> = Vec::new();
     for c in cases {
@@ -461,6 +480,22 @@ fn report(runs: &[Run], cases: &[Case]) -> (String, usize) {
         let floor = if c.test == "list-bw" { 0.90 } else { 1.0 };
         let goal = if c.is_bw() { format!(">= {floor:.2}x") } else { "<= 1.05x".to_owned() };
         let meets = |r: f64| if c.is_bw() { r >= floor } else { r <= 1.05 };
+        // The null's row: perftest's second run over its first, judged by
+        // the same goal (`None` rounds without a second run are left out).
+        let mut null_row = |label: &str, pt: &[Option<f64>], again: &[Option<f64>]| {
+            let Some(range) = paired_range(again, pt) else { return };
+            let said = verdict(Some(range.estimate), Some(range), meets);
+            let paired = times(Some(range.estimate));
+            let _ =
+                writeln!(null, "{label:<10} {:>9}  {paired:>7} {:>11}  {goal} {said}", c.size, show_range(Some(range)));
+            null_rows += 1;
+        };
+        let again = per_round(runs, c, AGAIN, &typical).0;
+        null_row(c.test, &pt, &again);
+        if !c.is_bw() {
+            let least = |log: &str| min_latency(log, c.size);
+            null_row("  (min)", &per_round(runs, c, "perftest", &least).0, &per_round(runs, c, AGAIN, &least).0);
+        }
         // A row: the medians and their ratios, the paired ratio with its
         // range, and the goal's verdict on it.
         let mut row = |label: &str, pt: &[Option<f64>], gr: &[Option<f64>], ucx: Option<f64>| {
@@ -519,6 +554,9 @@ fn report(runs: &[Run], cases: &[Case]) -> (String, usize) {
         let each: Vec<String> = runs.iter().map(|r| format!("{} ({})", r.dir.display(), r.rounds)).collect();
         let _ = writeln!(out, "pooled: the rounds of {} kept runs: {}", runs.len(), each.join(", "));
     }
+    if null_rows != 0 {
+        out.push_str(&null);
+    }
     if !lost.is_empty() {
         // Named, so a reader can open their logs (`<name>.client`).
         let _ = writeln!(
@@ -533,7 +571,10 @@ fn report(runs: &[Run], cases: &[Case]) -> (String, usize) {
 }
 
 /// The tools of a guest round, as their logs are named.
-const TOOLS: [&str; 3] = ["perftest", "ucx", "gpu-rdma"];
+const TOOLS: [&str; 4] = ["perftest", "ucx", "gpu-rdma", AGAIN];
+
+/// perftest's second run in a round, under `--null`.
+const AGAIN: &str = "perftest-again";
 
 /// A kept guest run of `compare`: its folder of logs and how many of its
 /// rounds to read.
@@ -711,6 +752,37 @@ mod tests {
         fs::write(dir.join("send-lat-8-perftest-9.client"), log(1.0)).unwrap();
         fs::write(dir.join("send-lat-2-perftest-9.server"), "").unwrap();
         dir
+    }
+
+    #[test]
+    fn the_null_pairs_perftest_with_itself_only_where_it_ran_twice() {
+        let cases: Vec<Case> = cases().into_iter().filter(|c| c.test == "send-lat" && c.size == 2).collect();
+        let iters = cases[0].iters;
+        let rounds = [(20.0, 21.0), (30.0, 30.0), (25.0, 24.0), (22.0, 23.0), (26.0, 27.0)];
+        let dir = kept_run("null", &rounds, iters);
+        let runs = [Run { dir: dir.clone(), rounds: rounds.len() }];
+        let (table, _) = report(&runs, &cases);
+        assert!(!table.contains("the null"), "no second perftest run, no null: {table}");
+        // perftest's second run 10% slower than its first in every round:
+        // the null's ratio is 1.10x, and the goal (at most 1.05x) MISSED.
+        for (r, (pt, _)) in rounds.iter().enumerate() {
+            let log = format!(
+                " #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]\n 2  {iters}  11.00  99.00  {}\n",
+                pt * 1.1
+            );
+            fs::write(dir.join(format!("send-lat-2-{AGAIN}-{r}.client")), log).unwrap();
+        }
+        assert_eq!(rounds_in(&dir, &cases), rounds.len());
+        let (table, missing) = report(&runs, &cases);
+        assert_eq!(missing, 0, "{table}");
+        let null = table.split("the null").nth(1).unwrap_or_else(|| panic!("a null section: {table}"));
+        let typical = null.lines().find(|l| l.starts_with("send-lat")).expect("the typical latency's row");
+        assert!(typical.contains("1.10x") && typical.contains("1.10-1.10"), "{typical}");
+        assert!(typical.contains("<= 1.05x MISSED"), "{typical}");
+        // The minimum: 11 us over 10 us in every round.
+        let least = null.lines().find(|l| l.starts_with("  (min)")).expect("the minimum's row");
+        assert!(least.contains("1.10x"), "{least}");
+        let _ = fs::remove_dir_all(dir);
     }
 
     #[test]

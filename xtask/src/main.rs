@@ -48,8 +48,9 @@ commands:
   demo [--vm]           the transfer example with no arguments here: best path, write/read/send, verified;
                           --vm: two processes on rxe0 in the guest, 256 MiB each way
   bench                 the criterion suite benches/ops.rs on rxe0 in the guest (verbs and TCP)
-  compare [--rounds N] [--host] [--only TEST] [--from DIR]...
+  compare [--rounds N] [--host] [--only TEST] [--null] [--from DIR]...
                         gpu-rdma bench beside perftest and UCX on rxe0 (and UCX over TCP here): medians, ratios;
+                          --null: perftest twice a round, its second run against its first (the noise floor);
                           --from: the table from kept guest runs, their rounds pooled
   instructions [--size N] [--server] [--runs N]
                         instructions per send-lat iteration under callgrind, ib_send_lat beside gpu-rdma
