@@ -456,8 +456,8 @@ fn report(runs: &[Run], cases: &[Case]) -> (String, usize) {
     // perftest against itself, where the runs have its second run.
     let mut null = format!(
         "\nthe null: perftest's second run of a round over its first, paired and judged as gpu-rdma is\n\
-         {:<10} {:>9}  {:>7} {:>11}  goal\n",
-        "test", "bytes", "paired", "range"
+         {:<10} {:>9}  {:>7} {:>11} {:>7}  goal\n",
+        "test", "bytes", "paired", "range", "rounds"
     );
     let mut null_rows = 0;
     // The runs with no figure, left out of medians and ranges.
@@ -486,8 +486,14 @@ fn report(runs: &[Run], cases: &[Case]) -> (String, usize) {
             let Some(range) = paired_range(again, pt) else { return };
             let said = verdict(Some(range.estimate), Some(range), meets);
             let paired = times(Some(range.estimate));
-            let _ =
-                writeln!(null, "{label:<10} {:>9}  {paired:>7} {:>11}  {goal} {said}", c.size, show_range(Some(range)));
+            // Pooled with runs without `--null`, fewer rounds than the table's.
+            let n = pt.iter().zip(again).filter(|(p, a)| p.is_some() && a.is_some()).count();
+            let _ = writeln!(
+                null,
+                "{label:<10} {:>9}  {paired:>7} {:>11} {n:>7}  {goal} {said}",
+                c.size,
+                show_range(Some(range))
+            );
             null_rows += 1;
         };
         let again = per_round(runs, c, AGAIN, &typical).0;
@@ -777,7 +783,7 @@ mod tests {
         assert_eq!(missing, 0, "{table}");
         let null = table.split("the null").nth(1).unwrap_or_else(|| panic!("a null section: {table}"));
         let typical = null.lines().find(|l| l.starts_with("send-lat")).expect("the typical latency's row");
-        assert!(typical.contains("1.10x") && typical.contains("1.10-1.10"), "{typical}");
+        assert!(typical.contains("1.10x") && typical.contains("1.10-1.10       5 "), "{typical}");
         assert!(typical.contains("<= 1.05x MISSED"), "{typical}");
         // The minimum: 11 us over 10 us in every round.
         let least = null.lines().find(|l| l.starts_with("  (min)")).expect("the minimum's row");
