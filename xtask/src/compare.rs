@@ -496,12 +496,7 @@ fn report(runs: &[Run], cases: &[Case]) -> (String, usize) {
             );
             null_rows += 1;
         };
-        let again = per_round(runs, c, AGAIN, &typical).0;
-        null_row(c.test, &pt, &again);
-        if !c.is_bw() {
-            let least = |log: &str| min_latency(log, c.size);
-            null_row("  (min)", &per_round(runs, c, "perftest", &least).0, &per_round(runs, c, AGAIN, &least).0);
-        }
+        null_row(c.test, &pt, &per_round(runs, c, AGAIN, &typical).0);
         // A row: the medians and their ratios, the paired ratio with its
         // range, and the goal's verdict on it.
         let mut row = |label: &str, pt: &[Option<f64>], gr: &[Option<f64>], ucx: Option<f64>| {
@@ -532,6 +527,7 @@ fn report(runs: &[Run], cases: &[Case]) -> (String, usize) {
             let (pt, _) = per_round(runs, c, "perftest", &least);
             let (gr, _) = per_round(runs, c, "gpu-rdma", &least);
             row("  (min)", &pt, &gr, None);
+            null_row("  (min)", &pt, &per_round(runs, c, AGAIN, &least).0);
             let _ = write!(best, "   {}", best_row(c, &pt, &gr));
         }
         best.push('\n');
