@@ -483,24 +483,37 @@ mod tests {
         assert_eq!(v.len(), 1, "siblings of one layer do not import each other: {v:?}");
     }
 
+    /// A fresh source tree in a temporary folder named after `name`:
+    /// `files` as (path from the tree's root, text).
+    fn source_tree(name: &str, files: &[(&str, &str)]) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("xtask-{name}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        for (path, text) in files {
+            let file = dir.join(path);
+            fs::create_dir_all(file.parent().unwrap()).unwrap();
+            fs::write(file, text).unwrap();
+        }
+        dir
+    }
+
     #[test]
     fn a_type_name_in_two_modules_is_found_and_test_code_and_cfg_alternatives_are_not() {
-        let dir = std::env::temp_dir().join(format!("xtask-types-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&dir);
-        fs::create_dir_all(dir.join("transport")).unwrap();
-        fs::write(dir.join("lib.rs"), "pub mod transport; pub mod region; struct Root;").unwrap();
-        fs::write(
-            dir.join("transport/mod.rs"),
-            "struct Shared; type Step = (); mod inner { enum State { A } }\n\
-             #[cfg(feature = \"x\")] struct Alt;\n#[cfg(not(feature = \"x\"))] struct Alt;\n\
-             #[cfg(test)] mod tests { struct Fake; }",
-        )
-        .unwrap();
-        fs::write(
-            dir.join("region.rs"),
-            "pub struct Shared; fn f() { struct State; } trait Step {}\n#[cfg(test)] mod tests { struct Fake; }",
-        )
-        .unwrap();
+        let dir = source_tree(
+            "types",
+            &[
+                ("lib.rs", "pub mod transport; pub mod region; struct Root;"),
+                (
+                    "transport/mod.rs",
+                    "struct Shared; type Step = (); mod inner { enum State { A } }\n\
+                     #[cfg(feature = \"x\")] struct Alt;\n#[cfg(not(feature = \"x\"))] struct Alt;\n\
+                     #[cfg(test)] mod tests { struct Fake; }",
+                ),
+                (
+                    "region.rs",
+                    "pub struct Shared; fn f() { struct State; } trait Step {}\n#[cfg(test)] mod tests { struct Fake; }",
+                ),
+            ],
+        );
         let twice = duplicate_types(&parse(&dir).unwrap());
         let names: Vec<&str> = twice.keys().map(String::as_str).collect();
         assert_eq!(names, ["Shared", "State", "Step"], "{twice:?}");
@@ -510,25 +523,21 @@ mod tests {
 
     #[test]
     fn paths_resolve_through_crate_super_self_and_child_modules() {
-        let dir = std::env::temp_dir().join(format!("xtask-layers-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&dir);
-        fs::create_dir_all(dir.join("transport")).unwrap();
-        fs::write(dir.join("lib.rs"), "pub mod error; pub mod transport; pub use transport::X;").unwrap();
-        fs::create_dir_all(dir.join("facade")).unwrap();
-        fs::write(dir.join("facade/mod.rs"), "mod inner; pub use inner::Y;").unwrap();
-        fs::write(dir.join("facade/inner.rs"), "pub struct Y(super::super::error::E);").unwrap();
-        fs::write(dir.join("error.rs"), "/// See [`crate::transport::X`].\npub struct E;").unwrap();
-        fs::write(dir.join("user.rs"), "fn f(_: crate::X) {}").unwrap();
-        fs::write(
-            dir.join("transport/mod.rs"),
-            "mod tcp;\nuse crate::error::E;\npub struct X(tcp::T);\n#[cfg(test)] mod tests { use crate::bench; }",
-        )
-        .unwrap();
-        fs::write(
-            dir.join("transport/tcp.rs"),
-            "use super::{X as Y};\npub struct T; fn f() { let _ = \"crate::error\"; }",
-        )
-        .unwrap();
+        let dir = source_tree(
+            "layers",
+            &[
+                ("lib.rs", "pub mod error; pub mod transport; pub use transport::X;"),
+                ("facade/mod.rs", "mod inner; pub use inner::Y;"),
+                ("facade/inner.rs", "pub struct Y(super::super::error::E);"),
+                ("error.rs", "/// See [`crate::transport::X`].\npub struct E;"),
+                ("user.rs", "fn f(_: crate::X) {}"),
+                (
+                    "transport/mod.rs",
+                    "mod tcp;\nuse crate::error::E;\npub struct X(tcp::T);\n#[cfg(test)] mod tests { use crate::bench; }",
+                ),
+                ("transport/tcp.rs", "use super::{X as Y};\npub struct T; fn f() { let _ = \"crate::error\"; }"),
+            ],
+        );
         let graph = graph(&parse(&dir).unwrap());
         let deps = |m: &str| graph[m].iter().cloned().collect::<Vec<_>>();
         assert_eq!(deps("error"), Vec::<String>::new(), "a doc link is not an import");
