@@ -272,7 +272,17 @@ impl Rendezvous for EtcdRendezvous {
     /// it is back, what changed meanwhile is reported from that listing,
     /// and the watch goes on from the listing's revision.
     fn watch(self: Arc<Self>, prefix: &str) -> Result<Watch> {
-        let (mut known, mut revision) = self.listing(prefix)?;
+        let (known, revision) = self.listing(prefix)?;
+        Ok(self.follow(prefix, known, revision))
+    }
+}
+
+impl EtcdRendezvous {
+    /// The watch's half after the listing: the keys under `prefix` were
+    /// `known` at `revision`; reports what changes after it. Apart from
+    /// [`Rendezvous::watch`] so that a test can put etcd's compaction
+    /// between the two, where it cannot otherwise be made to fall.
+    fn follow(&self, prefix: &str, mut known: BTreeMap<String, Vec<u8>>, mut revision: i64) -> Watch {
         let (tx, stop, watch) = Watch::channel();
         let ns = self.opts.namespace.clone();
         let full = self.full(prefix);
@@ -337,7 +347,16 @@ impl Rendezvous for EtcdRendezvous {
                 }
             }
         });
-        Ok(watch)
+        watch
+    }
+
+    /// Every key under `prefix` (without the namespace) and the revision
+    /// the listing was taken at.
+    fn listing(&self, prefix: &str) -> Result<(BTreeMap<String, Vec<u8>>, i64)> {
+        let mut c = self.client.clone();
+        let full = self.full(prefix);
+        let ns = self.opts.namespace.clone();
+        self.call("listing", async move { list_prefix(&mut c, full, &ns).await })
     }
 }
 
@@ -358,17 +377,6 @@ async fn list_prefix(
     Ok((kvs.collect(), r.header().map_or(0, |h| h.revision())))
 }
 
-impl EtcdRendezvous {
-    /// Every key under `prefix` (without the namespace) and the revision
-    /// the listing was taken at.
-    fn listing(&self, prefix: &str) -> Result<(BTreeMap<String, Vec<u8>>, i64)> {
-        let mut c = self.client.clone();
-        let full = self.full(prefix);
-        let ns = self.opts.namespace.clone();
-        self.call("listing", async move { list_prefix(&mut c, full, &ns).await })
-    }
-}
-
 impl Drop for EtcdRendezvous {
     /// Stops keeping the lease alive. The lease is not revoked: what this
     /// process published stays for up to the lease's time to live, so peers
@@ -379,5 +387,79 @@ impl Drop for EtcdRendezvous {
         if let Some(rt) = self.rt.take() {
             rt.shutdown_background();
         }
+    }
+}
+
+#[cfg(test)]
+#[allow(dead_code)] // the integration tests' server: restarting it is theirs
+#[path = "../../tests/common/etcd.rs"]
+mod etcd_server;
+
+#[cfg(test)]
+mod tests {
+    use etcd_client::CompactionOptions;
+
+    use super::etcd_server::EtcdServer;
+    use super::*;
+
+    /// etcd compacts its history past the listing's revision before the
+    /// watch's request reaches it, after the prefix changed: etcd cancels
+    /// the watch, whose changes are then gone from the history, and the
+    /// watch must find them by listing again, then go on.
+    #[test]
+    fn a_watch_etcd_compacted_past_lists_again_reports_what_changed_and_goes_on() {
+        let server = EtcdServer::start();
+        let opts = EtcdOptions::new([server.endpoint()]).namespace("compacted/").timeout(Duration::from_secs(10));
+        let store = EtcdRendezvous::connect(opts).unwrap();
+        store.publish("p/gone", b"1").unwrap();
+        store.publish("p/kept", b"old").unwrap();
+        let (known, at) = store.listing("p/").unwrap();
+        assert_eq!(known.len(), 2);
+        // Three changes after the listing, then the history compacted up
+        // to the last: a watch from `at + 1` can no longer be served.
+        store.publish("p/new", b"2").unwrap();
+        store.remove("p/gone").unwrap();
+        store.publish("p/kept", b"changed").unwrap();
+        let (_, now) = store.listing("p/").unwrap();
+        assert!(now > at + 1, "the changes moved the revision from {at} to {now}");
+        let mut c = store.client.clone();
+        store
+            .call("compacting", async move { c.compact(now, Some(CompactionOptions::new().with_physical())).await })
+            .unwrap();
+        let (mut c, full) = (store.client.clone(), store.full("p/"));
+        let old = store.call("reading the compacted revision", async move {
+            c.get(full, Some(GetOptions::new().with_prefix().with_revision(at + 1))).await
+        });
+        let why = old.expect_err("etcd still serves the revision after the listing's").to_string();
+        assert!(why.contains("compacted"), "{why}");
+
+        let watch = store.follow("p/", known, at);
+        let mut got = Vec::new();
+        while got.len() < 3 {
+            match watch.next_timeout(Duration::from_secs(10)) {
+                Some(change) => got.push(change),
+                None => panic!("after 10 s the watch reported only {got:?}"),
+            }
+        }
+        let key = |c: &Change| match c {
+            Change::Put { key, .. } | Change::Removed { key } => key.clone(),
+        };
+        got.sort_by_key(key);
+        assert_eq!(
+            got,
+            [
+                Change::Removed { key: "p/gone".into() },
+                Change::Put { key: "p/kept".into(), value: b"changed".to_vec() },
+                Change::Put { key: "p/new".into(), value: b"2".to_vec() },
+            ]
+        );
+        // It watches on from the new listing: what follows is reported,
+        // once, and what it already reported is not again.
+        store.publish("p/later", b"3").unwrap();
+        assert_eq!(
+            watch.next_timeout(Duration::from_secs(10)),
+            Some(Change::Put { key: "p/later".into(), value: b"3".to_vec() })
+        );
+        assert_eq!(watch.next_timeout(Duration::from_millis(500)), None);
     }
 }
