@@ -280,8 +280,9 @@ impl Rendezvous for EtcdRendezvous {
 impl EtcdRendezvous {
     /// The watch's half after the listing: the keys under `prefix` were
     /// `known` at `revision`; reports what changes after it. Apart from
-    /// [`Rendezvous::watch`] so that a test can put etcd's compaction
-    /// between the two, where it cannot otherwise be made to fall.
+    /// [`Rendezvous::watch`] so that a test can compact etcd's history
+    /// between the listing and the watch's request, a moment nothing else
+    /// can hit.
     fn follow(&self, prefix: &str, mut known: BTreeMap<String, Vec<u8>>, mut revision: i64) -> Watch {
         let (tx, stop, watch) = Watch::channel();
         let ns = self.opts.namespace.clone();
