@@ -1,6 +1,8 @@
 //! `cargo xtask compare`: `gpu-rdma bench` beside two anchors, perftest and
 //! UCX (`ucx_perftest`), with the same sizes and iteration counts,
-//! interleaved (each round rotates which goes first, so drift hits all), and
+//! interleaved (each round runs them in another order: over the rounds each
+//! runs right after every other equally often, so neither drift nor what a
+//! run leaves behind falls on one tool), and
 //! a table of medians over the rounds and their ratios, each tool's figure
 //! over perftest's round by round with the range the rounds put it in (see
 //! [`crate::stats`]), then each tool's best round.
@@ -130,6 +132,28 @@ pair() { # name, server's TCP port, server command, client command
 B=target/release/gpu-rdma
 "#;
 
+/// The orders the tools of a case run in, one a round in turn: each tool
+/// comes right after every other equally often, and takes every place
+/// equally often (a Williams design). A run can leave the guest slower or
+/// faster for the next one; with one fixed cyclic order each tool always
+/// followed the same tool (with perftest twice, gpu-rdma always came right
+/// after perftest's second run and perftest's first right after
+/// gpu-rdma), so what one tool left behind would have counted against a
+/// single other tool round after round. 15 rounds of read-bw at 1 MiB in
+/// that order put each run that followed `ucx` or perftest's second run
+/// 0.92-0.94x the round's median, and perftest after gpu-rdma at 1.00x.
+fn balanced_orders(n: usize) -> Vec<Vec<usize>> {
+    // First row 0, 1, n-1, 2, n-2, ...; the others add 1, 2, ... mod n.
+    let first: Vec<usize> = (0..n).map(|j| if j % 2 == 1 { j.div_ceil(2) } else { (n - j / 2) % n }).collect();
+    let mut rows: Vec<Vec<usize>> = (0..n).map(|r| first.iter().map(|&t| (t + r) % n).collect()).collect();
+    if n % 2 == 1 {
+        // An odd number of tools needs the mirror images too.
+        let mirrored: Vec<Vec<usize>> = rows.iter().map(|row| row.iter().rev().copied().collect()).collect();
+        rows.extend(mirrored);
+    }
+    rows
+}
+
 /// The figure a client printed for `size`: average bandwidth (MiB/s) for a
 /// bandwidth test, typical latency (usec) for a latency test. perftest's and
 /// gpu-rdma's tables share their columns.
@@ -223,13 +247,11 @@ pub fn command(args: &[String]) -> Result<i32> {
             let ucx = format!("env UCX_TLS=rc_verbs,ud_verbs,self UCX_NET_DEVICES=rxe0:1 {}", ucx_cmd(c, 13337));
             let mut all = vec![("perftest", pt.clone(), 18515), ("ucx", ucx, 13337), ("gpu-rdma", gr, 18516)];
             if null {
-                // Not next to perftest's first run: the two are two runs
-                // apart in every round (gpu-rdma is one or three from it),
-                // so the null is no steadier for running back to back.
                 all.insert(2, (AGAIN, pt, 18515));
             }
-            for k in 0..all.len() {
-                let (tool, cmd, port) = &all[(round + i + k) % all.len()];
+            let orders = balanced_orders(all.len());
+            for &k in &orders[(round + i) % orders.len()] {
+                let (tool, cmd, port) = &all[k];
                 let client = if *tool == "ucx" {
                     cmd.replace("ucx_perftest ", "ucx_perftest 127.0.0.1 ")
                 } else {
@@ -702,6 +724,38 @@ fn show_range(r: Option<RatioRange>) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn each_tool_follows_every_other_equally_often_and_takes_every_place() {
+        for n in 1..=6 {
+            let rows = balanced_orders(n);
+            assert_eq!(rows.len(), if n % 2 == 0 { n } else { 2 * n }, "{n} tools");
+            let mut after = vec![vec![0; n]; n];
+            let mut place = vec![vec![0; n]; n];
+            for row in &rows {
+                let mut sorted = row.clone();
+                sorted.sort_unstable();
+                assert_eq!(sorted, (0..n).collect::<Vec<_>>(), "{row:?}: every tool once");
+                for (p, &t) in row.iter().enumerate() {
+                    place[t][p] += 1;
+                }
+                for w in row.windows(2) {
+                    after[w[1]][w[0]] += 1;
+                }
+            }
+            let times = rows.len() / n;
+            assert!(place.iter().flatten().all(|&c| c == times), "{n} tools: places {place:?}");
+            // Each of the n(n-1) ordered pairs is adjacent equally often.
+            for (b, row) in after.iter().enumerate() {
+                for (a, &c) in row.iter().enumerate() {
+                    assert_eq!(c, if a == b { 0 } else { times }, "{n} tools: {a} then {b}");
+                }
+            }
+        }
+        // The four tools of a run with --null: perftest, ucx, perftest
+        // again, gpu-rdma.
+        assert_eq!(balanced_orders(4)[0], [0, 1, 3, 2]);
+    }
+
     use super::*;
 
     #[test]
