@@ -135,13 +135,13 @@ B=target/release/gpu-rdma
 /// The orders the tools of a case run in, one a round in turn: each tool
 /// comes right after every other equally often, and takes every place
 /// equally often (a Williams design). A run can leave the guest slower or
-/// faster for the next one; with one fixed cyclic order each tool always
+/// faster for the next one; in one fixed cyclic order each tool always
 /// followed the same tool (with perftest twice, gpu-rdma always came right
 /// after perftest's second run and perftest's first right after
 /// gpu-rdma), so what one tool left behind would have counted against a
-/// single other tool round after round. 15 rounds of read-bw at 1 MiB in
-/// that order put each run that followed `ucx` or perftest's second run
-/// 0.92-0.94x the round's median, and perftest after gpu-rdma at 1.00x.
+/// single other tool round after round. (Measured once, over 16 balanced
+/// rounds of read-bw at 1 MiB: the runs after each tool lay within 2% of
+/// their rounds' means, so no such effect showed there.)
 fn balanced_orders(n: usize) -> Vec<Vec<usize>> {
     // First row 0, 1, n-1, 2, n-2, ...; the others add 1, 2, ... mod n.
     let first: Vec<usize> = (0..n).map(|j| if j % 2 == 1 { j.div_ceil(2) } else { (n - j / 2) % n }).collect();
