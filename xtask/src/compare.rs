@@ -724,6 +724,8 @@ fn show_range(r: Option<RatioRange>) -> String {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     #[test]
     fn each_tool_follows_every_other_equally_often_and_takes_every_place() {
         for n in 1..=6 {
@@ -755,8 +757,6 @@ mod tests {
         // again, gpu-rdma.
         assert_eq!(balanced_orders(4)[0], [0, 1, 3, 2]);
     }
-
-    use super::*;
 
     #[test]
     fn reads_the_figure_from_perftest_and_gpu_rdma_tables() {
