@@ -753,8 +753,9 @@ mod tests {
                 }
             }
         }
-        // The four tools of a run with --null: perftest, ucx, perftest
-        // again, gpu-rdma.
+        // With --null the tools are perftest, ucx, perftest again and
+        // gpu-rdma: the first order runs perftest, ucx, gpu-rdma, then
+        // perftest again.
         assert_eq!(balanced_orders(4)[0], [0, 1, 3, 2]);
     }
 
