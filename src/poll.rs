@@ -1,8 +1,9 @@
-//! Waiting on file descriptors with `poll(2)`, behind a safe interface (a
-//! leaf: the listener and the transports use it).
+//! Waiting on file descriptors with `poll(2)`, and a [`Bell`] to wake a
+//! thread waiting so, behind a safe interface (a leaf: the listener, the
+//! progress engine and the transports use it).
 
 use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::time::Duration;
 
 /// Waits until one of `fds` is readable (or hung up, or in error), at most
@@ -12,10 +13,23 @@ use std::time::Duration;
 /// # Errors
 /// [`io::Error`] from `poll(2)`, other than an interruption.
 pub(crate) fn readable<const N: usize>(fds: [BorrowedFd<'_>; N], timeout: Duration) -> io::Result<[bool; N]> {
-    let mut p = fds.map(|fd| libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+    readable_of(fds.map(Some), timeout)
+}
+
+/// [`readable`] over the descriptors that are there: a `None` is never
+/// readable (poll(2) passes over a negative descriptor).
+///
+/// # Errors
+/// [`io::Error`] from `poll(2)`, other than an interruption.
+pub(crate) fn readable_of<const N: usize>(
+    fds: [Option<BorrowedFd<'_>>; N],
+    timeout: Duration,
+) -> io::Result<[bool; N]> {
+    let mut p = fds.map(|fd| libc::pollfd { fd: fd.map_or(-1, |fd| fd.as_raw_fd()), events: libc::POLLIN, revents: 0 });
     let ms = timeout.as_millis().clamp(1, i32::MAX as u128) as libc::c_int;
-    // SAFETY: `p` is an array of N valid pollfds owned by this frame, and the
-    // descriptors are borrowed, so open, for the duration of the call.
+    // SAFETY: `p` is an array of N valid pollfds owned by this frame; each
+    // descriptor is borrowed, so open, for the duration of the call, or -1,
+    // which poll(2) ignores.
     let n = unsafe { libc::poll(p.as_mut_ptr(), N as libc::nfds_t, ms) };
     if n < 0 {
         let e = io::Error::last_os_error();
@@ -24,4 +38,87 @@ pub(crate) fn readable<const N: usize>(fds: [BorrowedFd<'_>; N], timeout: Durati
         }
     }
     Ok(p.map(|x| x.revents != 0))
+}
+
+/// An eventfd(2) one thread rings to wake others asleep in [`readable`] on
+/// it. It stays readable from the first ring until [`drain`](Self::drain):
+/// a ring before the sleeper reaches poll(2) is not lost.
+#[derive(Debug)]
+pub(crate) struct Bell(OwnedFd);
+
+impl Bell {
+    /// A bell nobody has rung.
+    ///
+    /// # Errors
+    /// [`io::Error`] from eventfd(2) (out of descriptors).
+    pub(crate) fn new() -> io::Result<Self> {
+        // SAFETY: eventfd(2) with constant flags; the result is checked.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: a fresh descriptor that nothing else owns.
+        Ok(Bell(unsafe { OwnedFd::from_raw_fd(fd) }))
+    }
+
+    /// Makes the bell readable (until drained). Best effort: the only
+    /// failure, a counter at its maximum, leaves it readable anyway.
+    pub(crate) fn ring(&self) {
+        let one: u64 = 1;
+        // SAFETY: writes the 8 bytes of a live u64 to the eventfd this value
+        // owns; the descriptor is non-blocking, so the call returns at once.
+        let _ = unsafe { libc::write(self.0.as_raw_fd(), (&raw const one).cast(), 8) };
+    }
+
+    /// Takes back every ring so far: not readable until the next.
+    pub(crate) fn drain(&self) {
+        let mut count: u64 = 0;
+        // SAFETY: reads at most 8 bytes into a live u64 from the eventfd this
+        // value owns; non-blocking (EAGAIN when nothing was rung).
+        let _ = unsafe { libc::read(self.0.as_raw_fd(), (&raw mut count).cast(), 8) };
+    }
+}
+
+impl AsFd for Bell {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.0.as_fd()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Long enough never to end a wait that a ring should end.
+    const LONG: Duration = Duration::from_secs(10);
+
+    #[test]
+    fn a_ring_before_the_wait_is_kept_until_drained() {
+        let bell = Bell::new().unwrap();
+        let quiet = Duration::from_millis(5);
+        assert_eq!(readable([bell.as_fd()], quiet).unwrap(), [false], "not rung yet");
+        // Rung before anyone waits: the wait still ends at once, however
+        // many times it is asked, until the bell is drained.
+        bell.ring();
+        bell.ring();
+        assert_eq!(readable([bell.as_fd()], LONG).unwrap(), [true]);
+        assert_eq!(readable([bell.as_fd()], LONG).unwrap(), [true]);
+        bell.drain();
+        assert_eq!(readable([bell.as_fd()], quiet).unwrap(), [false], "one drain takes both rings");
+        bell.drain();
+        assert_eq!(readable([bell.as_fd()], quiet).unwrap(), [false], "draining a quiet bell is harmless");
+    }
+
+    #[test]
+    fn a_ring_wakes_a_thread_already_waiting() {
+        let bell = std::sync::Arc::new(Bell::new().unwrap());
+        let waiter = {
+            let bell = std::sync::Arc::clone(&bell);
+            std::thread::spawn(move || readable([bell.as_fd()], LONG).unwrap())
+        };
+        // Whether the waiter is in poll(2) yet or not, the ring ends its wait.
+        std::thread::sleep(Duration::from_millis(20));
+        bell.ring();
+        assert_eq!(waiter.join().unwrap(), [true]);
+    }
 }

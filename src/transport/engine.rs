@@ -20,11 +20,13 @@ use std::collections::{BTreeMap, VecDeque};
 use std::future::Future as _;
 #[cfg(feature = "verbs")]
 use std::os::fd::RawFd;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::task::Waker;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+
+use crate::poll::Bell;
 
 #[cfg(feature = "verbs")]
 use super::verbs::VerbsConn;
@@ -76,8 +78,8 @@ struct Watched {
 
 struct EngineShared {
     state: Mutex<State>,
-    /// An eventfd: written to wake the thread.
-    wake: OwnedFd,
+    /// Rung to wake the thread.
+    wake: Bell,
 }
 
 impl EngineShared {
@@ -86,15 +88,11 @@ impl EngineShared {
     }
 
     fn notify(&self) {
-        let one: u64 = 1;
-        // SAFETY: writes 8 bytes from a live u64 to an eventfd this value owns.
-        let _ = unsafe { libc::write(self.wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        self.wake.ring();
     }
 
     fn drain(&self) {
-        let mut v: u64 = 0;
-        // SAFETY: reads 8 bytes into a live u64 from a non-blocking eventfd this value owns.
-        let _ = unsafe { libc::read(self.wake.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+        self.wake.drain();
     }
 }
 
@@ -129,13 +127,7 @@ impl Engine {
     /// # Errors
     /// [`std::io::Error`] from eventfd(2).
     pub(crate) fn new() -> std::io::Result<Self> {
-        // SAFETY: eventfd(2) with constant flags; the result is checked.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: a fresh descriptor nothing else owns.
-        let wake = unsafe { OwnedFd::from_raw_fd(fd) };
+        let wake = Bell::new()?;
         Ok(Engine {
             shared: Arc::new(EngineShared { state: Mutex::default(), wake }),
             thread: std::sync::OnceLock::new(),
@@ -346,7 +338,7 @@ fn run(shared: &EngineShared) {
             }
             let tasks: Vec<_> = st.tasks.drain(..).collect();
             #[cfg_attr(not(feature = "verbs"), allow(unused_mut))]
-            let mut fds = vec![libc::pollfd { fd: shared.wake.as_raw_fd(), events: libc::POLLIN, revents: 0 }];
+            let mut fds = vec![libc::pollfd { fd: shared.wake.as_fd().as_raw_fd(), events: libc::POLLIN, revents: 0 }];
             #[cfg(feature = "verbs")]
             {
                 st.watched.retain(|w| w.conn.strong_count() > 0);

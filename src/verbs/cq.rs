@@ -1,7 +1,7 @@
 //! Completion queues (`ibv_cq`) and completion channels (`ibv_comp_channel`).
 
 use std::fmt;
-use std::os::fd::{BorrowedFd, RawFd};
+use std::os::fd::{AsFd, BorrowedFd, RawFd};
 use std::ptr::NonNull;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -76,6 +76,16 @@ impl CompletionChannel {
     /// The raw handle.
     pub fn as_raw(&self) -> *mut ffi::ibv_comp_channel {
         self.inner.ch.as_ptr()
+    }
+}
+
+impl AsFd for CompletionChannel {
+    /// Its descriptor, borrowed for as long as the channel is.
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        // SAFETY: the descriptor belongs to the channel, which stays open
+        // (is not destroyed) while `self` is borrowed: the `Arc` this handle
+        // holds keeps it alive at least that long.
+        unsafe { BorrowedFd::borrow_raw(self.fd()) }
     }
 }
 
