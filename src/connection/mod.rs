@@ -194,6 +194,15 @@ pub struct Connection {
 }
 
 impl Connection {
+    /// The verbs transport's connection, for the transport's own tests.
+    #[cfg(all(test, feature = "verbs"))]
+    pub(crate) fn verbs_conn(&self) -> Option<&Arc<transport::verbs::VerbsConn>> {
+        match &self.shared.transport {
+            ConnTransport::Verbs(v) => Some(v),
+            ConnTransport::Tcp(_) => None,
+        }
+    }
+
     pub(crate) fn establish(
         domain: &Domain,
         stream: TcpStream,

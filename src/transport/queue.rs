@@ -543,6 +543,54 @@ impl QueueCore {
     }
 }
 
+/// The threads asleep waiting on a connection (the verbs transport's, on
+/// its completion channel), and which of the queue's changes they were
+/// told of. Another thread can reap the completion a sleeper waits for,
+/// taking the channel's event with it, between the sleeper's last look and
+/// its poll(2): the sleeper would then sleep through it. So a sleeper lies
+/// down at the change count it last looked at, under the queue's lock, and
+/// whoever unlocks the queue after changing it rings a bell the sleeper
+/// also polls (a ring before the poll is kept). No I/O here: this says
+/// when to ring and when to drain.
+#[derive(Debug, Default)]
+pub(crate) struct Sleepers {
+    count: u32,
+    /// The change count the sleepers were last told of (or lay down at).
+    told: u64,
+}
+
+impl Sleepers {
+    /// One more sleeper, who last looked at change count `changes`.
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    pub(crate) fn lie_down(&mut self, changes: u64) {
+        self.count += 1;
+        // Ringing for what this sleeper saw would wake it for nothing; an
+        // earlier sleeper told of less is woken by the bell already rung.
+        self.told = changes;
+    }
+
+    /// One sleeper less; whether it was the last (the bell may be drained:
+    /// nobody is left to miss a ring).
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    pub(crate) fn get_up(&mut self) -> bool {
+        self.count -= 1;
+        self.count == 0
+    }
+
+    /// Whether the bell must ring as the queue, now at `changes`, is
+    /// unlocked: someone sleeps and was not told of these changes (then
+    /// they count as told). One comparison when nobody sleeps.
+    #[inline(always)]
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    pub(crate) fn must_ring(&mut self, changes: u64) -> bool {
+        if self.count == 0 || self.told == changes {
+            return false;
+        }
+        self.told = changes;
+        true
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -696,6 +744,38 @@ mod tests {
         assert!(moved(&q));
         assert!(!q.lose(|| "again".into()));
         assert!(!moved(&q));
+    }
+
+    #[test]
+    fn sleepers_are_rung_once_for_each_change_they_were_not_told_of() {
+        let mut q = core(4, 2);
+        let mut s = Sleepers::default();
+        // Nobody asleep: changes ring nothing.
+        let a = q.start_send(Opcode::Write, 1, 8);
+        q.complete(&done(a, true, WcStatus::Success));
+        assert!(!s.must_ring(q.changes()));
+        // A sleeper who saw the queue as it is now is not woken for it.
+        s.lie_down(q.changes());
+        assert!(!s.must_ring(q.changes()));
+        // Another thread reaps a completion while it sleeps: one ring, at
+        // the first unlock after it, however often the queue is unlocked.
+        let b = q.start_send(Opcode::Write, 1, 8);
+        assert!(!s.must_ring(q.changes()), "starting an operation wakes no waiter");
+        q.complete(&done(b, true, WcStatus::Success));
+        assert!(s.must_ring(q.changes()));
+        assert!(!s.must_ring(q.changes()));
+        // A second sleeper lies down after the ring (the bell stays rung
+        // until drained, so the first is still woken); the loss rings again.
+        let c = q.start_send(Opcode::Write, 1, 8);
+        s.lie_down(q.changes());
+        assert!(q.lose(|| "test".into()));
+        assert!(s.must_ring(q.changes()));
+        // Only the last to get up may drain the bell.
+        assert!(!s.get_up());
+        assert!(s.get_up());
+        // Nobody asleep again: nothing rings.
+        q.complete(&done(c, true, WcStatus::WrFlush));
+        assert!(!s.must_ring(q.changes()));
     }
 
     #[test]

@@ -5,10 +5,12 @@
 use parking_lot::{Mutex, MutexGuard};
 use std::hash::{BuildHasher, Hasher};
 use std::net::TcpStream;
+use std::ops::{Deref, DerefMut};
 use std::os::fd::AsFd;
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use super::queue::{Limits, Posted, PostedInline, QueueCore, QuietSend, RemoteOp, WorkItem};
+use super::queue::{Limits, Posted, PostedInline, QueueCore, QuietSend, RemoteOp, Sleepers, WorkItem};
 use crate::bootstrap::{self, VerbsEndpoint};
 use crate::completion::Opcode;
 use crate::deadline::{Deadline, polls_per_clock_read};
@@ -17,9 +19,10 @@ use crate::memory::domain::Nic;
 use crate::memory::{Access, LocalParts};
 use crate::ops::{OpId, OpOutcome, RawCompletion, WaitError, Waited, quiet_wr_id, waited};
 use crate::options::{ConnectOptions, ConnectionInfo, Transport};
+use crate::poll::{self, Bell};
 use crate::verbs::{
     self, CompletionChannel, CompletionQueue, LinkLayer, Mtu, PortAttr, QpCaps, QpState, QueuePair, QueuePairBuilder,
-    RecvWr, RtrAttr, RtsAttr, SendOp, SendWr, Sge, WaitOutcome, WcOpcode, WorkCompletion,
+    RecvWr, RtrAttr, RtsAttr, SendOp, SendWr, Sge, WcOpcode, WorkCompletion,
 };
 
 /// The request for `op` at byte `off` of its remote range (a chunk of a
@@ -74,6 +77,9 @@ struct VerbsState {
     /// the error state after a short grace, so completions already on their
     /// way are still reported.
     peer_gone: Option<Instant>,
+    /// Threads asleep in a wait, woken by the bell when another thread
+    /// changes the queue under them.
+    sleepers: Sleepers,
     sges: Vec<Sge>,
     scratch: Vec<(SendOp, usize, bool)>,
 }
@@ -89,6 +95,9 @@ pub(crate) struct VerbsConn {
     polls_per_read: u32,
     /// Watched by the domain's progress engine.
     watched: std::sync::atomic::AtomicBool,
+    /// Rung to wake the sleepers (made at the first sleep; `None` if no
+    /// descriptor was left for it: then sleeps are cut short instead).
+    bell: OnceLock<Option<Bell>>,
     /// Tells a tokio task watching this connection that it is closing.
     #[cfg(feature = "tokio")]
     closing: std::sync::Arc<tokio::sync::Notify>,
@@ -102,6 +111,8 @@ const PEER_GRACE: Duration = Duration::from_millis(50);
 const LINGER: Duration = Duration::from_millis(5);
 /// How often a spinning wait looks at the peer's socket.
 const PEER_LOOK: Duration = Duration::from_millis(1);
+/// The longest a wait sleeps at once without a bell to wake it.
+const UNBELLED_SLEEP: Duration = Duration::from_millis(20);
 
 /// A queue pair made and moved to INIT before the hellos are exchanged: its
 /// number goes into this side's hello.
@@ -239,6 +250,7 @@ impl Prepared {
                     qp_num: info.local_qp_num,
                 }),
                 peer_gone: None,
+                sleepers: Sleepers::default(),
                 sges: Vec::with_capacity(64),
                 scratch: Vec::with_capacity(64),
             }),
@@ -248,10 +260,46 @@ impl Prepared {
             spin: opts.spin,
             polls_per_read: polls_per_clock_read(opts.spin),
             watched: std::sync::atomic::AtomicBool::new(false),
+            bell: OnceLock::new(),
             #[cfg(feature = "tokio")]
             closing: Default::default(),
         };
         Ok((conn, info))
+    }
+}
+
+/// The connection's state, locked. Unlocking it rings the bell when the
+/// queue changed under threads asleep in a wait (see [`Sleepers`]): one
+/// comparison when nobody sleeps.
+struct Locked<'a> {
+    st: MutexGuard<'a, VerbsState>,
+    bell: &'a OnceLock<Option<Bell>>,
+}
+
+impl Deref for Locked<'_> {
+    type Target = VerbsState;
+
+    fn deref(&self) -> &VerbsState {
+        &self.st
+    }
+}
+
+impl DerefMut for Locked<'_> {
+    fn deref_mut(&mut self) -> &mut VerbsState {
+        &mut self.st
+    }
+}
+
+impl Drop for Locked<'_> {
+    #[inline(always)]
+    fn drop(&mut self) {
+        let st = &mut *self.st;
+        if st.sleepers.must_ring(st.q.changes()) {
+            // Still locked: a sleeper gets up (and may drain) only after this.
+            if let Some(Some(bell)) = self.bell.get() {
+                bell.ring();
+            }
+        }
     }
 }
 
@@ -275,10 +323,24 @@ impl VerbsState {
 }
 
 impl VerbsConn {
-    fn lock(&self) -> MutexGuard<'_, VerbsState> {
+    #[inline(always)]
+    fn lock(&self) -> Locked<'_> {
         // Not poisoned by a panic while held: a panic cannot leave the table
         // half-updated in a way that breaks memory safety; keep going.
-        self.state.lock()
+        Locked { st: self.state.lock(), bell: &self.bell }
+    }
+
+    /// The bell, made on first use; `None` if it could not be.
+    fn bell(&self) -> Option<&Bell> {
+        self.bell
+            .get_or_init(|| {
+                Bell::new()
+                    .inspect_err(|e| {
+                        tracing::warn!("no eventfd for a waiting thread's bell ({e}): sleeps are cut short")
+                    })
+                    .ok()
+            })
+            .as_ref()
     }
 
     /// Polls the completion queue once and records what it finds.
@@ -336,7 +398,10 @@ impl VerbsConn {
     }
 
     /// [`wait_until`](Self::wait_until) past its first poll: spinning, then
-    /// sleeping on the completion channel and the peer's socket.
+    /// sleeping on the completion channel, the peer's socket and the bell
+    /// (rung when another thread changed the queue: reaped a completion,
+    /// and perhaps took the channel's event with it, after this one looked).
+    /// A sleep lasts until one of those or the deadline.
     #[inline(never)]
     fn wait_until_slow(&self, due: &mut Deadline, mut ready: impl FnMut(&mut VerbsState) -> bool) -> Result<bool> {
         // Both fixed at the first clock read, not before: a wait that ends
@@ -394,21 +459,53 @@ impl VerbsConn {
                 continue;
             }
             self.cq.req_notify(false)?;
-            let watch_peer = {
+            let (watch_peer, bell) = {
                 let mut st = self.lock();
-                self.progress(&mut st)?;
-                if ready(&mut st) {
-                    return Ok(true);
+                // Polled empty after arming: a completion already queued
+                // raises no event.
+                loop {
+                    let n = self.progress(&mut st)?;
+                    if ready(&mut st) {
+                        return Ok(true);
+                    }
+                    if n < POLL_BATCH {
+                        break;
+                    }
                 }
-                st.q.lost().is_none()
+                let bell = self.bell();
+                if bell.is_some() {
+                    let changes = st.q.changes();
+                    st.sleepers.lie_down(changes);
+                }
+                (st.q.lost().is_none(), bell)
             };
             // Woken at the grace's end at the latest, to flush the queue pair.
             let wake = grace_end.map_or(deadline, |g| g.min(deadline));
-            let slice = wake.saturating_duration_since(Instant::now()).min(Duration::from_millis(20));
-            let extra = watch_peer.then(|| self.socket.as_fd());
-            if self.cq.wait_event(slice, extra)? == WaitOutcome::Extra {
+            let mut slice = wake.saturating_duration_since(Instant::now());
+            if bell.is_none() {
+                // Nothing would wake this thread when another reaps its
+                // completion: look again soon.
+                slice = slice.min(UNBELLED_SLEEP);
+            }
+            #[cfg(test)]
+            if let Some(hook) = tests::BEFORE_SLEEP.take() {
+                hook(self);
+            }
+            let chan = self.cq.channel().map(AsFd::as_fd);
+            let socket = watch_peer.then(|| self.socket.as_fd());
+            let slept = poll::readable_of([chan, socket, bell.map(AsFd::as_fd)], slice);
+            if matches!(slept, Ok([true, _, _])) {
+                self.cq.try_take_event();
+            }
+            if let Some(bell) = bell {
                 let mut st = self.lock();
-                self.check_peer(&mut st);
+                if st.sleepers.get_up() {
+                    bell.drain();
+                }
+            }
+            let [_, peer, _] = slept.map_err(|source| Error::Verbs { op: "poll(completion channel)", source })?;
+            if peer {
+                self.check_peer(&mut self.lock());
             }
         }
     }
@@ -652,12 +749,7 @@ impl VerbsConn {
 
     /// Waits until `n` send-queue requests fit (driving progress), up to `due`.
     #[inline(always)]
-    fn send_room<'a>(
-        &'a self,
-        st: MutexGuard<'a, VerbsState>,
-        n: u32,
-        due: &mut Deadline,
-    ) -> Result<MutexGuard<'a, VerbsState>> {
+    fn send_room<'a>(&'a self, st: Locked<'a>, n: u32, due: &mut Deadline) -> Result<Locked<'a>> {
         if st.q.send_room(n)? {
             return Ok(st);
         }
@@ -666,12 +758,7 @@ impl VerbsConn {
 
     /// [`send_room`](Self::send_room) when the queue is full: waits for completions.
     #[inline(never)]
-    fn send_room_slow<'a>(
-        &'a self,
-        mut st: MutexGuard<'a, VerbsState>,
-        n: u32,
-        due: &mut Deadline,
-    ) -> Result<MutexGuard<'a, VerbsState>> {
+    fn send_room_slow<'a>(&'a self, mut st: Locked<'a>, n: u32, due: &mut Deadline) -> Result<Locked<'a>> {
         loop {
             if st.q.send_room(n)? {
                 return Ok(st);
@@ -768,7 +855,7 @@ impl VerbsConn {
     #[allow(clippy::too_many_arguments)]
     fn post_prepared(
         &self,
-        st: MutexGuard<'_, VerbsState>,
+        st: Locked<'_>,
         due: &mut Deadline,
         quiet: bool,
         op: SendOp,
@@ -1073,5 +1160,70 @@ impl Drop for VerbsConn {
             }
             _ => drop(orphans),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{ConnectOptions, Connection, Domain, DomainConfig, TransportPolicy};
+    use std::sync::Arc;
+
+    /// What runs on a waiting thread between its last look at the queue
+    /// and its sleep: where another thread's reaping can slip in.
+    type Hook = Box<dyn FnOnce(&VerbsConn)>;
+
+    thread_local! {
+        pub(super) static BEFORE_SLEEP: std::cell::Cell<Option<Hook>> = const { std::cell::Cell::new(None) };
+    }
+
+    /// A connected pair on `GPU_RDMA_TEST_DEVICE` whose waits never spin.
+    fn pair() -> (Connection, Connection, Domain) {
+        let device = std::env::var("GPU_RDMA_TEST_DEVICE").expect("GPU_RDMA_TEST_DEVICE names the RDMA device");
+        let d = Domain::with_config(&DomainConfig::default().device(device).transport(TransportPolicy::Verbs))
+            .expect("open the test device");
+        let o = ConnectOptions::default().spin(Duration::ZERO);
+        let listener = d.listen("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let so = o.clone();
+        let accepting = std::thread::spawn(move || listener.accept_timeout(&so, Duration::from_secs(30)));
+        let c = d.connect(addr, &o).unwrap();
+        let s = accepting.join().unwrap().unwrap();
+        (s, c, d)
+    }
+
+    #[test]
+    #[ignore = "needs an RDMA device: set GPU_RDMA_TEST_DEVICE (cargo xtask test runs it on rxe0)"]
+    fn a_sleeper_whose_completion_another_thread_reaped_first_is_rung_awake() {
+        let (s, c, d) = pair();
+        let conn = Arc::clone(c.verbs_conn().expect("a verbs connection"));
+        let s = Arc::new(s);
+        // A receive the peer answers only once the wait below is about to sleep.
+        let r = c.recv(d.alloc(64).unwrap());
+        let before = conn.lock().q.changes();
+        let peer = Arc::clone(&s);
+        // The thief, between the wait's last look and its sleep: the peer
+        // sends, and the engine's progress takes the channel's event and
+        // reaps the receive's completion, as a second waiting thread or the
+        // engine's thread would. Nothing completes after it.
+        BEFORE_SLEEP.set(Some(Box::new(move |conn: &VerbsConn| {
+            peer.send_inline(b"now", None).wait().unwrap();
+            let until = Instant::now() + Duration::from_secs(10);
+            while conn.lock().q.changes() == before {
+                assert!(Instant::now() < until, "the receive never completed");
+                conn.engine_progress(true, false);
+            }
+        })));
+        // Without the bell, this wait would sleep to its deadline (and only
+        // then find the completion): the event it sleeps on is gone, and
+        // so is the completion. The deadline is far beyond anything the
+        // wait needs; reaching it is the failure.
+        let limit = Duration::from_secs(10);
+        let until = Instant::now() + limit;
+        let mut due = Deadline::after(limit, "the test's receive");
+        let woken = conn.wait_until(&mut due, |st| st.q.changes() != before).unwrap();
+        assert!(BEFORE_SLEEP.take().is_none(), "the wait never slept, so the thief never ran");
+        assert!(woken && Instant::now() < until, "the wait slept through the completion another thread reaped");
+        assert_eq!(r.into_buffer().map(|b| b[..3].to_vec()).ok(), Some(b"now".to_vec()));
     }
 }

@@ -9,12 +9,13 @@
 //!    on `LD_LIBRARY_PATH` of those test processes only).
 //!    Then the README's first command, the transfer example with no
 //!    arguments: it must pick TCP here and verify write, read and send.
-//! 2. In the soft-RoCE guest: every test target named `verbs*`, and the
-//!    connection suite, with `--ignored` and `GPU_RDMA_TEST_DEVICE=rxe0`
-//!    (the `*gpu*` ones with the CUDA stand-in); the transfer example with
-//!    no arguments, which must pick verbs there; the transfer example moving
-//!    256 MiB by write, read and send between two processes, and the GPU
-//!    example, verified; the doctor.
+//! 2. In the soft-RoCE guest: the library's own tests, every test target
+//!    named `verbs*`, and the connection suite, with `--ignored` and
+//!    `GPU_RDMA_TEST_DEVICE=rxe0` (the `*gpu*` ones with the CUDA
+//!    stand-in); the transfer example with no arguments, which must pick
+//!    verbs there; the transfer example moving 256 MiB by write, read and
+//!    send between two processes, and the GPU example, verified; the
+//!    doctor.
 //!
 //! It fails when anything fails, when fewer than `GPU_RDMA_MIN_VERBS_TESTS`
 //! (default 20) verbs tests passed in the guest, or when a transfer did not
@@ -92,13 +93,18 @@ fn run_tee(cmd: &mut Command) -> Result<(bool, String)> {
     Ok((status.success(), text))
 }
 
-/// The test targets that run in the guest with `--ignored`: those named
-/// `verbs*`, the connection suite, churn, peer death (whose verbs halves
-/// are ignored here), netem (root and namespaces), the steady-state
-/// allocation count, transfer lists, waiting (futures, sets, callbacks)
-/// and many peers (`World`).
+/// The library's own test target: its ignored tests (the verbs
+/// transport's, which reach inside it) run in the guest.
+const LIB: &str = "gpu_rdma";
+
+/// The test targets that run in the guest with `--ignored`: the library's
+/// unit tests, those named `verbs*`, the connection suite, churn, peer
+/// death (whose verbs halves are ignored here), netem (root and
+/// namespaces), the steady-state allocation count, transfer lists,
+/// waiting (futures, sets, callbacks) and many peers (`World`).
 fn runs_in_guest(name: &str) -> bool {
     name.starts_with("verbs")
+        || name == LIB
         || ["connection", "churn", "peer_death", "netem", "rails", "steady_alloc", "transfer", "waiting", "world"]
             .contains(&name)
 }
@@ -127,7 +133,8 @@ fn guest_test_executables() -> Result<Vec<PathBuf>> {
         let (Some(name), Some(exe)) = (msg["target"]["name"].as_str(), msg["executable"].as_str()) else {
             continue;
         };
-        let is_test = msg["target"]["kind"].as_array().is_some_and(|k| k.iter().any(|v| v == "test"));
+        let kind = |want: &str| msg["target"]["kind"].as_array().is_some_and(|k| k.iter().any(|v| v == want));
+        let is_test = kind("test") || (kind("lib") && msg["profile"]["test"] == true);
         if is_test && runs_in_guest(name) {
             exes.push(PathBuf::from(exe));
         }
@@ -434,7 +441,10 @@ pub fn run() -> Result<i32> {
         let name = exe.file_name().unwrap_or_default().to_string_lossy();
         // GPU tests: with the CUDA stand-in, one at a time (256 MiB buffers).
         // Preloaded, the stand-in also plays nvidia-peermem (see cuda-stub/).
-        let (env, threads) = if name.contains("gpu") {
+        let (env, threads) = if name.starts_with(&format!("{LIB}-")) {
+            // The library's tests (named gpu_rdma-HASH: not the GPU tests).
+            ("", 2)
+        } else if name.contains("gpu") {
             ("LD_LIBRARY_PATH=\"$STUB\" LD_PRELOAD=\"$STUB/libcuda.so\" ", 1)
         } else if name.starts_with("rails") {
             // One at a time: 256 MiB buffers, and one test sets rxe1's link down.
@@ -645,5 +655,6 @@ mod tests {
         let bad = good.replace("send: 1 bytes in 1 s = 0.1 GB/s, verified", "send: MISMATCH at offset 7");
         assert!(loopback_verified(&bad, "verbs").unwrap_err().contains("2 of"));
         assert!(runs_in_guest("verbs_gpu") && runs_in_guest("connection") && !runs_in_guest("gpu_tcp"));
+        assert!(runs_in_guest(LIB), "the library's own verbs tests");
     }
 }
