@@ -273,6 +273,59 @@ fn a_transfer_list_is_awaited(t: Kind) {
     assert_eq!(first_difference(&got, &expect), None);
 }
 
+/// Threads blocked on one connection reap each other's completions, and
+/// the engine's thread, for a future awaited beside them, takes the
+/// completion channel's events: each blocked thread must still be woken
+/// for its own completion, not sleep through it to its timeout.
+fn threads_waiting_on_one_connection_wake_for_each_others_completions(t: Kind) {
+    const THREADS: usize = 4;
+    const EACH: usize = 250;
+    let d = domain(t);
+    // No busy-polling: a wait that does not end at its first look sleeps.
+    let o = opts().spin(Duration::ZERO);
+    let (s, c) = pair_on(&d, &d, o.clone(), o);
+    let target =
+        d.expose(d.alloc((THREADS + 1) * LEN).unwrap(), Access::REMOTE_WRITE | Access::REMOTE_READ, 0).unwrap();
+    let remote = s.grant(&target);
+    let slot = |k: usize| remote.slice((k * LEN) as u64..((k + 1) * LEN) as u64).unwrap();
+    let done = std::sync::atomic::AtomicUsize::new(0);
+    std::thread::scope(|sc| {
+        let awaited = sc.spawn(|| {
+            runtime().block_on(async {
+                let mut reads = 0;
+                while done.load(std::sync::atomic::Ordering::Acquire) < THREADS {
+                    c.read(d.alloc(LEN).unwrap(), &slot(THREADS)).await.unwrap();
+                    reads += 1;
+                }
+                reads
+            })
+        });
+        for k in 0..THREADS {
+            let (c, d, done, to) = (&c, &d, &done, slot(k));
+            sc.spawn(move || {
+                let data = pattern(LEN, k as u64);
+                let mut buf = filled(d, &data);
+                for i in 0..EACH {
+                    let mut w = c.write(buf, &to);
+                    // Far longer than a 4 KiB write takes: reached only by
+                    // a thread that slept through its completion.
+                    if let Err(e) = w.wait_timeout(Duration::from_secs(10)) {
+                        panic!("thread {k}, write {i} of {EACH}: {e}");
+                    }
+                    buf = w.into_buffer().unwrap();
+                }
+                done.fetch_add(1, std::sync::atomic::Ordering::Release);
+            });
+        }
+        assert!(awaited.join().unwrap() > 0, "the awaited reads ran beside the blocked writes");
+    });
+    for k in 0..THREADS {
+        let mut got = vec![0u8; LEN];
+        target.read_at(k * LEN, &mut got).unwrap();
+        assert_eq!(first_difference(&got, &pattern(LEN, k as u64)), None, "thread {k}'s slot");
+    }
+}
+
 both!(
     a_thousand_operations_are_awaited_from_a_single_threaded_runtime,
     a_completion_set_waits_for_a_thousand_without_a_runtime,
@@ -282,4 +335,5 @@ both!(
     dropping_futures_mid_flight_keeps_buffers_until_the_device_is_done,
     an_awaited_receive_fails_promptly_when_the_peer_goes_away,
     a_transfer_list_is_awaited,
+    threads_waiting_on_one_connection_wake_for_each_others_completions,
 );
