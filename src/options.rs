@@ -47,7 +47,9 @@ pub struct ConnectOptions {
     /// latency. A busy wait looks at the clock every 64 polls; with a window
     /// of 1 ms or more, where reading the clock is slow (a virtual machine
     /// without a usable TSC), only every few thousand polls, so the window
-    /// may run that much longer.
+    /// may run that much longer. Asleep, a wait on verbs wakes when the
+    /// connection changes (whichever thread reaped the completion), when
+    /// the peer leaves, or at its deadline: never on a timer of its own.
     pub spin: Duration,
     /// The largest handshake message accepted (default 1 MiB).
     pub max_handshake_payload: u32,
