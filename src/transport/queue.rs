@@ -552,29 +552,52 @@ impl QueueCore {
 /// whoever unlocks the queue after changing it rings a bell the sleeper
 /// also polls (a ring before the poll is kept). No I/O here: this says
 /// when to ring and when to drain.
+///
+/// The bell is drained once every thread asleep at the last ring has got
+/// up. Not sooner: one of them would sleep on. Not only when nobody
+/// sleeps: two waiters taking turns would each find the other asleep,
+/// leave the bell rung, and wake each other for ever. A thread lying down
+/// after the ring may find it still rung and look once more for nothing;
+/// those who hold the ring up are already woken and about to get up.
 #[derive(Debug, Default)]
 pub(crate) struct Sleepers {
+    /// Asleep now.
     count: u32,
     /// The change count the sleepers were last told of (or lay down at).
     told: u64,
+    /// Rings so far.
+    rings: u64,
+    /// Of those asleep at the last ring, how many have not got up.
+    unwoken: u32,
 }
+
+/// When a sleeper lay down: the rings before it (see [`Sleepers::get_up`]).
+#[derive(Clone, Copy, Debug)]
+#[must_use = "a sleeper gets up with its ticket"]
+pub(crate) struct Ticket(u64);
 
 impl Sleepers {
     /// One more sleeper, who last looked at change count `changes`.
     #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
-    pub(crate) fn lie_down(&mut self, changes: u64) {
+    pub(crate) fn lie_down(&mut self, changes: u64) -> Ticket {
         self.count += 1;
-        // Ringing for what this sleeper saw would wake it for nothing; an
-        // earlier sleeper told of less is woken by the bell already rung.
+        // Ringing for what this sleeper saw would wake it for nothing; any
+        // change before that rang at the unlock after it, if anyone slept.
         self.told = changes;
+        Ticket(self.rings)
     }
 
-    /// One sleeper less; whether it was the last (the bell may be drained:
-    /// nobody is left to miss a ring).
+    /// The sleeper with `ticket` is up; whether the bell must be drained
+    /// now (every thread asleep at the last ring is up).
     #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
-    pub(crate) fn get_up(&mut self) -> bool {
+    pub(crate) fn get_up(&mut self, ticket: Ticket) -> bool {
         self.count -= 1;
-        self.count == 0
+        // A ring since it lay down found it asleep: it was counted.
+        if ticket.0 != self.rings {
+            self.unwoken -= 1;
+            return self.unwoken == 0;
+        }
+        false
     }
 
     /// Whether the bell must ring as the queue, now at `changes`, is
@@ -587,6 +610,8 @@ impl Sleepers {
             return false;
         }
         self.told = changes;
+        self.rings += 1;
+        self.unwoken = self.count;
         true
     }
 }
@@ -755,7 +780,7 @@ mod tests {
         q.complete(&done(a, true, WcStatus::Success));
         assert!(!s.must_ring(q.changes()));
         // A sleeper who saw the queue as it is now is not woken for it.
-        s.lie_down(q.changes());
+        let first = s.lie_down(q.changes());
         assert!(!s.must_ring(q.changes()));
         // Another thread reaps a completion while it sleeps: one ring, at
         // the first unlock after it, however often the queue is unlocked.
@@ -764,18 +789,39 @@ mod tests {
         q.complete(&done(b, true, WcStatus::Success));
         assert!(s.must_ring(q.changes()));
         assert!(!s.must_ring(q.changes()));
-        // A second sleeper lies down after the ring (the bell stays rung
-        // until drained, so the first is still woken); the loss rings again.
+        // A second sleeper lies down after the ring: the first, rung, is
+        // still to get up, so the bell stays rung for it.
         let c = q.start_send(Opcode::Write, 1, 8);
-        s.lie_down(q.changes());
+        let second = s.lie_down(q.changes());
+        // The loss rings again, for both.
         assert!(q.lose(|| "test".into()));
         assert!(s.must_ring(q.changes()));
-        // Only the last to get up may drain the bell.
-        assert!(!s.get_up());
-        assert!(s.get_up());
+        assert!(!s.get_up(first), "the second, asleep at the ring, is not up yet");
+        assert!(s.get_up(second), "everyone asleep at the last ring is up: drain");
         // Nobody asleep again: nothing rings.
         q.complete(&done(c, true, WcStatus::WrFlush));
         assert!(!s.must_ring(q.changes()));
+    }
+
+    #[test]
+    fn two_waiters_taking_turns_do_not_keep_the_bell_rung() {
+        let mut q = core(4, 2);
+        let mut s = Sleepers::default();
+        let a = s.lie_down(q.changes());
+        let b = s.lie_down(q.changes());
+        let op = q.start_send(Opcode::Write, 1, 8);
+        q.complete(&done(op, true, WcStatus::Success));
+        assert!(s.must_ring(q.changes()));
+        // `a` wakes, finds nothing for itself, and lies down again before
+        // `b` is up: someone is always asleep, yet the bell is drained once
+        // `b` gets up, so `a` then sleeps, not spins.
+        assert!(!s.get_up(a));
+        let a = s.lie_down(q.changes());
+        assert!(!s.get_up(a), "a came after the ring: it holds nothing up");
+        let a = s.lie_down(q.changes());
+        assert!(s.get_up(b), "b was the last asleep at the ring");
+        assert!(!s.must_ring(q.changes()), "nothing changed since: no ring for a");
+        assert!(!s.get_up(a));
     }
 
     #[test]

@@ -459,7 +459,7 @@ impl VerbsConn {
                 continue;
             }
             self.cq.req_notify(false)?;
-            let (watch_peer, bell) = {
+            let (watch_peer, bell, ticket) = {
                 let mut st = self.lock();
                 // Polled empty after arming: a completion already queued
                 // raises no event.
@@ -473,11 +473,9 @@ impl VerbsConn {
                     }
                 }
                 let bell = self.bell();
-                if bell.is_some() {
-                    let changes = st.q.changes();
-                    st.sleepers.lie_down(changes);
-                }
-                (st.q.lost().is_none(), bell)
+                let changes = st.q.changes();
+                let ticket = bell.map(|_| st.sleepers.lie_down(changes));
+                (st.q.lost().is_none(), bell, ticket)
             };
             // Woken at the grace's end at the latest, to flush the queue pair.
             let wake = grace_end.map_or(deadline, |g| g.min(deadline));
@@ -497,9 +495,9 @@ impl VerbsConn {
             if matches!(slept, Ok([true, _, _])) {
                 self.cq.try_take_event();
             }
-            if let Some(bell) = bell {
+            if let (Some(bell), Some(ticket)) = (bell, ticket) {
                 let mut st = self.lock();
-                if st.sleepers.get_up() {
+                if st.sleepers.get_up(ticket) {
                     bell.drain();
                 }
             }
