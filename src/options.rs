@@ -50,6 +50,8 @@ pub struct ConnectOptions {
     /// may run that much longer. Asleep, a wait on verbs wakes when the
     /// connection changes (whichever thread reaped the completion), when
     /// the peer leaves, or at its deadline: never on a timer of its own.
+    /// A verbs connection on which a wait has slept holds one more file
+    /// descriptor for that (an eventfd), until it is dropped.
     pub spin: Duration,
     /// The largest handshake message accepted (default 1 MiB).
     pub max_handshake_payload: u32,
