@@ -342,7 +342,7 @@ pub(super) fn second_half(len: usize, size: usize) -> usize {
 
 /// The client's side of a latency test at one size. A ping-pong sends
 /// from the start of `local` and receives into its second half
-/// ([`second_half`]), as perftest keeps its sends and receives in two
+/// (`second_half`), as perftest keeps its sends and receives in two
 /// halves of its buffer: with `local` at least twice `size`, no send reads
 /// what a receive just wrote (in soft-RoCE, where the CPU moves the bytes,
 /// that costs a transfer of the written cache lines between CPUs on every
