@@ -65,15 +65,13 @@ pub struct Listener {
     domain: Domain,
     tcp: TcpListener,
     handshakes: Arc<Handshakes>,
-    /// Read end of the wake-up pair: a finished handshake writes a byte.
-    wake: std::os::unix::net::UnixStream,
 }
 
 /// Handshakes in progress and finished, shared with their threads.
 struct Handshakes {
     state: std::sync::Mutex<HandshakeState>,
-    /// Write end of the wake-up pair.
-    wake: std::os::unix::net::UnixStream,
+    /// Rung when a handshake finishes or accepting is interrupted.
+    wake: crate::poll::Bell,
     /// Set by an [`Interrupt`]: accepting is over.
     interrupted: std::sync::atomic::AtomicBool,
 }
@@ -91,7 +89,7 @@ impl Interrupt {
     /// not affected; handshakes still running finish or fail on their own.
     pub fn interrupt(&self) {
         self.handshakes.interrupted.store(true, std::sync::atomic::Ordering::SeqCst);
-        let _ = std::io::Write::write(&mut &self.handshakes.wake, &[1]);
+        self.handshakes.wake.ring();
     }
 }
 
@@ -121,12 +119,9 @@ impl Handshakes {
 impl Listener {
     fn new(domain: Domain, tcp: TcpListener) -> Result<Listener> {
         tcp.set_nonblocking(true)?;
-        let (wake, wake_tx) = std::os::unix::net::UnixStream::pair()?;
-        wake.set_nonblocking(true)?;
-        wake_tx.set_nonblocking(true)?;
-        let handshakes =
-            Arc::new(Handshakes { state: Default::default(), wake: wake_tx, interrupted: Default::default() });
-        Ok(Listener { domain, tcp, handshakes, wake })
+        let wake = crate::poll::Bell::new()?;
+        let handshakes = Arc::new(Handshakes { state: Default::default(), wake, interrupted: Default::default() });
+        Ok(Listener { domain, tcp, handshakes })
     }
 
     /// The address it listens on (useful after binding port 0).
@@ -207,11 +202,10 @@ impl Listener {
     /// Sleeps until a peer arrives, a handshake finishes, or `wait` passes.
     fn wait(&self, wait: Duration) -> Result<()> {
         use std::os::fd::AsFd;
-        let [_, woken] =
-            crate::poll::readable([self.tcp.as_fd(), self.wake.as_fd()], wait.min(Duration::from_secs(1)))?;
+        let wake = &self.handshakes.wake;
+        let [_, woken] = crate::poll::readable([self.tcp.as_fd(), wake.as_fd()], wait.min(Duration::from_secs(1)))?;
         if woken {
-            let mut sink = [0u8; 64];
-            while matches!(std::io::Read::read(&mut &self.wake, &mut sink), Ok(n) if n > 0) {}
+            wake.drain();
         }
         Ok(())
     }
@@ -243,7 +237,7 @@ impl Listener {
             st.running.retain(|(i, _)| *i != id);
             st.finished.push_back(done);
             drop(st);
-            let _ = std::io::Write::write(&mut &shared.wake, &[1]);
+            shared.wake.ring();
         });
         if let Err(e) = spawned {
             self.handshakes.lock().running.retain(|(i, _)| *i != id);
