@@ -459,7 +459,7 @@ impl VerbsConn {
                 continue;
             }
             self.cq.req_notify(false)?;
-            let (watch_peer, bell, ticket) = {
+            let (watch_peer, asleep) = {
                 let mut st = self.lock();
                 // Polled empty after arming: a completion already queued
                 // raises no event.
@@ -472,15 +472,14 @@ impl VerbsConn {
                         break;
                     }
                 }
-                let bell = self.bell();
                 let changes = st.q.changes();
-                let ticket = bell.map(|_| st.sleepers.lie_down(changes));
-                (st.q.lost().is_none(), bell, ticket)
+                let asleep = self.bell().map(|bell| (bell, st.sleepers.lie_down(changes)));
+                (st.q.lost().is_none(), asleep)
             };
             // Woken at the grace's end at the latest, to flush the queue pair.
             let wake = grace_end.map_or(deadline, |g| g.min(deadline));
             let mut slice = wake.saturating_duration_since(Instant::now());
-            if bell.is_none() {
+            if asleep.is_none() {
                 // Nothing would wake this thread when another reaps its
                 // completion: look again soon.
                 slice = slice.min(UNBELLED_SLEEP);
@@ -491,20 +490,25 @@ impl VerbsConn {
             }
             let chan = self.cq.channel().map(AsFd::as_fd);
             let socket = watch_peer.then(|| self.socket.as_fd());
-            let slept = poll::readable_of([chan, socket, bell.map(AsFd::as_fd)], slice);
+            let slept = poll::readable_of([chan, socket, asleep.map(|(bell, _)| bell.as_fd())], slice);
             if matches!(slept, Ok([true, _, _])) {
                 self.cq.try_take_event();
             }
-            if let (Some(bell), Some(ticket)) = (bell, ticket) {
+            // Up again (also when poll(2) failed), and the peer looked at,
+            // under one lock.
+            let peer = matches!(slept, Ok([_, true, _]));
+            if asleep.is_some() || peer {
                 let mut st = self.lock();
-                if st.sleepers.get_up(ticket) {
-                    bell.drain();
+                if let Some((bell, ticket)) = asleep {
+                    if st.sleepers.get_up(ticket) {
+                        bell.drain();
+                    }
+                }
+                if peer {
+                    self.check_peer(&mut st);
                 }
             }
-            let [_, peer, _] = slept.map_err(|source| Error::Verbs { op: "poll(completion channel)", source })?;
-            if peer {
-                self.check_peer(&mut self.lock());
-            }
+            slept.map_err(|source| Error::Verbs { op: "poll(completion channel)", source })?;
         }
     }
 
