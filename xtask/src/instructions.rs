@@ -7,6 +7,12 @@
 //! side runs natively. Instruction counts are steady where
 //! times in an emulated machine are not.
 //!
+//! It prints a second count per tool: the loop alone, with the function
+//! that sorts and summarises the samples afterwards (`REPORT_FNS`) taken
+//! out of both runs' totals. Sorting grows as n log n, so it does not
+//! cancel in the difference, and perftest's `qsort` is costlier than
+//! ours: the first count flatters perftest's loop, the second does not.
+//!
 //! `--size N` (default 2): the message size; above rxe0's inline limit,
 //! our sends go from the ring of persistent sends. The server's
 //! turnaround (from a message to its reply) is on every round trip's path.
@@ -38,7 +44,8 @@ for tool in perftest gpu-rdma; do
       srv="$B bench send-lat --bind 127.0.0.1 -p 18600 -n $n -s $SIZE -d rxe0"
       cli="$B bench send-lat 127.0.0.1 -p 18600 -n $n -s $SIZE -d rxe0"; port=18600
     fi
-    counted="valgrind --tool=callgrind --callgrind-out-file=$VM_OUT/$tool-$run-$n.cg"
+    cg="$VM_OUT/$tool-$run-$n.cg"
+    counted="valgrind --tool=callgrind --callgrind-out-file=$cg"
     if [ $SIDE = server ]; then srv="$counted $srv"; else cli="$counted $cli"; fi
     timeout 600 $srv > "$VM_OUT/$tool-$run-$n.server" 2>&1 &
     sp=$!
@@ -46,6 +53,8 @@ for tool in perftest gpu-rdma; do
     for i in $(seq 600); do ss -ltn | grep -q ":$port " && break; sleep 0.05; done
     timeout 600 $cli > "$VM_OUT/$tool-$run-$n.client" 2>&1
     wait $sp
+    # Inclusive costs, for the report's share (its sort grows faster than the loop).
+    (cd "$VM_OUT" && callgrind_annotate --inclusive=yes --auto=no --threshold=100 --show-percs=no "$cg" > "$cg.incl" 2>/dev/null)
   done
 done
 done
@@ -59,6 +68,33 @@ pub fn total(cg: &str) -> Option<u64> {
         .find_map(|l| l.strip_prefix("summary:").or_else(|| l.strip_prefix("totals:")))
         .and_then(|v| v.split_whitespace().next())
         .and_then(|v| v.parse().ok())
+}
+
+/// The function each tool sorts and summarises its samples in, once the
+/// loop is over: perftest's `qsort` of its cycle counts, our report.
+/// Sorting n samples costs about n log n, so it does not cancel in the
+/// difference of two run lengths; at 2 B perftest's `qsort` adds about
+/// 375 instructions to each of its iterations so counted, ours about 45.
+const REPORT_FNS: [&str; 2] = ["qsort", "gpu_rdma::bench::report::LatRow::from_ticks"];
+
+/// The inclusive count of the report's function (`REPORT_FNS`) in
+/// `callgrind_annotate --inclusive=yes` output. The function can appear
+/// on several lines, one per source file its code came from (code inlined
+/// into it), and which of them holds the whole depends on where the
+/// listing was made (whether the sources resolve): the largest is the
+/// whole, since each other line counts a part of it. `None` when absent.
+pub fn report_cost(listing: &str) -> Option<u64> {
+    listing
+        .lines()
+        .filter_map(|line| {
+            let (count, rest) = line.trim_start().split_once(char::is_whitespace)?;
+            let rest = rest.trim();
+            // "FILE:FUNCTION", with " [OBJECT]" after it on some lines.
+            let place = rest.rsplit_once(" [").map_or(rest, |(place, _object)| place);
+            let (_file, function) = place.split_once(':')?;
+            REPORT_FNS.contains(&function).then(|| count.replace(',', "").parse::<u64>().ok())?
+        })
+        .max()
 }
 
 /// What to count: the message size, which side, and how many times.
@@ -121,13 +157,26 @@ pub fn command(args: &[String]) -> Result<i32> {
     let mut out = String::new();
     // Each tool's median count, when every run gave one.
     let mut per = Vec::new();
+    // Each tool's median count of the loop alone.
+    let mut per_loop = Vec::new();
     for tool in ["perftest", "gpu-rdma"] {
         let count = |run: u32, n: u32| {
             fs::read_to_string(guest.dir.join(format!("{tool}-{run}-{n}.cg"))).ok().and_then(|t| total(&t))
         };
+        // The same without the report's function.
+        let looped = |run: u32, n: u32| {
+            let report = fs::read_to_string(guest.dir.join(format!("{tool}-{run}-{n}.cg.incl")))
+                .ok()
+                .and_then(|t| report_cost(&t))?;
+            count(run, n)?.checked_sub(report)
+        };
         let counts: Vec<Option<u64>> = (0..o.runs).map(|r| per_iteration(count(r, 1000), count(r, 3000))).collect();
-        let shown: Vec<String> = counts.iter().map(|c| c.map_or("-".to_owned(), |c| c.to_string())).collect();
+        let loops: Vec<Option<u64>> = (0..o.runs).map(|r| per_iteration(looped(r, 1000), looped(r, 3000))).collect();
+        let show =
+            |v: &[Option<u64>]| v.iter().map(|c| c.map_or("-".to_owned(), |c| c.to_string())).collect::<Vec<_>>();
+        let shown = show(&counts);
         let got: Vec<u64> = counts.iter().flatten().copied().collect();
+        let got_loops: Vec<u64> = loops.iter().flatten().copied().collect();
         match median_count(&got) {
             Some(m) if got.len() == counts.len() => {
                 per.push(m);
@@ -136,6 +185,20 @@ pub fn command(args: &[String]) -> Result<i32> {
                     "{tool:<9} {m} instructions per {side} iteration (median; runs: {})",
                     shown.join(", ")
                 );
+                match median_count(&got_loops) {
+                    Some(l) if got_loops.len() == loops.len() => {
+                        per_loop.push(l);
+                        let _ = writeln!(
+                            out,
+                            "{:<9} {l} of them in the loop, its samples' sort and report left out (runs: {})",
+                            "",
+                            show(&loops).join(", ")
+                        );
+                    }
+                    _ => {
+                        let _ = writeln!(out, "{:<9} no count of its report's function in some runs", "");
+                    }
+                }
             }
             _ => {
                 let _ = writeln!(
@@ -149,6 +212,9 @@ pub fn command(args: &[String]) -> Result<i32> {
     }
     if let [p, g] = per[..] {
         let _ = writeln!(out, "gpu-rdma / perftest: {:.2}x (medians)", g as f64 / p as f64);
+    }
+    if let [p, g] = per_loop[..] {
+        let _ = writeln!(out, "gpu-rdma / perftest, the loops alone: {:.2}x (medians)", g as f64 / p as f64);
     }
     print!("{out}");
     if let Ok(profile) = fs::read_to_string(guest.dir.join("profile.txt")) {
@@ -166,6 +232,27 @@ mod tests {
         assert_eq!(total("events: Ir\nsummary: 6815764\n"), Some(6_815_764));
         assert_eq!(total("totals: 12\n"), Some(12));
         assert_eq!(total("events: Ir\n"), None);
+    }
+
+    #[test]
+    fn finds_the_report_functions_inclusive_count_on_its_own_line() {
+        let perftest = "--------\n\
+            1,041,205  ./stdlib/./stdlib/msort.c:qsort [/usr/lib/x86_64-linux-gnu/libc.so.6]\n\
+            1,041,203  ./stdlib/./stdlib/msort.c:qsort_r [/usr/lib/x86_64-linux-gnu/libc.so.6]\n";
+        assert_eq!(report_cost(perftest), Some(1_041_205));
+        // Made where the sources resolve: the whole on a line of its own,
+        // the line with the object only the part from its own file.
+        let ours = "  153,729  /work/main/src/bench/report.rs:gpu_rdma::bench::report::LatRow::from_ticks\n\
+            47,773  src/bench/report.rs:gpu_rdma::bench::report::LatRow::from_ticks [/work/main/target/release/gpu-rdma]\n\
+            33,657  /rustc/abc/library/core/src/slice/sort/unstable/quicksort.rs:gpu_rdma::bench::report::LatRow::from_ticks\n";
+        assert_eq!(report_cost(ours), Some(153_729));
+        // Made elsewhere: the whole on the line with the object.
+        let elsewhere = "   33,657  /rustc/abc/library/core/src/slice/sort/unstable/quicksort.rs:gpu_rdma::bench::report::LatRow::from_ticks\n\
+            153,729  /work/main/src/bench/report.rs:gpu_rdma::bench::report::LatRow::from_ticks [/work/main/target/release/gpu-rdma]\n";
+        assert_eq!(report_cost(elsewhere), Some(153_729));
+        // Another function whose name ends alike is not it.
+        assert_eq!(report_cost("  7  x.c:my_qsort [/bin/x]\n  9  x.c:qsort_r [/lib/libc.so.6]\n"), None);
+        assert_eq!(report_cost(""), None);
     }
 
     #[test]
