@@ -74,7 +74,7 @@ pub fn total(cg: &str) -> Option<u64> {
 /// loop is over: perftest's `qsort` of its cycle counts, our report.
 /// Sorting n samples costs about n log n, so it does not cancel in the
 /// difference of two run lengths; at 2 B perftest's `qsort` adds about
-/// 375 instructions to each of its iterations so counted, ours about 45.
+/// 375 instructions to each of its iterations so counted, ours about 50.
 const REPORT_FNS: [&str; 2] = ["qsort", "gpu_rdma::bench::report::LatRow::from_ticks"];
 
 /// The inclusive count of the report's function (`REPORT_FNS`) in
@@ -82,9 +82,14 @@ const REPORT_FNS: [&str; 2] = ["qsort", "gpu_rdma::bench::report::LatRow::from_t
 /// on several lines, one per source file its code came from (code inlined
 /// into it), and which of them holds the whole depends on where the
 /// listing was made (whether the sources resolve): the largest is the
-/// whole, since each other line counts a part of it. `None` when absent.
+/// whole, since each other line counts a part of it. 0 when a listing
+/// does not name it (a side that reports nothing: our bench's server);
+/// `None` when `listing` is none (the annotation failed).
 pub fn report_cost(listing: &str) -> Option<u64> {
-    listing
+    if !listing.contains("file:function") {
+        return None;
+    }
+    let named = listing
         .lines()
         .filter_map(|line| {
             let (count, rest) = line.trim_start().split_once(char::is_whitespace)?;
@@ -94,7 +99,8 @@ pub fn report_cost(listing: &str) -> Option<u64> {
             let (_file, function) = place.split_once(':')?;
             REPORT_FNS.contains(&function).then(|| count.replace(',', "").parse::<u64>().ok())?
         })
-        .max()
+        .max();
+    Some(named.unwrap_or(0))
 }
 
 /// What to count: the message size, which side, and how many times.
@@ -236,22 +242,29 @@ mod tests {
 
     #[test]
     fn finds_the_report_functions_inclusive_count_on_its_own_line() {
-        let perftest = "--------\n\
+        let perftest = "Ir  file:function\n\
             1,041,205  ./stdlib/./stdlib/msort.c:qsort [/usr/lib/x86_64-linux-gnu/libc.so.6]\n\
             1,041,203  ./stdlib/./stdlib/msort.c:qsort_r [/usr/lib/x86_64-linux-gnu/libc.so.6]\n";
         assert_eq!(report_cost(perftest), Some(1_041_205));
         // Made where the sources resolve: the whole on a line of its own,
         // the line with the object only the part from its own file.
-        let ours = "  153,729  /work/main/src/bench/report.rs:gpu_rdma::bench::report::LatRow::from_ticks\n\
+        let ours = "Ir  file:function\n\
+            153,729  /work/main/src/bench/report.rs:gpu_rdma::bench::report::LatRow::from_ticks\n\
             47,773  src/bench/report.rs:gpu_rdma::bench::report::LatRow::from_ticks [/work/main/target/release/gpu-rdma]\n\
             33,657  /rustc/abc/library/core/src/slice/sort/unstable/quicksort.rs:gpu_rdma::bench::report::LatRow::from_ticks\n";
         assert_eq!(report_cost(ours), Some(153_729));
         // Made elsewhere: the whole on the line with the object.
-        let elsewhere = "   33,657  /rustc/abc/library/core/src/slice/sort/unstable/quicksort.rs:gpu_rdma::bench::report::LatRow::from_ticks\n\
+        let elsewhere = "Ir  file:function\n\
+            33,657  /rustc/abc/library/core/src/slice/sort/unstable/quicksort.rs:gpu_rdma::bench::report::LatRow::from_ticks\n\
             153,729  /work/main/src/bench/report.rs:gpu_rdma::bench::report::LatRow::from_ticks [/work/main/target/release/gpu-rdma]\n";
         assert_eq!(report_cost(elsewhere), Some(153_729));
-        // Another function whose name ends alike is not it.
-        assert_eq!(report_cost("  7  x.c:my_qsort [/bin/x]\n  9  x.c:qsort_r [/lib/libc.so.6]\n"), None);
+        // Another function whose name ends alike is not it; a listing
+        // without it, of a side that reports nothing, says 0.
+        assert_eq!(
+            report_cost("Ir  file:function\n  7  x.c:my_qsort [/bin/x]\n  9  x.c:qsort_r [/lib/libc.so.6]\n"),
+            Some(0)
+        );
+        // No listing at all (the annotation failed): no count.
         assert_eq!(report_cost(""), None);
     }
 
