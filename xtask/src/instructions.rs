@@ -11,7 +11,8 @@
 //! that sorts and summarises the samples afterwards (`REPORT_FNS`) taken
 //! out of both runs' totals. Sorting grows as n log n, so it does not
 //! cancel in the difference, and perftest's `qsort` is costlier than
-//! ours: the first count flatters perftest's loop, the second does not.
+//! ours: the first count makes perftest's loop look costlier than it is,
+//! and so ours closer to it; the second does not.
 //!
 //! `--size N` (default 2): the message size; above rxe0's inline limit,
 //! our sends go from the ring of persistent sends. The server's
