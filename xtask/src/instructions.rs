@@ -1,6 +1,6 @@
 //! `cargo xtask instructions`: the CPU cost of one `send-lat` iteration,
-//! perftest's `ib_send_lat` beside `gpu-rdma bench send-lat`, on rxe0 in
-//! the guest, counted by callgrind: the counted side (the client, or the
+//! perftest's `ib_send_lat` and UCX's `ucx_perftest -t tag_lat` beside
+//! `gpu-rdma bench send-lat`, on rxe0 in the guest, counted by callgrind: the counted side (the client, or the
 //! server with `--server`) runs 1,000 and then 3,000 iterations under
 //! callgrind, and the difference of the two totals over 2,000 is the cost
 //! of an iteration, with start-up and teardown cancelled out. The other
@@ -25,6 +25,7 @@
 //! hundreds of instructions, ours by about 130, one empty poll an
 //! iteration).
 
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::fs;
 use std::time::Duration;
@@ -36,11 +37,17 @@ use crate::{Result, cargo, root, run as run_cmd, setup};
 /// before it.
 const SCRIPT: &str = r#"
 B=target/release/gpu-rdma
+# UCX's transports as compare runs them; the other tools ignore these.
+export UCX_TLS=rc_verbs,ud_verbs,self UCX_NET_DEVICES=rxe0:1
 for run in $(seq 0 $((RUNS - 1))); do
-for tool in perftest gpu-rdma; do
+for tool in perftest gpu-rdma ucx; do
   for n in 1000 3000; do
     if [ $tool = perftest ]; then
       srv="ib_send_lat -d rxe0 -x 0 -F -s $SIZE -n $n"; cli="$srv 127.0.0.1"; port=18515
+    elif [ $tool = ucx ]; then
+      # The same warm-up in both lengths: it cancels.
+      srv="ucx_perftest -t tag_lat -s $SIZE -n $n -w 100 -p 13337"
+      cli="ucx_perftest 127.0.0.1 -t tag_lat -s $SIZE -n $n -w 100 -p 13337"; port=13337
     else
       srv="$B bench send-lat --bind 127.0.0.1 -p 18600 -n $n -s $SIZE -d rxe0"
       cli="$B bench send-lat 127.0.0.1 -p 18600 -n $n -s $SIZE -d rxe0"; port=18600
@@ -104,6 +111,11 @@ pub fn report_cost(listing: &str) -> Option<u64> {
     Some(named.unwrap_or(0))
 }
 
+/// The tools counted, as the guest's script names them: perftest's
+/// `ib_send_lat` (raw verbs), ours, and UCX's `ucx_perftest -t tag_lat`
+/// (UCP's tagged sends over rc_verbs: a library's ping-pong, as ours is).
+const TOOLS: [&str; 3] = ["perftest", "gpu-rdma", "ucx"];
+
 /// What to count: the message size, which side, and how many times.
 #[derive(Debug, PartialEq)]
 struct Options {
@@ -154,7 +166,7 @@ pub fn command(args: &[String]) -> Result<i32> {
     let kernel = setup::setup()?;
     run_cmd(cargo().args(["build", "--release", "--features", "cli", "--bin", "gpu-rdma"]))?;
     println!(
-        "xtask: instructions: ib_send_lat and gpu-rdma bench send-lat, the {side} under callgrind on rxe0, {} B, \
+        "xtask: instructions: ib_send_lat, gpu-rdma bench send-lat and ucx_perftest tag_lat, the {side} under callgrind on rxe0, {} B, \
          1,000 and 3,000 iterations, {} run(s)",
         o.size, o.runs
     );
@@ -163,10 +175,10 @@ pub fn command(args: &[String]) -> Result<i32> {
     let guest = vm::run_script(&kernel, &root(), &script, &opts)?;
     let mut out = String::new();
     // Each tool's median count, when every run gave one.
-    let mut per = Vec::new();
+    let mut per = BTreeMap::new();
     // Each tool's median count of the loop alone.
-    let mut per_loop = Vec::new();
-    for tool in ["perftest", "gpu-rdma"] {
+    let mut per_loop = BTreeMap::new();
+    for tool in TOOLS {
         let count = |run: u32, n: u32| {
             fs::read_to_string(guest.dir.join(format!("{tool}-{run}-{n}.cg"))).ok().and_then(|t| total(&t))
         };
@@ -186,7 +198,7 @@ pub fn command(args: &[String]) -> Result<i32> {
         let got_loops: Vec<u64> = loops.iter().flatten().copied().collect();
         match median_count(&got) {
             Some(m) if got.len() == counts.len() => {
-                per.push(m);
+                per.insert(tool, m);
                 let _ = writeln!(
                     out,
                     "{tool:<9} {m} instructions per {side} iteration (median; runs: {})",
@@ -194,7 +206,7 @@ pub fn command(args: &[String]) -> Result<i32> {
                 );
                 match median_count(&got_loops) {
                     Some(l) if got_loops.len() == loops.len() => {
-                        per_loop.push(l);
+                        per_loop.insert(tool, l);
                         let _ = writeln!(
                             out,
                             "{:<9} {l} of them in the loop, its samples' sort and report left out (runs: {})",
@@ -217,17 +229,19 @@ pub fn command(args: &[String]) -> Result<i32> {
             }
         }
     }
-    if let [p, g] = per[..] {
-        let _ = writeln!(out, "gpu-rdma / perftest: {:.2}x (medians)", g as f64 / p as f64);
-    }
-    if let [p, g] = per_loop[..] {
-        let _ = writeln!(out, "gpu-rdma / perftest, the loops alone: {:.2}x (medians)", g as f64 / p as f64);
+    for anchor in ["perftest", "ucx"] {
+        if let (Some(a), Some(g)) = (per.get(anchor), per.get("gpu-rdma")) {
+            let _ = writeln!(out, "gpu-rdma / {anchor}: {:.2}x (medians)", *g as f64 / *a as f64);
+        }
+        if let (Some(a), Some(g)) = (per_loop.get(anchor), per_loop.get("gpu-rdma")) {
+            let _ = writeln!(out, "gpu-rdma / {anchor}, the loops alone: {:.2}x (medians)", *g as f64 / *a as f64);
+        }
     }
     print!("{out}");
     if let Ok(profile) = fs::read_to_string(guest.dir.join("profile.txt")) {
         println!("gpu-rdma's own functions, first run, 3,000 iterations (self cost):\n{profile}");
     }
-    Ok(if per.len() == 2 { 0 } else { 1 })
+    Ok(if per.len() == TOOLS.len() { 0 } else { 1 })
 }
 
 #[cfg(test)]

@@ -15,7 +15,7 @@
 //! - `compare`: `gpu-rdma bench` beside perftest and UCX, interleaved on
 //!   rxe0 in the guest, and beside UCX over TCP here; medians and ratios.
 //! - `instructions`: the instructions of one `send-lat` iteration under
-//!   callgrind, `ib_send_lat` beside `gpu-rdma bench`, on rxe0.
+//!   callgrind, `ib_send_lat` and `ucx_perftest` beside `gpu-rdma bench`, on rxe0.
 //! - `gpu-check`: the GPU checks as one folder (binaries, the rdma-core
 //!   libraries they link, `run.sh`) for a GPU machine without Rust; runs
 //!   them when this machine has a GPU.
@@ -53,7 +53,7 @@ commands:
                           --null: perftest twice a round, its second run against its first (the noise floor);
                           --from: the table from kept guest runs, their rounds pooled
   instructions [--size N] [--server] [--runs N]
-                        instructions per send-lat iteration under callgrind, ib_send_lat beside gpu-rdma
+                        instructions per send-lat iteration under callgrind: ib_send_lat, gpu-rdma, ucx_perftest
                           (the client's, or with --server the server's; 2 B unless --size; the median of
                           3 runs unless --runs)
   layers [--cycles]     the library's module graph: fails on a cycle or an import a layer may not make
