@@ -160,6 +160,12 @@ fn median_count(counts: &[u64]) -> Option<u64> {
     v.get(v.len().checked_sub(1)? / 2).copied()
 }
 
+/// The median of per-run counts, when every run gave one.
+fn median_of_all(counts: &[Option<u64>]) -> Option<u64> {
+    let got: Vec<u64> = counts.iter().flatten().copied().collect();
+    if got.len() == counts.len() { median_count(&got) } else { None }
+}
+
 pub fn command(args: &[String]) -> Result<i32> {
     let o = parse(args)?;
     let side = if o.server { "server" } else { "client" };
@@ -194,32 +200,28 @@ pub fn command(args: &[String]) -> Result<i32> {
         let show =
             |v: &[Option<u64>]| v.iter().map(|c| c.map_or("-".to_owned(), |c| c.to_string())).collect::<Vec<_>>();
         let shown = show(&counts);
-        let got: Vec<u64> = counts.iter().flatten().copied().collect();
-        let got_loops: Vec<u64> = loops.iter().flatten().copied().collect();
-        match median_count(&got) {
-            Some(m) if got.len() == counts.len() => {
+        match median_of_all(&counts) {
+            Some(m) => {
                 per.insert(tool, m);
                 let _ = writeln!(
                     out,
                     "{tool:<9} {m} instructions per {side} iteration (median; runs: {})",
                     shown.join(", ")
                 );
-                match median_count(&got_loops) {
-                    Some(l) if got_loops.len() == loops.len() => {
+                let _ = match median_of_all(&loops) {
+                    Some(l) => {
                         per_loop.insert(tool, l);
-                        let _ = writeln!(
+                        let runs = show(&loops).join(", ");
+                        writeln!(
                             out,
-                            "{:<9} {l} of them in the loop, its samples' sort and report left out (runs: {})",
-                            "",
-                            show(&loops).join(", ")
-                        );
+                            "{:<9} {l} of them in the loop, its samples' sort and report left out (runs: {runs})",
+                            ""
+                        )
                     }
-                    _ => {
-                        let _ = writeln!(out, "{:<9} no count of its report's function in some runs", "");
-                    }
-                }
+                    None => writeln!(out, "{:<9} no count of its report's function in some runs", ""),
+                };
             }
-            _ => {
+            None => {
                 let _ = writeln!(
                     out,
                     "{tool:<9} no count in some runs ({}; see {})",
@@ -291,6 +293,9 @@ mod tests {
         assert_eq!(median_count(&[1371, 1239, 1358]), Some(1358));
         assert_eq!(median_count(&[1371, 1239, 1358, 1247]), Some(1247));
         assert_eq!(median_count(&[]), None);
+        assert_eq!(median_of_all(&[Some(3), Some(1), Some(2)]), Some(2));
+        assert_eq!(median_of_all(&[Some(3), None, Some(2)]), None, "a run without a count: no median");
+        assert_eq!(median_of_all(&[]), None);
     }
 
     #[test]
