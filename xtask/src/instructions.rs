@@ -60,7 +60,10 @@ for tool in perftest gpu-rdma ucx; do
     # The client starts once its server listens (under callgrind, seconds).
     for i in $(seq 600); do ss -ltn | grep -q ":$port " && break; sleep 0.05; done
     timeout 600 $cli > "$VM_OUT/$tool-$run-$n.client" 2>&1
+    crc=$?
     wait $sp
+    # Both sides' exit statuses: a run that failed has no count.
+    echo "$crc $?" > "$VM_OUT/$tool-$run-$n.status"
     # Inclusive costs, for the report's share (its sort grows faster than the loop).
     (cd "$VM_OUT" && callgrind_annotate --inclusive=yes --auto=no --threshold=100 --show-percs=no "$cg" > "$cg.incl" 2>/dev/null)
   done
@@ -160,6 +163,17 @@ fn median_count(counts: &[u64]) -> Option<u64> {
     v.get(v.len().checked_sub(1)? / 2).copied()
 }
 
+/// Whether a run finished as it should: both sides exited 0 (`status`,
+/// "CLIENT SERVER"), and UCX's client printed its `Final:` line. (One
+/// UCX run gave 52 instructions an iteration, a run that cannot have
+/// done its work; its exit statuses were not kept then, so both are
+/// checked now, and the line that says UCX measured something.)
+fn ran_clean(tool: &str, status: &str, client_log: &str) -> bool {
+    let exits: Vec<&str> = status.split_whitespace().collect();
+    let clean = exits.len() == 2 && exits.iter().all(|e| *e == "0");
+    clean && (tool != "ucx" || client_log.lines().any(|l| l.trim_start().starts_with("Final:")))
+}
+
 /// The median of per-run counts, when every run gave one.
 fn median_of_all(counts: &[Option<u64>]) -> Option<u64> {
     let got: Vec<u64> = counts.iter().flatten().copied().collect();
@@ -178,23 +192,24 @@ pub fn command(args: &[String]) -> Result<i32> {
     );
     let opts = VmOptions { timeout: Duration::from_secs(1800), ..VmOptions::default() };
     let script = format!("SIZE={}\nSIDE={side}\nRUNS={}\n{SCRIPT}", o.size, o.runs);
-    let guest = vm::run_script(&kernel, &root(), &script, &opts)?;
+    let mut guest = vm::run_script(&kernel, &root(), &script, &opts)?;
     let mut out = String::new();
     // Each tool's median count, when every run gave one.
     let mut per = BTreeMap::new();
     // Each tool's median count of the loop alone.
     let mut per_loop = BTreeMap::new();
     for tool in TOOLS {
+        let read = |run: u32, n: u32, ext: &str| {
+            fs::read_to_string(guest.dir.join(format!("{tool}-{run}-{n}.{ext}"))).unwrap_or_default()
+        };
         let count = |run: u32, n: u32| {
-            fs::read_to_string(guest.dir.join(format!("{tool}-{run}-{n}.cg"))).ok().and_then(|t| total(&t))
+            if !ran_clean(tool, &read(run, n, "status"), &read(run, n, "client")) {
+                return None;
+            }
+            total(&read(run, n, "cg"))
         };
         // The same without the report's function.
-        let looped = |run: u32, n: u32| {
-            let report = fs::read_to_string(guest.dir.join(format!("{tool}-{run}-{n}.cg.incl")))
-                .ok()
-                .and_then(|t| report_cost(&t))?;
-            count(run, n)?.checked_sub(report)
-        };
+        let looped = |run: u32, n: u32| count(run, n)?.checked_sub(report_cost(&read(run, n, "cg.incl"))?);
         let counts: Vec<Option<u64>> = (0..o.runs).map(|r| per_iteration(count(r, 1000), count(r, 3000))).collect();
         let loops: Vec<Option<u64>> = (0..o.runs).map(|r| per_iteration(looped(r, 1000), looped(r, 3000))).collect();
         let show =
@@ -243,7 +258,12 @@ pub fn command(args: &[String]) -> Result<i32> {
     if let Ok(profile) = fs::read_to_string(guest.dir.join("profile.txt")) {
         println!("gpu-rdma's own functions, first run, 3,000 iterations (self cost):\n{profile}");
     }
-    Ok(if per.len() == TOOLS.len() { 0 } else { 1 })
+    if per.len() == TOOLS.len() {
+        return Ok(0);
+    }
+    // The logs of the runs without a count stay, for the "see" above.
+    guest.keep();
+    Ok(1)
 }
 
 #[cfg(test)]
@@ -255,6 +275,17 @@ mod tests {
         assert_eq!(total("events: Ir\nsummary: 6815764\n"), Some(6_815_764));
         assert_eq!(total("totals: 12\n"), Some(12));
         assert_eq!(total("events: Ir\n"), None);
+    }
+
+    #[test]
+    fn a_run_counts_only_when_both_sides_exited_0_and_ucx_said_final() {
+        assert!(ran_clean("perftest", "0 0\n", ""));
+        assert!(!ran_clean("perftest", "0 1\n", ""), "the server failed");
+        assert!(!ran_clean("gpu-rdma", "124 0\n", ""), "the client timed out");
+        assert!(!ran_clean("gpu-rdma", "", ""), "no status: the script did not get that far");
+        let ucx = "| Message size: 2 |\nFinal:                  3000     99.699   436.351\n";
+        assert!(ran_clean("ucx", "0 0\n", ucx));
+        assert!(!ran_clean("ucx", "0 0\n", "| Message size: 2 |\n"), "exit 0 without a result");
     }
 
     #[test]

@@ -38,6 +38,14 @@ pub struct VmRun {
     keep: bool,
 }
 
+impl VmRun {
+    /// Keeps the run directory after all: for a run that went wrong in a
+    /// way only its caller can tell (the guest script itself exited 0).
+    pub fn keep(&mut self) {
+        self.keep = true;
+    }
+}
+
 impl Drop for VmRun {
     fn drop(&mut self) {
         if !self.keep && self.code == 0 {
