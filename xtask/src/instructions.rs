@@ -1,11 +1,11 @@
 //! `cargo xtask instructions`: the CPU cost of one `send-lat` iteration,
 //! perftest's `ib_send_lat` and UCX's `ucx_perftest -t tag_lat` beside
-//! `gpu-rdma bench send-lat`, on rxe0 in the guest, counted by callgrind: the counted side (the client, or the
-//! server with `--server`) runs 1,000 and then 3,000 iterations under
-//! callgrind, and the difference of the two totals over 2,000 is the cost
-//! of an iteration, with start-up and teardown cancelled out. The other
-//! side runs natively. Instruction counts are steady where
-//! times in an emulated machine are not.
+//! `gpu-rdma bench send-lat`, on rxe0 in the guest, counted by callgrind:
+//! the counted side (the client, or the server with `--server`) runs
+//! 1,000 and then 3,000 iterations under callgrind, and the difference of
+//! the two totals over 2,000 is the cost of an iteration, with start-up
+//! and teardown cancelled out. The other side runs natively. Instruction
+//! counts are steady where times in an emulated machine are not.
 //!
 //! It prints a second count per tool: the loop alone, with the function
 //! that sorts and summarises the samples afterwards (`REPORT_FNS`) taken
@@ -186,8 +186,8 @@ pub fn command(args: &[String]) -> Result<i32> {
     let kernel = setup::setup()?;
     run_cmd(cargo().args(["build", "--release", "--features", "cli", "--bin", "gpu-rdma"]))?;
     println!(
-        "xtask: instructions: ib_send_lat, gpu-rdma bench send-lat and ucx_perftest tag_lat, the {side} under callgrind on rxe0, {} B, \
-         1,000 and 3,000 iterations, {} run(s)",
+        "xtask: instructions: ib_send_lat, gpu-rdma bench send-lat and ucx_perftest tag_lat, the {side} under \
+         callgrind on rxe0, {} B, 1,000 and 3,000 iterations, {} run(s)",
         o.size, o.runs
     );
     let opts = VmOptions { timeout: Duration::from_secs(1800), ..VmOptions::default() };
