@@ -164,14 +164,13 @@ fn median_count(counts: &[u64]) -> Option<u64> {
 }
 
 /// Whether a run finished as it should: both sides exited 0 (`status`,
-/// "CLIENT SERVER"), and UCX's client printed its `Final:` line. (One
-/// UCX run gave 52 instructions an iteration, a run that cannot have
-/// done its work; its exit statuses were not kept then, so both are
-/// checked now, and the line that says UCX measured something.)
+/// "CLIENT SERVER"), and UCX's client printed its `Final:` line with a
+/// usable latency, as compare reads it (`ucx_figure`): a count of a run
+/// that failed part-way would be a count of something else.
 fn ran_clean(tool: &str, status: &str, client_log: &str) -> bool {
     let exits: Vec<&str> = status.split_whitespace().collect();
     let clean = exits.len() == 2 && exits.iter().all(|e| *e == "0");
-    clean && (tool != "ucx" || client_log.lines().any(|l| l.trim_start().starts_with("Final:")))
+    clean && (tool != "ucx" || crate::compare::ucx_figure(client_log, false).is_some())
 }
 
 /// The median of per-run counts, when every run gave one.
@@ -202,16 +201,20 @@ pub fn command(args: &[String]) -> Result<i32> {
         let read = |run: u32, n: u32, ext: &str| {
             fs::read_to_string(guest.dir.join(format!("{tool}-{run}-{n}.{ext}"))).unwrap_or_default()
         };
-        let count = |run: u32, n: u32| {
+        // A clean run's total, and its report function's inclusive count.
+        let measured = |run: u32, n: u32| {
             if !ran_clean(tool, &read(run, n, "status"), &read(run, n, "client")) {
                 return None;
             }
-            total(&read(run, n, "cg"))
+            Some((total(&read(run, n, "cg"))?, report_cost(&read(run, n, "cg.incl"))))
         };
+        // Each run's two lengths, each read once.
+        let lengths: Vec<_> = (0..o.runs).map(|r| (measured(r, 1000), measured(r, 3000))).collect();
+        let whole = |m: Option<(u64, Option<u64>)>| m.map(|(t, _)| t);
         // The same without the report's function.
-        let looped = |run: u32, n: u32| count(run, n)?.checked_sub(report_cost(&read(run, n, "cg.incl"))?);
-        let counts: Vec<Option<u64>> = (0..o.runs).map(|r| per_iteration(count(r, 1000), count(r, 3000))).collect();
-        let loops: Vec<Option<u64>> = (0..o.runs).map(|r| per_iteration(looped(r, 1000), looped(r, 3000))).collect();
+        let looped = |m: Option<(u64, Option<u64>)>| m.and_then(|(t, report)| t.checked_sub(report?));
+        let counts: Vec<Option<u64>> = lengths.iter().map(|&(a, b)| per_iteration(whole(a), whole(b))).collect();
+        let loops: Vec<Option<u64>> = lengths.iter().map(|&(a, b)| per_iteration(looped(a), looped(b))).collect();
         let show =
             |v: &[Option<u64>]| v.iter().map(|c| c.map_or("-".to_owned(), |c| c.to_string())).collect::<Vec<_>>();
         let shown = show(&counts);
