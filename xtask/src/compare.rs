@@ -15,7 +15,10 @@
 //! Absolute speeds in the guest mean nothing; the ratios do. Under the
 //! table, how steady this machine's own CPU ran before and after the guest
 //! run ([`crate::steady`]): the guest's CPUs are its threads.
-//! `--host` runs part 1 only; `--from DIR` prints part 2's table again from
+//! `--host` runs part 1 only; `--only TEST` and `--size BYTES` run part 2's
+//! cases of one test, of one size, or both (one case in many rounds costs
+//! minutes where every case costs a quarter of an hour, so one doubtful
+//! verdict can be settled alone); `--from DIR` prints part 2's table again from
 //! a kept guest run, and from several (`--from A --from B`) with their
 //! rounds pooled: kept runs of the same settings add up to the rounds that
 //! settle what five cannot. `--null` runs perftest twice in each round and
@@ -185,11 +188,40 @@ fn column(log: &str, size: u64, index: usize) -> Option<f64> {
     None
 }
 
+/// The guest's cases of test `only` and of `size` (each when given), or
+/// why none is.
+fn chosen(only: Option<&str>, size: Option<u64>) -> Result<Vec<Case>> {
+    let cases: Vec<Case> =
+        cases().into_iter().filter(|c| only.is_none_or(|t| c.test == t) && size.is_none_or(|s| c.size == s)).collect();
+    if cases.is_empty() {
+        // Which sizes there are, to say what would have matched.
+        let of = |only| {
+            let mut sizes: Vec<u64> = cases_of(only).iter().map(|c| c.size).collect();
+            sizes.sort_unstable();
+            sizes.dedup();
+            sizes.iter().map(u64::to_string).collect::<Vec<_>>().join(", ")
+        };
+        let size = size.map_or_else(String::new, |s| s.to_string());
+        return Err(match only {
+            Some(t) if cases_of(only).is_empty() => format!("--only {t}: no such test among the guest's cases"),
+            Some(t) => format!("--only {t} --size {size}: {t} runs at {} bytes", of(only)),
+            None => format!("--size {size}: no case of the guest runs at that size (they run at {})", of(None)),
+        });
+    }
+    Ok(cases)
+}
+
+/// The guest's cases of test `only`, or all.
+fn cases_of(only: Option<&str>) -> Vec<Case> {
+    cases().into_iter().filter(|c| only.is_none_or(|t| c.test == t)).collect()
+}
+
 pub fn command(args: &[String]) -> Result<i32> {
     let mut rounds = None;
     let mut host_only = false;
     let mut from = Vec::new();
     let mut only: Option<String> = None;
+    let mut size: Option<u64> = None;
     let mut null = false;
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -201,20 +233,23 @@ pub fn command(args: &[String]) -> Result<i32> {
             "--host" => host_only = true,
             "--null" => null = true,
             "--only" => only = Some(it.next().ok_or("--only needs a test name (write-bw, list-bw, ...)")?.clone()),
+            "--size" => {
+                let n = it.next().ok_or("--size needs a message size in bytes")?;
+                size = Some(n.parse().map_err(|_| format!("--size {n}: not a number of bytes"))?);
+            }
             "--from" => from.push(PathBuf::from(it.next().ok_or("--from needs the folder of a guest run")?)),
             _ => {
                 return Err(format!(
                     "compare takes --rounds N (default 3), --host, --only TEST (the guest's cases of one test, \
-                     without the host part), --null (perftest a second time each round, against itself) and \
-                     --from DIR (repeatable: the kept runs' rounds pooled); got {args:?}"
+                     without the host part), --size BYTES (the guest's cases of one size, without the host \
+                     part), --null (perftest a second time each round, against itself) and --from DIR \
+                     (repeatable: the kept runs' rounds pooled); got {args:?}"
                 ));
             }
         }
     }
-    let cases: Vec<Case> = cases().into_iter().filter(|c| only.as_ref().is_none_or(|t| c.test == t)).collect();
-    if cases.is_empty() {
-        return Err(format!("--only {only:?}: no such test among the guest's cases"));
-    }
+    let cases = chosen(only.as_deref(), size)?;
+    let guest_only = only.is_some() || size.is_some();
     if !from.is_empty() {
         // The table again from kept guest runs' logs, without running
         // anything: each run's rounds (the first N with --rounds), pooled.
@@ -232,7 +267,7 @@ pub fn command(args: &[String]) -> Result<i32> {
     let rounds = rounds.unwrap_or(3);
     let kernel = setup::setup()?;
     run_cmd(cargo().args(["build", "--release", "--features", "cli", "--bin", "gpu-rdma"]))?;
-    let (host_table, host_missing) = if only.is_some() { (String::new(), 0) } else { host(rounds)? };
+    let (host_table, host_missing) = if guest_only { (String::new(), 0) } else { host(rounds)? };
     print!("{host_table}");
     if host_only {
         let _ = fs::write(root().join("target/compare.txt"), &host_table);
@@ -809,6 +844,19 @@ mod tests {
         fs::write(dir.join("send-lat-8-perftest-9.client"), log(1.0)).unwrap();
         fs::write(dir.join("send-lat-2-perftest-9.server"), "").unwrap();
         dir
+    }
+
+    #[test]
+    fn one_case_is_chosen_by_test_and_size_and_a_miss_names_the_sizes_there_are() {
+        let names = |c: Vec<Case>| c.iter().map(Case::name).collect::<Vec<_>>();
+        assert_eq!(names(chosen(Some("send-lat"), Some(1024)).unwrap()), ["send-lat-1024"]);
+        assert_eq!(names(chosen(None, Some(1 << 20)).unwrap()), ["write-bw-1048576", "read-bw-1048576"]);
+        assert_eq!(chosen(None, None).unwrap().len(), cases().len());
+        let e = chosen(Some("send-lat"), Some(1000)).err().unwrap();
+        assert!(e.contains("send-lat runs at 2, 64, 1024, 4096 bytes"), "{e}");
+        let e = chosen(None, Some(3)).err().unwrap();
+        assert!(e.starts_with("--size 3: no case") && e.contains("4096, 65536, 1048576"), "{e}");
+        assert!(chosen(Some("send-bw"), None).err().unwrap().contains("no such test"));
     }
 
     #[test]

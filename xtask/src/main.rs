@@ -48,8 +48,9 @@ commands:
   demo [--vm]           the transfer example with no arguments here: best path, write/read/send, verified;
                           --vm: two processes on rxe0 in the guest, 256 MiB each way
   bench                 the criterion suite benches/ops.rs on rxe0 in the guest (verbs and TCP)
-  compare [--rounds N] [--host] [--only TEST] [--null] [--from DIR]...
+  compare [--rounds N] [--host] [--only TEST] [--size BYTES] [--null] [--from DIR]...
                         gpu-rdma bench beside perftest and UCX on rxe0 (and UCX over TCP here): medians, ratios;
+                          --only, --size: the guest's cases of one test, of one size (no host part);
                           --null: perftest twice a round, its second run against its first (the noise floor);
                           --from: the table from kept guest runs, their rounds pooled
   instructions [--size N] [--server] [--runs N]
