@@ -18,6 +18,9 @@
 //! our sends go from the ring of persistent sends. The server's
 //! turnaround (from a message to its reply) is on every round trip's path.
 //!
+//! `--keep` keeps the guest's run directory, with each run's callgrind
+//! files, for `callgrind_annotate`.
+//!
 //! `--runs N` (default 3) counts N times in one boot, the tools alternating,
 //! and prints each count and their median: both tools' counts include a
 //! busy poll that spins in wall time until the reply arrives, so they move
@@ -125,10 +128,13 @@ struct Options {
     size: u32,
     server: bool,
     runs: u32,
+    /// Keep the guest's run directory (the callgrind files, for
+    /// `callgrind_annotate`) even when every tool was counted.
+    keep: bool,
 }
 
 fn parse(args: &[String]) -> Result<Options> {
-    let mut o = Options { size: 2, server: false, runs: 3 };
+    let mut o = Options { size: 2, server: false, runs: 3, keep: false };
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
@@ -137,11 +143,12 @@ fn parse(args: &[String]) -> Result<Options> {
                 o.size = n.parse().ok().filter(|s| *s > 0).ok_or_else(|| format!("--size {n}: not a size"))?;
             }
             "--server" => o.server = true,
+            "--keep" => o.keep = true,
             "--runs" => {
                 let n = it.next().ok_or("--runs needs a number")?;
                 o.runs = n.parse().ok().filter(|r| *r > 0).ok_or_else(|| format!("--runs {n}: not a count"))?;
             }
-            _ => return Err(format!("instructions takes --size N, --server and --runs N; got {args:?}")),
+            _ => return Err(format!("instructions takes --size N, --server, --runs N and --keep; got {args:?}")),
         }
     }
     Ok(o)
@@ -261,12 +268,14 @@ pub fn command(args: &[String]) -> Result<i32> {
     if let Ok(profile) = fs::read_to_string(guest.dir.join("profile.txt")) {
         println!("gpu-rdma's own functions, first run, 3,000 iterations (self cost):\n{profile}");
     }
-    if per.len() == TOOLS.len() {
-        return Ok(0);
+    let counted = per.len() == TOOLS.len();
+    if !counted || o.keep {
+        // The logs of the runs without a count stay, for the "see" above;
+        // with --keep, every run's callgrind files.
+        guest.keep();
+        println!("(the guest's run kept in {})", guest.dir.display());
     }
-    // The logs of the runs without a count stay, for the "see" above.
-    guest.keep();
-    Ok(1)
+    Ok(if counted { 0 } else { 1 })
 }
 
 #[cfg(test)]
@@ -335,10 +344,10 @@ mod tests {
     #[test]
     fn parses_the_size_and_the_side() {
         let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-        assert_eq!(parse(&[]), Ok(Options { size: 2, server: false, runs: 3 }));
+        assert_eq!(parse(&[]), Ok(Options { size: 2, server: false, runs: 3, keep: false }));
         assert_eq!(
-            parse(&args(&["--size", "4096", "--server", "--runs", "5"])),
-            Ok(Options { size: 4096, server: true, runs: 5 })
+            parse(&args(&["--size", "4096", "--server", "--runs", "5", "--keep"])),
+            Ok(Options { size: 4096, server: true, runs: 5, keep: true })
         );
         assert!(parse(&args(&["--runs", "0"])).is_err());
         assert!(parse(&args(&["--size", "0"])).is_err());

@@ -53,10 +53,10 @@ commands:
                           --only, --size: the guest's cases of one test, of one size (no host part);
                           --null: perftest twice a round, its second run against its first (the noise floor);
                           --from: the table from kept guest runs, their rounds pooled
-  instructions [--size N] [--server] [--runs N]
+  instructions [--size N] [--server] [--runs N] [--keep]
                         instructions per send-lat iteration under callgrind: ib_send_lat, gpu-rdma, ucx_perftest
                           (the client's, or with --server the server's; 2 B unless --size; the median of
-                          3 runs unless --runs)
+                          3 runs unless --runs; --keep: the callgrind files kept)
   layers [--cycles]     the library's module graph: fails on a cycle or an import a layer may not make
                           (--cycles: on a cycle only, reporting the rest)
   gpu-check [--run]     build the GPU checks into target/gpu-bundle (binaries, libraries, run.sh)
