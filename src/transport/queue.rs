@@ -110,6 +110,22 @@ pub(crate) struct QuietSend {
     pub inline: bool,
 }
 
+impl QuietSend {
+    /// Its completion once it succeeded, on queue pair `qp_num`.
+    #[inline]
+    pub(crate) fn success(&self, qp_num: u32) -> Completion {
+        Completion {
+            wr_id: crate::ops::quiet_wr_id(self.seq),
+            opcode: self.opcode,
+            status: crate::completion::WcStatus::Success,
+            byte_len: self.len,
+            imm: None,
+            qp_num,
+            vendor_err: 0,
+        }
+    }
+}
+
 /// How an inline send was posted: tracked like any operation, or quiet.
 pub(crate) enum PostedInline {
     Tracked(Posted),
@@ -372,6 +388,18 @@ impl QueueCore {
         self.order.next - u64::from(self.order.quiet) > seq
     }
 
+    /// Every quiet send placed below this has succeeded: the send queue
+    /// completed up to here, and no request before it failed. It only
+    /// grows, so a transport may publish it for a look without the lock
+    /// (see [`QuietSend::success`]).
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    pub(crate) fn succeeded_below(&self) -> u64 {
+        match self.order.failed {
+            Some((at, _)) => self.order.done.min(at),
+            None => self.order.done,
+        }
+    }
+
     /// The outcome of a quiet send, once known: success if every request
     /// up to it completed and none before it failed; its own error if it
     /// failed; the loss if an earlier request failed (it was flushed).
@@ -380,15 +408,7 @@ impl QueueCore {
         if q.seq >= self.order.done {
             return None;
         }
-        let c = Completion {
-            wr_id: crate::ops::quiet_wr_id(q.seq),
-            opcode: q.opcode,
-            status: crate::completion::WcStatus::Success,
-            byte_len: q.len,
-            imm: None,
-            qp_num: self.limits.qp_num,
-            vendor_err: 0,
-        };
+        let c = q.success(self.limits.qp_num);
         Some(match self.order.failed {
             Some((at, failed)) if at == q.seq => {
                 OpTable::outcome(Completion { opcode: q.opcode, ..failed }, self.lost())
@@ -1022,6 +1042,29 @@ mod tests {
             Some(Err(Error::ConnectionLost { reason })) => assert!(reason.contains("flushed"), "{reason}"),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn the_mark_below_which_quiet_sends_succeeded_grows_with_completions_and_stops_at_a_failure() {
+        let mut q = core(64, 1);
+        let quiet = |q: &mut QueueCore| q.start_quiet(Opcode::Send, 8, false);
+        let a = quiet(&mut q);
+        let s = q.start_send(Opcode::Send, 1, 8);
+        assert_eq!(q.succeeded_below(), 0, "nothing completed yet");
+        q.complete(&done(s, true, WcStatus::Success));
+        assert!(a.seq < q.succeeded_below(), "a is known done without asking for it");
+        let c = q.quiet_outcome(&a).expect("known").expect("succeeded");
+        assert_eq!(c, a.success(1), "what the mark stands for, as the lock would say");
+        // Then a failure: sends at or after it never count as succeeded,
+        // whatever completes later; the ones before it still do.
+        let (b, c, d) = (quiet(&mut q), quiet(&mut q), quiet(&mut q));
+        q.complete(&quiet_failed(c.seq, WcStatus::RemoteAccess));
+        q.complete(&quiet_failed(d.seq, WcStatus::WrFlush));
+        assert_eq!(q.succeeded_below(), c.seq, "b succeeded (completed before c), c failed");
+        assert!(matches!(q.quiet_outcome(&b), Some(Ok(_))) && matches!(q.quiet_outcome(&c), Some(Err(_))));
+        let e = q.start_send(Opcode::Send, 1, 8);
+        q.complete(&done(e, true, WcStatus::WrFlush));
+        assert_eq!(q.succeeded_below(), c.seq, "it never passes the first failure");
     }
 
     #[test]

@@ -8,11 +8,12 @@ use std::net::TcpStream;
 use std::ops::{Deref, DerefMut};
 use std::os::fd::AsFd;
 use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use super::queue::{Limits, Posted, PostedInline, QueueCore, QuietSend, RemoteOp, Sleepers, WorkItem};
 use crate::bootstrap::{self, VerbsEndpoint};
-use crate::completion::Opcode;
+use crate::completion::{Completion, Opcode};
 use crate::deadline::{Deadline, polls_per_clock_read};
 use crate::error::{Error, Result};
 use crate::memory::domain::Nic;
@@ -95,6 +96,13 @@ pub(crate) struct VerbsConn {
     polls_per_read: u32,
     /// Watched by the domain's progress engine.
     watched: std::sync::atomic::AtomicBool,
+    /// The queue core's [`succeeded_below`](QueueCore::succeeded_below),
+    /// published after each poll that found completions: a quiet send
+    /// placed below it succeeded and the device is done with its buffer,
+    /// which a look at this tells without the lock. It only grows.
+    succeeded_below: AtomicU64,
+    /// The queue pair's number, for those quiet sends' completions.
+    qp_num: u32,
     /// Rung to wake the sleepers (made at the first sleep; `None` if no
     /// descriptor was left for it: then sleeps are cut short instead).
     bell: OnceLock<Option<Bell>>,
@@ -260,6 +268,8 @@ impl Prepared {
             spin: opts.spin,
             polls_per_read: polls_per_clock_read(opts.spin),
             watched: std::sync::atomic::AtomicBool::new(false),
+            succeeded_below: AtomicU64::new(0),
+            qp_num: info.local_qp_num,
             bell: OnceLock::new(),
             #[cfg(feature = "tokio")]
             closing: Default::default(),
@@ -353,6 +363,11 @@ impl VerbsConn {
             // The device is done with an orphan's memory: its final request completed.
             drop(q.complete(&raw_completion(&wc)));
         })?;
+        if n > 0 {
+            // Release: a thread that reads it and reuses a quiet send's
+            // buffer does so after the completions that made it grow.
+            self.succeeded_below.store(st.q.succeeded_below(), Ordering::Release);
+        }
         self.check_grace(st);
         Ok(n)
     }
@@ -1043,6 +1058,9 @@ impl VerbsConn {
     /// request follow `q` if none does: polling alone would never learn
     /// its outcome, and a caller posting more meanwhile needs no extra request.
     pub(crate) fn poll_quiet(&self, q: &QuietSend) -> Result<Option<OpOutcome>> {
+        if let Some(done) = self.succeeded(q) {
+            return Ok(Some(Ok(done)));
+        }
         let mut st = self.lock();
         if let Some(outcome) = st.q.quiet_outcome(q) {
             return Ok(Some(outcome));
@@ -1069,7 +1087,17 @@ impl VerbsConn {
 
     /// The outcome of quiet send `q` if known, without polling.
     pub(crate) fn quiet_outcome(&self, q: &QuietSend) -> Option<OpOutcome> {
+        if let Some(done) = self.succeeded(q) {
+            return Some(Ok(done));
+        }
         self.lock().q.quiet_outcome(q)
+    }
+
+    /// Quiet send `q`'s completion if a poll already found that it
+    /// succeeded (the common case a lap of sends later), without the lock.
+    #[inline(always)]
+    fn succeeded(&self, q: &QuietSend) -> Option<Completion> {
+        (q.seq < self.succeeded_below.load(Ordering::Acquire)).then(|| q.success(self.qp_num))
     }
 
     /// Makes sure a signaled request follows quiet send `q`, so its outcome
