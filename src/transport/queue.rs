@@ -390,8 +390,8 @@ impl QueueCore {
 
     /// Every quiet send placed below this has succeeded: the send queue
     /// completed up to here, and no request before it failed. It only
-    /// grows, so a transport may publish it for a look without the lock
-    /// (see [`QuietSend::success`]).
+    /// grows, so a transport may publish it for a look without the lock,
+    /// answering such a send with [`QuietSend::success`].
     #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
     pub(crate) fn succeeded_below(&self) -> u64 {
         match self.order.failed {
@@ -1053,8 +1053,8 @@ mod tests {
         assert_eq!(q.succeeded_below(), 0, "nothing completed yet");
         q.complete(&done(s, true, WcStatus::Success));
         assert!(a.seq < q.succeeded_below(), "a is known done without asking for it");
-        let c = q.quiet_outcome(&a).expect("known").expect("succeeded");
-        assert_eq!(c, a.success(1), "what the mark stands for, as the lock would say");
+        let told = q.quiet_outcome(&a).expect("known").expect("succeeded");
+        assert_eq!(told, a.success(1), "what the mark stands for, as the lock would say");
         // Then a failure: sends at or after it never count as succeeded,
         // whatever completes later; the ones before it still do.
         let (b, c, d) = (quiet(&mut q), quiet(&mut q), quiet(&mut q));
