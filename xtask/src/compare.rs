@@ -191,8 +191,7 @@ fn column(log: &str, size: u64, index: usize) -> Option<f64> {
 /// The guest's cases of test `only` and of `size` (each when given), or
 /// why none is.
 fn chosen(only: Option<&str>, size: Option<u64>) -> Result<Vec<Case>> {
-    let cases: Vec<Case> =
-        cases().into_iter().filter(|c| only.is_none_or(|t| c.test == t) && size.is_none_or(|s| c.size == s)).collect();
+    let cases: Vec<Case> = cases_of(only).into_iter().filter(|c| size.is_none_or(|s| c.size == s)).collect();
     if cases.is_empty() {
         // Which sizes there are, to say what would have matched.
         let of = |only| {

@@ -196,7 +196,7 @@ pub fn command(args: &[String]) -> Result<i32> {
          callgrind on rxe0, {} B, 1,000 and 3,000 iterations, {} run(s)",
         o.size, o.runs
     );
-    let opts = VmOptions { timeout: Duration::from_secs(1800), ..VmOptions::default() };
+    let opts = VmOptions { timeout: Duration::from_secs(1800), keep: o.keep, ..VmOptions::default() };
     let script = format!("SIZE={}\nSIDE={side}\nRUNS={}\n{SCRIPT}", o.size, o.runs);
     let mut guest = vm::run_script(&kernel, &root(), &script, &opts)?;
     let mut out = String::new();
@@ -270,8 +270,8 @@ pub fn command(args: &[String]) -> Result<i32> {
     }
     let counted = per.len() == TOOLS.len();
     if !counted || o.keep {
-        // The logs of the runs without a count stay, for the "see" above;
-        // with --keep, every run's callgrind files.
+        // The logs of the runs without a count stay, for the "see" above
+        // (with --keep, the guest run was made to stay).
         guest.keep();
         println!("(the guest's run kept in {})", guest.dir.display());
     }
