@@ -3,6 +3,9 @@
 //! operations, credits, the lost state and the checks, with no I/O, tested
 //! here without sockets, threads or devices).
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use crate::access::Access;
 use crate::completion::{Completion, Opcode};
 use crate::error::{Error, Result};
@@ -191,6 +194,10 @@ pub(crate) struct QueueCore {
     /// loss, credits an abort gave back. A waiter that finds the count
     /// unchanged since its last look has nothing new to look at.
     changes: u64,
+    /// [`succeeded_below`](Self::succeeded_below), published each time a
+    /// send's completion moves it, for a transport to read without its
+    /// lock ([`succeeded_mark`](Self::succeeded_mark)).
+    succeeded: Arc<AtomicU64>,
 }
 
 impl QueueCore {
@@ -211,6 +218,7 @@ impl QueueCore {
             moderation,
             quiet_orphans: std::collections::VecDeque::new(),
             changes: 0,
+            succeeded: Arc::new(AtomicU64::new(0)),
         }
     }
 
@@ -390,14 +398,30 @@ impl QueueCore {
 
     /// Every quiet send placed below this has succeeded: the send queue
     /// completed up to here, and no request before it failed. It only
-    /// grows, so a transport may publish it for a look without the lock,
-    /// answering such a send with [`QuietSend::success`].
+    /// grows, so it is published for a look without the lock (see
+    /// [`succeeded_mark`](Self::succeeded_mark)).
     #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
     pub(crate) fn succeeded_below(&self) -> u64 {
         match self.order.failed {
             Some((at, _)) => self.order.done.min(at),
             None => self.order.done,
         }
+    }
+
+    /// Where [`succeeded_below`](Self::succeeded_below) is published, kept
+    /// current by every send completion: a quiet send placed below what it
+    /// holds (read with `Acquire`) succeeded, and the device is done with
+    /// its buffer; the transport answers it with [`QuietSend::success`].
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    pub(crate) fn succeeded_mark(&self) -> Arc<AtomicU64> {
+        Arc::clone(&self.succeeded)
+    }
+
+    /// Publishes [`succeeded_below`](Self::succeeded_below) after a send's
+    /// completion. Release: a thread that reads it and reuses a quiet
+    /// send's buffer does so after the completion that made it grow.
+    fn publish_succeeded(&self) {
+        self.succeeded.store(self.succeeded_below(), Ordering::Release);
     }
 
     /// The outcome of a quiet send, once known: success if every request
@@ -463,6 +487,7 @@ impl QueueCore {
             // A quiet send reports only a failure (or its flush).
             self.failed_at(seq, raw);
             self.order.done = self.order.done.max(seq + 1);
+            self.publish_succeeded();
             self.release_quiet_orphans();
             return None;
         }
@@ -472,6 +497,7 @@ impl QueueCore {
                 self.failed_at(held.sq_end - u64::from(held.send_wrs), raw);
             }
             self.order.done = self.order.done.max(held.sq_end);
+            self.publish_succeeded();
             if !self.quiet_orphans.is_empty() {
                 self.release_quiet_orphans();
             }
@@ -1050,9 +1076,11 @@ mod tests {
         let quiet = |q: &mut QueueCore| q.start_quiet(Opcode::Send, 8, false);
         let a = quiet(&mut q);
         let s = q.start_send(Opcode::Send, 1, 8);
+        let mark = q.succeeded_mark();
         assert_eq!(q.succeeded_below(), 0, "nothing completed yet");
         q.complete(&done(s, true, WcStatus::Success));
         assert!(a.seq < q.succeeded_below(), "a is known done without asking for it");
+        assert_eq!(mark.load(Ordering::Acquire), q.succeeded_below(), "published as it moved");
         let told = q.quiet_outcome(&a).expect("known").expect("succeeded");
         assert_eq!(told, a.success(1), "what the mark stands for, as the lock would say");
         // Then a failure: sends at or after it never count as succeeded,
@@ -1065,6 +1093,7 @@ mod tests {
         let e = q.start_send(Opcode::Send, 1, 8);
         q.complete(&done(e, true, WcStatus::WrFlush));
         assert_eq!(q.succeeded_below(), c.seq, "it never passes the first failure");
+        assert_eq!(mark.load(Ordering::Acquire), c.seq, "nor does what is published");
     }
 
     #[test]

@@ -7,6 +7,7 @@ use std::hash::{BuildHasher, Hasher};
 use std::net::TcpStream;
 use std::ops::{Deref, DerefMut};
 use std::os::fd::AsFd;
+use std::sync::Arc;
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -96,11 +97,10 @@ pub(crate) struct VerbsConn {
     polls_per_read: u32,
     /// Watched by the domain's progress engine.
     watched: std::sync::atomic::AtomicBool,
-    /// The queue core's [`succeeded_below`](QueueCore::succeeded_below),
-    /// published after each poll that found completions: a quiet send
-    /// placed below it succeeded and the device is done with its buffer,
-    /// which a look at this tells without the lock. It only grows.
-    succeeded_below: AtomicU64,
+    /// The queue core's [`succeeded_mark`](QueueCore::succeeded_mark): a
+    /// quiet send placed below it succeeded and the device is done with its
+    /// buffer, which a look at this tells without the lock.
+    succeeded_below: Arc<AtomicU64>,
     /// The queue pair's number, for those quiet sends' completions.
     qp_num: u32,
     /// Rung to wake the sleepers (made at the first sleep; `None` if no
@@ -247,16 +247,18 @@ impl Prepared {
             memory_bound: None,
         };
         tracing::debug!(?info, "verbs connection established");
+        let q = QueueCore::new(Limits {
+            domain_id,
+            send_depth: caps.max_send_wr,
+            recv_depth: caps.max_recv_wr,
+            max_message,
+            qp_num: info.local_qp_num,
+        });
+        let succeeded_below = q.succeeded_mark();
         let conn = VerbsConn {
             state: Mutex::new(VerbsState {
                 qp: Some(qp),
-                q: QueueCore::new(Limits {
-                    domain_id,
-                    send_depth: caps.max_send_wr,
-                    recv_depth: caps.max_recv_wr,
-                    max_message,
-                    qp_num: info.local_qp_num,
-                }),
+                q,
                 peer_gone: None,
                 sleepers: Sleepers::default(),
                 sges: Vec::with_capacity(64),
@@ -268,7 +270,7 @@ impl Prepared {
             spin: opts.spin,
             polls_per_read: polls_per_clock_read(opts.spin),
             watched: std::sync::atomic::AtomicBool::new(false),
-            succeeded_below: AtomicU64::new(0),
+            succeeded_below,
             qp_num: info.local_qp_num,
             bell: OnceLock::new(),
             #[cfg(feature = "tokio")]
@@ -363,11 +365,6 @@ impl VerbsConn {
             // The device is done with an orphan's memory: its final request completed.
             drop(q.complete(&raw_completion(&wc)));
         })?;
-        if n > 0 {
-            // Release: a thread that reads it and reuses a quiet send's
-            // buffer does so after the completions that made it grow.
-            self.succeeded_below.store(st.q.succeeded_below(), Ordering::Release);
-        }
         self.check_grace(st);
         Ok(n)
     }
