@@ -11,7 +11,7 @@ use super::{Connection, Pending, Stage};
 use crate::completion::Completion;
 use crate::error::{Error, Result};
 use crate::memory::{LocalBuffer, LocalParts, LocalSlice};
-use crate::transport::{PostedInline, RemoteOp, WorkItem};
+use crate::transport::PostedInline;
 
 /// A receive into, or a send from, one range of one buffer, posted again
 /// after each round, as perftest reposts its prebuilt requests and as MPI's
@@ -138,10 +138,7 @@ impl<B: LocalBuffer> Persistent<B> {
         let shared = &self.pending.shared;
         let posted = match self.op {
             Repeated::Recv => PostedInline::Tracked(shared.transport.post_recv(Some(parts))),
-            Repeated::Send => {
-                let item = WorkItem { local: Some(parts), op: RemoteOp::Send };
-                shared.transport.post_send_quiet(&item, shared.deadline())
-            }
+            Repeated::Send => shared.transport.post_quiet_send(&parts, shared.deadline()),
         };
         self.pending.restart(posted);
     }

@@ -203,6 +203,21 @@ impl ConnTransport {
         dispatch!(self, t => t.post_send(items, due))
     }
 
+    /// Posts a send of `local` that may go unsignaled, as
+    /// [`post_send_quiet`](Self::post_send_quiet) posts one: the round of
+    /// a persistent send, with no work item to dispatch on.
+    #[inline(always)]
+    pub(crate) fn post_quiet_send(&self, local: &LocalParts, due: Deadline) -> PostedInline {
+        match self {
+            #[cfg(feature = "verbs")]
+            ConnTransport::Verbs(t) => t.post_quiet_send(local, due),
+            ConnTransport::Tcp(t) => {
+                let item = WorkItem { local: Some(*local), op: RemoteOp::Send };
+                PostedInline::Tracked(t.post_send(std::slice::from_ref(&item), due))
+            }
+        }
+    }
+
     /// Posts one operation that may go unsignaled (verbs; TCP tracks
     /// every request).
     #[inline]
@@ -274,6 +289,22 @@ impl ConnTransport {
             ConnTransport::Tcp(_) => {
                 let _ = q;
                 Ok(Some(Err(Box::new(Error::AlreadyReported))))
+            }
+        }
+    }
+
+    /// Quiet send `q`'s completion if it is known to have succeeded,
+    /// without a lock: the common case for a send posted a while ago (see
+    /// [`QueueCore::succeeded_mark`](queue::QueueCore::succeeded_mark)).
+    /// `None` says only that this look cannot tell.
+    #[inline(always)]
+    pub(crate) fn quiet_succeeded(&self, q: &QuietSend) -> Option<crate::completion::Completion> {
+        match self {
+            #[cfg(feature = "verbs")]
+            ConnTransport::Verbs(t) => t.succeeded(q),
+            ConnTransport::Tcp(_) => {
+                let _ = q;
+                None
             }
         }
     }

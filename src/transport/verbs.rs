@@ -913,6 +913,13 @@ impl VerbsConn {
         }
     }
 
+    /// [`post_send_quiet`](Self::post_send_quiet) for a send of one
+    /// buffer, straight to the one path such a send takes.
+    #[inline(always)]
+    pub(crate) fn post_quiet_send(&self, local: &LocalParts, mut due: Deadline) -> PostedInline {
+        self.post_one_send(local, RemoteOp::Send, &mut due, true)
+    }
+
     pub(crate) fn post_send(&self, items: &[WorkItem], mut due: Deadline) -> Posted {
         let Some(last) = items.last() else {
             return Posted::refused(Error::EmptyBatch);
@@ -1093,7 +1100,7 @@ impl VerbsConn {
     /// Quiet send `q`'s completion if a poll already found that it
     /// succeeded (the common case a lap of sends later), without the lock.
     #[inline(always)]
-    fn succeeded(&self, q: &QuietSend) -> Option<Completion> {
+    pub(crate) fn succeeded(&self, q: &QuietSend) -> Option<Completion> {
         (q.seq < self.succeeded_below.load(Ordering::Acquire)).then(|| q.success(self.qp_num))
     }
 
