@@ -19,7 +19,8 @@
 //! turnaround (from a message to its reply) is on every round trip's path.
 //!
 //! `--keep` keeps the guest's run directory, with each run's callgrind
-//! files, for `callgrind_annotate`.
+//! files, for `callgrind_annotate`; their counts go down to each
+//! instruction (`--dump-instr=yes`), to read against `objdump -d`.
 //!
 //! `--runs N` (default 3) counts N times in one boot, the tools alternating,
 //! and prints each count and their median: both tools' counts include a
@@ -36,8 +37,8 @@ use std::time::Duration;
 use crate::vm::{self, VmOptions};
 use crate::{Result, cargo, root, run as run_cmd, setup};
 
-/// The guest's script: `SIZE`, `SIDE` (client or server) and `RUNS` are set
-/// before it.
+/// The guest's script: `SIZE`, `SIDE` (client or server), `RUNS` and
+/// `CG_OPTS` (callgrind's extra options) are set before it.
 const SCRIPT: &str = r#"
 B=target/release/gpu-rdma
 # UCX's transports as compare runs them; the other tools ignore these.
@@ -56,7 +57,7 @@ for tool in perftest gpu-rdma ucx; do
       cli="$B bench send-lat 127.0.0.1 -p 18600 -n $n -s $SIZE -d rxe0"; port=18600
     fi
     cg="$VM_OUT/$tool-$run-$n.cg"
-    counted="valgrind --tool=callgrind --callgrind-out-file=$cg"
+    counted="valgrind --tool=callgrind $CG_OPTS --callgrind-out-file=$cg"
     if [ $SIDE = server ]; then srv="$counted $srv"; else cli="$counted $cli"; fi
     timeout 600 $srv > "$VM_OUT/$tool-$run-$n.server" 2>&1 &
     sp=$!
@@ -197,7 +198,10 @@ pub fn command(args: &[String]) -> Result<i32> {
         o.size, o.runs
     );
     let opts = VmOptions { timeout: Duration::from_secs(1800), keep: o.keep, ..VmOptions::default() };
-    let script = format!("SIZE={}\nSIDE={side}\nRUNS={}\n{SCRIPT}", o.size, o.runs);
+    // A kept run's counts go down to each instruction, for reading the hot
+    // path against its disassembly (`objdump -d` of target/release/gpu-rdma).
+    let cg_opts = if o.keep { "--dump-instr=yes" } else { "" };
+    let script = format!("SIZE={}\nSIDE={side}\nRUNS={}\nCG_OPTS='{cg_opts}'\n{SCRIPT}", o.size, o.runs);
     let mut guest = vm::run_script(&kernel, &root(), &script, &opts)?;
     let mut out = String::new();
     // Each tool's median count, when every run gave one.

@@ -16,6 +16,8 @@
 //!   rxe0 in the guest, and beside UCX over TCP here; medians and ratios.
 //! - `instructions`: the instructions of one `send-lat` iteration under
 //!   callgrind, `ib_send_lat` and `ucx_perftest` beside `gpu-rdma bench`, on rxe0.
+//! - `hot`: one send-lat iteration's instructions by function, and with
+//!   `--fn` instruction by instruction, from a run `instructions --keep` kept.
 //! - `gpu-check`: the GPU checks as one folder (binaries, the rdma-core
 //!   libraries they link, `run.sh`) for a GPU machine without Rust; runs
 //!   them when this machine has a GPU.
@@ -24,6 +26,7 @@ mod bench;
 mod compare;
 mod etcd;
 mod gpu;
+mod hot;
 mod instructions;
 mod layers;
 mod setup;
@@ -57,6 +60,10 @@ commands:
                         instructions per send-lat iteration under callgrind: ib_send_lat, gpu-rdma, ucx_perftest
                           (the client's, or with --server the server's; 2 B unless --size; the median of
                           3 runs unless --runs; --keep: the callgrind files kept)
+  hot [RUN_DIR] [--tool TOOL] [--fn NAME] [--top N]
+                        one send-lat iteration's instructions by function (self cost, the most first), from a
+                          run `instructions --keep` kept (the newest unless RUN_DIR); --fn: each function whose
+                          name has NAME, instruction by instruction against its disassembly
   layers [--cycles]     the library's module graph: fails on a cycle or an import a layer may not make
                           (--cycles: on a cycle only, reporting the rest)
   gpu-check [--run]     build the GPU checks into target/gpu-bundle (binaries, libraries, run.sh)
@@ -75,6 +82,7 @@ fn main() -> ExitCode {
         Some("bench") => bench::command(&args[1..]),
         Some("layers") => layers::command(&args[1..]),
         Some("instructions") => instructions::command(&args[1..]),
+        Some("hot") => hot::command(&args[1..]),
         Some("-h" | "--help" | "help") | None => {
             print!("{USAGE}");
             Ok(0)
