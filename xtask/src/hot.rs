@@ -9,8 +9,8 @@
 //! contains NAME (from `objdump -d` of the binary that ran), each
 //! instruction with its executions per iteration and its source line: the
 //! hot path read instruction by instruction. A kept run's files carry
-//! per-instruction counts (`--dump-instr=yes`); older ones give the
-//! function totals only.
+//! per-instruction counts (`--dump-instr=yes`), and the binary that ran is
+//! kept beside them; older runs give the function totals only.
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -204,7 +204,7 @@ pub fn command(args: &[String]) -> Result<i32> {
     }
     if let Some(name) = &o.function {
         for ((object, function), v) in rows.iter().filter(|((_, f), _)| f.contains(name.as_str())) {
-            print!("{}", disassembly(&costs, object, function, *v)?);
+            print!("{}", disassembly(&dir, &costs, object, function, *v)?);
         }
     }
     Ok(0)
@@ -212,7 +212,7 @@ pub fn command(args: &[String]) -> Result<i32> {
 
 /// `function`'s instructions that ran, each with its executions per
 /// iteration and source line, from `objdump -d -l` of `object`.
-fn disassembly(costs: &HashMap<Key, f64>, object: &str, function: &str, sum: f64) -> Result<String> {
+fn disassembly(dir: &Path, costs: &HashMap<Key, f64>, object: &str, function: &str, sum: f64) -> Result<String> {
     let mut hot: Vec<(u64, f64)> = costs
         .iter()
         .filter(|(k, v)| k.object == object && k.function == function && k.addr != 0 && v.abs() >= 0.5)
@@ -233,7 +233,16 @@ fn disassembly(costs: &HashMap<Key, f64>, object: &str, function: &str, sum: f64
             _ => spans.push((a, a + 16)),
         }
     }
-    let binary = if Path::new(object).is_file() { PathBuf::from(object) } else { root().join(object) };
+    // The binary that ran, kept with the run; else the one built since (its
+    // addresses match only if nothing was rebuilt: said below).
+    let name = Path::new(object).file_name().unwrap_or_default();
+    let kept = dir.join(name);
+    let binary = if kept.is_file() {
+        kept
+    } else {
+        let _ = writeln!(out, "   (no binary kept with the run: reading {object}, which must be the one that ran)");
+        if Path::new(object).is_file() { PathBuf::from(object) } else { root().join(object) }
+    };
     for (start, end) in spans {
         let listing = output(
             Command::new("objdump")

@@ -73,6 +73,9 @@ for tool in perftest gpu-rdma ucx; do
   done
 done
 done
+# A kept run keeps the binary it counted, for reading its counts against
+# its disassembly (`cargo xtask hot`) after the next build.
+if [ -n "$CG_OPTS" ]; then cp "$B" "$VM_OUT/gpu-rdma"; fi
 callgrind_annotate "$VM_OUT/gpu-rdma-0-3000.cg" 2>/dev/null | sed -n '/file:function/,$p' | grep 'gpu-rdma\]' | head -25 > "$VM_OUT/profile.txt"
 exit 0
 "#;
@@ -199,7 +202,8 @@ pub fn command(args: &[String]) -> Result<i32> {
     );
     let opts = VmOptions { timeout: Duration::from_secs(1800), keep: o.keep, ..VmOptions::default() };
     // A kept run's counts go down to each instruction, for reading the hot
-    // path against its disassembly (`objdump -d` of target/release/gpu-rdma).
+    // path against its disassembly (`cargo xtask hot`; the guest keeps the
+    // binary with them).
     let cg_opts = if o.keep { "--dump-instr=yes" } else { "" };
     let script = format!("SIZE={}\nSIDE={side}\nRUNS={}\nCG_OPTS='{cg_opts}'\n{SCRIPT}", o.size, o.runs);
     let mut guest = vm::run_script(&kernel, &root(), &script, &opts)?;
