@@ -914,8 +914,9 @@ impl VerbsConn {
     }
 
     /// [`post_send_quiet`](Self::post_send_quiet) for a send of one
-    /// buffer, straight to the one path such a send takes.
-    #[inline(always)]
+    /// buffer, straight to the one path such a send takes. Not inlined: a
+    /// persistent round that posts a receive keeps its own short frame.
+    #[inline(never)]
     pub(crate) fn post_quiet_send(&self, local: &LocalParts, mut due: Deadline) -> PostedInline {
         self.post_one_send(local, RemoteOp::Send, &mut due, true)
     }
