@@ -211,10 +211,8 @@ impl ConnTransport {
         match self {
             #[cfg(feature = "verbs")]
             ConnTransport::Verbs(t) => t.post_quiet_send(local, due),
-            ConnTransport::Tcp(t) => {
-                let item = WorkItem { local: Some(*local), op: RemoteOp::Send };
-                PostedInline::Tracked(t.post_send(std::slice::from_ref(&item), due))
-            }
+            // TCP tracks every request: as any send of one item.
+            ConnTransport::Tcp(_) => self.post_send_quiet(&WorkItem { local: Some(*local), op: RemoteOp::Send }, due),
         }
     }
 
