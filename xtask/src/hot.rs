@@ -18,7 +18,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use crate::{Result, cache_dir, output, root};
+use crate::{Result, output, root};
 
 /// One function's own cost, at instruction `addr` (0 where the file has
 /// no per-instruction positions).
@@ -168,7 +168,7 @@ fn parse(args: &[String]) -> Result<Options> {
 
 /// The newest kept run with both of `tool`'s files.
 fn newest_run(tool: &str) -> Result<PathBuf> {
-    let runs = cache_dir().join("runs");
+    let runs = crate::vm::runs_dir();
     let mut found: Vec<(std::time::SystemTime, PathBuf)> = fs::read_dir(&runs)
         .map_err(|e| format!("{}: {e} (keep a run with `cargo xtask instructions --keep`)", runs.display()))?
         .flatten()
@@ -260,8 +260,9 @@ fn disassembly(dir: &Path, costs: &HashMap<Key, f64>, object: &str, function: &s
         for line in listing.lines() {
             let trimmed = line.trim();
             if trimmed.starts_with('/') || trimmed.starts_with("src/") {
-                source =
-                    trimmed.rsplit('/').take(2).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("/");
+                // The file's last two path parts and the line: `transport/verbs.rs:547`.
+                let cut = trimmed.rmatch_indices('/').nth(1).map_or(0, |(i, _)| i + 1);
+                source = trimmed[cut..].to_owned();
                 continue;
             }
             let Some((addr, insn)) = trimmed.split_once(":\t") else { continue };

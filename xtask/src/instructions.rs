@@ -37,8 +37,9 @@ use std::time::Duration;
 use crate::vm::{self, VmOptions};
 use crate::{Result, cargo, root, run as run_cmd, setup};
 
-/// The guest's script: `SIZE`, `SIDE` (client or server), `RUNS` and
-/// `CG_OPTS` (callgrind's extra options) are set before it.
+/// The guest's script: `SIZE`, `SIDE` (client or server), `RUNS`, `KEEP`
+/// (1 for a kept run) and `CG_OPTS` (callgrind's extra options) are set
+/// before it.
 const SCRIPT: &str = r#"
 B=target/release/gpu-rdma
 # UCX's transports as compare runs them; the other tools ignore these.
@@ -75,7 +76,7 @@ done
 done
 # A kept run keeps the binary it counted, for reading its counts against
 # its disassembly (`cargo xtask hot`) after the next build.
-if [ -n "$CG_OPTS" ]; then cp "$B" "$VM_OUT/gpu-rdma"; fi
+if [ "$KEEP" = 1 ]; then cp "$B" "$VM_OUT/gpu-rdma"; fi
 callgrind_annotate "$VM_OUT/gpu-rdma-0-3000.cg" 2>/dev/null | sed -n '/file:function/,$p' | grep 'gpu-rdma\]' | head -25 > "$VM_OUT/profile.txt"
 exit 0
 "#;
@@ -205,7 +206,12 @@ pub fn command(args: &[String]) -> Result<i32> {
     // path against its disassembly (`cargo xtask hot`; the guest keeps the
     // binary with them).
     let cg_opts = if o.keep { "--dump-instr=yes" } else { "" };
-    let script = format!("SIZE={}\nSIDE={side}\nRUNS={}\nCG_OPTS='{cg_opts}'\n{SCRIPT}", o.size, o.runs);
+    let script = format!(
+        "SIZE={}\nSIDE={side}\nRUNS={}\nKEEP={}\nCG_OPTS='{cg_opts}'\n{SCRIPT}",
+        o.size,
+        o.runs,
+        u8::from(o.keep)
+    );
     let mut guest = vm::run_script(&kernel, &root(), &script, &opts)?;
     let mut out = String::new();
     // Each tool's median count, when every run gave one.

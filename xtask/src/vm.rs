@@ -59,9 +59,14 @@ pub fn quote(word: &str) -> String {
     format!("'{}'", word.replace('\'', "'\\''"))
 }
 
+/// Where each guest run's directory is made (and kept runs stay).
+pub fn runs_dir() -> PathBuf {
+    cache_dir().join("runs")
+}
+
 /// Boots the guest and runs `body` (bash) in it from `cwd`, after `rxe0` is up.
 pub fn run_script(kernel: &Kernel, cwd: &Path, body: &str, opts: &VmOptions) -> Result<VmRun> {
-    let runs = cache_dir().join("runs");
+    let runs = runs_dir();
     fs::create_dir_all(&runs).map_err(|e| format!("{}: {e}", runs.display()))?;
     let stamp = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_millis();
     let dir = runs.join(format!("run-{stamp}-{}", std::process::id()));
