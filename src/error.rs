@@ -236,6 +236,14 @@ pub enum Error {
     #[error("the last round is still in flight: wait for it before posting it again")]
     StillInFlight,
 
+    /// A [`RecvRing`](crate::RecvRing) was asked for slots it cannot
+    /// have; nothing was posted.
+    #[error("the receive ring cannot be posted: {reason}")]
+    RingRefused {
+        /// Why, in plain words.
+        reason: &'static str,
+    },
+
     /// A wait was interrupted on purpose (a [`Listener`](crate::Listener)'s
     /// [`Interrupt`](crate::Interrupt)).
     #[error("{what} was interrupted")]

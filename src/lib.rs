@@ -107,6 +107,18 @@
 //! # }
 //! ```
 //!
+//! a message a receive ring lends out ends its loan before the ring moves
+//! on (its slot is posted again only then), so no message is read while
+//! its slot is written:
+//!
+//! ```compile_fail,E0499
+//! # fn f(mut ring: gpu_rdma::RecvRing<gpu_rdma::Region>) -> gpu_rdma::Result<()> {
+//! let first = ring.next()?;
+//! let second = ring.next()?; // error: `ring` is still lent to `first`
+//! println!("{}", first[0]);
+//! # Ok(()) }
+//! ```
+//!
 //! and raw posting must be `unsafe`:
 //!
 //! ```compile_fail,E0133
@@ -162,6 +174,11 @@
 //!   the same range once it finished ([`Persistent::repost`]), as perftest
 //!   reposts its prebuilt requests: the range is checked once and no handle
 //!   is built per message.
+//! - [`Connection::recv_ring`] posts receives into the slots of one host
+//!   buffer and lends the messages out in order ([`RecvRing::next`]); a
+//!   [`Received`] reads as the message's bytes, and dropping it posts its
+//!   slot again. A slot is never written while its message is lent out, and
+//!   the buffer stays with the connection while any slot is posted.
 //! - [`ConnectOptions::post_timeout`] `(Duration::ZERO)` makes posts
 //!   try-posts ([`Error::QueueFull`] at once, the buffer back);
 //!   [`Pending::into_result`] hands the buffer back on error too.
@@ -456,7 +473,7 @@ pub use config::{Transport, TransportPolicy};
 pub use connection::{
     Batch, CompletionSet, ConnectOptions, Connection, ConnectionInfo, ConnectionStats, Failed, Finished, Inbox,
     InboxStats, Interrupt, Listener, MAX_CONCURRENT_HANDSHAKES, MAX_QUEUED_NOTES, Note, Pending, Persistent,
-    PersistentRecv, PersistentSend, Transfer, Transferred,
+    PersistentRecv, PersistentSend, Received, RecvRing, Transfer, Transferred,
 };
 pub use domain::{BufError, Domain, DomainConfig, DomainInfo, DomainStats};
 pub use endpoint::Endpoint;

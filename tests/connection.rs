@@ -880,6 +880,102 @@ fn a_persistent_receive_reposts_into_its_range_and_never_while_in_flight(t: Kind
     assert!(matches!(rx.wait_timeout(Duration::from_secs(20)), Err(Error::ConnectionLost { .. })));
 }
 
+fn a_receive_ring_lends_messages_in_order_and_reposts_their_slots(t: Kind) {
+    let d = domain(t);
+    let (s, c) = pair(&d);
+    // Four slots of 32 bytes, from byte 8 of the buffer.
+    let mut ring = s.recv_ring(d.alloc(8 + 4 * 32 + 8).unwrap().slice(8..), 32, 4);
+    assert_eq!((ring.posted(), ring.slot_len(), s.in_flight().0), (4, 32, 4));
+    // One at a time, and in bursts that fill every slot before any is
+    // read: each message in order, in its own slot, byte for byte.
+    let mut round = 0u32;
+    for burst in [1usize, 1, 4, 2, 3, 4, 1] {
+        let sent: Vec<Vec<u8>> =
+            (0..burst).map(|k| pattern(1 + (round as usize + k) % 32, u64::from(round) + k as u64)).collect();
+        for (k, msg) in sent.iter().enumerate() {
+            c.send_with_imm(filled(&d, msg), round + k as u32).wait().unwrap();
+        }
+        for msg in &sent {
+            let got = ring.next().unwrap();
+            assert_eq!(
+                (got.len(), got.imm(), got.slot()),
+                (msg.len(), Some(round), round as usize % 4),
+                "round {round}"
+            );
+            assert_eq!(got.range().start, 8 + got.slot() * 32, "round {round}: in its slot");
+            assert_eq!(&got[..], &msg[..], "round {round}");
+            round += 1;
+        }
+        assert_eq!(ring.posted(), 4, "each loan that ended posted its slot again");
+    }
+
+    // No message yet: a timeout, and the receive stays posted for the next.
+    assert!(matches!(ring.next_timeout(Duration::from_millis(50)), Err(Error::Timeout { .. })));
+    assert_eq!(ring.posted(), 4);
+    c.send_inline(b"late", None).wait().unwrap();
+    assert_eq!(&ring.next().unwrap()[..], b"late");
+
+    // Retired loans leave their slots idle: with none posted the buffer
+    // comes back.
+    for k in 0..4u8 {
+        c.send_inline(&[k], None).wait().unwrap();
+        let got = ring.next().unwrap();
+        assert_eq!(&got[..], &[k]);
+        got.retire();
+    }
+    assert_eq!((ring.posted(), s.in_flight().0), (0, 0));
+    // A ring with nothing in flight posts its idle slots on the next wait.
+    assert!(matches!(ring.next_timeout(Duration::from_millis(20)), Err(Error::Timeout { .. })));
+    assert_eq!(ring.posted(), 4);
+    for k in 0..4u8 {
+        c.send_inline(&[k], None).wait().unwrap();
+        ring.next().unwrap().retire();
+    }
+    let back = ring.into_buffer().map_err(|_| "nothing posted").unwrap();
+    assert_eq!(back.len(), 8 + 4 * 32 + 8);
+
+    // While a receive is posted the buffer stays with the ring; dropped,
+    // the connection keeps it until the device is done with every slot.
+    let ring = s.recv_ring(d.alloc(64).unwrap(), 16, 4);
+    let ring = ring.into_buffer().map(drop).expect_err("posted: the device may write");
+    drop(ring);
+    assert_eq!(s.in_flight(), (4, 4));
+    for k in 0..4u8 {
+        c.send_inline(&[k; 16], None).wait().unwrap();
+    }
+    let t0 = Instant::now();
+    while s.in_flight().0 > 0 {
+        s.progress().unwrap();
+        assert!(t0.elapsed() < Duration::from_secs(20), "the receives never completed");
+        thread::sleep(Duration::from_millis(1));
+    }
+
+    // Layouts it cannot have post nothing, say why, and give the buffer back.
+    let refused = |ring: &mut gpu_rdma::RecvRing<gpu_rdma::Region>| ring.next().map(|_| ()).unwrap_err();
+    for (len, slot_len, slots) in [(64, 16, 0), (64, 0, 4), (64, 16, 5), (64, usize::MAX, 2)] {
+        let mut ring = s.recv_ring(d.alloc(len).unwrap(), slot_len, slots);
+        let e = refused(&mut ring);
+        assert!(matches!(e, Error::RingRefused { .. } | Error::OutOfBounds { .. }), "{slot_len} x {slots}: {e}");
+        assert!(matches!(refused(&mut ring), Error::RingRefused { .. }), "reported once, then nothing to post");
+        assert_eq!(ring.into_buffer().map_err(|_| "nothing posted").unwrap().len(), len);
+    }
+    let mut ring = s.recv_ring(d.alloc(64).unwrap(), 16, 5);
+    assert!(matches!(refused(&mut ring), Error::OutOfBounds { len: 80, region_len: 64, .. }));
+    assert_eq!(s.in_flight().0, 0);
+
+    // A message longer than a slot fails that receive on both sides, and
+    // a lost connection is reported by every later wait: no hang, no panic.
+    let mut ring = s.recv_ring(d.alloc(64).unwrap(), 16, 4);
+    let mut big = c.send(filled(&d, &[1u8; 17]));
+    assert!(ring.next_timeout(Duration::from_secs(20)).is_err());
+    assert!(big.wait_timeout(Duration::from_secs(20)).is_err());
+    drop(c);
+    for _ in 0..6 {
+        let e = ring.next_timeout(Duration::from_secs(20)).map(|_| ()).unwrap_err();
+        assert!(!e.is_timeout(), "a lost connection is not a timeout: {e}");
+    }
+}
+
 fn a_persistent_send_resends_its_range_as_it_is_at_each_post(t: Kind) {
     let d = domain(t);
     let (s, c) = pair(&d);
@@ -1163,17 +1259,20 @@ fn every_bench_test_runs_twice_on_one_connection_and_leaves_it_clean(t: Kind) {
     let (at_server, at_client) = (s.remote_region(2).unwrap(), c.remote_region(1).unwrap());
     let limit = Duration::from_secs(30);
     for test in Test::ALL {
-        for round in 0..2 {
-            let params = Params { test, sizes: vec![4096], iters: 40, tx_depth: 16, cq_mod: 4, list: 8 };
+        // Twice at 4096 bytes (a ping-pong's receives share one range: two
+        // do not fit apart beside the sends), then where a receive ring's
+        // two slots fit, and with one iteration (one slot).
+        for (round, (size, iters)) in [(4096, 40), (4096, 40), (1024, 40), (64, 1)].into_iter().enumerate() {
+            let params = Params { test, sizes: vec![size], iters, tx_depth: 16, cq_mod: 4, list: 8 };
             let (served, row) = thread::scope(|sc| {
                 let server = sc.spawn(|| {
                     bench::serve(&s, test, &server_mem, LocalMode::HOST, Some(&at_server), limit, |_| Ok(()))
                 });
                 let row = if test.is_bw() {
-                    bench::bandwidth(&c, test, &client_mem, LocalMode::HOST, Some(&at_client), 4096, &params, limit)
+                    bench::bandwidth(&c, test, &client_mem, LocalMode::HOST, Some(&at_client), size, &params, limit)
                         .map(Row::Bw)
                 } else {
-                    bench::latency(&c, test, &client_mem, LocalMode::HOST, Some(&at_client), 4096, &params, limit)
+                    bench::latency(&c, test, &client_mem, LocalMode::HOST, Some(&at_client), size, &params, limit)
                         .map(Row::Lat)
                 };
                 let row = row.and_then(|row| bench::finish(&c, limit).map(|()| row));
@@ -1181,8 +1280,10 @@ fn every_bench_test_runs_twice_on_one_connection_and_leaves_it_clean(t: Kind) {
             });
             served.unwrap_or_else(|e| panic!("{test} round {round}: the server: {e}"));
             match row.unwrap_or_else(|e| panic!("{test} round {round}: the client: {e}")) {
-                Row::Bw(r) => assert!(r.iterations == 40 && r.bw_average_mib_s > 0.0, "{test}: {r:?}"),
-                Row::Lat(r) => assert!(r.iterations == 40 && r.t_min > 0.0 && r.t_min <= r.t_max, "{test}: {r:?}"),
+                Row::Bw(r) => assert!(u64::from(iters) == r.iterations && r.bw_average_mib_s > 0.0, "{test}: {r:?}"),
+                Row::Lat(r) => {
+                    assert!(u64::from(iters) == r.iterations && r.t_min > 0.0 && r.t_min <= r.t_max, "{test}: {r:?}")
+                }
             }
         }
     }
@@ -1331,6 +1432,7 @@ both!(
     stats_count_live_resources_and_end_where_they_started,
     a_persistent_receive_reposts_into_its_range_and_never_while_in_flight,
     a_persistent_send_resends_its_range_as_it_is_at_each_post,
+    a_receive_ring_lends_messages_in_order_and_reposts_their_slots,
     a_garbled_handshake_is_a_typed_error,
     a_truncated_handshake_is_a_typed_error,
     a_silent_peer_is_a_timeout_within_the_handshake_timeout,

@@ -373,39 +373,10 @@ pub fn latency<B: LocalBuffer + Clone>(
     let mut ring = SendRing::new();
     match test {
         Test::SendLat => {
-            // The next receive is posted while the reply is on the way: off
-            // the path from a reply to the next send. Only as many receives
-            // as replies: a spare one would swallow the next size's first reply.
-            // Two persistent receives, used in turn: iteration i waits on
-            // slot i % 2 while the next receive sits in the other, each
-            // reposted into its range as perftest reposts its prebuilt one.
-            // Into the buffer's second half, apart from the sends (its start).
-            let at = second_half(local.buffer_len(), size);
-            let receive = || conn.recv_persistent(local.clone().slice(at..at + size));
-            let mut rx: [Option<PersistentRecv<B>>; 2] = [(iters > 0).then(receive), None];
-            for i in 0..iters {
-                let t0 = clock.ticks();
-                if inline {
-                    // The reply says it arrived: nothing to track.
-                    conn.send_inline_untracked(&zeros, None)?;
-                } else {
-                    ring.send(conn, size, |n| local.clone().slice(..n))?;
-                }
-                if i + 1 < iters {
-                    match &mut rx[(i + 1) % 2] {
-                        Some(next) => next.repost()?,
-                        slot @ None => *slot = Some(receive()),
-                    }
-                }
-                if let Some(r) = &mut rx[i % 2] {
-                    r.wait_timeout(timeout)?;
-                }
-                ticks.push(clock.ticks().wrapping_sub(t0));
-                // Bookkeeping after the sample, as perftest keeps its own
-                // off the timed path.
-                if !inline {
-                    ring.ready_next(timeout)?;
-                }
+            let mut pings = Pings { conn, local, size, inline, zeros: &zeros, sends: &mut ring };
+            match ring_slots(local, size) {
+                Some(at) => ping_into_ring(&mut pings, at, iters, timeout, &clock, &mut ticks)?,
+                None => ping_into_persistent(&mut pings, iters, timeout, &clock, &mut ticks)?,
             }
         }
         Test::WriteLat => {
@@ -437,6 +408,110 @@ pub fn latency<B: LocalBuffer + Clone>(
     ring.drain(timeout)?;
     let us = clock.seconds_per_tick() * 1e6 / if halve { 2.0 } else { 1.0 };
     Ok(LatRow::from_ticks(size, &mut ticks, us))
+}
+
+/// A ping-pong's sends: inline, or from a ring of persistent sends.
+struct Pings<'a, B: LocalBuffer + Clone> {
+    conn: &'a Connection,
+    local: &'a B,
+    size: usize,
+    inline: bool,
+    zeros: &'a [u8],
+    sends: &'a mut SendRing<B>,
+}
+
+impl<B: LocalBuffer + Clone> Pings<'_, B> {
+    #[inline]
+    fn send(&mut self) -> Result<()> {
+        if self.inline {
+            // The reply says it arrived: nothing to track.
+            self.conn.send_inline_untracked(self.zeros, None)
+        } else {
+            let local = self.local;
+            self.sends.send(self.conn, self.size, |n| local.clone().slice(..n))
+        }
+    }
+
+    /// Bookkeeping after the sample, as perftest keeps its own off the
+    /// timed path.
+    fn after_sample(&mut self, timeout: Duration) -> Result<()> {
+        if self.inline { Ok(()) } else { self.sends.ready_next(timeout) }
+    }
+}
+
+/// Where a ping-pong's two receive slots of `size` bytes start, at the
+/// end of `local` and apart from the sends (its start): for a
+/// [`RecvRing`](crate::RecvRing), which takes host memory. `None` for GPU
+/// memory and a buffer too short for three messages.
+fn ring_slots<B: LocalBuffer + Clone>(local: &B, size: usize) -> Option<usize> {
+    let host = local.clone().slice(..).resolve().is_ok_and(|parts| parts.path.is_none());
+    let at = local.buffer_len().checked_sub(size.checked_mul(2)?)?;
+    (host && size > 0 && at >= size).then_some(at)
+}
+
+/// A send-lat loop receiving into a ring of two slots from `at`. Each
+/// reply's slot is retired, and posted again after the next send, for the
+/// reply after that, while a reply is on the way: as the loop with
+/// persistent receives posts it, off the path from a reply to the next
+/// send. After the last reply no receive is left to swallow the next
+/// size's first reply.
+fn ping_into_ring<B: LocalBuffer + Clone>(
+    pings: &mut Pings<'_, B>,
+    at: usize,
+    iters: usize,
+    timeout: Duration,
+    clock: &Stopwatch,
+    ticks: &mut Vec<u64>,
+) -> Result<()> {
+    let mut rx = pings.conn.recv_ring(pings.local.clone().slice(at..), pings.size, iters.min(2));
+    for i in 0..iters {
+        let t0 = clock.ticks();
+        pings.send()?;
+        if i + 1 < iters {
+            rx.post_idle();
+        }
+        rx.next_timeout(timeout)?.retire();
+        ticks.push(clock.ticks().wrapping_sub(t0));
+        pings.after_sample(timeout)?;
+    }
+    Ok(())
+}
+
+/// A send-lat loop receiving into two persistent receives on one range,
+/// used in turn: iteration *i* waits on slot *i* % 2 while the next
+/// receive sits in the other, each reposted into its range as perftest
+/// reposts its prebuilt one. Into the buffer's second half, apart from the
+/// sends (its start). For GPU memory, which a ring does not take.
+fn ping_into_persistent<B: LocalBuffer + Clone>(
+    pings: &mut Pings<'_, B>,
+    iters: usize,
+    timeout: Duration,
+    clock: &Stopwatch,
+    ticks: &mut Vec<u64>,
+) -> Result<()> {
+    // The next receive is posted while the reply is on the way: off the
+    // path from a reply to the next send. Only as many receives as
+    // replies: a spare one would swallow the next size's first reply.
+    let at = second_half(pings.local.buffer_len(), pings.size);
+    let (conn, local, size) = (pings.conn, pings.local, pings.size);
+    let receive = || conn.recv_persistent(local.clone().slice(at..at + size));
+    let mut rx: [Option<PersistentRecv<B>>; 2] = [(iters > 0).then(receive), None];
+    for i in 0..iters {
+        let t0 = clock.ticks();
+        pings.send()?;
+        if i + 1 < iters {
+            match &mut rx[(i + 1) % 2] {
+                Some(next) => next.repost()?,
+                slot @ None => *slot = Some(receive()),
+            }
+        }
+        if let Some(r) = &mut rx[i % 2] {
+            r.wait_timeout(timeout)?;
+        }
+        ticks.push(clock.ticks().wrapping_sub(t0));
+        pings.after_sample(timeout)?;
+    }
+    Ok(())
 }
 
 /// The client: sends `params`, runs every size, tells the server it is

@@ -6,6 +6,7 @@
 mod establish;
 mod inbox;
 mod persistent;
+mod ring;
 mod transfer;
 mod waiting;
 
@@ -13,6 +14,7 @@ pub use crate::options::{ConnectOptions, ConnectionInfo};
 pub use establish::{Interrupt, Listener, MAX_CONCURRENT_HANDSHAKES};
 pub use inbox::{Inbox, InboxStats, MAX_QUEUED_NOTES, Note};
 pub use persistent::{Persistent, PersistentRecv, PersistentSend};
+pub use ring::{Received, RecvRing};
 pub(crate) use transfer::Direction;
 pub use transfer::{Failed, Transfer, Transferred};
 pub use waiting::{CompletionSet, Finished};

@@ -797,6 +797,11 @@ impl<B: LocalBuffer> LocalSlice<B> {
 }
 
 impl<B> LocalSlice<B> {
+    /// Where the range starts in the buffer.
+    pub(crate) fn start(&self) -> usize {
+        self.start
+    }
+
     /// The same range of `buf`, and this slice's buffer.
     pub(crate) fn rebind<C>(self, buf: C) -> (LocalSlice<C>, B) {
         (LocalSlice { buf, start: self.start, end: self.end, bad: self.bad }, self.buf)

@@ -144,10 +144,10 @@ fn run_inner(args: &BenchArgs) -> Result<()> {
     let params = args.params();
     params.validate()?;
     let domain = args.domain()?;
-    // Twice the largest message (at least a page, so that the region is
-    // never empty): a ping-pong's sends and receives use separate halves,
-    // as perftest's do.
-    let len = 2 * params.max_size().max(4096);
+    // Three times the largest message (at least a page each, so that the
+    // region is never empty): a ping-pong's sends and receives use separate
+    // ranges, as perftest's do, and the client's two receive slots are apart.
+    let len = 3 * params.max_size().max(4096);
     let host = args.gpu.is_none() || args.mem_path == "host";
     if host {
         if args.mem_path != "auto" && args.mem_path != "host" {

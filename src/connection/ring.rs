@@ -1,0 +1,408 @@
+//! A ring of receives into the slots of one buffer: each message is lent
+//! out in turn, and its slot is posted again when the loan ends.
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::{ConnShared, Connection};
+use crate::completion::Completion;
+use crate::deadline::Deadline;
+use crate::error::{Error, Result};
+use crate::memory::{HostMemory, LocalBuffer, LocalParts, LocalSlice, Region};
+use crate::ops::{OpId, WaitError};
+use crate::transport::Posted;
+
+/// Receives into the slots of one buffer, handed out in the order the
+/// messages arrive: each [`next`](Self::next) lends the oldest message
+/// out as a [`Received`], and dropping that loan posts its slot again.
+///
+/// This is how a stream of messages is received without building a
+/// handle per message (as UCX's active messages land in a pool of
+/// receive buffers, and as perftest reposts its prebuilt receives): every
+/// slot is posted once by [`Connection::recv_ring`], and the loop is
+///
+/// ```no_run
+/// # fn f(conn: &gpu_rdma::Connection, domain: &gpu_rdma::Domain) -> gpu_rdma::Result<()> {
+/// // Eight receives of up to 4 KiB each, posted at once.
+/// let mut ring = conn.recv_ring(domain.alloc(8 * 4096)?, 4096, 8);
+/// loop {
+///     let msg = ring.next()?;
+///     if msg.imm() == Some(0) {
+///         break;
+///     }
+///     let bytes: &[u8] = &msg; // the message, in its slot
+///     # let _ = bytes;
+///     // ... use it; dropping `msg` posts its slot again ...
+/// }
+/// # Ok(()) }
+/// ```
+///
+/// The slots are apart, so a message lent out is never written while it
+/// is read: its slot is posted again only when the loan ends. Messages
+/// come out in the order the peer sent them: a connection consumes its
+/// receives in the order they were posted, so while the ring is the
+/// connection's only receiver, message *n* is the ring's *n*-th. (A
+/// [`Connection::recv`] posted beside it takes the message its place in
+/// that order gives it.)
+///
+/// The buffer stays with the connection while any slot is posted, also when
+/// the ring is dropped: it is freed once the device is done with every
+/// slot (in the end, when the connection is torn down). Host memory only:
+/// for GPU memory, whose receives end with a flush or a staged copy, use
+/// [`Connection::recv_persistent`]; the ring reports
+/// [`Error::RingRefused`] from its first [`next`](Self::next).
+#[must_use = "a ring's receives are posted; its messages come out of next()"]
+pub struct RecvRing<B: LocalBuffer> {
+    shared: Arc<ConnShared>,
+    /// `Some` until the ring is taken apart.
+    buf: Option<B>,
+    /// Slot 0, resolved once; each slot is `slot_len` bytes after the last.
+    first: LocalParts,
+    /// Where slot 0 starts in the buffer.
+    start: usize,
+    slot_len: usize,
+    /// The receives in flight, oldest first: the order the connection
+    /// fills them in.
+    posted: VecDeque<(u32, OpId)>,
+    /// Slots not posted: retired by [`Received::retire`], or refused.
+    idle: VecDeque<u32>,
+    /// Why a post was refused, reported once nothing older is in flight.
+    refused: Option<Box<Error>>,
+    /// Receives that broke the connection halfway through their post: in
+    /// flight until it is torn down.
+    stuck: Vec<OpId>,
+}
+
+impl Connection {
+    /// Posts `slots` receives of `slot_len` bytes each into consecutive
+    /// slots of `local`, from its start: see [`RecvRing`].
+    ///
+    /// The layout is checked here and nothing is posted when it is wrong;
+    /// the ring's first [`next`](RecvRing::next) reports why
+    /// ([`Error::OutOfBounds`] when the slots do not fit in the range,
+    /// [`Error::RingRefused`] for no slots, empty slots or GPU memory),
+    /// and [`into_buffer`](RecvRing::into_buffer) gives the buffer back.
+    pub fn recv_ring<B: LocalBuffer>(
+        &self,
+        local: impl Into<LocalSlice<B>>,
+        slot_len: usize,
+        slots: usize,
+    ) -> RecvRing<B> {
+        RecvRing::new(&self.shared, local.into(), slot_len, slots)
+    }
+}
+
+impl<B: LocalBuffer> RecvRing<B> {
+    fn new(shared: &Arc<ConnShared>, local: LocalSlice<B>, slot_len: usize, slots: usize) -> Self {
+        let laid = layout(&local, slot_len, slots);
+        let (start, first) = match &laid {
+            Ok((start, first)) => (*start, *first),
+            Err(_) => (0, LocalParts { addr: 0, len: 0, lkey: 0, domain: 0, path: None }),
+        };
+        let mut ring = RecvRing {
+            shared: Arc::clone(shared),
+            buf: Some(local.into_inner()),
+            first,
+            start,
+            slot_len,
+            posted: VecDeque::with_capacity(slots),
+            idle: VecDeque::with_capacity(slots),
+            refused: None,
+            stuck: Vec::new(),
+        };
+        match laid {
+            Ok(_) => {
+                for slot in 0..slots as u32 {
+                    if !ring.post(slot) {
+                        ring.idle.extend(slot + 1..slots as u32);
+                        break;
+                    }
+                }
+            }
+            Err(e) => ring.refused = Some(Box::new(e)),
+        }
+        ring
+    }
+
+    /// Posts `slot`, at the end of the order the connection fills its
+    /// receives in: whether it was posted (if not, the slot is idle and the
+    /// refusal kept).
+    #[inline]
+    fn post(&mut self, slot: u32) -> bool {
+        let parts = LocalParts { addr: self.first.addr + u64::from(slot) * self.slot_len as u64, ..self.first };
+        match self.shared.transport.post_recv(Some(parts)) {
+            Posted::Ok(id) => {
+                self.posted.push_back((slot, id));
+                true
+            }
+            other => {
+                self.post_failed(slot, other);
+                false
+            }
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn post_failed(&mut self, slot: u32, posted: Posted) {
+        self.idle.push_back(slot);
+        let e = match posted {
+            Posted::Ok(_) => unreachable!("a post that succeeded is not a failure"),
+            Posted::Refused(e) => e,
+            Posted::Stuck(id, e) => {
+                self.stuck.push(id);
+                e
+            }
+        };
+        self.refused.get_or_insert(e);
+    }
+
+    /// Waits for the next message, up to the connection's operation
+    /// timeout: see [`next_timeout`](Self::next_timeout).
+    ///
+    /// # Errors
+    /// As [`next_timeout`](Self::next_timeout).
+    #[allow(clippy::should_implement_trait)]
+    pub fn next(&mut self) -> Result<Received<'_, B>> {
+        let timeout = self.shared.op_timeout;
+        self.next_timeout(timeout)
+    }
+
+    /// Waits up to `timeout` for the next message and lends it out.
+    ///
+    /// When no receive is in flight (every slot was retired, or posts were
+    /// refused), the idle slots are posted first.
+    ///
+    /// # Errors
+    /// - [`Error::Timeout`]: no message yet; the receive stays posted, and
+    ///   the next call waits for it again.
+    /// - The receive's error ([`Error::Completion`], for example a message
+    ///   longer than a slot, or [`Error::ConnectionLost`]): that receive is
+    ///   over and its slot is posted again (a connection that broke
+    ///   refuses that, and the next call reports it).
+    /// - Why a post was refused, once nothing older is in flight; and
+    ///   the layout's error, for a ring that posted nothing.
+    pub fn next_timeout(&mut self, timeout: Duration) -> Result<Received<'_, B>> {
+        if self.posted.is_empty() {
+            self.refill()?;
+        }
+        let Some(&(slot, id)) = self.posted.front() else {
+            return Err(Error::RingRefused { reason: "none of its slots can be posted" });
+        };
+        let mut due = Deadline::lazy(timeout, "a message for the receive ring");
+        match self.shared.transport.wait_take(id, &mut due) {
+            Ok(completion) => {
+                self.posted.pop_front();
+                Ok(Received { ring: self, slot, completion, repost: true })
+            }
+            Err(WaitError::Unfinished(e)) => Err(*e),
+            Err(WaitError::Failed(e)) => {
+                // The device is done with the slot: into the ring again.
+                self.posted.pop_front();
+                let _ = self.post(slot);
+                Err(*e)
+            }
+        }
+    }
+
+    /// With no receive in flight: the refusal not reported yet, else the
+    /// idle slots posted again.
+    #[cold]
+    #[inline(never)]
+    fn refill(&mut self) -> Result<()> {
+        if let Some(e) = self.refused.take() {
+            return Err(*e);
+        }
+        self.post_idle();
+        if self.posted.is_empty() {
+            if let Some(e) = self.refused.take() {
+                return Err(*e);
+            }
+        }
+        Ok(())
+    }
+
+    /// Posts the idle slots again (those whose messages were
+    /// [retired](Received::retire)), behind the receives in flight; how
+    /// many it posted. A post that is refused leaves its slot idle and is
+    /// reported by [`next`](Self::next) once nothing older is in flight.
+    #[inline]
+    pub fn post_idle(&mut self) -> usize {
+        let before = self.posted.len();
+        if self.buf.is_some() {
+            // Oldest first; after a refusal the rest stay idle too.
+            while let Some(slot) = self.idle.pop_front() {
+                if !self.post(slot) {
+                    break;
+                }
+            }
+        }
+        self.posted.len() - before
+    }
+
+    /// How many receives are posted.
+    pub fn posted(&self) -> usize {
+        self.posted.len() + self.stuck.len()
+    }
+
+    /// The length of each slot.
+    pub fn slot_len(&self) -> usize {
+        self.slot_len
+    }
+
+    /// The buffer back, once no receive is posted (every slot's message was
+    /// [retired](Received::retire), or the ring posted none); else the ring.
+    ///
+    /// # Errors
+    /// `Err(self)` while a receive is posted: the device may still write.
+    pub fn into_buffer(mut self) -> std::result::Result<B, Box<Self>> {
+        if self.posted() == 0 {
+            Ok(self.buf.take().expect("the buffer is present until taken"))
+        } else {
+            Err(Box::new(self))
+        }
+    }
+}
+
+/// Checks the slots against the range: where slot 0 starts in the buffer,
+/// and its parts.
+fn layout<B: LocalBuffer>(local: &LocalSlice<B>, slot_len: usize, slots: usize) -> Result<(usize, LocalParts)> {
+    let refused = |reason| Err(Error::RingRefused { reason });
+    if slots == 0 {
+        return refused("it has no slots");
+    }
+    if slot_len == 0 {
+        return refused("its slots are empty");
+    }
+    if u32::try_from(slots).is_err() || u32::try_from(slot_len).is_err() {
+        return refused("more than 2^32 - 1 slots, or a slot of 4 GiB or more");
+    }
+    let parts = local.resolve()?;
+    if parts.path.is_some() {
+        return refused("its buffer is GPU memory; receive into it with recv_persistent");
+    }
+    let start = local.start();
+    match slot_len.checked_mul(slots) {
+        Some(total) if total <= parts.len => Ok((start, LocalParts { len: slot_len, ..parts })),
+        total => Err(Error::OutOfBounds {
+            side: "local",
+            offset: start as u64,
+            len: total.map_or(u64::MAX, |t| t as u64),
+            region_len: (start + parts.len) as u64,
+        }),
+    }
+}
+
+impl<B: LocalBuffer> Drop for RecvRing<B> {
+    fn drop(&mut self) {
+        let Some(buf) = self.buf.take() else { return };
+        if self.posted() == 0 {
+            return;
+        }
+        // The device may still write into any posted slot: the buffer goes
+        // with the last of them to complete, which every one holds a share of.
+        let kept = Arc::new(std::sync::Mutex::new(buf));
+        let ids = self.posted.drain(..).map(|(_, id)| id).chain(self.stuck.drain(..));
+        for id in ids {
+            self.shared.transport.orphan(id, Box::new(Arc::clone(&kept)));
+        }
+    }
+}
+
+impl<B: LocalBuffer> fmt::Debug for RecvRing<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RecvRing")
+            .field("slot_len", &self.slot_len)
+            .field("posted", &self.posted())
+            .field("idle", &self.idle.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A message a [`RecvRing`] lends out: its completion, and its slot until
+/// the loan ends. Dropping it posts the slot again; [`retire`](Self::retire)
+/// leaves the slot idle.
+#[must_use = "dropping the message posts its slot again at once"]
+pub struct Received<'a, B: LocalBuffer> {
+    ring: &'a mut RecvRing<B>,
+    slot: u32,
+    completion: Completion,
+    repost: bool,
+}
+
+impl<B: LocalBuffer> Received<'_, B> {
+    /// The receive's completion.
+    pub fn completion(&self) -> Completion {
+        self.completion
+    }
+
+    /// The message's length in bytes.
+    pub fn len(&self) -> usize {
+        self.completion.byte_len as usize
+    }
+
+    /// Whether the message is empty (a zero-byte send, or one that carried
+    /// only an immediate).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The immediate the peer sent with it, if any.
+    pub fn imm(&self) -> Option<u32> {
+        self.completion.imm
+    }
+
+    /// Which slot it is in.
+    pub fn slot(&self) -> usize {
+        self.slot as usize
+    }
+
+    /// Where the message is in the ring's buffer.
+    pub fn range(&self) -> Range<usize> {
+        let at = self.ring.start + self.slot as usize * self.ring.slot_len;
+        at..at + self.len()
+    }
+
+    /// The ring's buffer: the message is at [`range`](Self::range), and no
+    /// receive is posted into that range while this loan lasts.
+    pub fn buffer(&self) -> &B {
+        self.ring.buf.as_ref().expect("the buffer is present until taken")
+    }
+
+    /// Ends the loan without posting the slot again: the ring then has one
+    /// receive fewer in flight until [`RecvRing::post_idle`] (or a
+    /// [`next`](RecvRing::next) with none in flight) posts it. A ping-pong
+    /// posts it after its next send, while the reply is on the way, and
+    /// leaves the last one idle, so that no receive is left posted.
+    pub fn retire(mut self) {
+        self.repost = false;
+        self.ring.idle.push_back(self.slot);
+    }
+}
+
+impl<B: LocalBuffer> Drop for Received<'_, B> {
+    #[inline]
+    fn drop(&mut self) {
+        if self.repost {
+            let _ = self.ring.post(self.slot);
+        }
+    }
+}
+
+impl std::ops::Deref for Received<'_, Region<HostMemory>> {
+    type Target = [u8];
+
+    /// The message's bytes, in its slot.
+    fn deref(&self) -> &[u8] {
+        &self.buffer().as_slice()[self.range()]
+    }
+}
+
+impl<B: LocalBuffer> fmt::Debug for Received<'_, B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Received").field("slot", &self.slot).field("completion", &self.completion).finish()
+    }
+}
