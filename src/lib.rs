@@ -175,7 +175,8 @@
 //!   reposts its prebuilt requests: the range is checked once and no handle
 //!   is built per message.
 //! - [`Connection::recv_ring`] posts receives into the slots of one host
-//!   buffer and lends the messages out in order ([`RecvRing::next`]); a
+//!   buffer and lends the messages out in order ([`RecvRing::next`], or
+//!   awaited: [`RecvRing::recv`]); a
 //!   [`Received`] reads as the message's bytes, and dropping it posts its
 //!   slot again. A slot is never written while its message is lent out, and
 //!   the buffer stays with the connection while any slot is posted.

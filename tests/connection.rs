@@ -976,6 +976,32 @@ fn a_receive_ring_lends_messages_in_order_and_reposts_their_slots(t: Kind) {
     }
 }
 
+/// A hostile sender floods a ring that is not read: the message past its
+/// slots fails at the sender within the RNR budget, and the messages that
+/// landed are all handed out, in order and intact; once the flooder goes,
+/// the ring reports the lost connection.
+fn a_flooded_receive_ring_loses_none_of_what_landed(t: Kind) {
+    let d = domain(t);
+    let (s, c) = impatient_pair(&d);
+    let mut ring = s.recv_ring(d.alloc(4 * 32).unwrap(), 32, 4);
+    for k in 0..4u32 {
+        c.send_with_imm(filled(&d, &pattern(32, u64::from(k))), k).wait().unwrap();
+    }
+    let t0 = Instant::now();
+    let err = c.send(filled(&d, b"one too many")).wait().unwrap_err();
+    assert_eq!(err.wc_status(), Some(WcStatus::RnrRetryExceeded), "{err}");
+    assert!(t0.elapsed() < Duration::from_secs(20), "{:?}", t0.elapsed());
+    for k in 0..4u32 {
+        let got = ring.next_timeout(Duration::from_secs(20)).unwrap();
+        assert_eq!((got.imm(), &got[..]), (Some(k), &pattern(32, u64::from(k))[..]), "message {k}");
+        got.retire();
+    }
+    // The flooder goes away: the ring says so, not a timeout.
+    drop(c);
+    let e = ring.next_timeout(Duration::from_secs(20)).map(|_| ()).unwrap_err();
+    assert!(!e.is_timeout(), "{e}");
+}
+
 fn a_persistent_send_resends_its_range_as_it_is_at_each_post(t: Kind) {
     let d = domain(t);
     let (s, c) = pair(&d);
@@ -1433,6 +1459,7 @@ both!(
     a_persistent_receive_reposts_into_its_range_and_never_while_in_flight,
     a_persistent_send_resends_its_range_as_it_is_at_each_post,
     a_receive_ring_lends_messages_in_order_and_reposts_their_slots,
+    a_flooded_receive_ring_loses_none_of_what_landed,
     a_garbled_handshake_is_a_typed_error,
     a_truncated_handshake_is_a_typed_error,
     a_silent_peer_is_a_timeout_within_the_handshake_timeout,

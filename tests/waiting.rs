@@ -253,6 +253,49 @@ fn an_awaited_receive_fails_promptly_when_the_peer_goes_away(t: Kind) {
     });
 }
 
+fn a_receive_ring_is_awaited_in_order_bounded_and_cancel_safe(t: Kind) {
+    let d = domain(t);
+    let o = opts().op_timeout(Duration::from_millis(300));
+    let (s, c) = pair_on(&d, &d, o.clone(), o);
+    let mut ring = s.recv_ring(d.alloc(4 * 64).unwrap(), 64, 4);
+    runtime().block_on(async {
+        // Sent from another thread while the runtime's one thread awaits.
+        let sender = tokio::task::spawn_blocking(move || {
+            for k in 0..40u32 {
+                c.send_with_imm(filled(&d, &pattern(1 + k as usize, u64::from(k))), k).wait().unwrap();
+            }
+            (c, d)
+        });
+        for k in 0..40u32 {
+            let got = ring.recv().await.unwrap();
+            assert_eq!((got.imm(), &got[..]), (Some(k), &pattern(1 + k as usize, u64::from(k))[..]));
+        }
+        let (c, d) = sender.await.unwrap();
+
+        // Nothing to receive: a timeout after the operation timeout, and the
+        // receive stays posted.
+        let started = Instant::now();
+        assert!(matches!(ring.recv().await, Err(Error::Timeout { .. })));
+        let took = started.elapsed();
+        assert!(took >= Duration::from_millis(300) && took < Duration::from_secs(3), "{took:?}");
+        assert_eq!(ring.posted(), 4);
+
+        // A future polled and dropped loses nothing: the message is the
+        // next call's, with a deadline of its own.
+        {
+            let mut first = Box::pin(ring.recv());
+            assert!(poll_once(&mut first).is_pending());
+        }
+        c.send_inline(b"kept", None).wait().unwrap();
+        assert_eq!(&ring.recv().await.unwrap()[..], b"kept");
+
+        // A peer that goes away fails the await promptly.
+        drop((c, d));
+        let e = ring.recv().await.map(|_| ()).unwrap_err();
+        assert!(!e.is_timeout(), "{e}");
+    });
+}
+
 fn a_transfer_list_is_awaited(t: Kind) {
     let d = domain(t);
     let (s, c) = deep_pair(&d);
@@ -335,5 +378,6 @@ both!(
     dropping_futures_mid_flight_keeps_buffers_until_the_device_is_done,
     an_awaited_receive_fails_promptly_when_the_peer_goes_away,
     a_transfer_list_is_awaited,
+    a_receive_ring_is_awaited_in_order_bounded_and_cancel_safe,
     threads_waiting_on_one_connection_wake_for_each_others_completions,
 );

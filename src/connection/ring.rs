@@ -5,7 +5,8 @@ use std::collections::VecDeque;
 use std::fmt;
 use std::ops::Range;
 use std::sync::Arc;
-use std::time::Duration;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
 use super::{ConnShared, Connection};
 use crate::completion::Completion;
@@ -14,6 +15,10 @@ use crate::error::{Error, Result};
 use crate::memory::{HostMemory, LocalBuffer, LocalParts, LocalSlice, Region};
 use crate::ops::{OpId, WaitError};
 use crate::transport::Posted;
+use crate::transport::engine::Awaiting;
+
+/// What a ring's wait is for, in its timeout.
+const WHAT: &str = "a message for the receive ring";
 
 /// Receives into the slots of one buffer, handed out in the order the
 /// messages arrive: each [`next`](Self::next) lends the oldest message
@@ -48,6 +53,9 @@ use crate::transport::Posted;
 /// [`Connection::recv`] posted beside it takes the message its place in
 /// that order gives it.)
 ///
+/// [`recv`](Self::recv) awaits the next message instead, as a
+/// [`Pending`](crate::Pending) is awaited: no thread blocks.
+///
 /// The buffer stays with the connection while any slot is posted, also when
 /// the ring is dropped: it is freed once the device is done with every
 /// slot (in the end, when the connection is torn down). Host memory only:
@@ -74,6 +82,8 @@ pub struct RecvRing<B: LocalBuffer> {
     /// Receives that broke the connection halfway through their post: in
     /// flight until it is torn down.
     stuck: Vec<OpId>,
+    /// While awaited ([`recv`](Self::recv)): its deadline and timer.
+    awaiting: Option<Box<Awaiting>>,
 }
 
 impl Connection {
@@ -112,6 +122,7 @@ impl<B: LocalBuffer> RecvRing<B> {
             idle: VecDeque::with_capacity(slots),
             refused: None,
             stuck: Vec::new(),
+            awaiting: None,
         };
         match laid {
             Ok(_) => {
@@ -192,7 +203,7 @@ impl<B: LocalBuffer> RecvRing<B> {
         let Some(&(slot, id)) = self.posted.front() else {
             return Err(Error::RingRefused { reason: "none of its slots can be posted" });
         };
-        let mut due = Deadline::lazy(timeout, "a message for the receive ring");
+        let mut due = Deadline::lazy(timeout, WHAT);
         match self.shared.transport.wait_take(id, &mut due) {
             Ok(completion) => {
                 self.posted.pop_front();
@@ -223,6 +234,85 @@ impl<B: LocalBuffer> RecvRing<B> {
             }
         }
         Ok(())
+    }
+
+    /// Awaits the next message, as [`next`](Self::next) waits for it: up to
+    /// the connection's operation timeout (then [`Error::Timeout`], and the
+    /// receive stays posted), with the same errors. The wait is driven as a
+    /// [`Pending`](crate::Pending)'s is: no thread blocks. Dropping the
+    /// future before it is ready loses nothing: the message stays for the
+    /// next call.
+    ///
+    /// # Errors
+    /// As [`next_timeout`](Self::next_timeout).
+    pub async fn recv(&mut self) -> Result<Received<'_, B>> {
+        // A deadline of its own, not one a dropped future left.
+        if let Some(aw) = self.awaiting.take() {
+            aw.disarm(&self.shared.domain.inner.engine);
+        }
+        let (slot, completion) = std::future::poll_fn(|cx| self.poll_take(cx)).await?;
+        Ok(Received { ring: self, slot, completion, repost: true })
+    }
+
+    /// Polls for the next message: [`recv`](Self::recv) for a hand-written
+    /// future or poll loop. `Pending` registers `cx`'s waker for the
+    /// message and for the timeout.
+    ///
+    /// # Errors
+    /// As [`recv`](Self::recv).
+    pub fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Result<Received<'_, B>>> {
+        match self.poll_take(cx) {
+            Poll::Ready(Ok((slot, completion))) => {
+                Poll::Ready(Ok(Received { ring: self, slot, completion, repost: true }))
+            }
+            Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    /// The oldest receive's outcome if it is in (its slot and completion),
+    /// else the waker registered.
+    fn poll_take(&mut self, cx: &mut Context<'_>) -> Poll<Result<(u32, Completion)>> {
+        if self.posted.is_empty() {
+            if let Err(e) = self.refill() {
+                return self.ready(Err(e));
+            }
+        }
+        let Some(&(slot, id)) = self.posted.front() else {
+            return self.ready(Err(Error::RingRefused { reason: "none of its slots can be posted" }));
+        };
+        let engine = &self.shared.domain.inner.engine;
+        match self.shared.transport.poll_register(id, cx.waker(), engine) {
+            Ok(Some(Ok(completion))) => {
+                self.posted.pop_front();
+                self.ready(Ok((slot, completion)))
+            }
+            Ok(Some(Err(e))) => {
+                self.posted.pop_front();
+                let _ = self.post(slot);
+                self.ready(Err(*e))
+            }
+            Ok(None) => {
+                let timeout = self.shared.op_timeout;
+                let aw = self.awaiting.get_or_insert_with(|| Awaiting::new(timeout));
+                if Instant::now() >= aw.deadline {
+                    // Still posted: the next call waits for it again.
+                    return self.ready(Err(Error::Timeout { what: WHAT, after: timeout }));
+                }
+                let at = aw.deadline;
+                aw.arm(engine, at, cx.waker());
+                Poll::Pending
+            }
+            Err(e) => self.ready(Err(e)),
+        }
+    }
+
+    /// An awaited wait's end: its timer cancelled.
+    fn ready<T>(&mut self, result: Result<T>) -> Poll<Result<T>> {
+        if let Some(aw) = self.awaiting.take() {
+            aw.disarm(&self.shared.domain.inner.engine);
+        }
+        Poll::Ready(result)
     }
 
     /// Posts the idle slots again (those whose messages were
@@ -298,6 +388,9 @@ fn layout<B: LocalBuffer>(local: &LocalSlice<B>, slot_len: usize, slots: usize) 
 
 impl<B: LocalBuffer> Drop for RecvRing<B> {
     fn drop(&mut self) {
+        if let Some(aw) = self.awaiting.take() {
+            aw.disarm(&self.shared.domain.inner.engine);
+        }
         let Some(buf) = self.buf.take() else { return };
         if self.posted() == 0 {
             return;
