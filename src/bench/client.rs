@@ -481,7 +481,8 @@ fn ping_into_ring<B: LocalBuffer + Clone>(
 /// used in turn: iteration *i* waits on slot *i* % 2 while the next
 /// receive sits in the other, each reposted into its range as perftest
 /// reposts its prebuilt one. Into the buffer's second half, apart from the
-/// sends (its start). For GPU memory, which a ring does not take.
+/// sends (its start). For GPU memory, which a ring does not take, and a
+/// buffer too short for a ring's two slots apart from the sends.
 fn ping_into_persistent<B: LocalBuffer + Clone>(
     pings: &mut Pings<'_, B>,
     iters: usize,
@@ -517,7 +518,8 @@ fn ping_into_persistent<B: LocalBuffer + Clone>(
 /// The client: sends `params`, runs every size, tells the server it is
 /// done, and returns the rows. `remote` is the server's advertised region
 /// (for write and read tests); `local` holds at least the largest size
-/// (twice that keeps a ping-pong's sends and receives apart: [`latency`]).
+/// (twice that keeps a ping-pong's sends and receives apart, three times
+/// its sends and a receive ring's two slots: [`latency`]).
 ///
 /// # Errors
 /// A refused or mismatched handshake, a failed operation, a timeout.
@@ -627,8 +629,25 @@ mod tests {
                 }
             }
         }
-        // The bench's buffer: twice the largest message, the halves perftest uses.
+        // A buffer of twice the largest message: the halves perftest uses.
         assert_eq!(second_half(8192, 1024), 4096);
         assert_eq!(second_half(8192, 4096), 4096);
+    }
+
+    #[test]
+    fn a_rings_two_slots_sit_at_the_end_apart_from_the_sends_or_not_at_all() {
+        let tcp = crate::DomainConfig::default().transport(crate::TransportPolicy::Tcp);
+        let d = crate::Domain::with_config(&tcp).unwrap();
+        // The bench's buffer: three times the largest message.
+        let bench = d.alloc(3 * 4096).unwrap().share();
+        assert_eq!(ring_slots(&bench, 4096), Some(4096));
+        assert_eq!(ring_slots(&bench, 2), Some(3 * 4096 - 4));
+        assert_eq!(ring_slots(&bench, 4097), None, "the slots would reach into the sends");
+        assert_eq!(ring_slots(&bench, 0), None, "a ring has no empty slots");
+        assert_eq!(ring_slots(&bench, usize::MAX), None);
+        // Twice the largest: the persistent receives' loop at that size.
+        let halves = d.alloc(8192).unwrap().share();
+        assert_eq!(ring_slots(&halves, 4096), None);
+        assert_eq!(ring_slots(&halves, 2730), Some(8192 - 2 * 2730));
     }
 }
