@@ -174,12 +174,13 @@
 //!   the same range once it finished ([`Persistent::repost`]), as perftest
 //!   reposts its prebuilt requests: the range is checked once and no handle
 //!   is built per message.
-//! - [`Connection::recv_ring`] posts receives into the slots of one host
-//!   buffer and lends the messages out in order ([`RecvRing::next`], or
-//!   awaited: [`RecvRing::recv`]); a
-//!   [`Received`] reads as the message's bytes, and dropping it posts its
-//!   slot again. A slot is never written while its message is lent out, and
-//!   the buffer stays with the connection while any slot is posted.
+//! - [`Connection::recv_ring`] posts receives into the slots of one buffer
+//!   (host memory, or GPU memory on a direct path) and lends the messages
+//!   out in order ([`RecvRing::next`], or awaited: [`RecvRing::recv`]); a
+//!   [`Received`] of host memory reads as the message's bytes, and dropping
+//!   it posts its slot again. A slot is never written while its message is
+//!   lent out, and the buffer stays with the connection while any slot is
+//!   posted.
 //! - [`ConnectOptions::post_timeout`] `(Duration::ZERO)` makes posts
 //!   try-posts ([`Error::QueueFull`] at once, the buffer back);
 //!   [`Pending::into_result`] hands the buffer back on error too.

@@ -53,6 +53,24 @@ gpu_tcp_test! {
 }
 
 gpu_tcp_test! {
+    /// Over TCP GPU memory goes through host staging: a receive ring
+    /// refuses it, says why, posts nothing and gives the buffer back.
+    fn a_receive_ring_refuses_gpu_memory_over_tcp() {
+        let d = tcp_domain();
+        let (s, _c) = pair_on(&d, &d, opts(), opts());
+        let region = gpu_region(&d, 4 * 64, None);
+        let len = region.len();
+        let mut ring = s.recv_ring(region, 64, 4);
+        match ring.next().map(|_| ()) {
+            Err(Error::RingRefused { reason }) => assert!(reason.contains("recv_persistent"), "{reason}"),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(s.in_flight().0, 0);
+        assert_eq!(ring.into_buffer().map_err(|_| "nothing posted").unwrap().len(), len);
+    }
+}
+
+gpu_tcp_test! {
     fn gpu_to_gpu_over_tcp_by_write_read_and_send() {
         let (ds, dc) = (tcp_domain(), tcp_domain());
         let len = 64 << 20;

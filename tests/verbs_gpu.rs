@@ -240,6 +240,42 @@ gpu_test! {
 }
 
 gpu_test! {
+    /// A receive ring in GPU memory on a direct path: each message lands in
+    /// its slot, byte for byte, flushed before it is lent out; staged GPU
+    /// memory is refused, says why and gives the buffer back.
+    fn a_receive_ring_in_direct_gpu_memory_lands_and_flushes_each_message() {
+        let (ds, dc) = (domain(), domain());
+        let (s, c) = pair_on(&ds, &dc, opts(), opts());
+        let mut ring = s.recv_ring(gpu_region(&ds, 4 * 64, None, PathPolicy::Force(MemPath::PeerMem)), 64, 4);
+        assert_eq!(ring.posted(), 4);
+        for k in 0..10u32 {
+            let msg = pattern(1 + k as usize * 5, u64::from(k));
+            let before = stub_flush_count();
+            c.send_with_imm(dc.alloc(msg.len()).map(|mut r| {
+                r.copy_from_slice(&msg);
+                r
+            }).unwrap(), k).wait().unwrap();
+            let got = ring.next().unwrap();
+            assert_eq!((got.imm(), got.len(), got.slot()), (Some(k), msg.len(), k as usize % 4));
+            let mut landed = vec![0u8; got.len()];
+            got.buffer().memory().copy_to_host(got.range().start, &mut landed).unwrap();
+            assert_eq!(first_difference(&landed, &msg), None, "message {k}");
+            if let (Some(b), Some(a)) = (before, stub_flush_count()) {
+                assert!(a > b, "message {k}: lent out without a flush ({b} -> {a})");
+            }
+        }
+        let region = gpu_region(&ds, 4 * 64, None, PathPolicy::Force(MemPath::Staged));
+        let len = region.len();
+        let mut staged = s.recv_ring(region, 64, 4);
+        match staged.next().map(|_| ()) {
+            Err(Error::RingRefused { reason }) => assert!(reason.contains("staging"), "{reason}"),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(staged.into_buffer().map_err(|_| "nothing posted").unwrap().len(), len);
+    }
+}
+
+gpu_test! {
     fn dropping_a_staged_operation_midway_is_safe() {
         let (ds, dc) = (domain(), domain());
         let len = 32 << 20;

@@ -441,8 +441,9 @@ impl<B: LocalBuffer + Clone> Pings<'_, B> {
 
 /// Where a ping-pong's two receive slots of `size` bytes start, at the
 /// end of `local` and apart from the sends (its start): for a
-/// [`RecvRing`](crate::RecvRing), which takes host memory. `None` for GPU
-/// memory and a buffer too short for three messages.
+/// [`RecvRing`](crate::RecvRing), in host memory. `None` for GPU memory
+/// (whose ping-pong keeps one loop on every path) and a buffer too short
+/// for three messages.
 fn ring_slots<B: LocalBuffer + Clone>(local: &B, size: usize) -> Option<usize> {
     let host = local.clone().slice(..).resolve().is_ok_and(|parts| parts.path.is_none());
     let at = local.buffer_len().checked_sub(size.checked_mul(2)?)?;
@@ -481,8 +482,8 @@ fn ping_into_ring<B: LocalBuffer + Clone>(
 /// used in turn: iteration *i* waits on slot *i* % 2 while the next
 /// receive sits in the other, each reposted into its range as perftest
 /// reposts its prebuilt one. Into the buffer's second half, apart from the
-/// sends (its start). For GPU memory, which a ring does not take, and a
-/// buffer too short for a ring's two slots apart from the sends.
+/// sends (its start). For GPU memory, and a buffer too short for a ring's
+/// two slots apart from the sends.
 fn ping_into_persistent<B: LocalBuffer + Clone>(
     pings: &mut Pings<'_, B>,
     iters: usize,

@@ -58,9 +58,17 @@ const WHAT: &str = "a message for the receive ring";
 ///
 /// The buffer stays with the connection while any slot is posted, also when
 /// the ring is dropped: it is freed once the device is done with every
-/// slot (in the end, when the connection is torn down). Host memory only:
-/// for GPU memory, whose receives end with a flush or a staged copy, use
-/// [`Connection::recv_persistent`]; the ring reports
+/// slot (in the end, when the connection is torn down).
+///
+/// Host memory, or GPU memory the NIC reaches directly (dma-buf or
+/// nvidia-peermem, on a verbs connection): there each post first waits for
+/// the buffer's consumer fence
+/// ([`CudaBuffer::ready_after`](crate::cuda::CudaBuffer::ready_after): the
+/// work still reading an earlier message), and each message is flushed
+/// where the device needs that before it is lent out; read it with CUDA at
+/// [`Received::range`]. GPU memory reached only through host staging (no
+/// GPUDirect path, or a TCP connection) takes a pipeline per receive: use
+/// [`Connection::recv_persistent`] there; the ring reports
 /// [`Error::RingRefused`] from its first [`next`](Self::next).
 #[must_use = "a ring's receives are posted; its messages come out of next()"]
 pub struct RecvRing<B: LocalBuffer> {
@@ -71,6 +79,9 @@ pub struct RecvRing<B: LocalBuffer> {
     first: LocalParts,
     /// Where slot 0 starts in the buffer.
     start: usize,
+    /// GPU memory on a direct path: each post waits for the buffer's
+    /// consumer fence, and each message is flushed before it is lent out.
+    gpu: bool,
     slot_len: usize,
     /// The receives in flight, oldest first: the order the connection
     /// fills them in.
@@ -93,7 +104,7 @@ impl Connection {
     /// The layout is checked here and nothing is posted when it is wrong;
     /// the ring's first [`next`](RecvRing::next) reports why
     /// ([`Error::OutOfBounds`] when the slots do not fit in the range,
-    /// [`Error::RingRefused`] for no slots, empty slots or GPU memory),
+    /// [`Error::RingRefused`] for no slots, empty slots or staged GPU memory),
     /// and [`into_buffer`](RecvRing::into_buffer) gives the buffer back.
     pub fn recv_ring<B: LocalBuffer>(
         &self,
@@ -107,16 +118,18 @@ impl Connection {
 
 impl<B: LocalBuffer> RecvRing<B> {
     fn new(shared: &Arc<ConnShared>, local: LocalSlice<B>, slot_len: usize, slots: usize) -> Self {
-        let laid = layout(&local, slot_len, slots);
+        let laid = layout(&local, slot_len, slots, shared.transport.is_tcp());
         let (start, first) = match &laid {
             Ok((start, first)) => (*start, *first),
             Err(_) => (0, LocalParts { addr: 0, len: 0, lkey: 0, domain: 0, path: None }),
         };
+        let gpu = first.path.is_some();
         let mut ring = RecvRing {
             shared: Arc::clone(shared),
             buf: Some(local.into_inner()),
             first,
             start,
+            gpu,
             slot_len,
             posted: VecDeque::with_capacity(slots),
             idle: VecDeque::with_capacity(slots),
@@ -143,6 +156,12 @@ impl<B: LocalBuffer> RecvRing<B> {
     /// refusal kept).
     #[inline]
     fn post(&mut self, slot: u32) -> bool {
+        if self.gpu {
+            if let Err(e) = self.consumer_fence() {
+                self.post_failed(slot, Posted::refused(e));
+                return false;
+            }
+        }
         let parts = LocalParts { addr: self.first.addr + u64::from(slot) * self.slot_len as u64, ..self.first };
         match self.shared.transport.post_recv(Some(parts)) {
             Posted::Ok(id) => {
@@ -154,6 +173,43 @@ impl<B: LocalBuffer> RecvRing<B> {
                 false
             }
         }
+    }
+
+    /// GPU memory: waits for the work still reading the buffer (its
+    /// consumer fence, [`CudaBuffer::ready_after`](crate::cuda::CudaBuffer::ready_after))
+    /// before the NIC may overwrite a slot.
+    #[cold]
+    #[inline(never)]
+    fn consumer_fence(&self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(cuda) = self.buf.as_ref().and_then(|b| b.cuda()) {
+            return cuda.wait_ready();
+        }
+        Ok(())
+    }
+
+    /// A message landed in `slot`: on a direct GPU path the NIC's writes
+    /// are made visible to CUDA work first (flushed, where the device
+    /// needs that). If that fails the slot goes back into the ring.
+    #[inline]
+    fn landed(&mut self, slot: u32) -> Result<()> {
+        if self.gpu {
+            if let Err(e) = self.flush() {
+                let _ = self.post(slot);
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn flush(&self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(cuda) = self.buf.as_ref().and_then(|b| b.cuda()) {
+            return cuda.device().flush_remote_writes();
+        }
+        Ok(())
     }
 
     #[cold]
@@ -207,6 +263,7 @@ impl<B: LocalBuffer> RecvRing<B> {
         match self.shared.transport.wait_take(id, &mut due) {
             Ok(completion) => {
                 self.posted.pop_front();
+                self.landed(slot)?;
                 Ok(Received { ring: self, slot, completion, repost: true })
             }
             Err(WaitError::Unfinished(e)) => Err(*e),
@@ -285,7 +342,8 @@ impl<B: LocalBuffer> RecvRing<B> {
         match self.shared.transport.poll_register(id, cx.waker(), engine) {
             Ok(Some(Ok(completion))) => {
                 self.posted.pop_front();
-                self.ready(Ok((slot, completion)))
+                let landed = self.landed(slot).map(|()| (slot, completion));
+                self.ready(landed)
             }
             Ok(Some(Err(e))) => {
                 self.posted.pop_front();
@@ -358,8 +416,13 @@ impl<B: LocalBuffer> RecvRing<B> {
 }
 
 /// Checks the slots against the range: where slot 0 starts in the buffer,
-/// and its parts.
-fn layout<B: LocalBuffer>(local: &LocalSlice<B>, slot_len: usize, slots: usize) -> Result<(usize, LocalParts)> {
+/// and its parts. `cpu_only`: the transport reaches host memory only (TCP).
+fn layout<B: LocalBuffer>(
+    local: &LocalSlice<B>,
+    slot_len: usize,
+    slots: usize,
+    cpu_only: bool,
+) -> Result<(usize, LocalParts)> {
     let refused = |reason| Err(Error::RingRefused { reason });
     if slots == 0 {
         return refused("it has no slots");
@@ -371,8 +434,11 @@ fn layout<B: LocalBuffer>(local: &LocalSlice<B>, slot_len: usize, slots: usize) 
         return refused("more than 2^32 - 1 slots, or a slot of 4 GiB or more");
     }
     let parts = local.resolve()?;
-    if parts.path.is_some() {
-        return refused("its buffer is GPU memory; receive into it with recv_persistent");
+    if parts.path.is_some() && !direct_gpu(local, &parts, cpu_only) {
+        return refused(
+            "its buffer is GPU memory the NIC reaches only through host staging \
+             (no GPUDirect path, or a TCP connection); receive into it with recv_persistent",
+        );
     }
     let start = local.start();
     match slot_len.checked_mul(slots) {
@@ -383,6 +449,21 @@ fn layout<B: LocalBuffer>(local: &LocalSlice<B>, slot_len: usize, slots: usize) 
             len: total.map_or(u64::MAX, |t| t as u64),
             region_len: (start + parts.len) as u64,
         }),
+    }
+}
+
+/// Whether GPU memory is posted as it is (dma-buf or nvidia-peermem on a
+/// verbs connection), as a ring needs.
+fn direct_gpu<B: LocalBuffer>(local: &LocalSlice<B>, parts: &LocalParts, cpu_only: bool) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        use crate::protocol::{Route, route};
+        local.buffer().cuda().is_some() && route(parts, cpu_only) == Route::Direct
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (local, parts, cpu_only);
+        false
     }
 }
 
