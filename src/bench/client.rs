@@ -445,7 +445,7 @@ impl<B: LocalBuffer + Clone> Pings<'_, B> {
 /// (whose ping-pong keeps one loop on every path) and a buffer too short
 /// for three messages.
 fn ring_slots<B: LocalBuffer + Clone>(local: &B, size: usize) -> Option<usize> {
-    let host = local.clone().slice(..).resolve().is_ok_and(|parts| parts.path.is_none());
+    let host = local.parts().path.is_none();
     let at = local.buffer_len().checked_sub(size.checked_mul(2)?)?;
     (host && size > 0 && at >= size).then_some(at)
 }

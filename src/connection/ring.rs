@@ -13,7 +13,7 @@ use crate::completion::Completion;
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::memory::{HostMemory, LocalBuffer, LocalParts, LocalSlice, Region};
-use crate::ops::{OpId, WaitError};
+use crate::ops::{OpId, OpOutcome, WaitError};
 use crate::transport::Posted;
 use crate::transport::engine::Awaiting;
 
@@ -79,9 +79,6 @@ pub struct RecvRing<B: LocalBuffer> {
     first: LocalParts,
     /// Where slot 0 starts in the buffer.
     start: usize,
-    /// GPU memory on a direct path: each post waits for the buffer's
-    /// consumer fence, and each message is flushed before it is lent out.
-    gpu: bool,
     slot_len: usize,
     /// The receives in flight, oldest first: the order the connection
     /// fills them in.
@@ -123,13 +120,11 @@ impl<B: LocalBuffer> RecvRing<B> {
             Ok((start, first)) => (*start, *first),
             Err(_) => (0, LocalParts { addr: 0, len: 0, lkey: 0, domain: 0, path: None }),
         };
-        let gpu = first.path.is_some();
         let mut ring = RecvRing {
             shared: Arc::clone(shared),
             buf: Some(local.into_inner()),
             first,
             start,
-            gpu,
             slot_len,
             posted: VecDeque::with_capacity(slots),
             idle: VecDeque::with_capacity(slots),
@@ -139,12 +134,8 @@ impl<B: LocalBuffer> RecvRing<B> {
         };
         match laid {
             Ok(_) => {
-                for slot in 0..slots as u32 {
-                    if !ring.post(slot) {
-                        ring.idle.extend(slot + 1..slots as u32);
-                        break;
-                    }
-                }
+                ring.idle.extend(0..slots as u32);
+                ring.post_idle();
             }
             Err(e) => ring.refused = Some(Box::new(e)),
         }
@@ -156,7 +147,7 @@ impl<B: LocalBuffer> RecvRing<B> {
     /// refusal kept).
     #[inline]
     fn post(&mut self, slot: u32) -> bool {
-        if self.gpu {
+        if self.is_gpu() {
             if let Err(e) = self.consumer_fence() {
                 self.post_failed(slot, Posted::refused(e));
                 return false;
@@ -173,6 +164,14 @@ impl<B: LocalBuffer> RecvRing<B> {
                 false
             }
         }
+    }
+
+    /// GPU memory on a direct path (the only GPU memory a ring takes): each
+    /// post waits for the buffer's consumer fence, and each message is
+    /// flushed before it is lent out.
+    #[inline(always)]
+    fn is_gpu(&self) -> bool {
+        self.first.path.is_some()
     }
 
     /// GPU memory: waits for the work still reading the buffer (its
@@ -193,7 +192,7 @@ impl<B: LocalBuffer> RecvRing<B> {
     /// needs that). If that fails the slot goes back into the ring.
     #[inline]
     fn landed(&mut self, slot: u32) -> Result<()> {
-        if self.gpu {
+        if self.is_gpu() {
             if let Err(e) = self.flush() {
                 let _ = self.post(slot);
                 return Err(e);
@@ -253,23 +252,39 @@ impl<B: LocalBuffer> RecvRing<B> {
     /// - Why a post was refused, once nothing older is in flight; and
     ///   the layout's error, for a ring that posted nothing.
     pub fn next_timeout(&mut self, timeout: Duration) -> Result<Received<'_, B>> {
+        let (slot, id) = self.oldest()?;
+        let mut due = Deadline::lazy(timeout, WHAT);
+        let outcome = match self.shared.transport.wait_take(id, &mut due) {
+            Ok(completion) => Ok(completion),
+            Err(WaitError::Unfinished(e)) => return Err(*e),
+            Err(WaitError::Failed(e)) => Err(e),
+        };
+        let completion = self.finish(slot, outcome)?;
+        Ok(Received { ring: self, slot, completion, repost: true })
+    }
+
+    /// The oldest receive in flight (its slot and id), the idle slots
+    /// posted first when none is.
+    #[inline]
+    fn oldest(&mut self) -> Result<(u32, OpId)> {
         if self.posted.is_empty() {
             self.refill()?;
         }
-        let Some(&(slot, id)) = self.posted.front() else {
-            return Err(Error::RingRefused { reason: "none of its slots can be posted" });
-        };
-        let mut due = Deadline::lazy(timeout, WHAT);
-        match self.shared.transport.wait_take(id, &mut due) {
-            Ok(completion) => {
-                self.posted.pop_front();
-                self.landed(slot)?;
-                Ok(Received { ring: self, slot, completion, repost: true })
-            }
-            Err(WaitError::Unfinished(e)) => Err(*e),
-            Err(WaitError::Failed(e)) => {
-                // The device is done with the slot: into the ring again.
-                self.posted.pop_front();
+        match self.posted.front() {
+            Some(&oldest) => Ok(oldest),
+            None => Err(Error::RingRefused { reason: "none of its slots can be posted" }),
+        }
+    }
+
+    /// The oldest receive finished as `outcome`: its completion, once the
+    /// message is visible where it landed; on an error the device is done
+    /// with the slot, which goes into the ring again.
+    #[inline]
+    fn finish(&mut self, slot: u32, outcome: OpOutcome) -> Result<Completion> {
+        self.posted.pop_front();
+        match outcome {
+            Ok(completion) => self.landed(slot).map(|()| completion),
+            Err(e) => {
                 let _ = self.post(slot);
                 Err(*e)
             }
@@ -304,9 +319,7 @@ impl<B: LocalBuffer> RecvRing<B> {
     /// As [`next_timeout`](Self::next_timeout).
     pub async fn recv(&mut self) -> Result<Received<'_, B>> {
         // A deadline of its own, not one a dropped future left.
-        if let Some(aw) = self.awaiting.take() {
-            aw.disarm(&self.shared.domain.inner.engine);
-        }
+        self.disarm();
         let (slot, completion) = std::future::poll_fn(|cx| self.poll_take(cx)).await?;
         Ok(Received { ring: self, slot, completion, repost: true })
     }
@@ -318,37 +331,21 @@ impl<B: LocalBuffer> RecvRing<B> {
     /// # Errors
     /// As [`recv`](Self::recv).
     pub fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Result<Received<'_, B>>> {
-        match self.poll_take(cx) {
-            Poll::Ready(Ok((slot, completion))) => {
-                Poll::Ready(Ok(Received { ring: self, slot, completion, repost: true }))
-            }
-            Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
-            Poll::Pending => Poll::Pending,
-        }
+        self.poll_take(cx).map_ok(|(slot, completion)| Received { ring: self, slot, completion, repost: true })
     }
 
     /// The oldest receive's outcome if it is in (its slot and completion),
     /// else the waker registered.
     fn poll_take(&mut self, cx: &mut Context<'_>) -> Poll<Result<(u32, Completion)>> {
-        if self.posted.is_empty() {
-            if let Err(e) = self.refill() {
-                return self.ready(Err(e));
-            }
-        }
-        let Some(&(slot, id)) = self.posted.front() else {
-            return self.ready(Err(Error::RingRefused { reason: "none of its slots can be posted" }));
+        let (slot, id) = match self.oldest() {
+            Ok(oldest) => oldest,
+            Err(e) => return self.ready(Err(e)),
         };
         let engine = &self.shared.domain.inner.engine;
         match self.shared.transport.poll_register(id, cx.waker(), engine) {
-            Ok(Some(Ok(completion))) => {
-                self.posted.pop_front();
-                let landed = self.landed(slot).map(|()| (slot, completion));
-                self.ready(landed)
-            }
-            Ok(Some(Err(e))) => {
-                self.posted.pop_front();
-                let _ = self.post(slot);
-                self.ready(Err(*e))
+            Ok(Some(outcome)) => {
+                let finished = self.finish(slot, outcome).map(|completion| (slot, completion));
+                self.ready(finished)
             }
             Ok(None) => {
                 let timeout = self.shared.op_timeout;
@@ -367,10 +364,15 @@ impl<B: LocalBuffer> RecvRing<B> {
 
     /// An awaited wait's end: its timer cancelled.
     fn ready<T>(&mut self, result: Result<T>) -> Poll<Result<T>> {
+        self.disarm();
+        Poll::Ready(result)
+    }
+
+    /// Cancels an awaited wait's timer, if one is armed.
+    fn disarm(&mut self) {
         if let Some(aw) = self.awaiting.take() {
             aw.disarm(&self.shared.domain.inner.engine);
         }
-        Poll::Ready(result)
     }
 
     /// Posts the idle slots again (those whose messages were
@@ -380,12 +382,10 @@ impl<B: LocalBuffer> RecvRing<B> {
     #[inline]
     pub fn post_idle(&mut self) -> usize {
         let before = self.posted.len();
-        if self.buf.is_some() {
-            // Oldest first; after a refusal the rest stay idle too.
-            while let Some(slot) = self.idle.pop_front() {
-                if !self.post(slot) {
-                    break;
-                }
+        // Oldest first; after a refusal the rest stay idle too.
+        while let Some(slot) = self.idle.pop_front() {
+            if !self.post(slot) {
+                break;
             }
         }
         self.posted.len() - before
@@ -469,9 +469,7 @@ fn direct_gpu<B: LocalBuffer>(local: &LocalSlice<B>, parts: &LocalParts, cpu_onl
 
 impl<B: LocalBuffer> Drop for RecvRing<B> {
     fn drop(&mut self) {
-        if let Some(aw) = self.awaiting.take() {
-            aw.disarm(&self.shared.domain.inner.engine);
-        }
+        self.disarm();
         let Some(buf) = self.buf.take() else { return };
         if self.posted() == 0 {
             return;
