@@ -175,7 +175,9 @@
 //!   reposts its prebuilt requests: the range is checked once and no handle
 //!   is built per message.
 //! - [`Connection::recv_ring`] posts receives into the slots of one buffer
-//!   (host memory, or GPU memory on a direct path) and lends the messages
+//!   (host memory, or GPU memory: on a direct path the NIC writes the
+//!   slots, on the staged path each message is copied in from host
+//!   staging before it is lent out) and lends the messages
 //!   out in order ([`RecvRing::next`], or awaited: [`RecvRing::recv`]); a
 //!   [`Received`] of host memory reads as the message's bytes, and dropping
 //!   it posts its slot again. A slot is never written while its message is

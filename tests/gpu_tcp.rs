@@ -53,20 +53,76 @@ gpu_tcp_test! {
 }
 
 gpu_tcp_test! {
-    /// Over TCP GPU memory goes through host staging: a receive ring
-    /// refuses it, says why, posts nothing and gives the buffer back.
-    fn a_receive_ring_refuses_gpu_memory_over_tcp() {
+    /// Over TCP GPU memory goes through host staging: a receive ring's
+    /// messages land in pinned host slots and are copied into their GPU
+    /// slots before they are lent out, each after the consumer fence of
+    /// the work still reading that slot; a ring dropped with receives
+    /// posted keeps its staging until they are done.
+    fn a_receive_ring_in_gpu_memory_over_tcp_lands_each_message_in_its_gpu_slot() {
+        use common::gpu::{produce, produced};
         let d = tcp_domain();
-        let (s, _c) = pair_on(&d, &d, opts(), opts());
-        let region = gpu_region(&d, 4 * 64, None);
-        let len = region.len();
-        let mut ring = s.recv_ring(region, 64, 4);
-        match ring.next().map(|_| ()) {
-            Err(Error::RingRefused { reason }) => assert!(reason.contains("recv_persistent"), "{reason}"),
-            other => panic!("{other:?}"),
+        let (s, c) = pair_on(&d, &d, opts(), opts());
+        let slot = 4096;
+        let mut ring = s.recv_ring(gpu_region(&d, 4 * slot + 512, None).slice(512..), slot, 4);
+        assert_eq!(ring.posted(), 4);
+        let send = |k: u32, msg: &[u8]| {
+            let mut r = d.alloc(msg.len().max(1)).unwrap();
+            r.as_mut_slice()[..msg.len()].copy_from_slice(msg);
+            c.send_with_imm(r.slice(..msg.len()), k).wait().unwrap();
+        };
+        let stream = gpu_rdma::cuda::CudaStream::new(&CudaDevice::open(0).unwrap()).unwrap();
+        // Message 5's slot (1) is "still read" by work that lands 200 ms
+        // late when its loan ends; message 9, the next in that slot, must
+        // be copied in after it, not overwritten by it.
+        let mut fenced = None;
+        for k in 0..12u32 {
+            let msg = pattern(k as usize * 373 % (slot + 1), u64::from(k) + 900);
+            send(k, &msg);
+            let got = ring.next_timeout(std::time::Duration::from_secs(10)).unwrap();
+            assert_eq!((got.imm(), got.len(), got.slot()), (Some(k), msg.len(), k as usize % 4), "message {k}");
+            assert_eq!(got.range(), 512 + (k as usize % 4) * slot..512 + (k as usize % 4) * slot + msg.len());
+            if k == 9 {
+                stream.synchronize().unwrap(); // the late work has landed by now
+            }
+            let mut landed = vec![0u8; slot];
+            got.buffer().memory().copy_to_host(512 + got.slot() * slot, &mut landed).unwrap();
+            assert_eq!(first_difference(&landed[..msg.len()], &msg), None, "message {k} in its GPU slot");
+            if k == 9 {
+                let late: Vec<u8> = fenced.take().expect("message 5 was fenced");
+                assert_eq!(first_difference(&landed[msg.len()..], &late[msg.len()..]), None, "the late work's bytes");
+            }
+            if k == 5 {
+                produce(&stream, got.buffer().memory(), 512 + slot, slot, 55, 200_000);
+                got.buffer().memory().ready_after(&stream).unwrap();
+                fenced = Some(produced(55, slot));
+            }
         }
-        assert_eq!(s.in_flight().0, 0);
-        assert_eq!(ring.into_buffer().map_err(|_| "nothing posted").unwrap().len(), len);
+        // Dropped with all four posted: the staging stays with the
+        // connection until the last of them lands.
+        drop(ring);
+        assert_eq!(s.in_flight().0, 4);
+        for k in 0..4 {
+            send(100 + k, &pattern(64, u64::from(k)));
+        }
+        let t0 = std::time::Instant::now();
+        while s.in_flight().0 > 0 {
+            s.progress().unwrap();
+            assert!(t0.elapsed() < std::time::Duration::from_secs(20), "{:?} still in flight", s.in_flight());
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        // The connection goes on, and a ring that posted nothing (every slot
+        // retired) gives its buffer back.
+        let mut ring = s.recv_ring(gpu_region(&d, 2 * 64, None), 64, 2);
+        send(7, &[7u8; 64]);
+        let got = ring.next().unwrap();
+        assert_eq!((got.imm(), got.len()), (Some(7), 64));
+        got.retire();
+        send(8, &[]);
+        let got = ring.next().unwrap();
+        assert_eq!((got.imm(), got.len(), got.slot()), (Some(8), 0, 1));
+        got.retire();
+        let buf = ring.into_buffer().map_err(|_| "nothing posted").unwrap();
+        assert_eq!(read_gpu(buf.memory(), 64), [7u8; 64]);
     }
 }
 

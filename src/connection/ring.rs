@@ -19,6 +19,11 @@ use crate::transport::engine::Awaiting;
 
 /// What a ring's wait is for, in its timeout.
 const WHAT: &str = "a message for the receive ring";
+/// Refusals of a buffer that claims a GPU path it cannot have.
+#[cfg(feature = "cuda")]
+const NOT_GPU_MEMORY: &str = "its buffer has a GPU path but is not GPU memory";
+#[cfg(not(feature = "cuda"))]
+const NO_CUDA: &str = "its buffer has a GPU path, and this build has no `cuda` feature";
 
 /// Receives into the slots of one buffer, handed out in the order the
 /// messages arrive: each [`next`](Self::next) lends the oldest message
@@ -60,23 +65,29 @@ const WHAT: &str = "a message for the receive ring";
 /// the ring is dropped: it is freed once the device is done with every
 /// slot (in the end, when the connection is torn down).
 ///
-/// Host memory, or GPU memory the NIC reaches directly (dma-buf or
-/// nvidia-peermem, on a verbs connection): there each post first waits for
-/// the buffer's consumer fence
+/// Host memory, or GPU memory: a message lent out from GPU memory is there
+/// and visible to CUDA work (read it at [`Received::range`]), and a slot
+/// is overwritten only after the buffer's consumer fence
 /// ([`CudaBuffer::ready_after`](crate::cuda::CudaBuffer::ready_after): the
-/// work still reading an earlier message), and each message is flushed
-/// where the device needs that before it is lent out; read it with CUDA at
-/// [`Received::range`]. GPU memory reached only through host staging (no
-/// GPUDirect path, or a TCP connection) takes a pipeline per receive: use
-/// [`Connection::recv_persistent`] there; the ring reports
-/// [`Error::RingRefused`] from its first [`next`](Self::next).
+/// work still reading an earlier message in it). How, by path:
+/// - GPU memory the NIC reaches directly (dma-buf or nvidia-peermem, on a
+///   verbs connection): each post first waits for the fence, and each
+///   message is flushed where the device needs that before it is lent out;
+/// - GPU memory reached only through host staging (no GPUDirect path, or a
+///   TCP connection): the receives land in pinned host slots the ring holds
+///   (one per slot, taken once), and each message is copied into its GPU
+///   slot, after the fence, before it is lent out: one copy per message,
+///   as the staged path costs.
 #[must_use = "a ring's receives are posted; its messages come out of next()"]
 pub struct RecvRing<B: LocalBuffer> {
     shared: Arc<ConnShared>,
     /// `Some` until the ring is taken apart.
     buf: Option<B>,
-    /// Slot 0, resolved once; each slot is `slot_len` bytes after the last.
+    /// Slot 0, resolved once, as receives are posted into it (the staging,
+    /// for staged GPU memory); each slot is `slot_len` bytes after the last.
     first: LocalParts,
+    /// Staged GPU memory: the pinned host slots the receives land in.
+    staging: Option<Box<Staging>>,
     /// Where slot 0 starts in the buffer.
     start: usize,
     slot_len: usize,
@@ -101,8 +112,9 @@ impl Connection {
     /// The layout is checked here and nothing is posted when it is wrong;
     /// the ring's first [`next`](RecvRing::next) reports why
     /// ([`Error::OutOfBounds`] when the slots do not fit in the range,
-    /// [`Error::RingRefused`] for no slots, empty slots or staged GPU memory),
-    /// and [`into_buffer`](RecvRing::into_buffer) gives the buffer back.
+    /// [`Error::RingRefused`] for no slots or empty slots, or why the host
+    /// staging for staged GPU memory could not be taken), and
+    /// [`into_buffer`](RecvRing::into_buffer) gives the buffer back.
     pub fn recv_ring<B: LocalBuffer>(
         &self,
         local: impl Into<LocalSlice<B>>,
@@ -115,29 +127,31 @@ impl Connection {
 
 impl<B: LocalBuffer> RecvRing<B> {
     fn new(shared: &Arc<ConnShared>, local: LocalSlice<B>, slot_len: usize, slots: usize) -> Self {
-        let laid = layout(&local, slot_len, slots, shared.transport.is_tcp());
-        let (start, first) = match &laid {
-            Ok((start, first)) => (*start, *first),
-            Err(_) => (0, LocalParts { addr: 0, len: 0, lkey: 0, domain: 0, path: None }),
+        let laid = layout(&local, slot_len, slots, shared.transport.is_tcp()).and_then(|(start, parts, staged)| {
+            let staging = if staged { Some(staging(shared, &local, slot_len * slots)?) } else { None };
+            let first = staging.as_ref().map_or(parts, |s| s.parts(slot_len));
+            Ok((start, first, staging))
+        });
+        let (start, first, staging, refused) = match laid {
+            Ok((start, first, staging)) => (start, first, staging, None),
+            Err(e) => (0, LocalParts { addr: 0, len: 0, lkey: 0, domain: 0, path: None }, None, Some(Box::new(e))),
         };
         let mut ring = RecvRing {
             shared: Arc::clone(shared),
             buf: Some(local.into_inner()),
             first,
+            staging,
             start,
             slot_len,
             posted: VecDeque::with_capacity(slots),
             idle: VecDeque::with_capacity(slots),
-            refused: None,
+            refused,
             stuck: Vec::new(),
             awaiting: None,
         };
-        match laid {
-            Ok(_) => {
-                ring.idle.extend(0..slots as u32);
-                ring.post_idle();
-            }
-            Err(e) => ring.refused = Some(Box::new(e)),
+        if ring.refused.is_none() {
+            ring.idle.extend(0..slots as u32);
+            ring.post_idle();
         }
         ring
     }
@@ -166,9 +180,9 @@ impl<B: LocalBuffer> RecvRing<B> {
         }
     }
 
-    /// GPU memory on a direct path (the only GPU memory a ring takes): each
-    /// post waits for the buffer's consumer fence, and each message is
-    /// flushed before it is lent out.
+    /// GPU memory on a direct path: each post waits for the buffer's
+    /// consumer fence, and each message is flushed before it is lent out.
+    /// (Staged GPU memory is posted as the host memory it lands in.)
     #[inline(always)]
     fn is_gpu(&self) -> bool {
         self.first.path.is_some()
@@ -187,13 +201,14 @@ impl<B: LocalBuffer> RecvRing<B> {
         Ok(())
     }
 
-    /// A message landed in `slot`: on a direct GPU path the NIC's writes
-    /// are made visible to CUDA work first (flushed, where the device
-    /// needs that). If that fails the slot goes back into the ring.
+    /// A message of `len` bytes landed in `slot`: in GPU memory it is
+    /// made visible to CUDA work first (on a direct path the NIC's writes
+    /// are flushed, where the device needs that; staged, it is copied in
+    /// from its staging slot). If that fails the slot goes back into the ring.
     #[inline]
-    fn landed(&mut self, slot: u32) -> Result<()> {
-        if self.is_gpu() {
-            if let Err(e) = self.flush() {
+    fn landed(&mut self, slot: u32, len: u32) -> Result<()> {
+        if self.is_gpu() || self.staging.is_some() {
+            if let Err(e) = self.make_visible(slot, len) {
                 let _ = self.post(slot);
                 return Err(e);
             }
@@ -203,11 +218,17 @@ impl<B: LocalBuffer> RecvRing<B> {
 
     #[cold]
     #[inline(never)]
-    fn flush(&self) -> Result<()> {
+    fn make_visible(&self, slot: u32, len: u32) -> Result<()> {
         #[cfg(feature = "cuda")]
         if let Some(cuda) = self.buf.as_ref().and_then(|b| b.cuda()) {
-            return cuda.device().flush_remote_writes();
+            let Some(staging) = &self.staging else { return cuda.device().flush_remote_writes() };
+            let off = slot as usize * self.slot_len;
+            let len = (len as usize).min(self.slot_len);
+            // The slot's receive finished, and the slot is posted again only
+            // after this returns: the copy takes the message as it landed.
+            return staging.copy_to(off, len, cuda, self.start + off);
         }
+        let _ = (slot, len);
         Ok(())
     }
 
@@ -283,7 +304,7 @@ impl<B: LocalBuffer> RecvRing<B> {
     fn finish(&mut self, slot: u32, outcome: OpOutcome) -> Result<Completion> {
         self.posted.pop_front();
         match outcome {
-            Ok(completion) => self.landed(slot).map(|()| completion),
+            Ok(completion) => self.landed(slot, completion.byte_len).map(|()| completion),
             Err(e) => {
                 let _ = self.post(slot);
                 Err(*e)
@@ -416,13 +437,14 @@ impl<B: LocalBuffer> RecvRing<B> {
 }
 
 /// Checks the slots against the range: where slot 0 starts in the buffer,
-/// and its parts. `cpu_only`: the transport reaches host memory only (TCP).
+/// its parts, and whether it is GPU memory reached through staging.
+/// `cpu_only`: the transport reaches host memory only (TCP).
 fn layout<B: LocalBuffer>(
     local: &LocalSlice<B>,
     slot_len: usize,
     slots: usize,
     cpu_only: bool,
-) -> Result<(usize, LocalParts)> {
+) -> Result<(usize, LocalParts, bool)> {
     let refused = |reason| Err(Error::RingRefused { reason });
     if slots == 0 {
         return refused("it has no slots");
@@ -434,15 +456,10 @@ fn layout<B: LocalBuffer>(
         return refused("more than 2^32 - 1 slots, or a slot of 4 GiB or more");
     }
     let parts = local.resolve()?;
-    if parts.path.is_some() && !direct_gpu(local, &parts, cpu_only) {
-        return refused(
-            "its buffer is GPU memory the NIC reaches only through host staging \
-             (no GPUDirect path, or a TCP connection); receive into it with recv_persistent",
-        );
-    }
+    let staged = parts.path.is_some() && staged_gpu(local, &parts, cpu_only)?;
     let start = local.start();
     match slot_len.checked_mul(slots) {
-        Some(total) if total <= parts.len => Ok((start, LocalParts { len: slot_len, ..parts })),
+        Some(total) if total <= parts.len => Ok((start, LocalParts { len: slot_len, ..parts }, staged)),
         total => Err(Error::OutOfBounds {
             side: "local",
             offset: start as u64,
@@ -452,18 +469,53 @@ fn layout<B: LocalBuffer>(
     }
 }
 
-/// Whether GPU memory is posted as it is (dma-buf or nvidia-peermem on a
-/// verbs connection), as a ring needs.
-fn direct_gpu<B: LocalBuffer>(local: &LocalSlice<B>, parts: &LocalParts, cpu_only: bool) -> bool {
+/// Whether GPU memory goes through host staging (no GPUDirect path, or a
+/// TCP connection) rather than posted as it is.
+fn staged_gpu<B: LocalBuffer>(local: &LocalSlice<B>, parts: &LocalParts, cpu_only: bool) -> Result<bool> {
     #[cfg(feature = "cuda")]
     {
         use crate::protocol::{Route, route};
-        local.buffer().cuda().is_some() && route(parts, cpu_only) == Route::Direct
+        if local.buffer().cuda().is_none() {
+            return Err(Error::RingRefused { reason: NOT_GPU_MEMORY });
+        }
+        Ok(route(parts, cpu_only) == Route::Staged)
     }
     #[cfg(not(feature = "cuda"))]
     {
         let _ = (local, parts, cpu_only);
-        false
+        Err(Error::RingRefused { reason: NO_CUDA })
+    }
+}
+
+/// What staged GPU memory lands in first.
+#[cfg(feature = "cuda")]
+type Staging = crate::protocol::staged::RingStaging;
+/// No GPU memory without the `cuda` feature: never made.
+#[cfg(not(feature = "cuda"))]
+enum Staging {}
+
+#[cfg(not(feature = "cuda"))]
+impl Staging {
+    fn parts(&self, _len: usize) -> LocalParts {
+        match *self {}
+    }
+}
+
+/// Staging of `len` bytes for the ring's GPU buffer, from the domain's
+/// stager for its device.
+fn staging<B: LocalBuffer>(shared: &ConnShared, local: &LocalSlice<B>, len: usize) -> Result<Box<Staging>> {
+    #[cfg(feature = "cuda")]
+    {
+        let Some(cuda) = local.buffer().cuda() else {
+            return Err(Error::RingRefused { reason: NOT_GPU_MEMORY });
+        };
+        let home = &shared.domain.inner.staging;
+        Ok(Box::new(Staging::new(home, cuda.device(), len, shared.staging.0)?))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (shared, local, len);
+        Err(Error::RingRefused { reason: NO_CUDA })
     }
 }
 
@@ -474,9 +526,11 @@ impl<B: LocalBuffer> Drop for RecvRing<B> {
         if self.posted() == 0 {
             return;
         }
-        // The device may still write into any posted slot: the buffer goes
-        // with the last of them to complete, which every one holds a share of.
-        let kept = Arc::new(std::sync::Mutex::new(buf));
+        // The device may still write into any posted slot: the buffer (and
+        // the staging, which is what it writes into for staged GPU memory)
+        // goes with the last of them to complete, which every one holds a
+        // share of.
+        let kept = Arc::new(std::sync::Mutex::new((buf, self.staging.take())));
         let ids = self.posted.drain(..).map(|(_, id)| id).chain(self.stuck.drain(..));
         for id in ids {
             self.shared.transport.orphan(id, Box::new(Arc::clone(&kept)));

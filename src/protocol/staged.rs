@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use crate::completion::{Completion, Opcode, WcStatus};
-use crate::cuda::{CudaDevice, CudaEvent, CudaStream, PinnedHost, copy_dtoh_async, copy_htod_async};
+use crate::cuda::{CudaBuffer, CudaDevice, CudaEvent, CudaStream, PinnedHost, copy_dtoh_async, copy_htod_async};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::memory::{Access, LocalParts, Memory};
@@ -191,6 +191,65 @@ impl Stager {
         };
         let keep = mem.size() <= slot_size(chunk);
         Ok(Slot { mem: Some(mem), home: Arc::clone(self), keep })
+    }
+}
+
+/// Pinned, registered host memory that the slots of a receive ring land
+/// in when its GPU memory is reached only through staging (no GPUDirect
+/// path, or a TCP connection): each message is copied from here into its
+/// GPU slot before it is lent out, so the ring's loans mean what they
+/// mean on a direct path (the message is in GPU memory, visible to CUDA).
+pub(crate) struct RingStaging {
+    slot: Slot,
+    domain: u64,
+}
+
+impl RingStaging {
+    /// `len` bytes of staging for a ring whose buffer is on `device`; kept
+    /// in the stager's cache afterwards if no larger than `chunk`.
+    pub(crate) fn new(home: &StagingHome, device: &CudaDevice, len: usize, chunk: usize) -> Result<Self> {
+        let slot = Stager::for_device(home, device)?.take(len, chunk)?;
+        Ok(RingStaging { slot, domain: home.domain_id })
+    }
+
+    /// The staging's first `len` bytes, as a receive is posted into them.
+    pub(crate) fn parts(&self, len: usize) -> LocalParts {
+        self.slot.parts(len, self.domain)
+    }
+
+    /// Copies the `len` bytes at `off` into `dst` at `dst_off`, after the
+    /// GPU work still reading there (`dst`'s consumer fence), and waits
+    /// for the copy. The bytes are what the receive that landed there
+    /// left, as long as no receive is posted there meanwhile (a ring posts
+    /// a slot again only after this returns).
+    pub(crate) fn copy_to(&self, off: usize, len: usize, dst: &CudaBuffer, dst_off: usize) -> Result<()> {
+        let size = self.slot.mem.as_ref().map_or(0, SlotMem::size);
+        if off.checked_add(len).is_none_or(|end| end > size) {
+            return Err(Error::OutOfBounds {
+                side: "local",
+                offset: off as u64,
+                len: len as u64,
+                region_len: size as u64,
+            });
+        }
+        if dst_off.checked_add(len).is_none_or(|end| end > dst.len()) {
+            return Err(Error::OutOfBounds {
+                side: "local",
+                offset: dst_off as u64,
+                len: len as u64,
+                region_len: dst.len() as u64,
+            });
+        }
+        let stream = &self.slot.home.h2d;
+        dst.order_after_ready(stream)?;
+        let src = (self.slot.addr() + off as u64) as *const u8;
+        // SAFETY: both ranges were checked above: `src..src + len` inside the
+        // slot's pinned memory and `dst_off..dst_off + len` inside `dst`'s
+        // allocation, and both outlive the copy, which is waited for before
+        // this returns. No Rust reference to the staging is made, so a NIC
+        // writing there meanwhile could change only the bytes copied.
+        unsafe { copy_htod_async(dst.device_ptr() + dst_off as u64, src, len, stream) }?;
+        stream.synchronize()
     }
 }
 
