@@ -123,6 +123,23 @@ gpu_tcp_test! {
         got.retire();
         let buf = ring.into_buffer().map_err(|_| "nothing posted").unwrap();
         assert_eq!(read_gpu(buf.memory(), 64), [7u8; 64]);
+
+        // A hostile peer's message one byte longer than a slot fails that
+        // receive (and the connection): an error, no hang, and no GPU byte
+        // is touched (a failed receive copies nothing in).
+        let (s, c) = pair_on(&d, &d, opts(), opts());
+        let marked = pattern(3 * 64, 3);
+        let gpu: Shared<CudaBuffer> = gpu_region(&d, 3 * 64, Some(&marked)).share();
+        let mut ring = s.recv_ring(gpu.clone().slice(64..), 32, 2);
+        let mut big = c.send(d.alloc(33).unwrap());
+        let limit = std::time::Duration::from_secs(20);
+        assert!(ring.next_timeout(limit).is_err(), "a message longer than its slot");
+        assert!(big.wait_timeout(limit).is_err());
+        drop(c);
+        let e = ring.next_timeout(limit).map(|_| ()).unwrap_err();
+        assert!(!e.is_timeout(), "a lost connection is not a timeout: {e}");
+        drop(ring);
+        assert_eq!(first_difference(&read_gpu(gpu.cuda(), 3 * 64), &marked), None, "GPU bytes changed");
     }
 }
 
