@@ -59,7 +59,10 @@ const NO_CUDA: &str = "its buffer has a GPU path, and this build has no `cuda` f
 /// that order gives it.)
 ///
 /// [`recv`](Self::recv) awaits the next message instead, as a
-/// [`Pending`](crate::Pending) is awaited: no thread blocks.
+/// [`Pending`](crate::Pending) is awaited: no thread blocks waiting for a
+/// message. (In GPU memory, what makes a slot safe to overwrite, the
+/// consumer fence, and a staged message's copy into the GPU are waited for
+/// in place, as a GPU operation's fence is when it is posted.)
 ///
 /// The buffer stays with the connection while any slot is posted, also when
 /// the ring is dropped: it is freed once the device is done with every
