@@ -245,44 +245,36 @@ gpu_test! {
     /// staged path each lands in host staging and is copied into its slot.
     fn a_receive_ring_in_gpu_memory_lands_each_message_flushed_or_staged() {
         let (ds, dc) = (domain(), domain());
-        let (s, c) = pair_on(&ds, &dc, opts(), opts());
-        let mut ring = s.recv_ring(gpu_region(&ds, 4 * 64, None, PathPolicy::Force(MemPath::PeerMem)), 64, 4);
-        assert_eq!(ring.posted(), 4);
-        for k in 0..10u32 {
-            let msg = pattern(1 + k as usize * 5, u64::from(k));
-            let before = stub_flush_count();
-            c.send_with_imm(dc.alloc(msg.len()).map(|mut r| {
+        // Ten messages through a fresh ring of four 64-byte slots on a
+        // connection of its own, each read back from GPU memory at its
+        // range; `lent` checks each loan further.
+        let ring_of_ten = |path: MemPath, len: fn(u32) -> usize, lent: &dyn Fn(u32, Option<u64>)| {
+            let (s, c) = pair_on(&ds, &dc, opts(), opts());
+            let mut ring = s.recv_ring(gpu_region(&ds, 4 * 64, None, PathPolicy::Force(path)), 64, 4);
+            assert_eq!(ring.posted(), 4);
+            for k in 0..10u32 {
+                let msg = pattern(len(k), u64::from(k) + 50);
+                let before = stub_flush_count();
+                let mut r = dc.alloc(msg.len()).unwrap();
                 r.copy_from_slice(&msg);
-                r
-            }).unwrap(), k).wait().unwrap();
-            let got = ring.next().unwrap();
-            assert_eq!((got.imm(), got.len(), got.slot()), (Some(k), msg.len(), k as usize % 4));
-            let mut landed = vec![0u8; got.len()];
-            got.buffer().memory().copy_to_host(got.range().start, &mut landed).unwrap();
-            assert_eq!(first_difference(&landed, &msg), None, "message {k}");
+                c.send_with_imm(r, k).wait().unwrap();
+                let got = ring.next().unwrap();
+                assert_eq!((got.imm(), got.len(), got.slot()), (Some(k), msg.len(), k as usize % 4), "{path:?}");
+                let mut landed = vec![0u8; got.len()];
+                got.buffer().memory().copy_to_host(got.range().start, &mut landed).unwrap();
+                assert_eq!(first_difference(&landed, &msg), None, "{path:?}: message {k}");
+                lent(k, before);
+            }
+        };
+        // Direct: the NIC wrote GPU memory, so each message is flushed
+        // before it is lent out.
+        ring_of_ten(MemPath::PeerMem, |k| 1 + k as usize * 5, &|k, before| {
             if let (Some(b), Some(a)) = (before, stub_flush_count()) {
                 assert!(a > b, "message {k}: lent out without a flush ({b} -> {a})");
             }
-        }
-        drop(ring);
-        // The staged path, on a connection of its own (the dropped ring's
-        // receives are still posted on that one): messages copied in from
-        // host staging.
-        let (s, c) = pair_on(&ds, &dc, opts(), opts());
-        let mut staged = s.recv_ring(gpu_region(&ds, 4 * 64, None, PathPolicy::Force(MemPath::Staged)), 64, 4);
-        assert_eq!(staged.posted(), 4);
-        for k in 0..10u32 {
-            let msg = pattern(64 - k as usize * 5, u64::from(k) + 50);
-            c.send_with_imm(dc.alloc(msg.len()).map(|mut r| {
-                r.copy_from_slice(&msg);
-                r
-            }).unwrap(), k).wait().unwrap();
-            let got = staged.next().unwrap();
-            assert_eq!((got.imm(), got.len(), got.slot()), (Some(k), msg.len(), k as usize % 4));
-            let mut landed = vec![0u8; got.len()];
-            got.buffer().memory().copy_to_host(got.range().start, &mut landed).unwrap();
-            assert_eq!(first_difference(&landed, &msg), None, "staged message {k}");
-        }
+        });
+        // Staged: each message lands in host staging and is copied in.
+        ring_of_ten(MemPath::Staged, |k| 64 - k as usize * 5, &|_, _| {});
     }
 }
 
