@@ -99,10 +99,14 @@ impl TransportPolicy {
     /// `GPU_RDMA_TRANSPORT=auto|verbs|tcp`, default auto.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for another value.
+    /// [`Error::BadEnv`] for another value.
     pub fn from_env() -> Result<Self> {
         match std::env::var("GPU_RDMA_TRANSPORT") {
-            Ok(v) => v.parse().map_err(|e| Error::InvalidArgument(format!("GPU_RDMA_TRANSPORT: {e}"))),
+            Ok(v) => v.parse().map_err(|_| Error::BadEnv {
+                var: "GPU_RDMA_TRANSPORT",
+                value: v,
+                expected: "auto, verbs or tcp",
+            }),
             Err(_) => Ok(TransportPolicy::Auto),
         }
     }
@@ -140,18 +144,25 @@ impl DomainConfig {
     /// Defaults overridden by the environment.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for a port or GID index that is not a number.
+    /// [`Error::BadEnv`] for a port or GID index that is not a number, or a
+    /// port past 255, or a transport that is not one.
     pub fn from_env() -> Result<Self> {
         let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
         let parse = |name: &'static str| -> Result<Option<u32>> {
             var(name)
                 .map(|v| {
-                    v.trim().parse::<u32>().map_err(|_| Error::InvalidArgument(format!("{name}={v} is not a number")))
+                    v.trim().parse::<u32>().map_err(|_| Error::BadEnv { var: name, value: v, expected: "a number" })
                 })
                 .transpose()
         };
         let port = parse("GPU_RDMA_PORT")?
-            .map(|p| u8::try_from(p).map_err(|_| Error::InvalidArgument(format!("GPU_RDMA_PORT={p} is too large"))))
+            .map(|p| {
+                u8::try_from(p).map_err(|_| Error::BadEnv {
+                    var: "GPU_RDMA_PORT",
+                    value: p.to_string(),
+                    expected: "a port number up to 255",
+                })
+            })
             .transpose()?;
         Ok(DomainConfig {
             transport: TransportPolicy::from_env()?,

@@ -195,6 +195,51 @@ pub enum Error {
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
 
+    /// A write or read was given a local range and a remote range of
+    /// different lengths: a one-sided operation moves the same bytes on
+    /// both sides. Nothing was posted; the buffer comes back.
+    #[error(
+        "the local range has {local} bytes and the remote range {remote}: a write or read moves the same bytes on both sides"
+    )]
+    LengthMismatch {
+        /// The local range's length.
+        local: u64,
+        /// The remote range's length.
+        remote: u64,
+    },
+
+    /// An environment variable the crate reads holds a value it cannot use.
+    #[error("{var}={value:?}: expected {expected}")]
+    BadEnv {
+        /// The variable.
+        var: &'static str,
+        /// What it holds.
+        value: String,
+        /// What it may hold.
+        expected: &'static str,
+    },
+
+    /// GPU memory on the staged path (the NIC cannot reach it, or the
+    /// connection is TCP) was given to something that needs the NIC to
+    /// reach it (dma-buf or nvidia-peermem). Nothing was posted or
+    /// registered; the buffer comes back.
+    #[error("{what} needs a direct path to GPU memory (dma-buf or nvidia-peermem): {reason}")]
+    NeedsDirectPath {
+        /// What needs it.
+        what: &'static str,
+        /// Why the memory is staged, or what to do instead.
+        reason: String,
+    },
+
+    /// There is no CUDA device of this ordinal.
+    #[error("CUDA device {ordinal} does not exist ({count} device(s))")]
+    NoCudaDevice {
+        /// The ordinal asked for.
+        ordinal: usize,
+        /// How many devices there are.
+        count: usize,
+    },
+
     /// A buffer or region registered with one domain was used with another
     /// (a connection of another domain, or another domain's `expose`): its
     /// keys mean nothing there. Nothing was posted; the buffer comes back.

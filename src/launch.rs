@@ -65,9 +65,9 @@ impl Rank {
     /// Open MPI, then Slurm. `None` when no launcher's variables are set.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] naming the variable when one is set but
-    /// not a number, only some of a launcher's variables are set, or the
-    /// rank is not below the world size.
+    /// [`Error::BadEnv`] naming the variable when one is set but not a
+    /// number; [`Error::InvalidArgument`] when only some of a launcher's
+    /// variables are set, or the rank is not below the world size.
     pub fn from_env() -> Result<Option<Rank>> {
         Rank::from_lookup(|name| std::env::var(name).ok())
     }
@@ -83,11 +83,15 @@ impl Rank {
             if r.is_none() && s.is_none() {
                 continue;
             }
-            let number = |name: &str, v: Option<String>| -> Result<u32> {
+            let number = |name: &'static str, v: Option<String>| -> Result<u32> {
                 let v = v.ok_or_else(|| {
                     Error::InvalidArgument(format!("{launcher}: {name} is not set, though {rank} or {size} is"))
                 })?;
-                v.trim().parse().map_err(|_| Error::InvalidArgument(format!("{launcher}: {name}={v:?} is not a rank")))
+                v.trim().parse().map_err(|_| Error::BadEnv {
+                    var: name,
+                    value: v,
+                    expected: "a rank (a number from 0)",
+                })
             };
             let rank_v = number(rank, r)?;
             let world_size = number(size, s)?;
@@ -145,5 +149,7 @@ mod tests {
             let e = Rank::from_lookup(env(pairs)).unwrap_err();
             assert!(e.to_string().contains(names), "{pairs:?}: {e}");
         }
+        let e = Rank::from_lookup(env(&[("RANK", "x"), ("WORLD_SIZE", "2")])).unwrap_err();
+        assert!(matches!(e, Error::BadEnv { var: "RANK", ref value, .. } if value == "x"), "{e:?}");
     }
 }

@@ -245,7 +245,7 @@
 //!
 //! | error | what happened | the connection | what to do |
 //! |---|---|---|---|
-//! | [`Error::OutOfBounds`], [`Error::AccessDenied`], [`Error::MessageTooLarge`], [`Error::DomainMismatch`], [`Error::TooManyRequests`], [`Error::EmptyBatch`], [`Error::InvalidArgument`] | refused before posting | unchanged, usable | fix the request; the buffer comes back from [`Pending::into_buffer`] |
+//! | [`Error::OutOfBounds`], [`Error::AccessDenied`], [`Error::MessageTooLarge`], [`Error::DomainMismatch`], [`Error::TooManyRequests`], [`Error::EmptyBatch`], [`Error::LengthMismatch`], [`Error::NeedsDirectPath`], [`Error::InvalidArgument`] | refused before posting | unchanged, usable | fix the request; the buffer comes back from [`Pending::into_buffer`] |
 //! | [`Error::Timeout`] from [`Pending::wait`] | nothing yet | unchanged | wait again, or drop the connection to abort |
 //! | [`Error::Completion`] | the device failed the operation | the queue pair is in the error state ([`Connection::broken`] says why) | connect again |
 //! | [`Error::ConnectionLost`] | the peer closed or died, or this side closed: every pending operation gets it (a killed peer is seen within milliseconds on TCP, and through the handshake socket on verbs, before the transport's retries run out) | broken; the domain's other connections are unaffected | connect again (a restarted peer on the same address works) |

@@ -166,7 +166,7 @@ impl Rails {
     /// on the staged path each domain would expose its own host mirror.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for GPU memory on the staged path with
+    /// [`Error::NeedsDirectPath`] for GPU memory on the staged path with
     /// more than one rail; as [`Domain::register`] and [`Domain::expose`]
     /// on any rail; every
     /// registration made is undone and the memory comes back (`None` only
@@ -188,11 +188,10 @@ impl Rails {
                 // each rail would see its own copy. Only direct paths stripe.
                 Ok(region) if self.domains.len() > 1 && region.memory_path() == Some(MemPath::Staged) => {
                     let reason = region.path_report().map(ToString::to_string).unwrap_or_default();
-                    let error = Error::InvalidArgument(format!(
-                        "GPU memory on rails needs a direct path (dma-buf or nvidia-peermem) on every NIC; \
-                         {} has the staged path: {reason}",
-                        rail_name(domain)
-                    ));
+                    let error = Error::NeedsDirectPath {
+                        what: "GPU memory on several rails",
+                        reason: format!("{} has the staged path: {reason}", rail_name(domain)),
+                    };
                     (error, region.into_memory().ok())
                 }
                 Ok(region) => match domain.expose(region, access, tag) {

@@ -389,7 +389,7 @@ fn local_ranges_are_checked_and_the_buffer_comes_back(t: Kind) {
     }
     assert_eq!(p.into_buffer().unwrap().len(), 1024);
     let mut p = c.write(d.alloc(1024).unwrap(), &target.descriptor().slice(0..100).unwrap());
-    assert!(matches!(p.wait(), Err(Error::InvalidArgument(_))), "length mismatch");
+    assert!(matches!(p.wait(), Err(Error::LengthMismatch { local: 1024, remote: 100 })), "length mismatch");
     assert!(c.broken().is_none(), "refused locally: the connection is fine");
 }
 

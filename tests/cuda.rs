@@ -45,7 +45,7 @@ cuda_test! {
         assert!(d.pci_bus_id().contains(':'), "{}", d.pci_bus_id());
         assert!(d.total_mem() > 0);
         match CudaDevice::open(info.device_count) {
-            Err(Error::InvalidArgument(m)) => assert!(m.contains("does not exist"), "{m}"),
+            Err(Error::NoCudaDevice { ordinal, count }) => assert_eq!((ordinal, count), (info.device_count, info.device_count)),
             other => panic!("{other:?}"),
         }
     }

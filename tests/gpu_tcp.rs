@@ -500,12 +500,35 @@ gpu_tcp_test! {
         let buf = CudaBuffer::alloc(&CudaDevice::open(0).expect("a CUDA device"), 1 << 20).unwrap();
         buf.copy_from_host(0, &[7u8; 16]).unwrap();
         let e = rails.expose(buf, Access::REMOTE_WRITE, 1).unwrap_err();
-        assert!(matches!(e.error, Error::InvalidArgument(ref m) if m.contains("staged")), "{}", e.error);
+        assert!(matches!(e.error, Error::NeedsDirectPath { ref reason, .. } if reason.contains("staged")), "{}", e.error);
         let buf = e.buffer.expect("the buffer back");
         assert_eq!(read_gpu(&buf, 16), [7u8; 16]);
         assert_eq!(rails.domains().iter().map(|d| d.stats().regions).sum::<usize>(), 0, "every registration undone");
         // One rail is a plain domain: staged works there.
         let one = gpu_rdma::rails::Rails::from_domains(vec![tcp_domain()]).unwrap();
         assert!(one.expose(buf, Access::REMOTE_WRITE, 1).is_ok());
+    }
+}
+
+gpu_tcp_test! {
+    /// A batch posts its requests as they are, and staged GPU memory goes
+    /// through a pipeline per operation: refused, typed, nothing posted,
+    /// every buffer back, and the connection goes on.
+    fn a_batch_with_staged_gpu_memory_is_refused_and_gives_its_buffers_back() {
+        let d = tcp_domain();
+        let (s, c) = pair_on(&d, &d, opts(), opts());
+        let mut rx = s.recv(d.alloc(64).unwrap());
+        let mut p = c.batch().send(gpu_region(&d, 64, Some(&[5u8; 64]))).send(gpu_region(&d, 64, None)).post();
+        match p.wait() {
+            Err(Error::NeedsDirectPath { what: "a batch", .. }) => {}
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(c.in_flight().0, 0, "nothing posted");
+        let bufs = p.into_buffer().expect("the buffers back");
+        assert_eq!(bufs.len(), 2);
+        assert_eq!(read_gpu(bufs[0].memory(), 64), [5u8; 64]);
+        c.send(bufs.into_iter().next().unwrap().slice(..64)).wait().unwrap();
+        assert_eq!(rx.wait().unwrap().byte_len, 64);
+        assert!(c.broken().is_none());
     }
 }

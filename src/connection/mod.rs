@@ -405,7 +405,8 @@ impl Connection {
         self.shared.pending((), self.shared.transport.post_recv(None))
     }
 
-    /// Writes `local` into the peer's memory at `remote` (same length).
+    /// Writes `local` into the peer's memory at `remote` (same length, else
+    /// [`Error::LengthMismatch`] from the wait).
     /// Larger than the maximum message size is fine: it is split.
     pub fn write<B: LocalBuffer>(&self, local: impl Into<LocalSlice<B>>, remote: &RemoteSlice) -> Pending<B> {
         self.one(local.into(), RemoteOp::Write(*remote))
@@ -423,7 +424,8 @@ impl Connection {
         self.one(local.into(), RemoteOp::WriteWithImm(*remote, imm))
     }
 
-    /// Reads the peer's memory at `remote` into `local` (same length).
+    /// Reads the peer's memory at `remote` into `local` (same length, else
+    /// [`Error::LengthMismatch`] from the wait).
     pub fn read<B: LocalBuffer>(&self, local: impl Into<LocalSlice<B>>, remote: &RemoteSlice) -> Pending<B> {
         self.one(local.into(), RemoteOp::Read(*remote))
     }
@@ -527,7 +529,8 @@ impl<B: LocalBuffer> Batch<'_, B> {
 
     /// Posts them all; the buffers come back together, in order. A batch
     /// needing more send-queue requests than the queue holds fails with
-    /// [`Error::TooManyRequests`], an empty one with [`Error::EmptyBatch`].
+    /// [`Error::TooManyRequests`], an empty one with [`Error::EmptyBatch`],
+    /// one with a staged GPU buffer with [`Error::NeedsDirectPath`].
     pub fn post(self) -> Pending<Vec<B>> {
         #[cfg(feature = "cuda")]
         let mut flush: Vec<crate::cuda::CudaDevice> = Vec::new();
@@ -539,9 +542,10 @@ impl<B: LocalBuffer> Batch<'_, B> {
                 #[cfg(feature = "cuda")]
                 if let (Some(path), Some(cuda)) = (l.path, local.buffer().cuda()) {
                     if !path.is_direct() {
-                        return Err(Error::InvalidArgument(
-                            "staged GPU buffers cannot be batched: post their operations one by one".into(),
-                        ));
+                        return Err(Error::NeedsDirectPath {
+                            what: "a batch",
+                            reason: "this GPU buffer is staged: post its operations one by one".into(),
+                        });
                     }
                     cuda.wait_ready()?;
                     if op.reads_remote() {

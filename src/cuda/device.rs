@@ -125,15 +125,12 @@ impl CudaDevice {
     /// Opens device `ordinal` and retains its primary context.
     ///
     /// # Errors
-    /// [`Error::CudaUnavailable`]; [`Error::InvalidArgument`] for an ordinal
+    /// [`Error::CudaUnavailable`]; [`Error::NoCudaDevice`] for an ordinal
     /// past the last device; [`Error::Cuda`].
     pub fn open(ordinal: usize) -> Result<Self> {
         let info = driver()?;
         if ordinal >= info.device_count {
-            return Err(Error::InvalidArgument(format!(
-                "CUDA device {ordinal} does not exist ({} device(s))",
-                info.device_count
-            )));
+            return Err(Error::NoCudaDevice { ordinal, count: info.device_count });
         }
         let mut dev: sys::CUdevice = 0;
         // SAFETY: valid out-pointer; ordinal checked against the count.

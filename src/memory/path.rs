@@ -91,10 +91,14 @@ impl PathPolicy {
     /// `GPU_RDMA_MEM_PATH=auto|dmabuf|peermem|staged`, default auto.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for another value.
+    /// [`Error::BadEnv`] for another value.
     pub fn from_env() -> Result<Self> {
         match std::env::var("GPU_RDMA_MEM_PATH") {
-            Ok(v) => v.parse().map_err(|e| Error::InvalidArgument(format!("GPU_RDMA_MEM_PATH: {e}"))),
+            Ok(v) => v.parse().map_err(|_| Error::BadEnv {
+                var: "GPU_RDMA_MEM_PATH",
+                value: v,
+                expected: "auto, dmabuf, peermem or staged",
+            }),
             Err(_) => Ok(PathPolicy::Auto),
         }
     }

@@ -32,8 +32,8 @@ pub(crate) fn route(local: &LocalParts, cpu_only: bool) -> Route {
 /// chunked, its immediate on the last chunk). `op` is `None` for a receive.
 ///
 /// # Errors
-/// [`Error::AccessDenied`], [`Error::InvalidArgument`] for a length
-/// mismatch, [`Error::MessageTooLarge`].
+/// [`Error::AccessDenied`], [`Error::LengthMismatch`],
+/// [`Error::MessageTooLarge`].
 pub(crate) fn check_staged(op: Option<RemoteOp>, len: u64, max_message: u64) -> Result<()> {
     let Some(op) = op else { return Ok(()) };
     op.check_remote(len)?;
@@ -55,7 +55,10 @@ mod tests {
         assert!(check_staged(None, 1 << 40, 8).is_ok(), "a receive has no remote side");
         assert!(check_staged(Some(RemoteOp::Read(r)), 64, 8).is_ok(), "one-sided operations are chunked");
         assert!(matches!(check_staged(Some(RemoteOp::Write(r)), 64, 8), Err(Error::AccessDenied { .. })));
-        assert!(matches!(check_staged(Some(RemoteOp::Read(r)), 32, 8), Err(Error::InvalidArgument(_))));
+        assert!(matches!(
+            check_staged(Some(RemoteOp::Read(r)), 32, 8),
+            Err(Error::LengthMismatch { local: 32, remote: 64 })
+        ));
         assert!(matches!(check_staged(Some(RemoteOp::Send), 9, 8), Err(Error::MessageTooLarge { len: 9, max: 8 })));
         assert!(check_staged(Some(RemoteOp::SendWithImm(1)), 8, 8).is_ok());
     }

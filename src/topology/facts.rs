@@ -30,11 +30,13 @@ pub fn kernel_at_least(release: &str, major: u32, minor: u32) -> bool {
 /// `GPU_RDMA_GDR_LEVEL` (default PXB, like NCCL).
 ///
 /// # Errors
-/// [`Error::InvalidArgument`] for a value that is not a link class.
+/// [`Error::BadEnv`] for a value that is not a link class.
 pub fn gdr_level_from_env() -> Result<LinkClass> {
     match std::env::var("GPU_RDMA_GDR_LEVEL") {
-        Ok(v) => LinkClass::parse(&v).ok_or_else(|| {
-            Error::InvalidArgument(format!("GPU_RDMA_GDR_LEVEL={v}: expected PIX, PXB, PHB, NODE or SYS"))
+        Ok(v) => LinkClass::parse(&v).ok_or(Error::BadEnv {
+            var: "GPU_RDMA_GDR_LEVEL",
+            value: v,
+            expected: "PIX, PXB, PHB, NODE or SYS",
         }),
         Err(_) => Ok(LinkClass::Pxb),
     }

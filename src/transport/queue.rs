@@ -65,10 +65,7 @@ impl RemoteOp {
             return Err(Error::AccessDenied { needed, granted: r.access() });
         }
         if len != r.len() {
-            return Err(Error::InvalidArgument(format!(
-                "the local range has {len} bytes and the remote range {}",
-                r.len()
-            )));
+            return Err(Error::LengthMismatch { local: len, remote: r.len() });
         }
         Ok(())
     }
@@ -1158,7 +1155,7 @@ mod tests {
         let no_right = WorkItem { op: RemoteOp::Read(remote(Access::REMOTE_WRITE)), ..ok };
         assert!(matches!(q.check_item(&no_right), Err(Error::AccessDenied { .. })));
         let short = WorkItem { local: Some(local(32, DOMAIN)), ..ok };
-        assert!(matches!(q.check_item(&short), Err(Error::InvalidArgument(_))));
+        assert!(matches!(q.check_item(&short), Err(Error::LengthMismatch { local: 32, .. })));
         let big = WorkItem { local: Some(local(2 << 20, DOMAIN)), op: RemoteOp::Send };
         assert!(
             matches!(q.check_item(&big), Err(Error::MessageTooLarge { len, max }) if len == 2 << 20 && max == 1 << 20)
