@@ -231,6 +231,24 @@ pub enum Error {
         reason: String,
     },
 
+    /// A work request asks more of the queue pair than it was made to take:
+    /// more bytes inline than its inline limit (a read cannot be inline at
+    /// all), or more scatter/gather entries than it takes. Nothing was
+    /// posted.
+    #[error("{request} {index}: {got} {what}, and the queue pair takes {max}")]
+    ExceedsQpCaps {
+        /// `work request` (a send-queue request) or `receive request`.
+        request: &'static str,
+        /// Its place in the chain posted.
+        index: usize,
+        /// What it has too many of.
+        what: &'static str,
+        /// How many it has.
+        got: u64,
+        /// How many the queue pair takes.
+        max: u64,
+    },
+
     /// There is no CUDA device of this ordinal.
     #[error("CUDA device {ordinal} does not exist ({count} device(s))")]
     NoCudaDevice {

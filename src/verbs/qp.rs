@@ -549,7 +549,8 @@ impl QueuePair {
     /// # Errors
     /// [`PostError`], saying how many requests were posted before the one
     /// the provider refused (`ENOMEM`: send queue full; `EINVAL`: a bad
-    /// request).
+    /// request); [`Error::ExceedsQpCaps`], with none posted, for a request
+    /// past the queue pair's inline or scatter/gather limits.
     pub unsafe fn post_send<'a>(
         &mut self,
         wrs: impl IntoIterator<Item = SendWr<'a>>,
@@ -618,7 +619,7 @@ impl QueuePair {
     ///
     /// # Errors
     /// [`PostError`]: `data` longer than the queue pair's inline limit
-    /// ([`Error::InvalidArgument`]), or the provider's refusal.
+    /// ([`Error::ExceedsQpCaps`]), or the provider's refusal.
     #[inline(always)]
     pub fn post_send_inline(
         &mut self,
@@ -655,7 +656,7 @@ impl QueuePair {
     ///
     /// # Errors
     /// [`PostError`]: an inline entry past the inline limit or for a read
-    /// ([`Error::InvalidArgument`]), or the provider's refusal.
+    /// ([`Error::ExceedsQpCaps`]), or the provider's refusal.
     #[inline(always)]
     pub unsafe fn post_send_sge(
         &mut self,
@@ -715,7 +716,9 @@ impl QueuePair {
     /// when a message arrives.
     ///
     /// # Errors
-    /// [`PostError`].
+    /// [`PostError`]: the provider's refusal, or [`Error::ExceedsQpCaps`]
+    /// for a request with more scatter/gather entries than the queue pair
+    /// takes (none of those after it posted).
     pub unsafe fn post_recv<'a>(
         &mut self,
         wrs: impl IntoIterator<Item = RecvWr<'a>>,
@@ -758,23 +761,27 @@ impl QueuePair {
 #[cold]
 #[inline(never)]
 fn refused_inline(caps: &QpCaps, i: usize, len: u64, op: SendOp) -> PostError {
-    PostError {
-        posted: 0,
-        error: Error::InvalidArgument(format!(
-            "work request {i}: inline data of {len} bytes for {op:?} (the inline limit is {} bytes, reads cannot be inline)",
-            caps.max_inline_data
-        )),
-    }
+    let (what, max) = match op {
+        SendOp::Read { .. } => ("bytes inline in a read (which cannot be inline)", 0),
+        _ => ("bytes inline", u64::from(caps.max_inline_data)),
+    };
+    PostError { posted: 0, error: Error::ExceedsQpCaps { request: "work request", index: i, what, got: len, max } }
 }
 
 /// Why `what` `i` cannot be posted: more scatter/gather entries than the
 /// queue pair takes.
 #[cold]
 #[inline(never)]
-fn refused_sges(what: &str, i: usize, sges: usize, max: u32) -> PostError {
+fn refused_sges(request: &'static str, i: usize, sges: usize, max: u32) -> PostError {
     PostError {
         posted: 0,
-        error: Error::InvalidArgument(format!("{what} {i}: {sges} scatter/gather entries, the queue pair takes {max}")),
+        error: Error::ExceedsQpCaps {
+            request,
+            index: i,
+            what: "scatter/gather entries",
+            got: sges as u64,
+            max: u64::from(max),
+        },
     }
 }
 
@@ -881,5 +888,47 @@ impl fmt::Debug for QueuePair {
             .field("state", &self.state)
             .field("caps", &self.caps)
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::verbs::wr::Sge;
+
+    /// The limits a queue pair was made with are checked before anything is
+    /// posted, each refusal typed with what it has too many of.
+    #[test]
+    fn requests_past_the_queue_pairs_limits_are_refused_typed() {
+        let caps = QpCaps { max_send_wr: 8, max_recv_wr: 8, max_send_sge: 2, max_recv_sge: 1, max_inline_data: 64 };
+        let sges = [Sge::new(0x1000, 40, 1), Sge::new(0x2000, 40, 1), Sge::new(0x3000, 8, 1)];
+        let refused = |wr: SendWr<'_>| {
+            let mut raw: ffi::ibv_send_wr = zeroed();
+            fill_send_wr(&caps, 3, &wr, &mut raw).map(|()| raw.wr_id).map_err(|e| (e.posted, e.error))
+        };
+        assert!(matches!(refused(SendWr::new(7, SendOp::Send, &sges[..1]).inline(true)), Ok(7)), "40 bytes fit inline");
+        match refused(SendWr::new(7, SendOp::Send, &sges[..2]).inline(true)) {
+            Err((
+                0,
+                Error::ExceedsQpCaps { request: "work request", index: 3, what: "bytes inline", got: 80, max: 64 },
+            )) => {}
+            other => panic!("{other:?}"),
+        }
+        let read = SendOp::Read { remote_addr: 0, rkey: 1 };
+        match refused(SendWr::new(7, read, &sges[..1]).inline(true)) {
+            Err((0, Error::ExceedsQpCaps { got: 40, max: 0, what, .. })) => assert!(what.contains("read"), "{what}"),
+            other => panic!("{other:?}"),
+        }
+        match refused(SendWr::new(7, SendOp::Send, &sges)) {
+            Err((0, e @ Error::ExceedsQpCaps { what: "scatter/gather entries", got: 3, max: 2, .. })) => {
+                assert_eq!(e.to_string(), "work request 3: 3 scatter/gather entries, and the queue pair takes 2");
+            }
+            other => panic!("{other:?}"),
+        }
+        let recv = RecvWr::new(9, &sges[..2]);
+        match raw_recv_wr(&caps, 0, &recv).map(|raw| raw.wr_id).map_err(|e| e.error) {
+            Err(Error::ExceedsQpCaps { request: "receive request", got: 2, max: 1, .. }) => {}
+            other => panic!("{other:?}"),
+        }
     }
 }
