@@ -19,11 +19,6 @@ use crate::transport::engine::Awaiting;
 
 /// What a ring's wait is for, in its timeout.
 const WHAT: &str = "a message for the receive ring";
-/// Refusals of a buffer that claims a GPU path it cannot have.
-#[cfg(feature = "cuda")]
-const NOT_GPU_MEMORY: &str = "its buffer has a GPU path but is not GPU memory";
-#[cfg(not(feature = "cuda"))]
-const NO_CUDA: &str = "its buffer has a GPU path, and this build has no `cuda` feature";
 
 /// Receives into the slots of one buffer, handed out in the order the
 /// messages arrive: each [`next`](Self::next) lends the oldest message
@@ -130,8 +125,8 @@ impl Connection {
 
 impl<B: LocalBuffer> RecvRing<B> {
     fn new(shared: &Arc<ConnShared>, local: LocalSlice<B>, slot_len: usize, slots: usize) -> Self {
-        let laid = layout(&local, slot_len, slots, shared.transport.is_tcp()).and_then(|(start, parts, staged)| {
-            let staging = if staged { Some(staging(shared, &local, slot_len * slots)?) } else { None };
+        let laid = layout(&local, slot_len, slots).and_then(|(start, parts)| {
+            let staging = staging(shared, &local, &parts, slot_len * slots)?;
             let first = staging.as_ref().map_or(parts, |s| s.parts(slot_len));
             Ok((start, first, staging))
         });
@@ -440,14 +435,8 @@ impl<B: LocalBuffer> RecvRing<B> {
 }
 
 /// Checks the slots against the range: where slot 0 starts in the buffer,
-/// its parts, and whether it is GPU memory reached through staging.
-/// `cpu_only`: the transport reaches host memory only (TCP).
-fn layout<B: LocalBuffer>(
-    local: &LocalSlice<B>,
-    slot_len: usize,
-    slots: usize,
-    cpu_only: bool,
-) -> Result<(usize, LocalParts, bool)> {
+/// and its parts.
+fn layout<B: LocalBuffer>(local: &LocalSlice<B>, slot_len: usize, slots: usize) -> Result<(usize, LocalParts)> {
     let refused = |reason| Err(Error::RingRefused { reason });
     if slots == 0 {
         return refused("it has no slots");
@@ -459,34 +448,15 @@ fn layout<B: LocalBuffer>(
         return refused("more than 2^32 - 1 slots, or a slot of 4 GiB or more");
     }
     let parts = local.resolve()?;
-    let staged = parts.path.is_some() && staged_gpu(local, &parts, cpu_only)?;
     let start = local.start();
     match slot_len.checked_mul(slots) {
-        Some(total) if total <= parts.len => Ok((start, LocalParts { len: slot_len, ..parts }, staged)),
+        Some(total) if total <= parts.len => Ok((start, LocalParts { len: slot_len, ..parts })),
         total => Err(Error::OutOfBounds {
             side: "local",
             offset: start as u64,
             len: total.map_or(u64::MAX, |t| t as u64),
             region_len: (start + parts.len) as u64,
         }),
-    }
-}
-
-/// Whether GPU memory goes through host staging (no GPUDirect path, or a
-/// TCP connection) rather than posted as it is.
-fn staged_gpu<B: LocalBuffer>(local: &LocalSlice<B>, parts: &LocalParts, cpu_only: bool) -> Result<bool> {
-    #[cfg(feature = "cuda")]
-    {
-        use crate::protocol::{Route, route};
-        if local.buffer().cuda().is_none() {
-            return Err(Error::RingRefused { reason: NOT_GPU_MEMORY });
-        }
-        Ok(route(parts, cpu_only) == Route::Staged)
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = (local, parts, cpu_only);
-        Err(Error::RingRefused { reason: NO_CUDA })
     }
 }
 
@@ -504,21 +474,35 @@ impl Staging {
     }
 }
 
-/// Staging of `len` bytes for the ring's GPU buffer, from the domain's
-/// stager for its device.
-fn staging<B: LocalBuffer>(shared: &ConnShared, local: &LocalSlice<B>, len: usize) -> Result<Box<Staging>> {
+/// The host staging a ring's slots land in first: none for host memory
+/// and for GPU memory the NIC reaches directly; for GPU memory reached only
+/// through staging (no GPUDirect path, or a TCP connection), `len` bytes
+/// from the domain's stager for its device.
+fn staging<B: LocalBuffer>(
+    shared: &ConnShared,
+    local: &LocalSlice<B>,
+    parts: &LocalParts,
+    len: usize,
+) -> Result<Option<Box<Staging>>> {
+    if parts.path.is_none() {
+        return Ok(None);
+    }
     #[cfg(feature = "cuda")]
     {
+        use crate::protocol::{Route, route};
         let Some(cuda) = local.buffer().cuda() else {
-            return Err(Error::RingRefused { reason: NOT_GPU_MEMORY });
+            return Err(Error::RingRefused { reason: "its buffer has a GPU path but is not GPU memory" });
         };
+        if route(parts, shared.transport.is_tcp()) == Route::Direct {
+            return Ok(None);
+        }
         let home = &shared.domain.inner.staging;
-        Ok(Box::new(Staging::new(home, cuda.device(), len, shared.staging.0)?))
+        Ok(Some(Box::new(Staging::new(home, cuda.device(), len, shared.staging.0)?)))
     }
     #[cfg(not(feature = "cuda"))]
     {
         let _ = (shared, local, len);
-        Err(Error::RingRefused { reason: NO_CUDA })
+        Err(Error::RingRefused { reason: "its buffer has a GPU path, and this build has no `cuda` feature" })
     }
 }
 

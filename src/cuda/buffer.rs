@@ -480,7 +480,8 @@ impl CudaBuffer {
         }
     }
 
-    fn check_range(&self, offset: usize, len: usize) -> Result<()> {
+    /// [`Error::OutOfBounds`] unless `offset..offset + len` lies in the buffer.
+    pub(crate) fn check_range(&self, offset: usize, len: usize) -> Result<()> {
         if offset.checked_add(len).is_none_or(|e| e > self.len) {
             return Err(Error::OutOfBounds {
                 side: "local",

@@ -232,14 +232,7 @@ impl RingStaging {
                 region_len: size as u64,
             });
         }
-        if dst_off.checked_add(len).is_none_or(|end| end > dst.len()) {
-            return Err(Error::OutOfBounds {
-                side: "local",
-                offset: dst_off as u64,
-                len: len as u64,
-                region_len: dst.len() as u64,
-            });
-        }
+        dst.check_range(dst_off, len)?;
         let stream = &self.slot.home.h2d;
         dst.order_after_ready(stream)?;
         let src = (self.slot.addr() + off as u64) as *const u8;
