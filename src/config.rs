@@ -83,6 +83,9 @@ pub enum TransportPolicy {
     Tcp,
 }
 
+/// The values a transport policy is written as.
+const TRANSPORTS: &str = "auto, verbs or tcp";
+
 impl FromStr for TransportPolicy {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
@@ -90,7 +93,7 @@ impl FromStr for TransportPolicy {
             "" | "auto" => Ok(TransportPolicy::Auto),
             "verbs" | "rdma" | "ib" => Ok(TransportPolicy::Verbs),
             "tcp" | "socket" | "sockets" => Ok(TransportPolicy::Tcp),
-            other => Err(Error::InvalidArgument(format!("transport `{other}`: expected auto, verbs or tcp"))),
+            other => Err(Error::InvalidArgument(format!("transport `{other}`: expected {TRANSPORTS}"))),
         }
     }
 }
@@ -102,11 +105,7 @@ impl TransportPolicy {
     /// [`Error::BadEnv`] for another value.
     pub fn from_env() -> Result<Self> {
         match std::env::var("GPU_RDMA_TRANSPORT") {
-            Ok(v) => v.parse().map_err(|_| Error::BadEnv {
-                var: "GPU_RDMA_TRANSPORT",
-                value: v,
-                expected: "auto, verbs or tcp",
-            }),
+            Ok(v) => v.parse().map_err(|_| Error::BadEnv { var: "GPU_RDMA_TRANSPORT", value: v, expected: TRANSPORTS }),
             Err(_) => Ok(TransportPolicy::Auto),
         }
     }

@@ -52,6 +52,9 @@ impl fmt::Display for MemPath {
     }
 }
 
+/// The values a path policy is written as.
+const POLICIES: &str = "auto, dmabuf, peermem or staged";
+
 impl FromStr for MemPath {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
@@ -59,9 +62,7 @@ impl FromStr for MemPath {
             "dmabuf" | "dma-buf" | "dma_buf" => Ok(MemPath::DmaBuf),
             "peermem" | "nvidia-peermem" | "nvidia_peermem" => Ok(MemPath::PeerMem),
             "staged" | "staging" | "host" => Ok(MemPath::Staged),
-            other => {
-                Err(Error::InvalidArgument(format!("memory path `{other}`: expected auto, dmabuf, peermem or staged")))
-            }
+            other => Err(Error::InvalidArgument(format!("memory path `{other}`: expected {POLICIES}"))),
         }
     }
 }
@@ -94,11 +95,7 @@ impl PathPolicy {
     /// [`Error::BadEnv`] for another value.
     pub fn from_env() -> Result<Self> {
         match std::env::var("GPU_RDMA_MEM_PATH") {
-            Ok(v) => v.parse().map_err(|_| Error::BadEnv {
-                var: "GPU_RDMA_MEM_PATH",
-                value: v,
-                expected: "auto, dmabuf, peermem or staged",
-            }),
+            Ok(v) => v.parse().map_err(|_| Error::BadEnv { var: "GPU_RDMA_MEM_PATH", value: v, expected: POLICIES }),
             Err(_) => Ok(PathPolicy::Auto),
         }
     }
