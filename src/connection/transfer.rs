@@ -558,7 +558,7 @@ impl<B: Send + 'static> List<B> {
     }
 
     /// Waits a moment for staged pieces: on a network step of one of them,
-    /// else briefly (a copy finishes by itself). [`Error::Timeout`] after
+    /// else briefly (a copy finishes by itself: [`look_again`](super::look_again)). [`Error::Timeout`] after
     /// the operation timeout without a piece starting or finishing.
     #[cfg(feature = "cuda")]
     fn nap_staged(&mut self) -> Result<()> {
@@ -567,6 +567,12 @@ impl<B: Send + 'static> List<B> {
             return Err(Error::Timeout { what: WHAT, after: self.shared.op_timeout });
         }
         let copying = st.active.iter().any(crate::protocol::staged::Pipeline::copying);
+        if copying && st.progress.elapsed() < self.shared.spin {
+            // Within the spin window after a piece last started or finished:
+            // the caller looks at the copies and the network again at once.
+            super::look_again(true);
+            return Ok(());
+        }
         match st.active.iter().find_map(crate::protocol::staged::Pipeline::waiting_on) {
             Some(id) => {
                 let slice = if copying { Duration::from_micros(20) } else { Duration::from_millis(1) };
@@ -576,7 +582,7 @@ impl<B: Send + 'static> List<B> {
                 }
             }
             None => {
-                std::thread::sleep(Duration::from_micros(20));
+                super::look_again(false);
                 Ok(())
             }
         }

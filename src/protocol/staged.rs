@@ -544,7 +544,10 @@ impl Pipeline {
                 let copied = unsafe { copy_dtoh_async(dst, self.dev + off as u64, n, &self.stager.d2h) }
                     .and_then(|()| CudaEvent::record(&self.stager.d2h));
                 match copied {
-                    Ok(ev) => step.state = StepState::CopyOut(ev),
+                    Ok(ev) => {
+                        tracing::trace!(off, n, "staged: copy out of the GPU started");
+                        step.state = StepState::CopyOut(ev)
+                    }
                     Err(e) => {
                         self.fail(e);
                         break;
@@ -568,6 +571,7 @@ impl Pipeline {
                     // The message itself waits for the staged messages made before it.
                     let its_turn = !last || self.ticket.as_ref().is_none_or(|(order, t)| order.is_next(*t));
                     if in_order && its_turn && self.error.is_none() && ev.is_done()? {
+                        tracing::trace!(off = self.steps[i].off, "staged: copied out, posting");
                         self.post(t, i);
                         if last {
                             self.release_ticket();
@@ -584,6 +588,7 @@ impl Pipeline {
                     if t.poll(id)? {
                         match t.take(id) {
                             Some(Ok(c)) => {
+                                tracing::trace!(off = self.steps[i].off, "staged: network step done");
                                 self.last = Some(c);
                                 if outbound(self.op) {
                                     self.moved += self.steps[i].len as u64;
@@ -597,7 +602,14 @@ impl Pipeline {
                                         .and_then(|()| CudaEvent::record(&self.stager.h2d));
                                     self.moved += n as u64;
                                     match copied {
-                                        Ok(ev) => self.steps[i].state = StepState::CopyIn(ev),
+                                        Ok(ev) => {
+                                            tracing::trace!(
+                                                off = self.steps[i].off,
+                                                n,
+                                                "staged: copy into the GPU queued"
+                                            );
+                                            self.steps[i].state = StepState::CopyIn(ev)
+                                        }
                                         Err(e) => {
                                             self.steps[i].state = StepState::Done;
                                             self.fail(e);
@@ -615,6 +627,7 @@ impl Pipeline {
                 }
                 StepState::CopyIn(ev) => {
                     if ev.is_done()? {
+                        tracing::trace!(off = self.steps[i].off, "staged: copied into the GPU");
                         self.steps[i].state = StepState::Done;
                     }
                 }
