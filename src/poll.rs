@@ -1,4 +1,4 @@
-//! Waiting on file descriptors with `poll(2)`, and a [`Bell`] to wake a
+//! Waiting on file descriptors with `ppoll(2)`, and a [`Bell`] to wake a
 //! thread waiting so, behind a safe interface (a leaf: the listener, the
 //! progress engine and the transports use it).
 
@@ -7,7 +7,8 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::time::Duration;
 
 /// Waits until one of `fds` is readable (or hung up, or in error), at most
-/// `timeout` (rounded to whole milliseconds, at least 1). Returns which
+/// `timeout` ([`wait_fds`]: to the microsecond, not rounded up to a
+/// millisecond as `poll(2)` would). Returns which
 /// are; none on a timeout or an interrupted wait.
 ///
 /// # Errors
@@ -26,18 +27,34 @@ pub(crate) fn readable_of<const N: usize>(
     timeout: Duration,
 ) -> io::Result<[bool; N]> {
     let mut p = fds.map(|fd| libc::pollfd { fd: fd.map_or(-1, |fd| fd.as_raw_fd()), events: libc::POLLIN, revents: 0 });
-    let ms = timeout.as_millis().clamp(1, i32::MAX as u128) as libc::c_int;
-    // SAFETY: `p` is an array of N valid pollfds owned by this frame; each
-    // descriptor is borrowed, so open, for the duration of the call, or -1,
-    // which poll(2) ignores.
-    let n = unsafe { libc::poll(p.as_mut_ptr(), N as libc::nfds_t, ms) };
-    if n < 0 {
-        let e = io::Error::last_os_error();
+    // Each descriptor is borrowed, so open for the duration of the call, or -1.
+    if let Err(e) = wait_fds(&mut p, timeout) {
         if e.kind() != io::ErrorKind::Interrupted {
             return Err(e);
         }
     }
     Ok(p.map(|x| x.revents != 0))
+}
+
+/// `ppoll(2)` on `fds` for at most `timeout`, given to the nanosecond:
+/// `poll(2)` takes whole milliseconds, so a wait of 20 us slept 1 ms (a
+/// staged GPU operation's next look, awaited, came a millisecond late).
+/// A negative descriptor is passed over; one closed meanwhile is reported
+/// as `POLLNVAL`, never dereferenced.
+///
+/// # Errors
+/// [`io::Error`] from `ppoll(2)` (an interruption included).
+pub(crate) fn wait_fds(fds: &mut [libc::pollfd], timeout: Duration) -> io::Result<usize> {
+    let ts = libc::timespec {
+        tv_sec: libc::time_t::try_from(timeout.as_secs()).unwrap_or(libc::time_t::MAX),
+        tv_nsec: libc::c_long::from(timeout.subsec_nanos()),
+    };
+    // SAFETY: `fds` is a live, exclusively borrowed slice of pollfds, its
+    // length passed with it; `ts` lives across the call; a null signal mask
+    // leaves the thread's mask as it is (ppoll is then poll with a finer
+    // timeout).
+    let n = unsafe { libc::ppoll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, &ts, std::ptr::null()) };
+    usize::try_from(n).map_err(|_| io::Error::last_os_error())
 }
 
 /// An eventfd(2) one thread rings to wake others asleep in [`readable`] on

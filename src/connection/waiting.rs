@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use super::{Pending, Stage};
 use crate::completion::Completion;
 use crate::error::{Error, Result};
-use crate::transport::engine::{Awaiting, EngineHandle, LOOK_AGAIN, Task};
+use crate::transport::engine::{Awaiting, EngineHandle, LOOK_AGAIN, LOOK_AGAIN_COPYING, Task};
 
 impl<B: Send + 'static> Pending<B> {
     /// One look: done, or `waker` is registered for the completion
@@ -47,6 +47,15 @@ impl<B: Send + 'static> Pending<B> {
             }
             return Poll::Ready(result);
         }
+        // Not told: a staged operation, looked at again soon, sooner while
+        // one of the connection's copies is in flight.
+        let again = if told {
+            LOOK_AGAIN
+        } else if self.progress_staged() {
+            LOOK_AGAIN_COPYING
+        } else {
+            LOOK_AGAIN
+        };
         let timeout = self.shared.op_timeout;
         let aw = self.awaiting.get_or_insert_with(|| Awaiting::new(timeout));
         let now = Instant::now();
@@ -60,8 +69,8 @@ impl<B: Send + 'static> Pending<B> {
         let at = match (told, bounded) {
             (true, true) => Some(aw.deadline),
             (true, false) => None,
-            (false, true) => Some(aw.deadline.min(now + LOOK_AGAIN)),
-            (false, false) => Some(now + LOOK_AGAIN),
+            (false, true) => Some(aw.deadline.min(now + again)),
+            (false, false) => Some(now + again),
         };
         if let Some(at) = at {
             aw.arm(&self.shared.domain.inner.engine, at, waker);

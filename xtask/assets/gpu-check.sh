@@ -22,6 +22,8 @@ REPORT=$OUT/report.txt
 say() { echo "$*" | tee -a "$REPORT"; }
 section() { echo; say "== $*"; }
 fails=0
+# Every step has a time limit: a hang must fail its step, not eat the run.
+T=${GPU_CHECK_STEP_TIMEOUT:-180}
 
 section "machine"
 say "host: $(uname -srm)"
@@ -35,12 +37,18 @@ fi
 say "kernel modules: $(grep -oE '^(nvidia[a-z_]*|nv_peer_mem|ib_core|mlx5_ib|rdma_rxe)' /proc/modules | tr '\n' ' ')"
 say "open kernel module: $(grep -q 'Open Kernel Module' /proc/driver/nvidia/version 2>/dev/null && echo yes || echo no/unknown)"
 say "libibverbs: $VERBS_LIB"
+say "libcuda: $(ldconfig -p 2>/dev/null | grep -E 'libcuda\.so(\.1)? ' | sed 's/.*=> //' | tr '\n' ' ')"
+
+section "gpu-rdma doctor (a GPU and, unless the machine has one, no RDMA NIC: the verdict must say why)"
+timeout $T "$HERE/bin/gpu-rdma" doctor > "$OUT/doctor-first.txt" 2>&1
+say "doctor exit $?"
+sed -n '1,80p' "$OUT/doctor-first.txt" | tee -a "$REPORT"
 
 section "gpu-rdma gpu --bandwidth (attributes, memory paths, host<->device copy bandwidth)"
-"$HERE/bin/gpu-rdma" gpu --bandwidth 2>&1 | tee -a "$REPORT" || fails=$((fails + 1))
+timeout $T "$HERE/bin/gpu-rdma" gpu --bandwidth 2>&1 | tee -a "$REPORT" || fails=$((fails + 1))
 
 section "CUDA layer tests: allocation and alignment, SYNC_MEMOPS, dma-buf export, copies, streams"
-"$HERE/bin/cuda-tests" --ignored --test-threads=1 $STUB_ONLY > "$OUT/cuda-tests.log" 2>&1
+timeout $T "$HERE/bin/cuda-tests" --ignored --test-threads=1 $STUB_ONLY > "$OUT/cuda-tests.log" 2>&1
 rc=$?
 grep -E '^test |test result' "$OUT/cuda-tests.log" | tee -a "$REPORT"
 [ $rc = 0 ] || { fails=$((fails + 1)); tail -40 "$OUT/cuda-tests.log"; }
@@ -48,9 +56,9 @@ grep -E '^test |test result' "$OUT/cuda-tests.log" | tee -a "$REPORT"
 section "GPU to GPU between two processes over TCP (staged through host memory)"
 # The transport every machine has. 256 MiB from GPU memory in one process into
 # GPU memory in the other, checked page by page on the receiving GPU.
-GPU_RDMA_TRANSPORT=tcp "$HERE/bin/gpu_to_gpu" --listen 127.0.0.1:7480 --bytes 256MiB > "$OUT/tcp-receiver.log" 2>&1 &
+GPU_RDMA_TRANSPORT=tcp timeout $T "$HERE/bin/gpu_to_gpu" --listen 127.0.0.1:7480 --bytes 256MiB > "$OUT/tcp-receiver.log" 2>&1 &
 rpid=$!
-GPU_RDMA_TRANSPORT=tcp "$HERE/bin/gpu_to_gpu" --connect 127.0.0.1:7480 --bytes 256MiB --timeout 300 > "$OUT/tcp-sender.log" 2>&1
+GPU_RDMA_TRANSPORT=tcp timeout $T "$HERE/bin/gpu_to_gpu" --connect 127.0.0.1:7480 --bytes 256MiB --timeout 120 > "$OUT/tcp-sender.log" 2>&1
 src=$?
 wait $rpid
 rrc=$?
@@ -63,28 +71,38 @@ else
   say "GPU to GPU over TCP: FAILED (sender exit $src, receiver exit $rrc)"
   fails=$((fails + 1))
 fi
-"$HERE/bin/gpu-tcp-tests" --ignored --test-threads=1 > "$OUT/gpu-tcp.log" 2>&1 || fails=$((fails + 1))
+timeout $T "$HERE/bin/gpu-tcp-tests" --ignored --test-threads=1 > "$OUT/gpu-tcp.log" 2>&1 || fails=$((fails + 1))
 grep -E '^test |test result' "$OUT/gpu-tcp.log" | tee -a "$REPORT"
+
+section "a staged 4 KiB round trip, waited for and awaited (one process: one CUDA context on the GPU)"
+# What the library adds to a small staged message: two copies each way and
+# how soon the waiting (or awaiting) thread notices each.
+timeout $T "$HERE/bin/staged_latency" 4096 2000 > "$OUT/staged-latency.log" 2>&1 || fails=$((fails + 1))
+sed 's/^/  /' "$OUT/staged-latency.log" | tee -a "$REPORT"
 
 section "gpu-rdma bench: --mem-path sweep over TCP (write-bw and read-bw, 1 MiB; send-lat, 4 KiB)"
 # Host memory against GPU memory staged through host memory, in perftest's
 # table. Direct paths need an RDMA NIC; forcing one here must be a clear error.
-sweep() { # transport, extra flags, test, size, iterations, mem-path
-  local log="$OUT/bench-$1-$3-$6.log"
-  "$HERE/bin/gpu-rdma" bench "$3" --transport "$1" $2 --mem-path "$6" -s "$4" -n "$5" --bind 127.0.0.1 -p 18530 > "$log.server" 2>&1 &
+sweep() { # transport, extra flags, test, size, iterations, mem-path[, the server's mem-path]
+  local smp=${7:-$6}
+  local log="$OUT/bench-$1-$3-$6-$smp.log"
+  timeout $T "$HERE/bin/gpu-rdma" bench "$3" --transport "$1" $2 --mem-path "$smp" -s "$4" -n "$5" --bind 127.0.0.1 -p 18530 > "$log.server" 2>&1 &
   local sp=$!
   sleep 1
-  timeout 300 "$HERE/bin/gpu-rdma" bench "$3" --transport "$1" $2 --mem-path "$6" -s "$4" -n "$5" -p 18530 127.0.0.1 > "$log" 2>&1
+  timeout $T "$HERE/bin/gpu-rdma" bench "$3" --transport "$1" $2 --mem-path "$6" -s "$4" -n "$5" -p 18530 127.0.0.1 > "$log" 2>&1
   local rc=$?
   wait $sp
-  echo "  $3 $6 (exit $rc): $(grep -E '^ path:' "$log" | head -n 1 | cut -c1-160)"
+  echo "  $3 $6, server $smp (exit $rc): $(grep -E '^ path:' "$log" | head -n 1 | cut -c1-160)"
   grep -A1 '#bytes' "$log" | tail -n 1 | sed 's/^/    /'
   return $rc
 }
+# Both ends on the one GPU: their two CUDA contexts take turns on it, and a
+# small copy can wait for the other's turn (about 140 us on an H200). The
+# "server host" rows keep one context on the GPU, as a machine per peer has.
 for t in "write-bw 1MiB 500" "read-bw 1MiB 500" "send-lat 4096 1000"; do
   set -- $t
-  for mp in host staged; do
-    row=$(sweep tcp "--gpu 0" "$1" "$2" "$3" "$mp" 2>&1) || fails=$((fails + 1))
+  for mp in "host host" "staged staged" "staged host"; do
+    row=$(sweep tcp "--gpu 0" "$1" "$2" "$3" $mp 2>&1) || fails=$((fails + 1))
     say "$row"
   done
 done
@@ -93,7 +111,7 @@ for mp in dmabuf peermem; do
     say "  --mem-path $mp over TCP: ran, but there is no NIC to register GPU memory with: FAILED"
     fails=$((fails + 1))
   else
-    say "  --mem-path $mp over TCP: refused, as it must be: $(grep -h 'gpu-rdma bench:' "$OUT"/bench-tcp-write-bw-$mp.log* | head -n 1 | cut -c1-200)"
+    say "  --mem-path $mp over TCP: refused, as it must be: $(grep -h 'gpu-rdma bench:' "$OUT"/bench-tcp-write-bw-$mp-$mp.log* | head -n 1 | cut -c1-200)"
   fi
 done
 
@@ -112,10 +130,10 @@ for d in /sys/class/infiniband/*; do
 done
 if [ -n "$nic" ]; then
   say "active port on $nic ($(cat /sys/class/infiniband/$nic/ports/*/link_layer 2>/dev/null | head -n 1))"
-  "$HERE/bin/gpu-rdma" doctor > "$OUT/doctor.txt" 2>&1
+  timeout $T "$HERE/bin/gpu-rdma" doctor > "$OUT/doctor.txt" 2>&1
   sed -n '1,60p' "$OUT/doctor.txt" | tee -a "$REPORT"
   for path in dmabuf peermem staged; do
-    if GPU_RDMA_DEVICE=$nic "$HERE/bin/gpu_to_gpu" --path $path --bytes 256MiB > "$OUT/nic-$path.log" 2>&1; then
+    if GPU_RDMA_DEVICE=$nic timeout $T "$HERE/bin/gpu_to_gpu" --path $path --bytes 256MiB > "$OUT/nic-$path.log" 2>&1; then
       say "GPU to GPU over $nic, $path path: $(grep -E 'verified|GB/s' "$OUT/nic-$path.log" | tail -n 2 | tr '\n' ' ')"
     else
       say "GPU to GPU over $nic, $path path: FAILED ($(tail -n 1 "$OUT/nic-$path.log"))"
@@ -125,7 +143,7 @@ if [ -n "$nic" ]; then
   # Every verbs GPU test on the NIC: an 8-byte send from GPU memory on a direct
   # path, a tensor at offset 512 on every path, VMM memory, the flush on
   # receives, 1,000 produced iterations on the direct and staged paths.
-  GPU_RDMA_TEST_DEVICE=$nic "$HERE/bin/verbs-gpu-tests" --ignored --test-threads=1 $STUB_ONLY > "$OUT/nic-verbs-gpu.log" 2>&1 \
+  GPU_RDMA_TEST_DEVICE=$nic timeout $T "$HERE/bin/verbs-gpu-tests" --ignored --test-threads=1 $STUB_ONLY > "$OUT/nic-verbs-gpu.log" 2>&1 \
     || fails=$((fails + 1))
   grep -E '^test |test result' "$OUT/nic-verbs-gpu.log" | tee -a "$REPORT"
   for mp in dmabuf peermem staged host; do
@@ -147,10 +165,10 @@ if modprobe rdma_rxe 2>/dev/null && ip link add gpurdma0 type dummy 2>/dev/null 
 fi
 if [ -n "$rxe" ]; then
   say "soft-RoCE device $rxe up"
-  GPU_RDMA_DEVICE=$rxe "$HERE/bin/gpu_to_gpu" --path staged --bytes 256MiB 2>&1 | tee -a "$REPORT" || fails=$((fails + 1))
-  GPU_RDMA_DEVICE=$rxe "$HERE/bin/gpu_to_gpu" --compare --bytes 256MiB 2>&1 | tee -a "$REPORT" || fails=$((fails + 1))
+  GPU_RDMA_DEVICE=$rxe timeout $T "$HERE/bin/gpu_to_gpu" --path staged --bytes 256MiB 2>&1 | tee -a "$REPORT" || fails=$((fails + 1))
+  GPU_RDMA_DEVICE=$rxe timeout $T "$HERE/bin/gpu_to_gpu" --compare --bytes 256MiB 2>&1 | tee -a "$REPORT" || fails=$((fails + 1))
   # The staged tests only: soft-RoCE cannot pin GPU pages for the direct paths.
-  GPU_RDMA_TEST_DEVICE=$rxe "$HERE/bin/verbs-gpu-tests" --ignored --test-threads=1 staged --skip direct > "$OUT/verbs-gpu.log" 2>&1 \
+  GPU_RDMA_TEST_DEVICE=$rxe timeout $T "$HERE/bin/verbs-gpu-tests" --ignored --test-threads=1 staged --skip direct > "$OUT/verbs-gpu.log" 2>&1 \
     || fails=$((fails + 1))
   grep -E '^test |test result' "$OUT/verbs-gpu.log" | tee -a "$REPORT"
 else

@@ -69,16 +69,19 @@ pub fn command(args: &[String]) -> Result<i32> {
         "--profile",
         "gpu-check",
         "--features",
-        "cli",
+        "cli,tokio",
         "--bin",
         "gpu-rdma",
         "--example",
         "gpu_to_gpu",
+        "--example",
+        "staged_latency",
     ]))?;
     // The `gpu-check` profile's outputs, copied into bin/ under stable names.
     let profile_dir = root().join("target/gpu-check");
     copy(&profile_dir.join("gpu-rdma"), &dir.join("bin/gpu-rdma"))?;
     copy(&profile_dir.join("examples/gpu_to_gpu"), &dir.join("bin/gpu_to_gpu"))?;
+    copy(&profile_dir.join("examples/staged_latency"), &dir.join("bin/staged_latency"))?;
     copy(&test_executable("cuda")?, &dir.join("bin/cuda-tests"))?;
     copy(&test_executable("verbs_gpu")?, &dir.join("bin/verbs-gpu-tests"))?;
     copy(&test_executable("gpu_tcp")?, &dir.join("bin/gpu-tcp-tests"))?;
