@@ -391,6 +391,20 @@ pub fn run() -> Result<i32> {
     if !cuda_ok || cuda.suites != 2 {
         failures.push("the CUDA layer and GPU-over-TCP tests on the stand-in".into());
     }
+    // The staged round-trip example runs to its end, waited and awaited
+    // (its times mean something only on a GPU: gpu-check).
+    let (ok, out) = run_tee(
+        cargo()
+            .args(["run", "-q", "--features", "cuda,tokio", "--example", "staged_latency", "--", "4096", "100"])
+            .env("LD_LIBRARY_PATH", &stub),
+    )?;
+    let staged_latency = ok
+        && out.contains("GPU memory path: staged")
+        && out.contains("round trip, waited:")
+        && out.contains("round trip, awaited:");
+    if !staged_latency {
+        failures.push("the staged_latency example on the stand-in".into());
+    }
 
     println!("\n== tier 1c (this machine): the README's first command, the transfer example with no arguments");
     build_release_tools()?;
@@ -543,7 +557,12 @@ pub fn run() -> Result<i32> {
         "tier 1, this machine: {} passed, {} failed, {} ignored (the verbs and CUDA tests, run in tiers 1b and 2)",
         host.passed, host.failed, host.ignored
     );
-    println!("tier 1b, CUDA stand-in: {} passed, {} failed", cuda.passed, cuda.failed);
+    println!(
+        "tier 1b, CUDA stand-in: {} passed, {} failed; the staged_latency example {}",
+        cuda.passed,
+        cuda.failed,
+        if staged_latency { "ran, waited and awaited" } else { "FAILED" }
+    );
     println!(
         "tier 1c, the transfer example with no arguments: {} of 3 verified over TCP; kv_pages {kv_here} of 2 (sync, async) verified; all_to_all of 8 ranks {} through the directory, {} through etcd",
         here.as_ref().copied().unwrap_or(0),
