@@ -218,6 +218,15 @@ gpu_tcp_test! {
 }
 
 gpu_tcp_test! {
+    /// See [`common::gpu::awaited_staged_round_trips`].
+    fn an_awaited_staged_receive_moves_the_write_nobody_awaits() {
+        let d = tcp_domain();
+        let n = common::gpu::awaited_staged_round_trips(&d, PathPolicy::Auto);
+        println!("{n} awaited staged round trips verified over TCP");
+    }
+}
+
+gpu_tcp_test! {
     /// 1,000 iterations of "a producer kernel writes iteration i, then the
     /// region is written to the peer", verified at the peer each time, over
     /// TCP (GPU memory staged): each write waits for its own fence.

@@ -52,6 +52,16 @@ fn staging_opts() -> ConnectOptions {
 }
 
 gpu_test! {
+    /// See [`common::gpu::awaited_staged_round_trips`]: on verbs, each
+    /// completion is seen by the progress engine watching the connection.
+    fn an_awaited_staged_receive_moves_the_write_nobody_awaits() {
+        let d = domain();
+        let n = common::gpu::awaited_staged_round_trips(&d, PathPolicy::Force(MemPath::Staged));
+        println!("{n} awaited staged round trips verified on verbs");
+    }
+}
+
+gpu_test! {
     fn auto_path_on_soft_roce_falls_back_to_staged_and_says_why() {
         let d = domain();
         let r = gpu_region(&d, 1 << 20, None, PathPolicy::Auto);

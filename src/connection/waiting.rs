@@ -47,6 +47,7 @@ impl<B: Send + 'static> Pending<B> {
             }
             return Poll::Ready(result);
         }
+        let told = told || self.await_staged_step(waker);
         // Not told: a staged operation, looked at again soon, sooner while
         // one of the connection's copies is in flight.
         let again = if told {
@@ -76,6 +77,45 @@ impl<B: Send + 'static> Pending<B> {
             aw.arm(&self.shared.domain.inner.engine, at, waker);
         }
         Poll::Pending
+    }
+
+    /// Whether `waker` is left to completions: this operation's own (a
+    /// request posted while staged ones are in progress) and the network
+    /// steps of every staged operation of the connection, which must all
+    /// move while this one is awaited. Only when each of those waits on
+    /// its network step: a copy's end wakes nobody. Else the caller looks
+    /// again on a timer.
+    fn await_staged_step(&self, waker: &Waker) -> bool {
+        #[cfg(feature = "cuda")]
+        {
+            let engine = &self.shared.domain.inner.engine;
+            match self.stage {
+                Stage::Staged(_) => {}
+                Stage::InFlight(id) => match self.shared.transport.done_or_register(id, waker, engine) {
+                    Ok(false) => {}
+                    Ok(true) => {
+                        waker.wake_by_ref();
+                        return true;
+                    }
+                    Err(_) => return false,
+                },
+                _ => return false,
+            }
+            match self.shared.staged.await_steps(&self.shared.transport, waker, engine) {
+                Some(false) => true,
+                // A step finished meanwhile: polled again at once.
+                Some(true) => {
+                    waker.wake_by_ref();
+                    true
+                }
+                None => false,
+            }
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = waker;
+            false
+        }
     }
 
     /// [`poll_waker`](Self::poll_waker) for a quiet send: its outcome, or

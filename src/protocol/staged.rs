@@ -677,6 +677,9 @@ pub(crate) struct StagedSet {
     list: Mutex<Vec<Weak<Mutex<Pipeline>>>>,
     /// The order of the connection's staged messages.
     order: Arc<MessageOrder>,
+    /// Tasks awaiting the set's one operation on its network step alone
+    /// ([`await_alone`](Self::await_alone)), woken when another joins.
+    awaiters: Mutex<Vec<std::task::Waker>>,
 }
 
 impl StagedSet {
@@ -691,6 +694,54 @@ impl StagedSet {
         list.retain(|w| w.strong_count() > 0);
         list.push(Arc::downgrade(p));
         self.live.store(list.len(), Ordering::Release);
+        drop(list);
+        // A task awaiting another operation's network step alone must now
+        // move this one too: it looks again.
+        let woken = std::mem::take(&mut *self.awaiters.lock().unwrap_or_else(|e| e.into_inner()));
+        woken.into_iter().for_each(std::task::Waker::wake);
+    }
+
+    /// Has `waker` woken when any of the set's operations can move: at the
+    /// completion of one of their network steps, or when another operation
+    /// joins the set (kept until then; [`add`](Self::add) lists the newcomer
+    /// before it takes the wakers, so one of the two sees the other).
+    /// `Some(false)`: registered. `Some(true)`: a step finished meanwhile:
+    /// look now. `None`: one of them waits on something no completion
+    /// signals (a copy, its turn, a step not yet posted): look again on a
+    /// timer.
+    pub(crate) fn await_steps(
+        &self,
+        t: &ConnTransport,
+        waker: &std::task::Waker,
+        engine: &crate::transport::engine::Engine,
+    ) -> Option<bool> {
+        {
+            let mut awaiters = self.awaiters.lock().unwrap_or_else(|e| e.into_inner());
+            if !awaiters.iter().any(|w| w.will_wake(waker)) {
+                awaiters.push(waker.clone());
+            }
+        }
+        let live: Vec<Arc<Mutex<Pipeline>>> =
+            self.list.lock().unwrap_or_else(|e| e.into_inner()).iter().filter_map(Weak::upgrade).collect();
+        for p in live {
+            // Being moved by another thread right now: it may need us next.
+            let p = p.try_lock().ok()?;
+            if p.abandoned || p.finished() {
+                continue;
+            }
+            if p.steps.is_empty() || p.error.is_some() {
+                return None;
+            }
+            for step in &p.steps {
+                let StepState::Net(id) = step.state else { return None };
+                match t.done_or_register(id, waker, engine) {
+                    Ok(false) => {}
+                    Ok(true) => return Some(true),
+                    Err(_) => return None,
+                }
+            }
+        }
+        Some(false)
     }
 
     /// Whether no staged operation may be in progress (the common case:

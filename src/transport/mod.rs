@@ -391,6 +391,24 @@ impl ConnTransport {
         }
     }
 
+    /// Whether `id` is done, else has `waker` woken when it is, as
+    /// [`poll_register`](Self::poll_register) does, but leaving the outcome
+    /// to whoever owns the operation.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn done_or_register(&self, id: OpId, waker: &std::task::Waker, engine: &engine::Engine) -> Result<bool> {
+        match self {
+            #[cfg(feature = "verbs")]
+            ConnTransport::Verbs(t) => {
+                engine.watch(t);
+                t.done_or_register(id, waker)
+            }
+            ConnTransport::Tcp(t) => {
+                let _ = engine;
+                Ok(t.done_or_register(id, waker))
+            }
+        }
+    }
+
     /// Polls once; whether `id` is done.
     #[inline]
     pub(crate) fn poll(&self, id: OpId) -> Result<bool> {

@@ -1106,6 +1106,12 @@ impl TcpConn {
         self.inner.lock().q.take_or_register(id, waker)
     }
 
+    /// [`QueueCore::done_or_register`](super::queue::QueueCore::done_or_register).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn done_or_register(&self, id: OpId, waker: &std::task::Waker) -> bool {
+        self.inner.lock().q.done_or_register(id, waker)
+    }
+
     pub(crate) fn wait_done(&self, id: OpId, due: &mut Deadline) -> Result<()> {
         self.wait_for(due, false, |st| st.q.is_done(id).then_some(()))
     }

@@ -600,6 +600,18 @@ impl VerbsConn {
         Ok(st.q.take_or_register(id, waker))
     }
 
+    /// [`QueueCore::done_or_register`](super::queue::QueueCore::done_or_register),
+    /// after reaping what the completion queue holds.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn done_or_register(&self, id: OpId, waker: &std::task::Waker) -> Result<bool> {
+        let mut st = self.lock();
+        if st.q.is_done(id) {
+            return Ok(true);
+        }
+        self.progress(&mut st)?;
+        Ok(st.q.done_or_register(id, waker))
+    }
+
     /// What a tokio task watching this connection waits on to let go.
     #[cfg(feature = "tokio")]
     pub(crate) fn closing(&self) -> std::sync::Arc<tokio::sync::Notify> {

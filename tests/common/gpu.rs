@@ -237,6 +237,71 @@ pub fn producer_loop(
     iters
 }
 
+/// A ping-pong awaited: each round writes a GPU buffer (registered on `d`
+/// with `policy`: a staged path) into the peer in 64 KiB staged chunks, two
+/// at a time, with an immediate on the last (not awaited), and awaits the
+/// reply to it in GPU memory. Awaiting the reply must move the write: each
+/// chunk after the first two starts only when one before it completes, and
+/// that completion must wake the awaiting task (a copy's end, which wakes
+/// nobody, is looked at again on a timer). Returns the rounds verified.
+pub fn awaited_staged_round_trips(d: &gpu_rdma::Domain, policy: gpu_rdma::memory::path::PathPolicy) -> u32 {
+    use gpu_rdma::{Access, Region};
+    let len = 300 << 10;
+    let target = d.expose(d.alloc(len).unwrap(), Access::REMOTE_WRITE, 9).unwrap();
+    let (s, c) = super::pair_on(d, d, super::opts().advertise(&target), super::opts().staging(64 << 10, 2));
+    let remote = c.remote_region(9).unwrap();
+    let limit = std::time::Duration::from_secs(10);
+    let rounds = 12u32;
+    let msg = |round: u32| super::pattern(len - round as usize * 1000, u64::from(round) + 60);
+    let device = CudaDevice::open(0).unwrap();
+    let gpu = |len: usize, data: Option<&[u8]>| -> Region<CudaBuffer> {
+        let buf = CudaBuffer::alloc(&device, len).unwrap();
+        if let Some(data) = data {
+            buf.copy_from_host(0, data).unwrap();
+        }
+        d.register_with_path(buf, Access::LOCAL_WRITE, policy)
+            .unwrap_or_else(|e| panic!("register with {policy:?}: {}", e.error))
+    };
+    let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+    std::thread::scope(|sc| {
+        let server = sc.spawn(|| -> gpu_rdma::Result<()> {
+            for round in 0..rounds {
+                let note = s.recv_imm().wait_timeout(limit)?;
+                assert_eq!(note.imm, Some(round));
+                let want = msg(round);
+                let mut got = vec![0u8; want.len()];
+                target.read_at(0, &mut got)?;
+                assert_eq!(super::first_difference(&got, &want), None, "round {round}: the write, at the peer");
+                s.send_inline(&round.to_le_bytes(), None).wait_timeout(limit)?;
+            }
+            Ok(())
+        });
+        rt.block_on(async {
+            let mut writes = Vec::new();
+            for round in 0..rounds {
+                let data = msg(round);
+                let mut rx = c.recv(gpu(4096, None));
+                let to = remote.slice(0..data.len() as u64).unwrap();
+                writes.push(c.write_with_imm(gpu(len, Some(&data)).slice(..data.len()), &to, round));
+                let got = tokio::time::timeout(limit, &mut rx)
+                    .await
+                    .unwrap_or_else(|_| panic!("round {round}: no reply within {limit:?}"))
+                    .unwrap_or_else(|e| panic!("round {round}: {e}"));
+                assert_eq!(got.byte_len, 4, "round {round}");
+                let pong = rx.into_buffer().unwrap_or_else(|_| panic!("round {round}: the receive is done"));
+                let mut back = [0u8; 4];
+                pong.memory().copy_to_host(0, &mut back).unwrap();
+                assert_eq!(back, round.to_le_bytes(), "round {round}: the reply, in GPU memory");
+            }
+            for w in &mut writes {
+                tokio::time::timeout(limit, w).await.expect("a write awaited").unwrap();
+            }
+        });
+        server.join().unwrap().expect("the peer");
+    });
+    rounds
+}
+
 /// The access flags of the last device-memory registration through the
 /// stand-in's nvidia-peermem role, and how many there were. Stand-in only.
 pub fn last_device_registration() -> (u32, u64) {
