@@ -677,8 +677,8 @@ pub(crate) struct StagedSet {
     list: Mutex<Vec<Weak<Mutex<Pipeline>>>>,
     /// The order of the connection's staged messages.
     order: Arc<MessageOrder>,
-    /// Tasks awaiting the set's one operation on its network step alone
-    /// ([`await_alone`](Self::await_alone)), woken when another joins.
+    /// Tasks awaiting the network steps of the set's operations
+    /// ([`await_steps`](Self::await_steps)), woken when another joins.
     awaiters: Mutex<Vec<std::task::Waker>>,
 }
 
@@ -695,8 +695,8 @@ impl StagedSet {
         list.push(Arc::downgrade(p));
         self.live.store(list.len(), Ordering::Release);
         drop(list);
-        // A task awaiting another operation's network step alone must now
-        // move this one too: it looks again.
+        // A task awaiting the other operations' network steps must move
+        // this one too, which no completion may signal yet: it looks again.
         let woken = std::mem::take(&mut *self.awaiters.lock().unwrap_or_else(|e| e.into_inner()));
         woken.into_iter().for_each(std::task::Waker::wake);
     }
