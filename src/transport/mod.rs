@@ -375,20 +375,8 @@ impl ConnTransport {
         waker: &std::task::Waker,
         engine: &engine::Engine,
     ) -> Result<Option<OpOutcome>> {
-        match self {
-            #[cfg(feature = "verbs")]
-            ConnTransport::Verbs(t) => {
-                // Watched from the first registration on, done or not: a
-                // later one may find the operation in flight with nobody
-                // else polling (the peer's death shows only to a watcher).
-                engine.watch(t);
-                t.poll_register(id, waker)
-            }
-            ConnTransport::Tcp(t) => {
-                let _ = engine;
-                Ok(t.poll_register(id, waker))
-            }
-        }
+        self.watched_by(engine);
+        dispatch!(self, t => t.poll_register(id, waker))
     }
 
     /// Whether `id` is done, else has `waker` woken when it is, as
@@ -396,15 +384,22 @@ impl ConnTransport {
     /// to whoever owns the operation.
     #[cfg(feature = "cuda")]
     pub(crate) fn done_or_register(&self, id: OpId, waker: &std::task::Waker, engine: &engine::Engine) -> Result<bool> {
+        self.watched_by(engine);
+        dispatch!(self, t => t.done_or_register(id, waker))
+    }
+
+    /// Before a waker is registered: a verbs connection is watched by
+    /// `engine` from the first registration on, done or not, since a later
+    /// one may find an operation in flight with nobody else polling (the
+    /// peer's death shows only to a watcher). TCP's own threads wake its
+    /// wakers.
+    #[inline]
+    fn watched_by(&self, engine: &engine::Engine) {
         match self {
             #[cfg(feature = "verbs")]
-            ConnTransport::Verbs(t) => {
-                engine.watch(t);
-                t.done_or_register(id, waker)
-            }
-            ConnTransport::Tcp(t) => {
+            ConnTransport::Verbs(t) => engine.watch(t),
+            ConnTransport::Tcp(_) => {
                 let _ = engine;
-                Ok(t.done_or_register(id, waker))
             }
         }
     }

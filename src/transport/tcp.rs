@@ -1102,14 +1102,14 @@ impl TcpConn {
 
     /// Takes `id`'s outcome if it is done, else registers `waker`: the
     /// connection's threads wake it when they complete the operation.
-    pub(crate) fn poll_register(&self, id: OpId, waker: &std::task::Waker) -> Option<OpOutcome> {
-        self.inner.lock().q.take_or_register(id, waker)
+    pub(crate) fn poll_register(&self, id: OpId, waker: &std::task::Waker) -> Result<Option<OpOutcome>> {
+        Ok(self.inner.lock().q.take_or_register(id, waker))
     }
 
     /// [`QueueCore::done_or_register`](super::queue::QueueCore::done_or_register).
     #[cfg(feature = "cuda")]
-    pub(crate) fn done_or_register(&self, id: OpId, waker: &std::task::Waker) -> bool {
-        self.inner.lock().q.done_or_register(id, waker)
+    pub(crate) fn done_or_register(&self, id: OpId, waker: &std::task::Waker) -> Result<bool> {
+        Ok(self.inner.lock().q.done_or_register(id, waker))
     }
 
     pub(crate) fn wait_done(&self, id: OpId, due: &mut Deadline) -> Result<()> {
