@@ -882,7 +882,7 @@ impl<B: Send + 'static> Pending<B> {
             self.wait_moving_staged(id, &mut due, timeout)?;
         }
         #[cfg(feature = "cuda")]
-        let spin_until = std::time::Instant::now() + self.shared.spin;
+        let spin_until = Instant::now() + self.shared.spin;
         #[cfg(feature = "cuda")]
         while let Stage::Staged(p) = &self.stage {
             let (waiting_on, copying) = {
@@ -999,6 +999,12 @@ impl<B: Send + 'static> Pending<B> {
         if self.staged_in_progress() {
             self.progress_staged_cold();
         }
+        self.poll_moved()
+    }
+
+    /// [`poll`](Self::poll) once the connection's staged operations were
+    /// moved along.
+    fn poll_moved(&mut self) -> Result<Option<Completion>> {
         match self.stage {
             Stage::InFlight(id) => {
                 return match self.shared.transport.poll_take(id)? {

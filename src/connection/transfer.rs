@@ -558,8 +558,9 @@ impl<B: Send + 'static> List<B> {
     }
 
     /// Waits a moment for staged pieces: on a network step of one of them,
-    /// else briefly (a copy finishes by itself: [`look_again`](super::look_again)). [`Error::Timeout`] after
-    /// the operation timeout without a piece starting or finishing.
+    /// else briefly (a copy finishes by itself:
+    /// [`look_again`](super::look_again)). [`Error::Timeout`] after the
+    /// operation timeout without a piece starting or finishing.
     #[cfg(feature = "cuda")]
     fn nap_staged(&mut self) -> Result<()> {
         let Some(st) = self.staged.as_ref() else { return Ok(()) };
@@ -575,7 +576,7 @@ impl<B: Send + 'static> List<B> {
         }
         match st.active.iter().find_map(crate::protocol::staged::Pipeline::waiting_on) {
             Some(id) => {
-                let slice = if copying { Duration::from_micros(20) } else { Duration::from_millis(1) };
+                let slice = super::staged_slice(copying);
                 match self.shared.transport.wait(id, &mut Deadline::lazy(slice, WHAT)) {
                     Ok(()) | Err(Error::Timeout { .. }) => Ok(()),
                     Err(e) => Err(e),

@@ -30,6 +30,7 @@ impl<B: Send + 'static> Pending<B> {
     /// operation's deadline.
     pub(crate) fn poll_waker(&mut self, waker: &Waker, bounded: bool) -> Poll<Result<Completion>> {
         let engine = &self.shared.domain.inner.engine;
+        let mut copying = false;
         let (outcome, told) = match self.stage {
             Stage::InFlight(id) if !self.staged_in_progress() => {
                 match self.shared.transport.poll_register(id, waker, engine) {
@@ -39,7 +40,12 @@ impl<B: Send + 'static> Pending<B> {
                 }
             }
             Stage::Quiet(q, flush) => self.poll_quiet_waker(q, flush, waker),
-            _ => (self.poll().transpose(), false),
+            _ => {
+                // One pass over the connection's staged operations; a copy
+                // still in flight means looking again soon.
+                copying = self.staged_in_progress() && self.progress_staged();
+                (self.poll_moved().transpose(), false)
+            }
         };
         if let Some(result) = outcome {
             if let Some(aw) = self.awaiting.take() {
@@ -50,13 +56,7 @@ impl<B: Send + 'static> Pending<B> {
         let told = told || self.await_staged_step(waker);
         // Not told: a staged operation, looked at again soon, sooner while
         // one of the connection's copies is in flight.
-        let again = if told {
-            LOOK_AGAIN
-        } else if self.progress_staged() {
-            LOOK_AGAIN_COPYING
-        } else {
-            LOOK_AGAIN
-        };
+        let again = if copying { LOOK_AGAIN_COPYING } else { LOOK_AGAIN };
         let timeout = self.shared.op_timeout;
         let aw = self.awaiting.get_or_insert_with(|| Awaiting::new(timeout));
         let now = Instant::now();
