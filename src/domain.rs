@@ -9,6 +9,8 @@ use crate::error::{Error, Result};
 pub use crate::memory::DomainStats;
 use crate::memory::path::PathPolicy;
 use crate::memory::{Access, Counter, Exposed, HostMemory, Live, Memory, MemoryDomain, MemoryKind, Region};
+#[cfg(feature = "cuda")]
+pub use crate::protocol::staged::StagingStats;
 
 /// This process's endpoint on one RDMA device port: a protection domain,
 /// the port and GID it addresses peers with, and the memory registered in
@@ -109,14 +111,66 @@ impl Domain {
     }
 
     /// Bytes of pinned host memory this domain holds for staging GPU
-    /// memory, in use and cached for reuse. Slots come in size classes
-    /// (powers of two up to 2 MiB, multiples of 2 MiB above: a 600 MiB
-    /// message pins 600 MiB, not 1 GiB); the cache keeps at most 64 MiB per
-    /// GPU, and a slot larger than a chunk (a whole large message's) is freed
-    /// when its operation is done.
+    /// memory, in use and cached for reuse ([`Domain::staging_stats`] has
+    /// more). Slots come in size classes (powers of two up to 2 MiB,
+    /// multiples of 2 MiB above: a 600 MiB message pins 600 MiB, not
+    /// 1 GiB). A slot larger than a chunk (a whole large message's) is
+    /// freed when its operation is done; smaller ones are cached, per GPU,
+    /// up to the most bytes that were ever on loan at once (at least
+    /// 64 MiB), so a workload's next burst at the same depth pins nothing.
     #[cfg(feature = "cuda")]
     pub fn staging_bytes(&self) -> usize {
         self.inner.staging.pinned_bytes()
+    }
+
+    /// What this domain's staging holds (pinned, cached, reserved bytes)
+    /// and how many slots it has pinned and freed since it was opened.
+    /// `slots_pinned` growing while a workload runs at a steady depth means
+    /// the staging is pinning on the hot path: see [`Domain::reserve_staging`].
+    #[cfg(feature = "cuda")]
+    pub fn staging_stats(&self) -> StagingStats {
+        self.inner.staging.stats()
+    }
+
+    /// Pins `count` staging slots for messages (or chunks of writes and
+    /// reads) of `len` bytes on `gpu` now, ahead of the operations that
+    /// will use them, and keeps them until the domain is dropped.
+    ///
+    /// Staged GPU memory (no GPUDirect path, or a TCP connection) moves
+    /// through pinned, registered host slots, taken from a cache or pinned
+    /// on first use. Pinning costs far more than a message (page pinning
+    /// and a memory registration, hundreds of microseconds a MiB on real
+    /// hardware), so a deep pipeline's first burst pays it on the hot path.
+    /// Reserve what the pipeline holds at once: `count` = operations in
+    /// flight times the slots each takes (a send or a receive: one of the
+    /// message's size; a write or read: up to the connection's staging
+    /// depth, of `min(len, chunk)` each, see
+    /// [`ConnectOptions::staging`](crate::ConnectOptions::staging)).
+    ///
+    /// A later request takes the smallest cached slot that fits, reserved
+    /// or not; each call pins `count` more.
+    ///
+    /// ```no_run
+    /// # fn main() -> gpu_rdma::Result<()> {
+    /// let domain = gpu_rdma::Domain::open()?;
+    /// let gpu = gpu_rdma::cuda::CudaDevice::open(0)?;
+    /// // 128 staged writes of 1 MiB in flight (below the default 4 MiB chunk:
+    /// // one slot each).
+    /// domain.reserve_staging(&gpu, 1 << 20, 128)?;
+    /// let pinned = domain.staging_stats().slots_pinned;
+    /// // ... the transfers ...
+    /// assert_eq!(domain.staging_stats().slots_pinned, pinned, "nothing pinned on the hot path");
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] or [`Error::CudaUnavailable`] when the memory cannot
+    /// be pinned; a registration error from the device. Slots pinned before
+    /// the error stay reserved.
+    #[cfg(feature = "cuda")]
+    pub fn reserve_staging(&self, gpu: &crate::cuda::CudaDevice, len: usize, count: usize) -> Result<()> {
+        self.inner.staging.reserve(gpu, len, count)
     }
 
     /// Allocates `len` zeroed bytes of page-aligned host memory and registers

@@ -346,6 +346,12 @@
 //! | `peermem` | the `nvidia_peermem` module loaded, GPU reports `GPU_DIRECT_RDMA_SUPPORTED` | reads/writes GPU memory | none |
 //! | `staged` | nothing | reads/writes pinned host buffers; CUDA copies on their own streams | a copy each way, pipelined |
 //!
+//! The staged path's host buffers are pinned on first use and kept for the
+//! next operations (per GPU, as many bytes as were ever on loan at once, at
+//! least 64 MiB); [`Domain::reserve_staging`] pins them ahead of a deep
+//! pipeline, and [`Domain::staging_stats`] says whether any was pinned on
+//! the hot path.
+//!
 //! Under `auto` a direct path is also left out, with the reason, when the
 //! GPU and the domain's NIC are further apart on PCIe than the GDR level
 //! (`GPU_RDMA_GDR_LEVEL`, default PXB, as NCCL: PHB, NODE and SYS cross the
@@ -479,6 +485,8 @@ pub use connection::{
     InboxStats, Interrupt, Listener, MAX_CONCURRENT_HANDSHAKES, MAX_QUEUED_NOTES, Note, Pending, Persistent,
     PersistentRecv, PersistentSend, Received, RecvRing, Transfer, Transferred,
 };
+#[cfg(feature = "cuda")]
+pub use domain::StagingStats;
 pub use domain::{BufError, Domain, DomainConfig, DomainInfo, DomainStats};
 pub use endpoint::Endpoint;
 pub use error::{AuthFailure, BootstrapError, Error, Result};

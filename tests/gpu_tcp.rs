@@ -218,6 +218,28 @@ gpu_tcp_test! {
 }
 
 gpu_tcp_test! {
+    /// See [`common::gpu::staged_bursts`]: 72 writes of 1 MiB at once,
+    /// more than the cache's 64 MiB floor, twice; the second burst pins
+    /// nothing.
+    fn a_second_staged_burst_at_the_same_depth_pins_nothing() {
+        let d = tcp_domain();
+        let (first, second) = common::gpu::staged_bursts(&d, PathPolicy::Auto, 72);
+        println!("staging slots pinned: {first} by the first burst of 72, {second} by the second");
+        assert!((1..=72).contains(&first), "the first burst pins what it needs: {first}");
+        assert_eq!(second, 0, "the second burst found its slots in the cache");
+    }
+}
+
+gpu_tcp_test! {
+    /// See [`common::gpu::reserved_staging_serves_and_stays`].
+    fn reserved_staging_slots_serve_the_operations_and_stay() {
+        let d = tcp_domain();
+        let pinned = common::gpu::reserved_staging_serves_and_stays(&d, PathPolicy::Auto);
+        assert_eq!(pinned, 0, "every slot came from the reservation");
+    }
+}
+
+gpu_tcp_test! {
     /// See [`common::gpu::awaited_staged_round_trips`].
     fn an_awaited_staged_receive_moves_the_write_nobody_awaits() {
         let d = tcp_domain();

@@ -52,6 +52,28 @@ fn staging_opts() -> ConnectOptions {
 }
 
 gpu_test! {
+    /// See [`common::gpu::staged_bursts`]: the slots registered with the
+    /// device are kept for the next burst, past the cache's 64 MiB floor.
+    fn a_second_staged_burst_at_the_same_depth_pins_nothing() {
+        let d = domain();
+        let (first, second) = common::gpu::staged_bursts(&d, PathPolicy::Force(MemPath::Staged), 72);
+        println!("staging slots pinned and registered: {first} by the first burst of 72, {second} by the second");
+        assert!((1..=72).contains(&first), "the first burst pins what it needs: {first}");
+        assert_eq!(second, 0, "the second burst found its slots in the cache");
+    }
+}
+
+gpu_test! {
+    /// See [`common::gpu::reserved_staging_serves_and_stays`]: reserved
+    /// slots are registered with the device once.
+    fn reserved_staging_slots_serve_the_operations_and_stay() {
+        let d = domain();
+        let pinned = common::gpu::reserved_staging_serves_and_stays(&d, PathPolicy::Force(MemPath::Staged));
+        assert_eq!(pinned, 0, "every slot came from the reservation");
+    }
+}
+
+gpu_test! {
     /// See [`common::gpu::awaited_staged_round_trips`]: on verbs, each
     /// completion is seen by the progress engine watching the connection.
     fn an_awaited_staged_receive_moves_the_write_nobody_awaits() {

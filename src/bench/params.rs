@@ -141,6 +141,30 @@ impl Params {
         self.sizes.iter().copied().max().unwrap_or(0)
     }
 
+    /// The staging slots a side of this run holds at once when its memory
+    /// is staged GPU memory, as `(bytes each, how many)`, for
+    /// [`Domain::reserve_staging`](crate::Domain::reserve_staging) before the
+    /// timed loops (as perftest registers all its memory before timing).
+    /// `chunk` and `depth` are the connection's
+    /// [`staging`](crate::ConnectOptions::staging).
+    ///
+    /// Bandwidth: `tx_depth` operations in flight; a write or read takes a
+    /// slot per chunk in flight (up to `depth`, of at most `chunk` bytes),
+    /// a send or receive one slot of the message. Latency: a message each
+    /// way.
+    pub fn staging_slots(&self, chunk: usize, depth: usize) -> (usize, usize) {
+        let size = self.max_size();
+        let chunked = matches!(self.test, Test::WriteBw | Test::ReadBw | Test::ListBw);
+        let (len, per_op) = if chunked {
+            let chunk = chunk.max(1);
+            (size.min(chunk), size.div_ceil(chunk).min(depth.max(2)))
+        } else {
+            (size, 1)
+        };
+        let ops = if self.test.is_bw() { self.tx_depth as usize } else { 2 };
+        (len, ops * per_op)
+    }
+
     /// Checks the values a run depends on.
     ///
     /// # Errors
@@ -228,5 +252,25 @@ mod tests {
         assert!(Params { sizes: vec![], ..p }.validate().is_err());
         assert_eq!(all_sizes().first(), Some(&2));
         assert_eq!(all_sizes().last(), Some(&(8 << 20)));
+    }
+
+    #[test]
+    fn staging_slots_count_what_a_side_holds_at_once() {
+        let p = |test, size| Params { test, sizes: vec![size], iters: 5000, tx_depth: 128, cq_mod: 32, list: 1024 };
+        let (chunk, depth) = (4 << 20, 4);
+        // A 1 MiB write is one chunk: a slot per operation in flight.
+        assert_eq!(p(Test::WriteBw, 1 << 20).staging_slots(chunk, depth), (1 << 20, 128));
+        // 10 MiB is three chunks, all in flight at depth 4; at depth 2, two.
+        assert_eq!(p(Test::ReadBw, 10 << 20).staging_slots(chunk, depth), (chunk, 3 * 128));
+        assert_eq!(p(Test::WriteBw, 40 << 20).staging_slots(chunk, 2), (chunk, 2 * 128));
+        // A depth below 2 is taken as 2, as the pipeline does.
+        assert_eq!(p(Test::WriteBw, 40 << 20).staging_slots(chunk, 0), (chunk, 2 * 128));
+        // A send is one message-sized slot, however large.
+        assert_eq!(p(Test::SendBw, 10 << 20).staging_slots(chunk, depth), (10 << 20, 128));
+        // A ping-pong holds a message each way.
+        assert_eq!(p(Test::SendLat, 4096).staging_slots(chunk, depth), (4096, 2));
+        // With every size, the largest counts.
+        let all = Params { sizes: all_sizes(), ..p(Test::WriteBw, 2) };
+        assert_eq!(all.staging_slots(chunk, depth), (chunk, 2 * 128));
     }
 }

@@ -20,7 +20,7 @@
 //! its send out. A handle dropped early cancels what had not reached the
 //! network yet.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -36,9 +36,8 @@ use crate::transport::{ConnTransport, Posted, RemoteOp, WorkItem};
 
 /// Smallest slot: one GPU page.
 const MIN_SLOT: usize = 64 * 1024;
-/// Slots kept for reuse per GPU.
-const CACHE_SLOTS: usize = 16;
-/// Bytes of slots kept for reuse per GPU, at most.
+/// Bytes of unreserved slots a GPU's cache keeps at least; it keeps up to
+/// the most that were ever on loan at once when that is more.
 pub(crate) const CACHE_BYTES: usize = 64 << 20;
 /// Slot sizes: powers of two up to this, multiples of it above, so a slot
 /// wastes at most this much (a 600 MiB message pins 600 MiB, not 1 GiB).
@@ -50,11 +49,46 @@ pub(crate) fn slot_size(len: usize) -> usize {
     if len <= SIZE_STEP { len.next_power_of_two() } else { len.div_ceil(SIZE_STEP) * SIZE_STEP }
 }
 
+/// What a domain's staging holds and has done: pinned host memory for GPU
+/// memory that the NIC cannot reach ([`Domain::staging_stats`](crate::Domain::staging_stats)).
+///
+/// Pinning a slot (`cuMemHostRegister` and a memory registration) costs far
+/// more than moving a message through it, so `slots_pinned` should stop
+/// growing once a workload has run at its full depth; if it keeps growing,
+/// [`Domain::reserve_staging`](crate::Domain::reserve_staging) pins what the
+/// workload needs ahead of time.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[non_exhaustive]
+pub struct StagingStats {
+    /// Bytes of pinned host memory held, on loan and cached.
+    pub pinned_bytes: usize,
+    /// Of those, bytes cached for reuse (no operation is using them).
+    pub cached_bytes: usize,
+    /// Of those, bytes pinned ahead by [`Domain::reserve_staging`](crate::Domain::reserve_staging): kept
+    /// until the domain is dropped.
+    pub reserved_bytes: usize,
+    /// Slots pinned since the domain was opened.
+    pub slots_pinned: u64,
+    /// Slots unpinned and freed since the domain was opened.
+    pub slots_freed: u64,
+}
+
+/// The counts behind [`StagingStats`], shared by a domain's stagers and
+/// their slots.
+#[derive(Default)]
+struct Counts {
+    pinned: AtomicUsize,
+    reserved: AtomicUsize,
+    made: AtomicU64,
+    freed: AtomicU64,
+}
+
 /// A domain's staging machinery: a stager per GPU, made on first use, the
-/// pinned bytes they hold, and the registrar their slots register with.
+/// counts they keep, and the registrar their slots register with.
 pub(crate) struct StagingHome {
     stagers: Mutex<Vec<Arc<Stager>>>,
-    pinned: Arc<AtomicUsize>,
+    counts: Arc<Counts>,
     backend: Arc<MemoryDomain>,
     domain_id: u64,
 }
@@ -62,12 +96,38 @@ pub(crate) struct StagingHome {
 impl StagingHome {
     pub(crate) fn new(backend: Arc<MemoryDomain>) -> Self {
         let domain_id = backend.id();
-        StagingHome { stagers: Mutex::new(Vec::new()), pinned: Arc::default(), backend, domain_id }
+        StagingHome { stagers: Mutex::new(Vec::new()), counts: Arc::default(), backend, domain_id }
     }
 
     /// Pinned bytes held for staging, in use and cached.
     pub(crate) fn pinned_bytes(&self) -> usize {
-        self.pinned.load(Ordering::Acquire)
+        self.counts.pinned.load(Ordering::Acquire)
+    }
+
+    /// What the domain's staging holds and has done.
+    pub(crate) fn stats(&self) -> StagingStats {
+        let cached_bytes = self.stagers.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|s| s.pool().cached).sum();
+        StagingStats {
+            pinned_bytes: self.counts.pinned.load(Ordering::Acquire),
+            cached_bytes,
+            reserved_bytes: self.counts.reserved.load(Ordering::Acquire),
+            slots_pinned: self.counts.made.load(Ordering::Acquire),
+            slots_freed: self.counts.freed.load(Ordering::Acquire),
+        }
+    }
+
+    /// Pins `count` slots for messages (or chunks) of `len` bytes on
+    /// `device` now, into its cache, kept until the domain is dropped.
+    pub(crate) fn reserve(&self, device: &CudaDevice, len: usize, count: usize) -> Result<()> {
+        let stager = Stager::for_device(self, device)?;
+        let size = slot_size(len);
+        for _ in 0..count {
+            let mut mem = stager.pin(size)?;
+            mem.reserved = true;
+            self.counts.reserved.fetch_add(size, Ordering::AcqRel);
+            stager.pool().put(mem);
+        }
+        Ok(())
     }
 }
 
@@ -77,19 +137,72 @@ pub(crate) struct Stager {
     device: CudaDevice,
     d2h: CudaStream,
     h2d: CudaStream,
-    cache: Mutex<Vec<SlotMem>>,
-    /// Pinned bytes held, in use and cached (the domain's count, shared).
-    pinned: Arc<AtomicUsize>,
+    pool: Mutex<Pool>,
+    /// The domain's counts, shared.
+    counts: Arc<Counts>,
     /// What slots are registered with.
     backend: Arc<MemoryDomain>,
+}
+
+/// A stager's slots not on loan, by size, and what it has lent.
+#[derive(Default)]
+struct Pool {
+    free: BTreeMap<usize, Vec<SlotMem>>,
+    /// Bytes in `free`.
+    cached: usize,
+    /// Bytes in `free` that are not reserved: what the cache's limit counts.
+    spare: usize,
+    /// Bytes of unreserved slots on loan now, and the most ever at once.
+    lent: usize,
+    peak: usize,
+}
+
+impl Pool {
+    /// The smallest free slot of at least `want` bytes.
+    fn take(&mut self, want: usize) -> Option<SlotMem> {
+        let (&size, list) = self.free.range_mut(want..).next()?;
+        let mem = list.pop()?;
+        if list.is_empty() {
+            self.free.remove(&size);
+        }
+        self.cached -= size;
+        if !mem.reserved {
+            self.spare -= size;
+        }
+        Some(mem)
+    }
+
+    fn put(&mut self, mem: SlotMem) {
+        self.cached += mem.size();
+        if !mem.reserved {
+            self.spare += mem.size();
+        }
+        self.free.entry(mem.size()).or_default().push(mem);
+    }
+
+    /// An unreserved slot of `size` bytes goes on loan.
+    fn lend(&mut self, size: usize) {
+        self.lent += size;
+        self.peak = self.peak.max(self.lent);
+    }
+
+    /// Whether an unreserved slot of `size` bytes coming back is kept: while
+    /// the cache holds no more than the most that was ever on loan at once
+    /// (at least [`CACHE_BYTES`]), so a workload's next burst at the same
+    /// depth pins nothing.
+    fn keeps(&self, size: usize) -> bool {
+        self.spare + size <= self.peak.max(CACHE_BYTES)
+    }
 }
 
 /// Pinned host memory and its registration; deregistered before it is freed.
 struct SlotMem {
     reg: ManuallyDrop<Registration>,
     mem: ManuallyDrop<PinnedHost>,
-    /// The pinned-bytes count this slot is part of.
-    pinned: Arc<AtomicUsize>,
+    /// Pinned ahead ([`StagingHome::reserve`]): always goes back to the cache.
+    reserved: bool,
+    /// The counts this slot is part of.
+    counts: Arc<Counts>,
 }
 
 // The registration is Send + Sync (its handle is), and so is PinnedHost.
@@ -97,7 +210,11 @@ impl Drop for SlotMem {
     fn drop(&mut self) {
         // SAFETY: both fields are taken exactly once, here.
         let (reg, mem) = unsafe { (ManuallyDrop::take(&mut self.reg), ManuallyDrop::take(&mut self.mem)) };
-        self.pinned.fetch_sub(mem.len(), Ordering::AcqRel);
+        self.counts.pinned.fetch_sub(mem.len(), Ordering::AcqRel);
+        if self.reserved {
+            self.counts.reserved.fetch_sub(mem.len(), Ordering::AcqRel);
+        }
+        self.counts.freed.fetch_add(1, Ordering::AcqRel);
         if let Err(e) = reg.deregister() {
             tracing::error!("staging buffer deregistration failed, leaking it: {e}");
             std::mem::forget(mem);
@@ -115,12 +232,13 @@ impl SlotMem {
     }
 }
 
-/// A slot on loan: goes back to its stager's cache when dropped, unless it
-/// is larger than a chunk (a whole large message's) or the cache is full:
-/// then it is freed.
+/// A slot on loan: goes back to its stager's cache when dropped if it was
+/// reserved, or if it is no larger than a chunk and the cache has room;
+/// else it is freed (a whole large message's slot always is).
 pub(crate) struct Slot {
     mem: Option<SlotMem>,
     home: Arc<Stager>,
+    /// No larger than a chunk: may be cached.
     keep: bool,
 }
 
@@ -137,16 +255,20 @@ impl Slot {
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        if let Some(mem) = self.mem.take() {
-            if !self.keep {
-                return; // freed (deregistered first) as `mem` drops
-            }
-            let mut cache = self.home.cache.lock().unwrap_or_else(|e| e.into_inner());
-            let cached: usize = cache.iter().map(SlotMem::size).sum();
-            if cache.len() < CACHE_SLOTS && cached + mem.size() <= CACHE_BYTES {
-                cache.push(mem);
-            }
+        let Some(mem) = self.mem.take() else { return };
+        let mut pool = self.home.pool();
+        if mem.reserved {
+            pool.put(mem);
+            return;
         }
+        pool.lent = pool.lent.saturating_sub(mem.size());
+        if self.keep && pool.keeps(mem.size()) {
+            pool.put(mem);
+            return;
+        }
+        drop(pool);
+        // Freed (deregistered first) as `mem` drops, outside the lock.
+        drop(mem);
     }
 }
 
@@ -161,32 +283,54 @@ impl Stager {
             device: device.clone(),
             d2h: CudaStream::new(device)?,
             h2d: CudaStream::new(device)?,
-            cache: Mutex::new(Vec::new()),
-            pinned: Arc::clone(&home.pinned),
+            pool: Mutex::default(),
+            counts: Arc::clone(&home.counts),
             backend: Arc::clone(&home.backend),
         });
         all.push(Arc::clone(&s));
         Ok(s)
     }
 
+    fn pool(&self) -> std::sync::MutexGuard<'_, Pool> {
+        self.pool.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Pins and registers `size` bytes of host memory.
+    fn pin(&self, size: usize) -> Result<SlotMem> {
+        let mem = PinnedHost::new(&self.device, size)?;
+        // SAFETY: the registration and the memory travel together in
+        // SlotMem, which deregisters before it frees.
+        let reg = unsafe { self.backend.register(mem.as_ptr(), mem.len(), Access::LOCAL_WRITE)? };
+        self.counts.pinned.fetch_add(mem.len(), Ordering::AcqRel);
+        self.counts.made.fetch_add(1, Ordering::AcqRel);
+        tracing::debug!(size, "staging: slot pinned");
+        Ok(SlotMem {
+            reg: ManuallyDrop::new(reg),
+            mem: ManuallyDrop::new(mem),
+            reserved: false,
+            counts: Arc::clone(&self.counts),
+        })
+    }
+
     /// A slot of at least `len` bytes (its size class), from the cache or
-    /// new; kept for reuse when returned only if no larger than `chunk`.
+    /// newly pinned; cached again when returned only if no larger than
+    /// `chunk` (or reserved).
     fn take(self: &Arc<Self>, len: usize, chunk: usize) -> Result<Slot> {
         let want = slot_size(len);
         let cached = {
-            let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
-            let best = (0..cache.len()).filter(|&i| cache[i].size() >= want).min_by_key(|&i| cache[i].size());
-            best.map(|i| cache.swap_remove(i))
+            let mut pool = self.pool();
+            let mem = pool.take(want);
+            if let Some(m) = mem.as_ref().filter(|m| !m.reserved) {
+                pool.lend(m.size());
+            }
+            mem
         };
         let mem = match cached {
             Some(m) => m,
             None => {
-                let mem = PinnedHost::new(&self.device, want)?;
-                // SAFETY: the registration and the memory travel together in
-                // SlotMem, which deregisters before it frees.
-                let reg = unsafe { self.backend.register(mem.as_ptr(), mem.len(), Access::LOCAL_WRITE)? };
-                self.pinned.fetch_add(mem.len(), Ordering::AcqRel);
-                SlotMem { reg: ManuallyDrop::new(reg), mem: ManuallyDrop::new(mem), pinned: Arc::clone(&self.pinned) }
+                let m = self.pin(want)?;
+                self.pool().lend(m.size());
+                m
             }
         };
         let keep = mem.size() <= slot_size(chunk);

@@ -302,6 +302,108 @@ pub fn awaited_staged_round_trips(d: &gpu_rdma::Domain, policy: gpu_rdma::memory
     rounds
 }
 
+/// Two bursts of `burst` staged 1 MiB writes in flight at once, from slices
+/// of one GPU buffer registered on `d` with `policy` (a staged path), into
+/// a host region of the peer, each burst verified there. Returns the
+/// staging slots pinned by each burst: the second, at the same depth,
+/// must find every slot it needs in the cache (pinning is the staged
+/// path's most costly step, and a cache that drops what a workload needs
+/// pins again on every burst).
+pub fn staged_bursts(d: &gpu_rdma::Domain, policy: gpu_rdma::memory::path::PathPolicy, burst: usize) -> (u64, u64) {
+    use gpu_rdma::{Access, LocalBuffer};
+    let len = 1 << 20;
+    let target = d.expose(d.alloc(burst * len).unwrap(), Access::REMOTE_WRITE, 9).unwrap();
+    let (s, c) = super::pair_on(d, d, super::opts().advertise(&target), super::opts().queue_depth(burst as u32, 16));
+    let remote = c.remote_region(9).unwrap();
+    let limit = std::time::Duration::from_secs(60);
+    let device = CudaDevice::open(0).unwrap();
+    let mut pinned = Vec::new();
+    for round in 0..2u64 {
+        let data = super::pattern(burst * len, 70 + round);
+        let buf = CudaBuffer::alloc(&device, burst * len).unwrap();
+        buf.copy_from_host(0, &data).unwrap();
+        let local = d
+            .register_with_path(buf, Access::LOCAL_WRITE, policy)
+            .unwrap_or_else(|e| panic!("register with {policy:?}: {}", e.error))
+            .share();
+        let before = d.staging_stats().slots_pinned;
+        let mut writes: Vec<_> = (0..burst)
+            .map(|i| {
+                let to = remote.slice((i * len) as u64..((i + 1) * len) as u64).unwrap();
+                c.write(local.clone().slice(i * len..(i + 1) * len), &to)
+            })
+            .collect();
+        for (i, w) in writes.iter_mut().enumerate() {
+            w.wait_timeout(limit).unwrap_or_else(|e| panic!("round {round}, write {i}: {e}"));
+        }
+        pinned.push(d.staging_stats().slots_pinned - before);
+        let mut got = vec![0u8; burst * len];
+        target.read_at(0, &mut got).unwrap();
+        assert_eq!(super::first_difference(&got, &data), None, "round {round}: the writes, at the peer");
+    }
+    drop(s);
+    (pinned[0], pinned[1])
+}
+
+/// Slots reserved ahead on `d` ([`gpu_rdma::Domain::reserve_staging`]) are
+/// what staged operations use, and they stay: a staged message larger than
+/// a chunk, whose slot is freed after it otherwise, keeps its reserved one.
+/// Returns the slots pinned while the operations ran (0 when it passes).
+pub fn reserved_staging_serves_and_stays(d: &gpu_rdma::Domain, policy: gpu_rdma::memory::path::PathPolicy) -> u64 {
+    use gpu_rdma::Access;
+    let (big, small, smalls) = (8 << 20, 256 << 10, 4);
+    let device = CudaDevice::open(0).unwrap();
+    let gpu = |len: usize, data: &[u8]| {
+        let buf = CudaBuffer::alloc(&device, len).unwrap();
+        buf.copy_from_host(0, data).unwrap();
+        d.register_with_path(buf, Access::LOCAL_WRITE, policy)
+            .unwrap_or_else(|e| panic!("register with {policy:?}: {}", e.error))
+    };
+    let target = d.expose(d.alloc(smalls * small).unwrap(), Access::REMOTE_WRITE, 9).unwrap();
+    // Chunks of 1 MiB: the 8 MiB message is larger than a chunk.
+    let opts = super::opts().advertise(&target).staging(1 << 20, 4);
+    let (s, c) = super::pair_on(d, d, opts.clone(), opts);
+    let remote = c.remote_region(9).unwrap();
+    let limit = std::time::Duration::from_secs(60);
+
+    let start = d.staging_stats();
+    d.reserve_staging(&device, big, 1).unwrap();
+    d.reserve_staging(&device, small, smalls).unwrap();
+    let reserved = d.staging_stats();
+    assert_eq!(reserved.slots_pinned - start.slots_pinned, 1 + smalls as u64, "{reserved:?}");
+    assert_eq!(reserved.reserved_bytes - start.reserved_bytes, big + smalls * small, "{reserved:?}");
+    assert!(reserved.cached_bytes >= big + smalls * small, "reserved slots wait in the cache: {reserved:?}");
+
+    for round in 0..2u64 {
+        // A message-sized slot for the send; the receive is in host memory.
+        let msg = super::pattern(big, 80 + round);
+        let mut rx = s.recv(d.alloc(big).unwrap());
+        c.send(gpu(big, &msg)).wait_timeout(limit).unwrap();
+        rx.wait_timeout(limit).unwrap();
+        let got = rx.into_buffer().unwrap();
+        assert_eq!(super::first_difference(&got.as_slice()[..big], &msg), None, "round {round}: the send");
+        // Writes of one chunk each, all in flight at once.
+        let data = super::pattern(smalls * small, 90 + round);
+        let mut writes: Vec<_> = (0..smalls)
+            .map(|i| {
+                let to = remote.slice((i * small) as u64..((i + 1) * small) as u64).unwrap();
+                c.write(gpu(small, &data[i * small..(i + 1) * small]), &to)
+            })
+            .collect();
+        for w in &mut writes {
+            w.wait_timeout(limit).unwrap();
+        }
+        let mut got = vec![0u8; smalls * small];
+        target.read_at(0, &mut got).unwrap();
+        assert_eq!(super::first_difference(&got, &data), None, "round {round}: the writes");
+    }
+    let end = d.staging_stats();
+    assert_eq!(end.reserved_bytes, reserved.reserved_bytes, "reserved slots stay reserved: {end:?}");
+    assert_eq!(end.slots_freed, reserved.slots_freed, "no reserved slot was freed: {end:?}");
+    assert!(end.cached_bytes >= big + smalls * small, "reserved slots are back in the cache: {end:?}");
+    end.slots_pinned - reserved.slots_pinned
+}
+
 /// The access flags of the last device-memory registration through the
 /// stand-in's nvidia-peermem role, and how many there were. Stand-in only.
 pub fn last_device_registration() -> (u32, u64) {

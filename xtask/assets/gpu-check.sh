@@ -94,6 +94,7 @@ sweep() { # transport, extra flags, test, size, iterations, mem-path[, the serve
   wait $sp
   echo "  $3 $6, server $smp (exit $rc): $(grep -E '^ path:' "$log" | head -n 1 | cut -c1-160)"
   grep -A1 '#bytes' "$log" | tail -n 1 | sed 's/^/    /'
+  grep -h -E '^ (Staging slots|staging:)' "$log" | sed 's/^/   /'
   return $rc
 }
 # Both ends on the one GPU: their two CUDA contexts take turns on it, and a
@@ -106,6 +107,11 @@ for t in "write-bw 1MiB 500" "read-bw 1MiB 500" "send-lat 4096 1000"; do
     say "$row"
   done
 done
+# Depth: the same staged write with 8 requests in flight, against 128 above
+# (on 4 December, before staging slots were pinned ahead and kept, 8 ran
+# faster than 128).
+row=$(sweep tcp "--gpu 0 -t 8" write-bw 1MiB 500 staged host 2>&1) || fails=$((fails + 1))
+say "  at -t 8: ${row#  }"
 for mp in dmabuf peermem; do
   if sweep tcp "--gpu 0" write-bw 1MiB 100 "$mp" > "$OUT/sweep-$mp.txt" 2>&1; then
     say "  --mem-path $mp over TCP: ran, but there is no NIC to register GPU memory with: FAILED"

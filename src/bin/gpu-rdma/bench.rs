@@ -9,8 +9,7 @@ use std::time::Duration;
 use gpu_rdma::bench::{self, BwRow, Landing, LatRow, LocalMode, Params, Row, Test};
 use gpu_rdma::units::parse_bytes;
 use gpu_rdma::{
-    Access, ConnectOptions, Connection, Domain, DomainConfig, Error, Exposed, Memory, Region, Result, Shared,
-    TransportPolicy,
+    ConnectOptions, Connection, Domain, DomainConfig, Error, Exposed, Memory, Region, Result, Shared, TransportPolicy,
 };
 
 /// Tags of the advertised regions.
@@ -128,6 +127,8 @@ impl BenchArgs {
 struct Setup {
     memory: String,
     mode: LocalMode,
+    /// Staged GPU memory: the staging slots pinned ahead, `(bytes each, how many)`.
+    reserved: Option<(usize, usize)>,
 }
 
 pub fn run(args: &BenchArgs) -> ExitCode {
@@ -154,7 +155,7 @@ fn run_inner(args: &BenchArgs) -> Result<()> {
             return Err(Error::InvalidArgument(format!("--mem-path {} needs --gpu", args.mem_path)));
         }
         let region = domain.alloc(len)?;
-        let setup = Setup { memory: "host memory".into(), mode: LocalMode::HOST };
+        let setup = Setup { memory: "host memory".into(), mode: LocalMode::HOST, reserved: None };
         return side(args, &params, &domain, region, setup);
     }
     gpu_side(args, &params, &domain, len)
@@ -167,13 +168,25 @@ fn gpu_side(args: &BenchArgs, params: &Params, domain: &Domain, len: usize) -> R
 
     let ordinal = args.gpu.unwrap_or(0);
     let policy: PathPolicy = args.mem_path.parse()?;
-    let buf = CudaBuffer::alloc(&CudaDevice::open(ordinal)?, len)?;
-    let region = domain.register_with_path(buf, Access::LOCAL_WRITE, policy).map_err(|e| e.error)?;
+    let device = CudaDevice::open(ordinal)?;
+    let buf = CudaBuffer::alloc(&device, len)?;
+    let region = domain.register_with_path(buf, gpu_rdma::Access::LOCAL_WRITE, policy).map_err(|e| e.error)?;
     let report = region.path_report().map(ToString::to_string).unwrap_or_default();
     let direct = region.path_report().is_some_and(|r| r.chosen.is_direct());
+    // Staged: the slots the loops hold at once are pinned now, as perftest
+    // registers all its memory before it starts the clock.
+    let reserved = if direct {
+        None
+    } else {
+        let opts = args.options();
+        let (each, count) = params.staging_slots(opts.staging_chunk, opts.staging_depth);
+        domain.reserve_staging(&device, each, count)?;
+        Some((each, count))
+    };
     let setup = Setup {
         memory: format!("GPU {ordinal} memory, path {report}"),
         mode: LocalMode { batch: direct, inline: false },
+        reserved,
     };
     side(args, params, domain, region, setup)
 }
@@ -220,8 +233,9 @@ where
         }
         Some(server) => domain.connect(server_addr(server, args.port)?, &opts)?,
     };
-    let banner = banner(args, params, domain, &conn, &setup.memory);
+    let banner = banner(args, params, domain, &conn, &setup);
     let mode = setup.mode;
+    let pinned_before = slots_pinned(domain);
     let rows = match (&args.server, &exposed, &shared) {
         (None, Some(e), _) => serve(&conn, params, e, mode, timeout),
         (None, None, Some(s)) => serve(&conn, params, s, mode, timeout),
@@ -229,6 +243,11 @@ where
         (Some(_), None, Some(s)) => drive(args, &conn, params, s, mode, timeout, &banner),
         _ => unreachable!("the region is exposed or shared"),
     }?;
+    // Pinning on the hot path would be measured as the path's own cost: say so.
+    let pinned_in_loops = slots_pinned(domain).zip(pinned_before).map(|(after, before)| after - before);
+    if let (Some(n), Some(_), false) = (pinned_in_loops, setup.reserved, args.json) {
+        println!(" staging: {n} slot(s) pinned during the test, after those pinned ahead");
+    }
     if args.server.is_none() && !args.json {
         println!("{banner}");
         println!("{}", "-".repeat(87));
@@ -246,6 +265,11 @@ where
             "transport_reason": conn.info().transport_reason,
             "device": domain.info().device,
             "memory": setup.memory,
+            "staging": setup.reserved.map(|(each, count)| serde_json::json!({
+                "reserved_slots": count,
+                "slot_bytes": each,
+                "pinned_during_test": pinned_in_loops,
+            })),
             "units": { "bandwidth": "MiB/s", "latency": "usec" },
             "rows": rows,
         });
@@ -268,8 +292,20 @@ fn server_addr(server: &str, port: u16) -> Result<SocketAddr> {
         .ok_or_else(|| Error::InvalidArgument(format!("`{server}` resolves to no address")))
 }
 
+/// Staging slots the domain has pinned so far (staged GPU memory).
+#[cfg(feature = "cuda")]
+fn slots_pinned(domain: &Domain) -> Option<u64> {
+    Some(domain.staging_stats().slots_pinned)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn slots_pinned(_domain: &Domain) -> Option<u64> {
+    None
+}
+
 /// The header: perftest's title, then one line naming the path and the transport.
-fn banner(args: &BenchArgs, params: &Params, domain: &Domain, conn: &Connection, memory: &str) -> String {
+fn banner(args: &BenchArgs, params: &Params, domain: &Domain, conn: &Connection, setup: &Setup) -> String {
+    let memory = &setup.memory;
     let title = match params.test {
         Test::WriteBw => "RDMA_Write BW Test",
         Test::ListBw => "RDMA_Write transfer-list BW Test",
@@ -296,6 +332,12 @@ fn banner(args: &BenchArgs, params: &Params, domain: &Domain, conn: &Connection,
             " TX depth        : {}\n CQ Moderation   : {}\n",
             args.tx_depth.min(i.send_queue_depth),
             args.cq_mod
+        ));
+    }
+    if let Some((each, count)) = setup.reserved {
+        s.push_str(&format!(
+            " Staging slots   : {count} of {} pinned ahead\n",
+            gpu_rdma::units::format_bytes(each as u64)
         ));
     }
     if matches!(params.test, Test::ReadBw | Test::ReadLat) {

@@ -304,6 +304,21 @@ fn gpu_cmd(only: Option<usize>, bandwidth: bool, bytes: usize) -> ExitCode {
                     "\tcopy bandwidth, {} MiB x {rounds}: host->device pinned {h2d_pinned:.2} GB/s, pageable {h2d_pageable:.2} GB/s; device->host pinned {d2h_pinned:.2} GB/s, pageable {d2h_pageable:.2} GB/s",
                     buf.len() >> 20
                 );
+                // What a staging slot costs to make and to drop, which the
+                // staged path pays on its hot path unless the slot is cached
+                // or reserved ahead (Domain::reserve_staging).
+                let (slot, n) = (1 << 20, 16);
+                let t = Instant::now();
+                let slots = (0..n).map(|_| PinnedHost::new(&dev, slot)).collect::<gpu_rdma::Result<Vec<_>>>()?;
+                let pin = t.elapsed() / n;
+                let t = Instant::now();
+                drop(slots);
+                let unpin = t.elapsed() / n;
+                println!(
+                    "	pinning host memory, 1 MiB x {n}: {:.1} us to map and pin, {:.1} us to unpin and unmap, each",
+                    pin.as_secs_f64() * 1e6,
+                    unpin.as_secs_f64() * 1e6
+                );
                 Ok(())
             };
             if let Err(e) = measure() {
