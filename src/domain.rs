@@ -132,6 +132,16 @@ impl Domain {
         self.inner.staging.stats()
     }
 
+    /// Frees the staging slots cached for reuse that were not reserved
+    /// ([`Domain::reserve_staging`]), on every GPU, and returns the bytes
+    /// freed. Each cache then grows again from what is on loan now: after a
+    /// burst deeper than a workload will run again, this gives back the
+    /// pinned memory the cache kept for it.
+    #[cfg(feature = "cuda")]
+    pub fn trim_staging(&self) -> usize {
+        self.inner.staging.trim()
+    }
+
     /// Pins `count` staging slots for messages (or chunks of writes and
     /// reads) of `len` bytes on `gpu` now, ahead of the operations that
     /// will use them, and keeps them until the domain is dropped.

@@ -227,6 +227,13 @@ gpu_tcp_test! {
         println!("staging slots pinned: {first} by the first burst of 72, {second} by the second");
         assert!((1..=72).contains(&first), "the first burst pins what it needs: {first}");
         assert_eq!(second, 0, "the second burst found its slots in the cache");
+        // Nothing is on loan or reserved now: trimming gives all of it back.
+        let held = d.staging_bytes();
+        assert!(held >= 72 << 20, "the cache kept the burst's slots: {held} bytes");
+        assert_eq!(d.trim_staging(), held);
+        let after = d.staging_stats();
+        assert_eq!((after.pinned_bytes, after.cached_bytes), (0, 0), "{after:?}");
+        assert_eq!(after.slots_freed, after.slots_pinned, "{after:?}");
     }
 }
 

@@ -116,6 +116,24 @@ impl StagingHome {
         }
     }
 
+    /// Frees every cached slot that was not reserved, on every GPU, and
+    /// lets each cache start again from what is on loan now. Returns the
+    /// bytes freed.
+    pub(crate) fn trim(&self) -> usize {
+        let stagers: Vec<Arc<Stager>> = self.stagers.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let mut freed = 0;
+        for stager in stagers {
+            let spare = {
+                let mut pool = stager.pool();
+                pool.peak = pool.lent;
+                pool.take_spare()
+            };
+            // Unpinned and deregistered outside the lock.
+            freed += spare.iter().map(SlotMem::size).sum::<usize>();
+        }
+        freed
+    }
+
     /// Pins `count` slots for messages (or chunks) of `len` bytes on
     /// `device` now, into its cache, kept until the domain is dropped.
     pub(crate) fn reserve(&self, device: &CudaDevice, len: usize, count: usize) -> Result<()> {
@@ -178,6 +196,21 @@ impl Pool {
             self.spare += mem.size();
         }
         self.free.entry(mem.size()).or_default().push(mem);
+    }
+
+    /// Takes every free slot that is not reserved out of the pool.
+    fn take_spare(&mut self) -> Vec<SlotMem> {
+        let mut out = Vec::new();
+        for list in self.free.values_mut() {
+            let (keep, spare): (Vec<_>, Vec<_>) = list.drain(..).partition(|m| m.reserved);
+            *list = keep;
+            out.extend(spare);
+        }
+        self.free.retain(|_, list| !list.is_empty());
+        let bytes: usize = out.iter().map(SlotMem::size).sum();
+        self.cached -= bytes;
+        self.spare -= bytes;
+        out
     }
 
     /// An unreserved slot of `size` bytes goes on loan.

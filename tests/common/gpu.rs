@@ -401,6 +401,12 @@ pub fn reserved_staging_serves_and_stays(d: &gpu_rdma::Domain, policy: gpu_rdma:
     assert_eq!(end.reserved_bytes, reserved.reserved_bytes, "reserved slots stay reserved: {end:?}");
     assert_eq!(end.slots_freed, reserved.slots_freed, "no reserved slot was freed: {end:?}");
     assert!(end.cached_bytes >= big + smalls * small, "reserved slots are back in the cache: {end:?}");
+    // Trimming frees what the cache kept besides them, never them.
+    d.trim_staging();
+    let trimmed = d.staging_stats();
+    assert_eq!(trimmed.reserved_bytes, end.reserved_bytes, "{trimmed:?}");
+    assert_eq!(trimmed.cached_bytes, trimmed.reserved_bytes, "only reserved slots stay cached: {trimmed:?}");
+    drop((s, c));
     end.slots_pinned - reserved.slots_pinned
 }
 
