@@ -175,9 +175,11 @@ impl Domain {
     /// ```
     ///
     /// # Errors
-    /// [`Error::Cuda`] or [`Error::CudaUnavailable`] when the memory cannot
-    /// be pinned; a registration error from the device. Slots pinned before
-    /// the error stay reserved.
+    /// [`Error::MessageTooLarge`] for a `len` no message can have (past
+    /// `u32::MAX`), nothing pinned; [`Error::Cuda`] or
+    /// [`Error::CudaUnavailable`] when the memory cannot be pinned; a
+    /// registration error from the device. Slots pinned before the error
+    /// stay reserved.
     #[cfg(feature = "cuda")]
     pub fn reserve_staging(&self, gpu: &crate::cuda::CudaDevice, len: usize, count: usize) -> Result<()> {
         self.inner.staging.reserve(gpu, len, count)

@@ -247,6 +247,22 @@ gpu_tcp_test! {
 }
 
 gpu_tcp_test! {
+    /// A reservation no message could use is refused, typed, pinning
+    /// nothing (a size class past it would overflow); none at all is fine.
+    fn a_reservation_larger_than_any_message_is_refused_and_pins_nothing() {
+        let d = tcp_domain();
+        let dev = CudaDevice::open(0).unwrap();
+        let before = d.staging_stats();
+        for len in [usize::MAX, (u32::MAX as usize) + 1] {
+            let e = d.reserve_staging(&dev, len, 1).unwrap_err();
+            assert!(matches!(e, Error::MessageTooLarge { len: l, max } if l == len as u64 && max == u64::from(u32::MAX)), "{e}");
+        }
+        d.reserve_staging(&dev, 4096, 0).unwrap();
+        assert_eq!(d.staging_stats(), before);
+    }
+}
+
+gpu_tcp_test! {
     /// See [`common::gpu::awaited_staged_round_trips`].
     fn an_awaited_staged_receive_moves_the_write_nobody_awaits() {
         let d = tcp_domain();

@@ -137,6 +137,11 @@ impl StagingHome {
     /// Pins `count` slots for messages (or chunks) of `len` bytes on
     /// `device` now, into its cache, kept until the domain is dropped.
     pub(crate) fn reserve(&self, device: &CudaDevice, len: usize, count: usize) -> Result<()> {
+        // No message is larger (a work request's length is 32 bits).
+        let max = u64::from(u32::MAX);
+        if len as u64 > max {
+            return Err(Error::MessageTooLarge { len: len as u64, max });
+        }
         let stager = Stager::for_device(self, device)?;
         let size = slot_size(len);
         for _ in 0..count {
