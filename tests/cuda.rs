@@ -256,6 +256,29 @@ cuda_test! {
 }
 
 cuda_test! {
+    /// An event recorded again stands for its latest record only: the
+    /// earlier record completing, on another stream, does not complete it
+    /// (as the staging's reused events rely on, and a stand-in that let the
+    /// earlier record answer would make them race).
+    fn an_event_recorded_again_stands_for_its_latest_record() {
+        let d = device();
+        let (fast, slow) = (CudaStream::new(&d).unwrap(), CudaStream::new(&d).unwrap());
+        let b = CudaBuffer::alloc(&d, 8192).unwrap();
+        produce(&fast, &b, 0, 4096, 1, 20_000);
+        let ev = CudaEvent::record(&fast).unwrap();
+        produce(&slow, &b, 4096, 4096, 2, 500_000);
+        ev.record_again(&slow).unwrap();
+        fast.synchronize().unwrap();
+        assert!(!ev.is_done().unwrap(), "done when only its first record is");
+        ev.synchronize().unwrap();
+        assert!(ev.is_done().unwrap());
+        let mut back = vec![0u8; 4096];
+        b.copy_to_host(4096, &mut back).unwrap();
+        assert!(back == produced(2, 4096), "synchronized with its latest record, the slow producer's bytes are there");
+    }
+}
+
+cuda_test! {
     /// A producer on a stream, fenced with ready_after through a shared
     /// reference (as a registered region hands it out), is waited for; a
     /// fence recorded later replaces the earlier one.

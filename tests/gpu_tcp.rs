@@ -238,6 +238,53 @@ gpu_tcp_test! {
 }
 
 gpu_tcp_test! {
+    /// A staged ping-pong between GPU buffers, 40 rounds verified byte for
+    /// byte at both ends: each copy's event is recorded again from the
+    /// staging's pool, so after the first rounds no event is made (the
+    /// stand-in counts them; on the last GPU the test runs on, where the
+    /// other tests run too, only the bytes are checked). The stand-in makes
+    /// a reused event stand for its latest record only, as CUDA does, so a
+    /// stale completion would show as wrong bytes.
+    fn staged_copies_record_pooled_events_and_steady_rounds_make_none() {
+        let ordinal = CudaDevice::count().unwrap().saturating_sub(1);
+        let dev = CudaDevice::open(ordinal).unwrap();
+        let d = tcp_domain();
+        let (s, c) = pair_on(&d, &d, opts(), opts());
+        let gpu = |len: usize| {
+            let buf = CudaBuffer::alloc(&dev, len).unwrap();
+            d.register_with_path(buf, Access::LOCAL_WRITE, PathPolicy::Auto).unwrap_or_else(|e| panic!("{}", e.error))
+        };
+        let limit = std::time::Duration::from_secs(30);
+        let (len, rounds, warm) = (64 << 10, 40u64, 5u64);
+        let (mut a, mut b) = (gpu(len), gpu(len));
+        let mut made_when_warm = None;
+        for round in 0..rounds {
+            if round == warm {
+                made_when_warm = common::gpu::events_created(ordinal as u32);
+            }
+            let msg = pattern(len, round);
+            a.memory().copy_from_host(0, &msg).unwrap();
+            let mut rx = s.recv(b);
+            let mut tx = c.send(a);
+            tx.wait_timeout(limit).unwrap_or_else(|e| panic!("round {round}: {e}"));
+            let got = rx.wait_timeout(limit).unwrap_or_else(|e| panic!("round {round}: {e}"));
+            assert_eq!(got.byte_len as usize, len, "round {round}");
+            let landed = rx.into_buffer().unwrap_or_else(|_| panic!("round {round}: the receive is done"));
+            assert_eq!(first_difference(&read_gpu(landed.memory(), len), &msg), None, "round {round}");
+            // The buffers swap roles: each is written by a copy in and read by a copy out in turn.
+            (a, b) = (landed, tx.into_buffer().unwrap_or_else(|_| panic!("round {round}: the send is done")));
+        }
+        match (made_when_warm, common::gpu::events_created(ordinal as u32)) {
+            (Some(then), Some(now)) => {
+                println!("CUDA events made on device {ordinal}: {then} in the first {warm} rounds' time, {} after", now - then);
+                assert_eq!(now, then, "steady rounds make no event");
+            }
+            _ => println!("event count not checked: not the CUDA stand-in (the bytes of {rounds} rounds were)"),
+        }
+    }
+}
+
+gpu_tcp_test! {
     /// See [`common::gpu::reserved_staging_serves_and_stays`].
     fn reserved_staging_slots_serve_the_operations_and_stay() {
         let d = tcp_domain();

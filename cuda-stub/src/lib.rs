@@ -137,6 +137,8 @@ struct State {
     host_registered: Mutex<BTreeMap<usize, usize>>,
     flushes: AtomicU64,
     allocations: AtomicU64,
+    /// Events made, by the device whose context was current (test hook).
+    events_created: [AtomicU64; 8],
     /// Device attribute overrides (test hook).
     attrs: Mutex<BTreeMap<u32, i32>>,
     ctx_flags: AtomicU32,
@@ -160,6 +162,7 @@ fn state() -> &'static State {
         host_registered: Mutex::new(BTreeMap::new()),
         flushes: AtomicU64::new(0),
         allocations: AtomicU64::new(0),
+        events_created: Default::default(),
         attrs: Mutex::new(BTreeMap::new()),
         ctx_flags: AtomicU32::new(0),
         streams: Mutex::new(Vec::new()),
@@ -275,30 +278,51 @@ enum Task {
         width: usize,
         delay: Duration,
     },
-    Signal(Arc<Event>),
-    Wait(Arc<Event>),
+    /// Marks record `generation` of the event complete.
+    Signal(Arc<Event>, u64),
+    /// Waits until record `generation` of the event is complete.
+    Wait(Arc<Event>, u64),
 }
 
+/// An event's records: each `cuEventRecord` starts a new one, and the
+/// event is complete when its latest record is, as in CUDA. Recording an
+/// event again while an earlier record is still queued does not let that
+/// earlier record's completion stand for the new one.
 struct Event {
-    done: Mutex<bool>,
+    /// (the latest record's generation, the highest generation completed)
+    gens: Mutex<(u64, u64)>,
     cv: Condvar,
 }
 
 impl Event {
-    fn new(done: bool) -> Arc<Event> {
-        Arc::new(Event { done: Mutex::new(done), cv: Condvar::new() })
+    /// An event never recorded counts as complete.
+    fn new() -> Arc<Event> {
+        Arc::new(Event { gens: Mutex::new((0, 0)), cv: Condvar::new() })
     }
-    fn set(&self, v: bool) {
-        *self.done.lock().unwrap() = v;
+    /// A new record: its generation.
+    fn record(&self) -> u64 {
+        let mut g = self.gens.lock().unwrap();
+        g.0 += 1;
+        g.0
+    }
+    fn complete(&self, generation: u64) {
+        let mut g = self.gens.lock().unwrap();
+        g.1 = g.1.max(generation);
         self.cv.notify_all();
     }
+    /// Whether the latest record is complete.
     fn is_set(&self) -> bool {
-        *self.done.lock().unwrap()
+        let g = self.gens.lock().unwrap();
+        g.1 >= g.0
     }
-    fn wait(&self) {
-        let mut d = self.done.lock().unwrap();
-        while !*d {
-            d = self.cv.wait(d).unwrap();
+    /// The latest record's generation now.
+    fn latest(&self) -> u64 {
+        self.gens.lock().unwrap().0
+    }
+    fn wait_for(&self, generation: u64) {
+        let mut g = self.gens.lock().unwrap();
+        while g.1 < generation {
+            g = self.cv.wait(g).unwrap();
         }
     }
 }
@@ -325,8 +349,8 @@ fn worker(rx: Receiver<Task>) {
                     unsafe { *(dst as *mut u8).add(i) = bytes[i % width] };
                 }
             }
-            Task::Signal(ev) => ev.set(true),
-            Task::Wait(ev) => ev.wait(),
+            Task::Signal(ev, generation) => ev.complete(generation),
+            Task::Wait(ev, generation) => ev.wait_for(generation),
         }
     }
 }
@@ -341,9 +365,10 @@ impl Stream {
         let _ = self.tx.lock().unwrap().send(t);
     }
     fn sync(&self) {
-        let ev = Event::new(false);
-        self.push(Task::Signal(Arc::clone(&ev)));
-        ev.wait();
+        let ev = Event::new();
+        let generation = ev.record();
+        self.push(Task::Signal(Arc::clone(&ev), generation));
+        ev.wait_for(generation);
     }
 }
 
@@ -552,6 +577,11 @@ pub unsafe extern "C" fn cuCtxPopCurrent_v2(ctx: *mut usize) -> CUresult {
 fn current() -> Result<(), CUresult> {
     ready()?;
     if CTX_STACK.with(|s| s.borrow().is_empty()) { Err(INVALID_CONTEXT) } else { Ok(()) }
+}
+
+/// The device of this thread's current context (the caller checked there is one).
+fn current_device() -> usize {
+    CTX_STACK.with(|s| s.borrow().last().map_or(usize::MAX, |c| c - 0x1000))
 }
 
 #[unsafe(no_mangle)]
@@ -831,9 +861,11 @@ pub unsafe extern "C" fn cuStreamWaitEvent(
     _flags: u32,
 ) -> CUresult {
     let Some(ev) = event_ref(event) else { return INVALID_HANDLE };
+    // The wait is for the record the event holds now, not a later one.
+    let generation = ev.latest();
     match stream_ref(stream) {
-        Some(s) => s.push(Task::Wait(ev)),
-        None => legacy_stream().push(Task::Wait(ev)),
+        Some(s) => s.push(Task::Wait(ev, generation)),
+        None => legacy_stream().push(Task::Wait(ev, generation)),
     }
     SUCCESS
 }
@@ -843,19 +875,22 @@ pub unsafe extern "C" fn cuEventCreate(event: *mut *mut libc::c_void, _flags: u3
     if let Err(e) = current() {
         return e;
     }
+    if let Some(c) = state().events_created.get(current_device()) {
+        c.fetch_add(1, Ordering::AcqRel);
+    }
     // An event never recorded counts as complete, as in CUDA.
     // SAFETY: out-pointer per the driver contract; freed by cuEventDestroy_v2.
-    unsafe { *event = Box::into_raw(Box::new(Event::new(true))).cast() };
+    unsafe { *event = Box::into_raw(Box::new(Event::new())).cast() };
     SUCCESS
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuEventRecord(event: *mut libc::c_void, stream: *mut libc::c_void) -> CUresult {
     let Some(ev) = event_ref(event) else { return INVALID_HANDLE };
-    ev.set(false);
+    let generation = ev.record();
     match stream_ref(stream) {
-        Some(s) => s.push(Task::Signal(ev)),
-        None => legacy_stream().push(Task::Signal(ev)),
+        Some(s) => s.push(Task::Signal(ev, generation)),
+        None => legacy_stream().push(Task::Signal(ev, generation)),
     }
     SUCCESS
 }
@@ -873,7 +908,7 @@ pub unsafe extern "C" fn cuEventQuery(event: *mut libc::c_void) -> CUresult {
 pub unsafe extern "C" fn cuEventSynchronize(event: *mut libc::c_void) -> CUresult {
     match event_ref(event) {
         Some(ev) => {
-            ev.wait();
+            ev.wait_for(ev.latest());
             SUCCESS
         }
         None => INVALID_HANDLE,
@@ -1349,6 +1384,13 @@ pub unsafe extern "C" fn gpu_rdma_stub_last_device_registration(count: *mut u64)
         unsafe { *count = state().device_registrations.load(Ordering::Acquire) };
     }
     state().last_device_access.load(Ordering::Acquire)
+}
+
+/// Test hook: how many events were made with device `dev`'s context
+/// current (0 for a device past the eighth).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpu_rdma_stub_events_created(dev: u32) -> u64 {
+    state().events_created.get(dev as usize).map_or(0, |c| c.load(Ordering::Acquire))
 }
 
 /// Test hook: the flags of the last successful dma-buf export

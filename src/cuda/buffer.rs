@@ -147,6 +147,19 @@ impl CudaEvent {
         Ok(ev)
     }
 
+    /// Records it again, at the current end of `stream` (any stream of its
+    /// device): from now on it stands for that point only, as CUDA's
+    /// events do. An earlier record still queued no longer counts.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`], among others when the driver refuses a stream of
+    /// another device.
+    pub fn record_again(&self, stream: &CudaStream) -> Result<()> {
+        let _ctx = CtxGuard::enter(&stream.device)?;
+        // SAFETY: live event and stream; the context is current.
+        check(unsafe { sys::cuEventRecord(self.event, stream.stream) }, "cuEventRecord")
+    }
+
     /// Whether the work before it is done (never blocks).
     ///
     /// # Errors

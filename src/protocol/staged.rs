@@ -161,6 +161,9 @@ pub(crate) struct Stager {
     d2h: CudaStream,
     h2d: CudaStream,
     pool: Mutex<Pool>,
+    /// Events whose copies are over, for the next copies to record (making
+    /// and destroying one per copy costs driver calls a copy need not pay).
+    events: Mutex<Vec<CudaEvent>>,
     /// The domain's counts, shared.
     counts: Arc<Counts>,
     /// What slots are registered with.
@@ -322,6 +325,7 @@ impl Stager {
             d2h: CudaStream::new(device)?,
             h2d: CudaStream::new(device)?,
             pool: Mutex::default(),
+            events: Mutex::default(),
             counts: Arc::clone(&home.counts),
             backend: Arc::clone(&home.backend),
         });
@@ -331,6 +335,19 @@ impl Stager {
 
     fn pool(&self) -> std::sync::MutexGuard<'_, Pool> {
         self.pool.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// An event recorded at the current end of `stream` (one of this
+    /// stager's), from the pool or new.
+    fn record(self: &Arc<Self>, stream: &CudaStream) -> Result<CopyEvent> {
+        let pooled = self.events.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let ev = match pooled {
+            // Recorded again, it stands for this point only (its last
+            // record was complete when it came back, or is no one's now).
+            Some(ev) => ev.record_again(stream).map(|()| ev)?,
+            None => CudaEvent::record(stream)?,
+        };
+        Ok(CopyEvent { ev: Some(ev), home: Arc::clone(self) })
     }
 
     /// Pins and registers `size` bytes of host memory.
@@ -447,13 +464,40 @@ fn single(op: NextOp) -> bool {
     matches!(op, None | Some(RemoteOp::Send | RemoteOp::SendWithImm(_)))
 }
 
+/// Events a stager keeps for reuse, at most.
+const EVENTS_KEPT: usize = 256;
+
+/// The event marking a copy's end, lent by its stager: back in the pool
+/// when dropped.
+struct CopyEvent {
+    ev: Option<CudaEvent>,
+    home: Arc<Stager>,
+}
+
+impl CopyEvent {
+    fn is_done(&self) -> Result<bool> {
+        self.ev.as_ref().map_or(Ok(true), CudaEvent::is_done)
+    }
+}
+
+impl Drop for CopyEvent {
+    fn drop(&mut self) {
+        if let Some(ev) = self.ev.take() {
+            let mut pool = self.home.events.lock().unwrap_or_else(|e| e.into_inner());
+            if pool.len() < EVENTS_KEPT {
+                pool.push(ev);
+            }
+        }
+    }
+}
+
 enum StepState {
     /// Copying GPU -> slot.
-    CopyOut(CudaEvent),
+    CopyOut(CopyEvent),
     /// On the network.
     Net(OpId),
     /// Copying slot -> GPU.
-    CopyIn(CudaEvent),
+    CopyIn(CopyEvent),
     Done,
 }
 
@@ -724,7 +768,7 @@ impl Pipeline {
                 // abandoned, the streams are synchronized first); the GPU range is
                 // inside the operation's buffer, owned by its Pending.
                 let copied = unsafe { copy_dtoh_async(dst, self.dev + off as u64, n, &self.stager.d2h) }
-                    .and_then(|()| CudaEvent::record(&self.stager.d2h));
+                    .and_then(|()| self.stager.record(&self.stager.d2h));
                 match copied {
                     Ok(ev) => {
                         tracing::trace!(off, n, "staged: copy out of the GPU started");
@@ -781,7 +825,7 @@ impl Pipeline {
                                     let dst = self.dev + self.steps[i].off as u64;
                                     // SAFETY: as for the copy out, the other way round.
                                     let copied = unsafe { copy_htod_async(dst, src, n, &self.stager.h2d) }
-                                        .and_then(|()| CudaEvent::record(&self.stager.h2d));
+                                        .and_then(|()| self.stager.record(&self.stager.h2d));
                                     self.moved += n as u64;
                                     match copied {
                                         Ok(ev) => {

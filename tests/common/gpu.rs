@@ -410,6 +410,16 @@ pub fn reserved_staging_serves_and_stays(d: &gpu_rdma::Domain, policy: gpu_rdma:
     end.slots_pinned - reserved.slots_pinned
 }
 
+/// How many CUDA events were made with device `dev`'s context current.
+/// Stand-in only (`None` on a real driver).
+pub fn events_created(dev: u32) -> Option<u64> {
+    let sym = stub_symbol(c"gpu_rdma_stub_events_created")?;
+    // SAFETY: the stand-in exports this function with this signature.
+    let f: unsafe extern "C" fn(u32) -> u64 = unsafe { std::mem::transmute(sym) };
+    // SAFETY: no pointers; any device number is answered.
+    Some(unsafe { f(dev) })
+}
+
 /// The access flags of the last device-memory registration through the
 /// stand-in's nvidia-peermem role, and how many there were. Stand-in only.
 pub fn last_device_registration() -> (u32, u64) {
