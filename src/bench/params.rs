@@ -150,8 +150,8 @@ impl Params {
     ///
     /// Bandwidth: `tx_depth` operations in flight; a write or read takes a
     /// slot per chunk in flight (up to `depth`, of at most `chunk` bytes),
-    /// a send or receive one slot of the message. Latency: a message each
-    /// way.
+    /// a send or receive one slot of the message. Latency: the two
+    /// receives a ping-pong keeps posted and two sends.
     pub fn staging_slots(&self, chunk: usize, depth: usize) -> (usize, usize) {
         let size = self.max_size();
         let chunked = matches!(self.test, Test::WriteBw | Test::ReadBw | Test::ListBw);
@@ -161,7 +161,7 @@ impl Params {
         } else {
             (size, 1)
         };
-        let ops = if self.test.is_bw() { self.tx_depth as usize } else { 2 };
+        let ops = if self.test.is_bw() { self.tx_depth as usize } else { 4 };
         (len, ops * per_op)
     }
 
@@ -267,8 +267,9 @@ mod tests {
         assert_eq!(p(Test::WriteBw, 40 << 20).staging_slots(chunk, 0), (chunk, 2 * 128));
         // A send is one message-sized slot, however large.
         assert_eq!(p(Test::SendBw, 10 << 20).staging_slots(chunk, depth), (10 << 20, 128));
-        // A ping-pong holds a message each way.
-        assert_eq!(p(Test::SendLat, 4096).staging_slots(chunk, depth), (4096, 2));
+        // A ping-pong keeps two receives posted, and a send may still be
+        // finishing when the next goes.
+        assert_eq!(p(Test::SendLat, 4096).staging_slots(chunk, depth), (4096, 4));
         // With every size, the largest counts.
         let all = Params { sizes: all_sizes(), ..p(Test::WriteBw, 2) };
         assert_eq!(all.staging_slots(chunk, depth), (chunk, 2 * 128));
