@@ -1005,29 +1005,50 @@ impl<B> From<Failed<B>> for Error {
     }
 }
 
-impl<B: Send + 'static> Drop for List<B> {
-    fn drop(&mut self) {
+impl<B: Send + 'static> List<B> {
+    /// What a dropped handle does: nothing more is posted; staged pieces'
+    /// copies are waited for (the GPU buffer may go then) and their slots
+    /// still on the network stay with the connection; the buffer is freed
+    /// now, or, while posts are in flight, held by them and freed by the
+    /// last one done. Once is enough: a second call finds nothing to do.
+    fn let_go(&mut self) {
+        self.failed = true;
         if let Some(aw) = self.awaiting.take() {
             aw.disarm(&self.shared.domain.inner.engine);
         }
-        // Staged pieces: their copies are waited for (the GPU buffer may go
-        // then), their slots still on the network stay with the connection.
         #[cfg(feature = "cuda")]
         if let Some(st) = self.staged.as_mut() {
-            for p in &mut st.active {
+            for mut p in st.active.drain(..) {
                 p.abandon(&self.shared.transport);
             }
         }
+        let note = self.note.as_mut().and_then(|n| n.region.take());
         if self.in_flight.is_empty() {
+            drop((self.buf.take(), note));
             return;
         }
         // Several posts may still read or write the buffer: each holds a
         // share of it, and the last one done drops it.
-        let note = self.note.as_mut().and_then(|n| n.region.take());
         let holder = Arc::new(Mutex::new((self.buf.take(), note)));
         for id in self.in_flight.drain(..) {
             self.shared.transport.orphan(id, Box::new(Arc::clone(&holder)));
         }
+    }
+}
+
+impl<B: Send + 'static> Drop for List<B> {
+    fn drop(&mut self) {
+        self.let_go();
+    }
+}
+
+impl<B: Send + 'static> Drop for Transfer<B> {
+    /// The engine may be driving the list at this moment, keeping it a
+    /// little longer: the list lets go of its buffer here, so that once the
+    /// handle is gone the buffer is freed, or held only by the connection's
+    /// posts in flight, not freed later on the engine's thread.
+    fn drop(&mut self) {
+        self.list.lock().unwrap_or_else(|e| e.into_inner()).let_go();
     }
 }
 
