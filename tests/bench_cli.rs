@@ -119,3 +119,26 @@ fn write_bw_busy_polling() {
 fn write_bw_sleeping_on_events() {
     bandwidth(&["-e"]);
 }
+
+/// With a CUDA driver (the stand-in in `cargo xtask test`'s tier 1b, or a
+/// GPU): both sides in staged GPU memory pin the slots their loops hold
+/// before the clock starts, and the report says none was pinned during
+/// the test (a reservation short of what the loops hold would show here).
+#[test]
+#[cfg(feature = "cuda")]
+#[ignore = "cuda: needs a CUDA driver (the stand-in via cargo xtask test, or a GPU via cargo xtask gpu-check)"]
+fn staged_gpu_memory_pins_its_slots_before_the_clock_starts() {
+    let cases: [(&str, &str, u32, &[&str], u64); 2] =
+        [("write-bw", "1MiB", 200, &["-t", "32"], 32), ("send-lat", "4096", 200, &[], 4)];
+    for (test, size, iters, extra, slots) in cases {
+        let mut flags = vec!["--gpu", "0", "--mem-path", "staged"];
+        flags.extend_from_slice(extra);
+        let doc = run(test, size, iters, &flags);
+        only_row(&doc, test, iters);
+        assert!(doc["memory"].as_str().is_some_and(|m| m.contains("staged")), "{doc}");
+        let staging = &doc["staging"];
+        println!("{test} {size}, staged: {staging}");
+        assert_eq!(staging["reserved_slots"].as_u64(), Some(slots), "{test}: {doc}");
+        assert_eq!(staging["pinned_during_test"].as_u64(), Some(0), "{test}: {doc}");
+    }
+}

@@ -4,9 +4,10 @@
 //!    module graph (`cargo xtask layers`: no import cycle, no import against
 //!    the layer order, no type name defined in two modules), and
 //!    `cargo test` (the verbs tests are `#[ignore]`d here and say why).
-//!    Then the CUDA layer's tests against the test-only CUDA stand-in
-//!    (`cuda-stub/`, exposed as `libcuda.so` in `target/cuda-stub/` and put
-//!    on `LD_LIBRARY_PATH` of those test processes only).
+//!    Then the CUDA layer's tests, GPU memory over TCP and the bench's
+//!    staged runs against the test-only CUDA stand-in (`cuda-stub/`,
+//!    exposed as `libcuda.so` in `target/cuda-stub/` and put on
+//!    `LD_LIBRARY_PATH` of those test processes only).
 //!    Then the README's first command, the transfer example with no
 //!    arguments: it must pick TCP here and verify write, read and send.
 //! 2. In the soft-RoCE guest: the library's own tests, every test target
@@ -381,15 +382,17 @@ pub fn run() -> Result<i32> {
     let stub = cuda_stub_dir()?;
     let (cuda_ok, cuda_out) = run_tee(
         // Two stand-in devices: staged messages from two GPUs (two staging
-        // streams) on one connection keep their order.
+        // streams) on one connection keep their order. The bench's staged
+        // runs need the tool (`cli`).
         cargo()
-            .args(["test", "--test", "cuda", "--test", "gpu_tcp", "--", "--ignored"])
+            .args(["test", "--features", "cli", "--test", "cuda", "--test", "gpu_tcp", "--test", "bench_cli"])
+            .args(["--", "--ignored"])
             .env("LD_LIBRARY_PATH", &stub)
             .env("GPU_RDMA_STUB_DEVICES", "2"),
     )?;
     let cuda = Tally::parse(&cuda_out);
-    if !cuda_ok || cuda.suites != 2 {
-        failures.push("the CUDA layer and GPU-over-TCP tests on the stand-in".into());
+    if !cuda_ok || cuda.suites != 3 {
+        failures.push("the CUDA layer, GPU-over-TCP and staged bench tests on the stand-in".into());
     }
     // The staged round-trip example runs to its end, waited and awaited
     // (its times mean something only on a GPU: gpu-check).
