@@ -115,7 +115,8 @@ impl Domain {
     /// more). Slots come in size classes (powers of two up to 2 MiB,
     /// multiples of 2 MiB above: a 600 MiB message pins 600 MiB, not
     /// 1 GiB). A slot larger than a chunk (a whole large message's) is
-    /// freed when its operation is done; smaller ones are cached, per GPU,
+    /// freed when its operation is done, unless it was reserved
+    /// ([`Domain::reserve_staging`]); smaller ones are cached, per GPU,
     /// up to the most bytes that were ever on loan at once (at least
     /// 64 MiB), so a workload's next burst at the same depth pins nothing.
     #[cfg(feature = "cuda")]
