@@ -937,13 +937,12 @@ pub unsafe extern "C" fn cuMemHostRegister_v2(p: *mut libc::c_void, size: usize,
     // is what makes pinning cost far more than a copy of the same bytes:
     // populate them (writable, contents unchanged), as pinning does. Best
     // effort: a kernel without MADV_POPULATE_WRITE (5.14) skips it.
-    const MADV_POPULATE_WRITE: libc::c_int = 23;
-    let page = 4096usize;
+    let page = host_page();
     let start = (p as usize) & !(page - 1);
     let end = (p as usize).saturating_add(size).next_multiple_of(page);
     // SAFETY: the caller registers memory it owns, mapped for `size` bytes
     // from `p`; populating its pages changes no byte of it.
-    unsafe { libc::madvise(start as *mut libc::c_void, end - start, MADV_POPULATE_WRITE) };
+    unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_POPULATE_WRITE) };
     state().host_registered.lock().unwrap().insert(p as usize, size);
     SUCCESS
 }
