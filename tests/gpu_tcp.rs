@@ -29,11 +29,7 @@ fn tcp_domain() -> Domain {
 }
 
 fn gpu_region(d: &Domain, len: usize, data: Option<&[u8]>) -> Region<CudaBuffer> {
-    let buf = CudaBuffer::alloc(&CudaDevice::open(0).expect("a CUDA device"), len).unwrap();
-    if let Some(data) = data {
-        buf.copy_from_host(0, data).unwrap();
-    }
-    d.register_with_path(buf, Access::LOCAL_WRITE, PathPolicy::Auto).unwrap_or_else(|e| panic!("{}", e.error))
+    common::gpu::gpu_region_on(d, &CudaDevice::open(0).expect("a CUDA device"), len, data, PathPolicy::Auto)
 }
 
 fn read_gpu(buf: &CudaBuffer, len: usize) -> Vec<u8> {
@@ -250,10 +246,7 @@ gpu_tcp_test! {
         let dev = CudaDevice::open(ordinal).unwrap();
         let d = tcp_domain();
         let (s, c) = pair_on(&d, &d, opts(), opts());
-        let gpu = |len: usize| {
-            let buf = CudaBuffer::alloc(&dev, len).unwrap();
-            d.register_with_path(buf, Access::LOCAL_WRITE, PathPolicy::Auto).unwrap_or_else(|e| panic!("{}", e.error))
-        };
+        let gpu = |len: usize| common::gpu::gpu_region_on(&d, &dev, len, None, PathPolicy::Auto);
         let limit = std::time::Duration::from_secs(30);
         let (len, rounds, warm) = (64 << 10, 40u64, 5u64);
         let (mut a, mut b) = (gpu(len), gpu(len));
@@ -569,9 +562,7 @@ gpu_tcp_test! {
             }
         };
         let on = |ordinal: usize, data: &[u8]| {
-            let buf = CudaBuffer::alloc(&CudaDevice::open(ordinal).unwrap(), n).unwrap();
-            buf.copy_from_host(0, data).unwrap();
-            d.register_with_path(buf, Access::LOCAL_WRITE, PathPolicy::Auto).unwrap_or_else(|e| panic!("{}", e.error))
+            common::gpu::gpu_region_on(&d, &CudaDevice::open(ordinal).unwrap(), n, Some(data), PathPolicy::Auto)
         };
         let stream = gpu_rdma::cuda::CudaStream::new(&dev).unwrap();
         let first = gpu_region(&d, n, None);

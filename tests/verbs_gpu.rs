@@ -34,11 +34,7 @@ fn gpu() -> CudaDevice {
 }
 
 fn gpu_region(d: &Domain, len: usize, data: Option<&[u8]>, policy: PathPolicy) -> Region<CudaBuffer> {
-    let buf = CudaBuffer::alloc(&gpu(), len).unwrap();
-    if let Some(data) = data {
-        buf.copy_from_host(0, data).unwrap();
-    }
-    d.register_with_path(buf, Access::LOCAL_WRITE, policy).unwrap_or_else(|e| panic!("register: {}", e.error))
+    common::gpu::gpu_region_on(d, &gpu(), len, data, policy)
 }
 
 fn read_gpu(buf: &CudaBuffer, len: usize) -> Vec<u8> {

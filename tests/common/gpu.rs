@@ -39,6 +39,24 @@ pub fn produced(seed: u64, len: usize) -> Vec<u8> {
     (0..len).map(|i| w[i % 4]).collect()
 }
 
+/// A buffer of `len` bytes on `device`, holding `data` at its start if
+/// given, registered on `d` with `policy` (panics, naming the policy, if
+/// that fails).
+pub fn gpu_region_on(
+    d: &gpu_rdma::Domain,
+    device: &CudaDevice,
+    len: usize,
+    data: Option<&[u8]>,
+    policy: gpu_rdma::memory::path::PathPolicy,
+) -> gpu_rdma::Region<CudaBuffer> {
+    let buf = CudaBuffer::alloc(device, len).unwrap();
+    if let Some(data) = data {
+        buf.copy_from_host(0, data).unwrap();
+    }
+    d.register_with_path(buf, gpu_rdma::Access::LOCAL_WRITE, policy)
+        .unwrap_or_else(|e| panic!("register with {policy:?}: {}", e.error))
+}
+
 /// Queues a producer on `stream` that fills `len` bytes (a multiple of 4)
 /// of `buf` at `offset` with the pattern for `seed`, landing late: a write
 /// posted without waiting for its fence sends stale bytes. On the stand-in
@@ -206,9 +224,7 @@ pub fn producer_loop(
     let (s, c) = super::pair_on(ds, dc, super::opts().advertise(&target), super::opts().staging(len / 4, 4));
     let device = CudaDevice::open(0).unwrap();
     let stream = CudaStream::new(&device).unwrap();
-    let src = dc
-        .register_with_path(CudaBuffer::alloc(&device, len).unwrap(), Access::LOCAL_WRITE, policy)
-        .unwrap_or_else(|e| panic!("register with {policy:?}: {}", e.error));
+    let src = gpu_region_on(dc, &device, len, None, policy);
     let remote = c.remote_region(7).unwrap().whole();
     let mut src = Some(src);
     let mut got = vec![0u8; len];
@@ -245,7 +261,7 @@ pub fn producer_loop(
 /// that completion must wake the awaiting task (a copy's end, which wakes
 /// nobody, is looked at again on a timer). Returns the rounds verified.
 pub fn awaited_staged_round_trips(d: &gpu_rdma::Domain, policy: gpu_rdma::memory::path::PathPolicy) -> u32 {
-    use gpu_rdma::{Access, Region};
+    use gpu_rdma::Access;
     let len = 300 << 10;
     let target = d.expose(d.alloc(len).unwrap(), Access::REMOTE_WRITE, 9).unwrap();
     let (s, c) = super::pair_on(d, d, super::opts().advertise(&target), super::opts().staging(64 << 10, 2));
@@ -254,14 +270,7 @@ pub fn awaited_staged_round_trips(d: &gpu_rdma::Domain, policy: gpu_rdma::memory
     let rounds = 12u32;
     let msg = |round: u32| super::pattern(len - round as usize * 1000, u64::from(round) + 60);
     let device = CudaDevice::open(0).unwrap();
-    let gpu = |len: usize, data: Option<&[u8]>| -> Region<CudaBuffer> {
-        let buf = CudaBuffer::alloc(&device, len).unwrap();
-        if let Some(data) = data {
-            buf.copy_from_host(0, data).unwrap();
-        }
-        d.register_with_path(buf, Access::LOCAL_WRITE, policy)
-            .unwrap_or_else(|e| panic!("register with {policy:?}: {}", e.error))
-    };
+    let gpu = |len: usize, data: Option<&[u8]>| gpu_region_on(d, &device, len, data, policy);
     let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
     std::thread::scope(|sc| {
         let server = sc.spawn(|| -> gpu_rdma::Result<()> {
@@ -320,12 +329,7 @@ pub fn staged_bursts(d: &gpu_rdma::Domain, policy: gpu_rdma::memory::path::PathP
     let mut pinned = Vec::new();
     for round in 0..2u64 {
         let data = super::pattern(burst * len, 70 + round);
-        let buf = CudaBuffer::alloc(&device, burst * len).unwrap();
-        buf.copy_from_host(0, &data).unwrap();
-        let local = d
-            .register_with_path(buf, Access::LOCAL_WRITE, policy)
-            .unwrap_or_else(|e| panic!("register with {policy:?}: {}", e.error))
-            .share();
+        let local = gpu_region_on(d, &device, burst * len, Some(&data), policy).share();
         let before = d.staging_stats().slots_pinned;
         let mut writes: Vec<_> = (0..burst)
             .map(|i| {
@@ -353,12 +357,7 @@ pub fn reserved_staging_serves_and_stays(d: &gpu_rdma::Domain, policy: gpu_rdma:
     use gpu_rdma::Access;
     let (big, small, smalls) = (8 << 20, 256 << 10, 4);
     let device = CudaDevice::open(0).unwrap();
-    let gpu = |len: usize, data: &[u8]| {
-        let buf = CudaBuffer::alloc(&device, len).unwrap();
-        buf.copy_from_host(0, data).unwrap();
-        d.register_with_path(buf, Access::LOCAL_WRITE, policy)
-            .unwrap_or_else(|e| panic!("register with {policy:?}: {}", e.error))
-    };
+    let gpu = |len: usize, data: &[u8]| gpu_region_on(d, &device, len, Some(data), policy);
     let target = d.expose(d.alloc(smalls * small).unwrap(), Access::REMOTE_WRITE, 9).unwrap();
     // Chunks of 1 MiB: the 8 MiB message is larger than a chunk.
     let opts = super::opts().advertise(&target).staging(1 << 20, 4);
