@@ -1338,6 +1338,48 @@ fn the_bench_refuses_a_client_whose_flags_differ_from_the_servers(t: Kind) {
     assert!(matches!(client, Err(Error::InvalidArgument(ref m)) if m.contains("flags")), "{client:?}");
 }
 
+/// A send-lat server that knows the largest size (`run_server`) receives
+/// into a ring of two slots apart from its replies; over several sizes,
+/// inline and not, twice on one connection, every message is answered and
+/// nothing is left posted.
+fn a_send_lat_server_on_a_receive_ring_answers_every_size_and_leaves_nothing_posted(t: Kind) {
+    use gpu_rdma::bench::{self, LocalMode, Params, Row, Test};
+    let d = domain(t);
+    let (s, c) = pair(&d);
+    let sizes = vec![2, 64, 1024, 4096];
+    // Three times the largest size, as `gpu-rdma bench` allocates: the
+    // ring's two slots fit apart from the replies.
+    let (server_buf, client_buf) = (d.alloc(3 * 4096).unwrap().share(), d.alloc(3 * 4096).unwrap().share());
+    let limit = Duration::from_secs(30);
+    let params = Params { test: Test::SendLat, sizes: sizes.clone(), iters: 50, tx_depth: 16, cq_mod: 4, list: 8 };
+    for round in 0..2 {
+        let (server, client) = thread::scope(|sc| {
+            let server = sc.spawn(|| bench::run_server(&s, &params, &server_buf, LocalMode::HOST, None, limit));
+            let client = bench::run_client(&c, &params, &client_buf, LocalMode::HOST, None, limit, |_| {});
+            (server.join().expect("the serving thread"), client)
+        });
+        server.unwrap_or_else(|e| panic!("round {round}: the server: {e}"));
+        let rows = client.unwrap_or_else(|e| panic!("round {round}: the client: {e}"));
+        let got: Vec<(usize, u64)> = rows
+            .iter()
+            .map(|r| match r {
+                Row::Lat(r) => {
+                    assert!(r.t_min > 0.0 && r.t_min <= r.t_max, "{r:?}");
+                    (r.bytes, r.iterations)
+                }
+                other => panic!("a latency row, got {other:?}"),
+            })
+            .collect();
+        assert_eq!(got, sizes.iter().map(|&n| (n, 50)).collect::<Vec<_>>(), "round {round}");
+    }
+    assert_eq!(s.in_flight().0, 0, "the server left receives posted");
+    let mut rx = s.recv(d.alloc(64).unwrap());
+    c.send_inline(b"clean", None).wait_timeout(limit).unwrap();
+    let got = rx.wait_timeout(Duration::from_secs(5)).expect("a receive posted by the server swallowed the message");
+    assert_eq!(got.byte_len, 5);
+    assert_eq!(&rx.into_buffer().unwrap()[..5], b"clean");
+}
+
 /// Each test of the suite, on each transport.
 fn an_endpoint_passed_as_bytes_is_enough_to_connect(t: Kind) {
     let d = domain(t);
@@ -1471,6 +1513,7 @@ both!(
     a_withdrawn_regions_key_is_a_remote_access_error_never_stale_or_reused_memory,
     the_secret_never_crosses_the_wire_and_a_peer_without_it_learns_nothing,
     the_bench_refuses_a_client_whose_flags_differ_from_the_servers,
+    a_send_lat_server_on_a_receive_ring_answers_every_size_and_leaves_nothing_posted,
     an_interrupted_accept_returns_at_once_and_keeps_its_connections,
     an_endpoint_passed_as_bytes_is_enough_to_connect,
     a_try_post_into_a_full_queue_is_refused_at_once_with_its_buffer,

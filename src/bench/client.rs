@@ -444,7 +444,7 @@ impl<B: LocalBuffer + Clone> Pings<'_, B> {
 /// [`RecvRing`](crate::RecvRing), in host memory. `None` for GPU memory
 /// (whose ping-pong keeps one loop on every path) and a buffer too short
 /// for three messages.
-fn ring_slots<B: LocalBuffer + Clone>(local: &B, size: usize) -> Option<usize> {
+pub(super) fn ring_slots<B: LocalBuffer + Clone>(local: &B, size: usize) -> Option<usize> {
     let host = local.parts().path.is_none();
     let at = local.buffer_len().checked_sub(size.checked_mul(2)?)?;
     (host && size > 0 && at >= size).then_some(at)

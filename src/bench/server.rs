@@ -2,11 +2,11 @@
 
 use std::time::Duration;
 
-use crate::connection::{Connection, Pending, PersistentRecv};
+use crate::connection::{Connection, Pending, PersistentRecv, RecvRing};
 use crate::error::{Error, Result};
 use crate::memory::{Exposed, HostMemory, LocalBuffer, RemoteRegion};
 
-use super::client::{SendRing, Trailing, second_half};
+use super::client::{SendRing, Trailing, ring_slots, second_half};
 use super::params::{DONE, LocalMode, Params, Test};
 
 /// Where the server's memory is, for the write ping-pong: a write with
@@ -76,7 +76,7 @@ pub fn run_server<B: Landing>(
             ))
         }
     };
-    serve(conn, params.test, local, mode, client, timeout, verdict)
+    serve_sized(conn, params.test, local, mode, client, timeout, Some(params.max_size()), verdict)
 }
 
 /// The server's side of `test` without the parameter exchange: posts what
@@ -92,6 +92,24 @@ pub fn serve<B: Landing>(
     mode: LocalMode,
     client: Option<&RemoteRegion>,
     timeout: Duration,
+    ready: impl FnOnce(&Connection) -> Result<()>,
+) -> Result<()> {
+    serve_sized(conn, test, local, mode, client, timeout, None, ready)
+}
+
+/// [`serve`], knowing the largest message (`max`) when the parameters
+/// were exchanged: a ping-pong then receives into a ring of two slots of
+/// that size, as the client does, where the buffer holds them apart from
+/// the replies.
+#[allow(clippy::too_many_arguments)]
+fn serve_sized<B: Landing>(
+    conn: &Connection,
+    test: Test,
+    local: &B,
+    mode: LocalMode,
+    client: Option<&RemoteRegion>,
+    timeout: Duration,
+    max: Option<usize>,
     ready: impl FnOnce(&Connection) -> Result<()>,
 ) -> Result<()> {
     let whole = local.buffer_len();
@@ -126,6 +144,10 @@ pub fn serve<B: Landing>(
         Test::SendLat => {
             let zeros = vec![0u8; conn.info().max_inline as usize];
             let mut sent = SendRing::new();
+            if let Some((max, at)) = max.and_then(|m| Some((m, ring_slots(local, m)?))) {
+                let ring = conn.recv_ring(local.clone().slice(at..), max, 2);
+                return pong_from_ring(conn, ring, local, mode, &zeros, &mut sent, timeout, ready);
+            }
             // Two receives posted, used in turn, so that the reply goes out
             // first and the receive is replenished after it, off the path
             // from a message to its reply.
@@ -177,6 +199,50 @@ pub fn serve<B: Landing>(
             }
         }
     }
+}
+
+/// The send-lat server on a ring of receives (slots apart from the
+/// replies, which go from the buffer's start): each reply goes out before
+/// its message's slot is posted again (the loan's end), off the path from
+/// a message to its reply.
+#[allow(clippy::too_many_arguments)]
+fn pong_from_ring<B: Landing>(
+    conn: &Connection,
+    mut ring: RecvRing<B>,
+    local: &B,
+    mode: LocalMode,
+    zeros: &[u8],
+    sent: &mut SendRing<B>,
+    timeout: Duration,
+    ready: impl FnOnce(&Connection) -> Result<()>,
+) -> Result<()> {
+    ready(conn)?;
+    loop {
+        let msg = ring.next_timeout(timeout)?;
+        if msg.imm() == Some(DONE) {
+            msg.retire();
+            sent.drain(timeout)?;
+            return end_of_ring(conn, &mut ring, timeout);
+        }
+        let n = msg.len();
+        if mode.inline && n <= zeros.len() {
+            // The client's next message says it arrived: nothing to track.
+            conn.send_inline_untracked(&zeros[..n], None)?;
+            drop(msg);
+        } else {
+            sent.send(conn, n, |n| local.clone().slice(..n))?;
+            drop(msg);
+            sent.ready_next(timeout)?;
+        }
+    }
+}
+
+/// [`end_of_test`] for a ring: says how many of its receives are still
+/// posted and waits for the client to fill them, leaving none posted.
+fn end_of_ring<B: LocalBuffer>(conn: &Connection, ring: &mut RecvRing<B>, timeout: Duration) -> Result<()> {
+    let left = u32::try_from(ring.posted()).map_err(|_| Error::InvalidArgument("too many receives posted".into()))?;
+    conn.send_inline(&[], Some(left)).wait_timeout(timeout)?;
+    (0..left).try_for_each(|_| ring.next_timeout(timeout).map(|m| m.retire()))
 }
 
 /// The server's end of [`finish`]: says how many receives are still
