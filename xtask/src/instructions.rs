@@ -22,6 +22,14 @@
 //! files, for `callgrind_annotate`; their counts go down to each
 //! instruction (`--dump-instr=yes`), to read against `objdump -d`.
 //!
+//! It also prints each tool's calls per iteration (callgrind's call
+//! counts), and with `--memory` its loads and stores per iteration
+//! (callgrind's cache simulation, which makes the counted side slower):
+//! in the guest, QEMU's TCG charges a load or a store, and a call and
+//! return, several times what it charges an ALU instruction, so where the
+//! counts of two tools differ, these say what the difference costs there.
+//! Both include the samples' sort and report after the loop.
+//!
 //! `--runs N` (default 3) counts N times in one boot, the tools alternating,
 //! and prints each count and their median: both tools' counts include a
 //! busy poll that spins in wall time until the reply arrives, so they move
@@ -89,6 +97,28 @@ pub fn total(cg: &str) -> Option<u64> {
         .and_then(|v| v.parse().ok())
 }
 
+/// An event's total in a callgrind output file: its place in the
+/// `events:` line, that place in the `summary:` (or `totals:`) line.
+pub fn event_total(cg: &str, event: &str) -> Option<u64> {
+    let names = cg.lines().find_map(|l| l.strip_prefix("events:"))?;
+    let at = names.split_whitespace().position(|n| n == event)?;
+    cg.lines()
+        .find_map(|l| l.strip_prefix("summary:").or_else(|| l.strip_prefix("totals:")))?
+        .split_whitespace()
+        .nth(at)?
+        .parse()
+        .ok()
+}
+
+/// The calls made in a callgrind output file: the sum of its `calls=N`
+/// lines (each call site's count, once, under its caller).
+pub fn calls(cg: &str) -> Option<u64> {
+    cg.lines()
+        .filter_map(|l| l.strip_prefix("calls="))
+        .map(|rest| rest.split_whitespace().next().and_then(|n| n.parse::<u64>().ok()))
+        .sum()
+}
+
 /// The function each tool sorts and summarises its samples in, once the
 /// loop is over: perftest's `qsort` of its cycle counts, our report.
 /// Sorting n samples costs about n log n, so it does not cancel in the
@@ -136,10 +166,12 @@ struct Options {
     /// Keep the guest's run directory (the callgrind files, for
     /// `callgrind_annotate`) even when every tool was counted.
     keep: bool,
+    /// Count loads and stores too (callgrind's cache simulation).
+    memory: bool,
 }
 
 fn parse(args: &[String]) -> Result<Options> {
-    let mut o = Options { size: 2, server: false, runs: 3, keep: false };
+    let mut o = Options { size: 2, server: false, runs: 3, keep: false, memory: false };
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
@@ -149,11 +181,16 @@ fn parse(args: &[String]) -> Result<Options> {
             }
             "--server" => o.server = true,
             "--keep" => o.keep = true,
+            "--memory" => o.memory = true,
             "--runs" => {
                 let n = it.next().ok_or("--runs needs a number")?;
                 o.runs = n.parse().ok().filter(|r| *r > 0).ok_or_else(|| format!("--runs {n}: not a count"))?;
             }
-            _ => return Err(format!("instructions takes --size N, --server, --runs N and --keep; got {args:?}")),
+            _ => {
+                return Err(format!(
+                    "instructions takes --size N, --server, --runs N, --keep and --memory; got {args:?}"
+                ));
+            }
         }
     }
     Ok(o)
@@ -205,7 +242,11 @@ pub fn command(args: &[String]) -> Result<i32> {
     // A kept run's counts go down to each instruction, for reading the hot
     // path against its disassembly (`cargo xtask hot`; the guest keeps the
     // binary with them).
-    let cg_opts = if o.keep { "--dump-instr=yes" } else { "" };
+    let cg_opts = [(o.keep, "--dump-instr=yes"), (o.memory, "--cache-sim=yes")]
+        .iter()
+        .filter_map(|&(on, opt)| on.then_some(opt))
+        .collect::<Vec<_>>()
+        .join(" ");
     let script = format!(
         "SIZE={}\nSIDE={side}\nRUNS={}\nKEEP={}\nCG_OPTS='{cg_opts}'\n{SCRIPT}",
         o.size,
@@ -239,6 +280,24 @@ pub fn command(args: &[String]) -> Result<i32> {
         let show =
             |v: &[Option<u64>]| v.iter().map(|c| c.map_or("-".to_owned(), |c| c.to_string())).collect::<Vec<_>>();
         let shown = show(&counts);
+        // What TCG charges more for: calls, and (counted) loads and stores.
+        let per_run = |count: &dyn Fn(&str) -> Option<u64>| -> Vec<Option<u64>> {
+            (0..o.runs)
+                .map(|r| {
+                    let at = |n: u32| {
+                        ran_clean(tool, &read(r, n, "status"), &read(r, n, "client"))
+                            .then(|| read(r, n, "cg"))
+                            .and_then(|cg| count(&cg))
+                    };
+                    per_iteration(at(1000), at(3000))
+                })
+                .collect()
+        };
+        let kinds: &[(&str, &str)] = if o.memory { &[("Dr", "loads"), ("Dw", "stores")] } else { &[] };
+        let mut extra = vec![("calls", per_run(&calls))];
+        for &(event, name) in kinds {
+            extra.push((name, per_run(&|cg: &str| event_total(cg, event))));
+        }
         match median_of_all(&counts) {
             Some(m) => {
                 per.insert(tool, m);
@@ -259,6 +318,11 @@ pub fn command(args: &[String]) -> Result<i32> {
                     }
                     None => writeln!(out, "{:<9} no count of its report's function in some runs", ""),
                 };
+                for (name, v) in &extra {
+                    if let Some(m) = median_of_all(v) {
+                        let _ = writeln!(out, "{:<9} {m} {name} per iteration (runs: {})", "", show(v).join(", "));
+                    }
+                }
             }
             None => {
                 let _ = writeln!(
@@ -301,6 +365,20 @@ mod tests {
         assert_eq!(total("events: Ir\nsummary: 6815764\n"), Some(6_815_764));
         assert_eq!(total("totals: 12\n"), Some(12));
         assert_eq!(total("events: Ir\n"), None);
+    }
+
+    #[test]
+    fn reads_an_events_total_by_its_place_and_sums_the_calls() {
+        let cg = "events: Ir Dr Dw I1mr\nfn=(1) main\n0 5 2 1\ncalls=3 0x10\n0 9\ncfn=(2)\ncalls=40 0x20\n\
+                  0 7\nsummary: 900 310 120 4\n";
+        assert_eq!(event_total(cg, "Ir"), Some(900));
+        assert_eq!(event_total(cg, "Dr"), Some(310));
+        assert_eq!(event_total(cg, "Dw"), Some(120));
+        assert_eq!(event_total(cg, "D1mw"), None, "an event not counted");
+        assert_eq!(event_total("events: Ir\n", "Ir"), None, "no summary");
+        assert_eq!(calls(cg), Some(43));
+        assert_eq!(calls("events: Ir\nsummary: 1\n"), Some(0));
+        assert_eq!(calls("calls=x 0x10\n"), None, "a count that does not parse");
     }
 
     #[test]
@@ -358,10 +436,10 @@ mod tests {
     #[test]
     fn parses_the_size_and_the_side() {
         let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-        assert_eq!(parse(&[]), Ok(Options { size: 2, server: false, runs: 3, keep: false }));
+        assert_eq!(parse(&[]), Ok(Options { size: 2, server: false, runs: 3, keep: false, memory: false }));
         assert_eq!(
-            parse(&args(&["--size", "4096", "--server", "--runs", "5", "--keep"])),
-            Ok(Options { size: 4096, server: true, runs: 5, keep: true })
+            parse(&args(&["--size", "4096", "--server", "--runs", "5", "--keep", "--memory"])),
+            Ok(Options { size: 4096, server: true, runs: 5, keep: true, memory: true })
         );
         assert!(parse(&args(&["--runs", "0"])).is_err());
         assert!(parse(&args(&["--size", "0"])).is_err());
