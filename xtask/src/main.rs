@@ -56,10 +56,10 @@ commands:
                           --only, --size: the guest's cases of one test, of one size (no host part);
                           --null: perftest twice a round, its second run against its first (the noise floor);
                           --from: the table from kept guest runs, their rounds pooled
-  instructions [--size N] [--server] [--runs N] [--keep]
+  instructions [--size N] [--server] [--runs N] [--keep] [--memory]
                         instructions per send-lat iteration under callgrind: ib_send_lat, gpu-rdma, ucx_perftest
                           (the client's, or with --server the server's; 2 B unless --size; the median of
-                          3 runs unless --runs; --keep: the callgrind files kept)
+                          3 runs unless --runs; --keep: the callgrind files kept; --memory: loads and stores too)
   hot [RUN_DIR] [--tool TOOL] [--fn NAME] [--top N]
                         one send-lat iteration's instructions by function (self cost, the most first), from a
                           run `instructions --keep` kept (the newest unless RUN_DIR); --fn: each function whose
