@@ -152,6 +152,17 @@ pub fn report_cost(listing: &str) -> Option<u64> {
     Some(named.unwrap_or(0))
 }
 
+/// What one clean run of one length counted: its instructions, its
+/// report function's share of them, its calls, and (with `--memory`) its
+/// loads and stores.
+struct Counted {
+    total: u64,
+    report: Option<u64>,
+    calls: Option<u64>,
+    loads: Option<u64>,
+    stores: Option<u64>,
+}
+
 /// The tools counted, as the guest's script names them: perftest's
 /// `ib_send_lat` (raw verbs), ours, and UCX's `ucx_perftest -t tag_lat`
 /// (UCP's tagged sends over rc_verbs: a library's ping-pong, as ours is).
@@ -263,40 +274,37 @@ pub fn command(args: &[String]) -> Result<i32> {
         let read = |run: u32, n: u32, ext: &str| {
             fs::read_to_string(guest.dir.join(format!("{tool}-{run}-{n}.{ext}"))).unwrap_or_default()
         };
-        // A clean run's total, and its report function's inclusive count.
+        // A clean run's counts, its callgrind file read once.
         let measured = |run: u32, n: u32| {
             if !ran_clean(tool, &read(run, n, "status"), &read(run, n, "client")) {
                 return None;
             }
-            Some((total(&read(run, n, "cg"))?, report_cost(&read(run, n, "cg.incl"))))
+            let cg = read(run, n, "cg");
+            Some(Counted {
+                total: total(&cg)?,
+                report: report_cost(&read(run, n, "cg.incl")),
+                calls: calls(&cg),
+                loads: event_total(&cg, "Dr"),
+                stores: event_total(&cg, "Dw"),
+            })
         };
         // Each run's two lengths, each read once.
         let lengths: Vec<_> = (0..o.runs).map(|r| (measured(r, 1000), measured(r, 3000))).collect();
-        let whole = |m: Option<(u64, Option<u64>)>| m.map(|(t, _)| t);
+        // One count per run, per iteration: the two lengths' difference.
+        let per_run = |count: fn(&Counted) -> Option<u64>| -> Vec<Option<u64>> {
+            lengths.iter().map(|(a, b)| per_iteration(a.as_ref().and_then(count), b.as_ref().and_then(count))).collect()
+        };
+        let counts = per_run(|c| Some(c.total));
         // The same without the report's function.
-        let looped = |m: Option<(u64, Option<u64>)>| m.and_then(|(t, report)| t.checked_sub(report?));
-        let counts: Vec<Option<u64>> = lengths.iter().map(|&(a, b)| per_iteration(whole(a), whole(b))).collect();
-        let loops: Vec<Option<u64>> = lengths.iter().map(|&(a, b)| per_iteration(looped(a), looped(b))).collect();
+        let loops = per_run(|c| c.total.checked_sub(c.report?));
         let show =
             |v: &[Option<u64>]| v.iter().map(|c| c.map_or("-".to_owned(), |c| c.to_string())).collect::<Vec<_>>();
         let shown = show(&counts);
         // What TCG charges more for: calls, and (counted) loads and stores.
-        let per_run = |count: &dyn Fn(&str) -> Option<u64>| -> Vec<Option<u64>> {
-            (0..o.runs)
-                .map(|r| {
-                    let at = |n: u32| {
-                        ran_clean(tool, &read(r, n, "status"), &read(r, n, "client"))
-                            .then(|| read(r, n, "cg"))
-                            .and_then(|cg| count(&cg))
-                    };
-                    per_iteration(at(1000), at(3000))
-                })
-                .collect()
-        };
-        let kinds: &[(&str, &str)] = if o.memory { &[("Dr", "loads"), ("Dw", "stores")] } else { &[] };
-        let mut extra = vec![("calls", per_run(&calls))];
-        for &(event, name) in kinds {
-            extra.push((name, per_run(&|cg: &str| event_total(cg, event))));
+        let mut extra = vec![("calls", per_run(|c| c.calls))];
+        if o.memory {
+            extra.push(("loads", per_run(|c| c.loads)));
+            extra.push(("stores", per_run(|c| c.stores)));
         }
         match median_of_all(&counts) {
             Some(m) => {
