@@ -76,7 +76,16 @@ pub fn run_server<B: Landing>(
             ))
         }
     };
-    serve_sized(conn, params.test, local, mode, client, timeout, Some(params.max_size()), verdict)
+    // A ping-pong receives into a ring of two slots of the largest size,
+    // as the client does, where the buffer holds them apart from the
+    // replies; `serve`, which is not told the sizes, keeps two receives
+    // of the whole buffer.
+    if params.test == Test::SendLat {
+        if let Some(at) = ring_slots(local, max) {
+            return pong_from_ring(conn, local, at, max, mode, timeout, verdict);
+        }
+    }
+    serve(conn, params.test, local, mode, client, timeout, verdict)
 }
 
 /// The server's side of `test` without the parameter exchange: posts what
@@ -92,24 +101,6 @@ pub fn serve<B: Landing>(
     mode: LocalMode,
     client: Option<&RemoteRegion>,
     timeout: Duration,
-    ready: impl FnOnce(&Connection) -> Result<()>,
-) -> Result<()> {
-    serve_sized(conn, test, local, mode, client, timeout, None, ready)
-}
-
-/// [`serve`], knowing the largest message (`max`) when the parameters
-/// were exchanged: a ping-pong then receives into a ring of two slots of
-/// that size, as the client does, where the buffer holds them apart from
-/// the replies.
-#[allow(clippy::too_many_arguments)]
-fn serve_sized<B: Landing>(
-    conn: &Connection,
-    test: Test,
-    local: &B,
-    mode: LocalMode,
-    client: Option<&RemoteRegion>,
-    timeout: Duration,
-    max: Option<usize>,
     ready: impl FnOnce(&Connection) -> Result<()>,
 ) -> Result<()> {
     let whole = local.buffer_len();
@@ -144,10 +135,6 @@ fn serve_sized<B: Landing>(
         Test::SendLat => {
             let zeros = vec![0u8; conn.info().max_inline as usize];
             let mut sent = SendRing::new();
-            if let Some((max, at)) = max.and_then(|m| Some((m, ring_slots(local, m)?))) {
-                let ring = conn.recv_ring(local.clone().slice(at..), max, 2);
-                return pong_from_ring(conn, ring, local, mode, &zeros, &mut sent, timeout, ready);
-            }
             // Two receives posted, used in turn, so that the reply goes out
             // first and the receive is replenished after it, off the path
             // from a message to its reply.
@@ -201,21 +188,22 @@ fn serve_sized<B: Landing>(
     }
 }
 
-/// The send-lat server on a ring of receives (slots apart from the
-/// replies, which go from the buffer's start): each reply goes out before
-/// its message's slot is posted again (the loan's end), off the path from
-/// a message to its reply.
-#[allow(clippy::too_many_arguments)]
+/// The send-lat server on a ring of two receives of `max` bytes from `at`
+/// (apart from the replies, which go from the buffer's start), posted
+/// before `ready`: each reply goes out before its message's slot is posted
+/// again (the loan's end), off the path from a message to its reply.
 fn pong_from_ring<B: Landing>(
     conn: &Connection,
-    mut ring: RecvRing<B>,
     local: &B,
+    at: usize,
+    max: usize,
     mode: LocalMode,
-    zeros: &[u8],
-    sent: &mut SendRing<B>,
     timeout: Duration,
     ready: impl FnOnce(&Connection) -> Result<()>,
 ) -> Result<()> {
+    let mut ring = conn.recv_ring(local.clone().slice(at..), max, 2);
+    let zeros = vec![0u8; conn.info().max_inline as usize];
+    let mut sent = SendRing::new();
     ready(conn)?;
     loop {
         let msg = ring.next_timeout(timeout)?;
@@ -240,8 +228,7 @@ fn pong_from_ring<B: Landing>(
 /// [`end_of_test`] for a ring: says how many of its receives are still
 /// posted and waits for the client to fill them, leaving none posted.
 fn end_of_ring<B: LocalBuffer>(conn: &Connection, ring: &mut RecvRing<B>, timeout: Duration) -> Result<()> {
-    let left = u32::try_from(ring.posted()).map_err(|_| Error::InvalidArgument("too many receives posted".into()))?;
-    conn.send_inline(&[], Some(left)).wait_timeout(timeout)?;
+    let left = say_left(conn, ring.posted(), timeout)?;
     (0..left).try_for_each(|_| ring.next_timeout(timeout).map(|m| m.retire()))
 }
 
@@ -249,9 +236,16 @@ fn end_of_ring<B: LocalBuffer>(conn: &Connection, ring: &mut RecvRing<B>, timeou
 /// posted (`posted`, in the order they were posted) and waits for the
 /// client to fill them.
 fn end_of_test<B: LocalBuffer>(conn: &Connection, posted: &mut [PersistentRecv<B>], timeout: Duration) -> Result<()> {
-    let left = u32::try_from(posted.len()).map_err(|_| Error::InvalidArgument("too many receives posted".into()))?;
-    conn.send_inline(&[], Some(left)).wait_timeout(timeout)?;
+    say_left(conn, posted.len(), timeout)?;
     posted.iter_mut().try_for_each(|p| p.wait_timeout(timeout).map(drop))
+}
+
+/// Tells the client how many receives are still posted (its `finish`
+/// fills them); that count.
+fn say_left(conn: &Connection, posted: usize, timeout: Duration) -> Result<u32> {
+    let left = u32::try_from(posted).map_err(|_| Error::InvalidArgument("too many receives posted".into()))?;
+    conn.send_inline(&[], Some(left)).wait_timeout(timeout)?;
+    Ok(left)
 }
 
 fn wait_done(mut p: Pending<()>, timeout: Duration) -> Result<()> {
