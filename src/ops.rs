@@ -162,6 +162,25 @@ struct OpEntry {
     waker: Option<Waker>,
 }
 
+impl OpEntry {
+    /// This operation's completion as its request `raw` reports it.
+    #[inline(always)]
+    fn completion(&self, raw: &RawCompletion) -> Completion {
+        Completion {
+            wr_id: raw.wr_id & !FINAL_BIT,
+            opcode: match self.opcode {
+                Opcode::Recv if raw.by_write_imm => Opcode::RecvWriteWithImm,
+                other => other,
+            },
+            status: raw.status,
+            byte_len: self.bytes.map_or(raw.byte_len, |b| u32::try_from(b).unwrap_or(u32::MAX)),
+            imm: raw.imm,
+            qp_num: raw.qp_num,
+            vendor_err: raw.vendor_err,
+        }
+    }
+}
+
 const NO_COMPLETION: Completion = Completion {
     wr_id: 0,
     opcode: Opcode::Send,
@@ -270,28 +289,16 @@ impl OpTable {
             stray(raw.wr_id);
             return (Held::default(), None, false);
         };
-        let completion = || Completion {
-            wr_id: raw.wr_id & !FINAL_BIT,
-            opcode: match e.opcode {
-                Opcode::Recv if raw.by_write_imm => Opcode::RecvWriteWithImm,
-                other => other,
-            },
-            status: raw.status,
-            byte_len: e.bytes.map_or(raw.byte_len, |b| u32::try_from(b).unwrap_or(u32::MAX)),
-            imm: raw.imm,
-            qp_num: raw.qp_num,
-            vendor_err: raw.vendor_err,
-        };
         if !last {
             // An unsignaled part of a batch reports only errors; keep the first.
             if !raw.status.is_success() && !e.failed_early {
-                e.effective = completion();
+                e.effective = e.completion(raw);
                 e.failed_early = true;
             }
             return (Held::default(), None, false);
         }
         if !e.failed_early {
-            e.effective = completion();
+            e.effective = e.completion(raw);
         }
         let held = e.held;
         let orphan = e.orphan.take();
@@ -307,6 +314,37 @@ impl OpTable {
             e.phase = Phase::Done;
         }
         (held, orphan, !e.effective.status.is_success())
+    }
+
+    /// [`complete`](Self::complete) and [`take`](Self::take) at once, for
+    /// the one case a waiter meets most: `raw` is the successful final
+    /// completion of `want`, whose handle is waiting for it (no dropped
+    /// handle's buffer, no future to wake, no earlier failure in its
+    /// chain). Its completion goes straight to the caller and its slot is
+    /// freed, with the queue resources it held, as a `complete` then a
+    /// `take` would leave them; the completion is never stored to be read
+    /// back. `None`, with nothing changed, in every other case.
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    #[inline(always)]
+    pub(crate) fn complete_taking(&mut self, raw: &RawCompletion, want: OpId) -> Option<(Held, Completion)> {
+        if raw.wr_id != want.wr_id(true) || !raw.status.is_success() {
+            return None;
+        }
+        let e = self.entries.get_mut(want.index as usize)?;
+        if e.generation != want.generation
+            || e.phase != Phase::Busy
+            || e.failed_early
+            || e.orphan.is_some()
+            || e.waker.is_some()
+        {
+            return None;
+        }
+        let completion = e.completion(raw);
+        let held = e.held;
+        e.phase = Phase::Free;
+        self.busy -= 1;
+        self.free.push(want.index);
+        Some((held, completion))
     }
 
     /// The outcome of a finished operation. `lost` is why the connection

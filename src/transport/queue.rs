@@ -489,6 +489,28 @@ impl QueueCore {
             return None;
         }
         let (held, orphan, failed) = self.table.complete(raw);
+        self.settle(held, failed, raw);
+        orphan
+    }
+
+    /// [`complete`](Self::complete) and [`take`](Self::take) of `want` at
+    /// once, when `raw` is its successful final completion and its handle
+    /// is the one waiting (see [`OpTable::complete_taking`]): the
+    /// completion, handed over without being stored. `None`, with nothing
+    /// changed, otherwise: then `raw` is recorded with `complete`.
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    #[inline(always)]
+    pub(crate) fn complete_taking(&mut self, raw: &RawCompletion, want: OpId) -> Option<Completion> {
+        let (held, completion) = self.table.complete_taking(raw, want)?;
+        self.changes = self.changes.wrapping_add(1);
+        self.settle(held, false, raw);
+        Some(completion)
+    }
+
+    /// An operation's final completion (`failed`: it failed) gives back
+    /// what it held: its place in the send queue's order, its credits.
+    #[inline(always)]
+    fn settle(&mut self, held: Held, failed: bool, raw: &RawCompletion) {
         if held.sq_end > 0 {
             if failed {
                 self.failed_at(held.sq_end - u64::from(held.send_wrs), raw);
@@ -500,7 +522,6 @@ impl QueueCore {
             }
         }
         self.release(held);
-        orphan
     }
 
     /// Records the first failure in the send queue (the earliest: the
@@ -959,6 +980,55 @@ mod tests {
         fn drop(&mut self) {
             self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         }
+    }
+
+    #[test]
+    fn a_waiters_success_is_taken_straight_from_the_poll_and_leaves_what_complete_then_take_would() {
+        let mut q = core(4, 4);
+        let r = q.start_recv().unwrap();
+        let s = q.start_send(Opcode::Send, 2, 10);
+        let before = q.changes();
+        // Another operation's completion, a chain's earlier request, a failure:
+        // declined, with nothing changed.
+        assert!(q.complete_taking(&done(s, true, WcStatus::Success), r).is_none());
+        assert!(q.complete_taking(&done(s, false, WcStatus::Success), s).is_none());
+        assert!(q.complete_taking(&done(r, true, WcStatus::LocalLength), r).is_none());
+        assert_eq!((q.changes(), q.credits(), q.stats()), (before, (2, 1), (2, 0)));
+        // The receive's success: handed over, its credit back, its slot free.
+        let raw = RawCompletion { byte_len: 1000, imm: Some(9), ..done(r, true, WcStatus::Success) };
+        let c = q.complete_taking(&raw, r).expect("its own successful final completion");
+        assert_eq!((c.wr_id, c.opcode, c.byte_len, c.imm), (r.wr_id(false), Opcode::Recv, 1000, Some(9)));
+        assert_ne!(q.changes(), before, "a waiter of another operation looks again");
+        assert_eq!((q.credits(), q.stats()), ((2, 0), (1, 0)));
+        assert!(!q.is_done(r) && q.take(r).is_none(), "nothing left to take");
+        assert!(q.complete_taking(&raw, r).is_none(), "a repeat is stale");
+        // A send's: the bytes it moved, its credits back, the send queue's order past it.
+        assert!(q.complete(&done(s, false, WcStatus::Success)).is_none());
+        let c = q.complete_taking(&done(s, true, WcStatus::Success), s).unwrap();
+        assert_eq!((c.opcode, c.byte_len, q.credits(), q.stats()), (Opcode::Send, 10, (0, 0), (0, 0)));
+        let mark = q.succeeded_mark().load(Ordering::Acquire);
+        assert!(q.succeeded_below() >= 2 && mark == q.succeeded_below(), "the send queue's order, published");
+        // A chain whose earlier request failed keeps that error: declined, and
+        // recorded as usual the error is what it reports.
+        let t = q.start_send(Opcode::Write, 2, 20);
+        drop(q.complete(&done(t, false, WcStatus::LocalProtection)));
+        assert!(q.complete_taking(&done(t, true, WcStatus::Success), t).is_none());
+        drop(q.complete(&done(t, true, WcStatus::Success)));
+        assert!(matches!(q.take(t), Some(Err(_))));
+        // A dropped handle's buffer, or a future to wake: declined (the
+        // buffer is released and the future woken by `complete`).
+        let o = q.start_recv().unwrap();
+        assert!(q.orphan(o, Box::new(())).is_none());
+        assert!(q.complete_taking(&done(o, true, WcStatus::Success), o).is_none());
+        assert!(q.complete(&done(o, true, WcStatus::Success)).is_some());
+        let w = q.start_recv().unwrap();
+        let wakes = std::sync::Arc::new(Count(std::sync::atomic::AtomicUsize::new(0)));
+        assert!(q.take_or_register(w, &std::task::Waker::from(wakes.clone())).is_none());
+        assert!(q.complete_taking(&done(w, true, WcStatus::Success), w).is_none());
+        drop(q.complete(&done(w, true, WcStatus::Success)));
+        assert_eq!(wakes.0.load(std::sync::atomic::Ordering::SeqCst), 1);
+        assert!(matches!(q.take(w), Some(Ok(_))));
+        assert_eq!((q.credits(), q.stats()), ((0, 0), (0, 0)));
     }
 
     #[test]

@@ -357,16 +357,33 @@ impl VerbsConn {
 
     /// Polls the completion queue once and records what it finds.
     fn progress(&self, st: &mut VerbsState) -> Result<usize> {
+        self.progress_for(st, None).map(|(n, _)| n)
+    }
+
+    /// [`progress`](Self::progress) for a waiter of `want`: its successful
+    /// final completion, if this poll finds it, is handed back rather than
+    /// recorded to be taken (see [`QueueCore::complete_taking`]); the
+    /// other completions are recorded as usual. How many it read, and that.
+    #[inline(always)]
+    fn progress_for(&self, st: &mut VerbsState, want: Option<OpId>) -> Result<(usize, Option<Completion>)> {
         let q = &mut st.q;
+        let mut taken = None;
         let n = self.cq.poll_each(|wc| {
+            let raw = raw_completion(&wc);
+            if let Some(id) = want.filter(|_| taken.is_none()) {
+                if let Some(c) = q.complete_taking(&raw, id) {
+                    taken = Some(c);
+                    return;
+                }
+            }
             if !wc.status.is_success() {
                 lose_after(q, wc.status);
             }
             // The device is done with an orphan's memory: its final request completed.
-            drop(q.complete(&raw_completion(&wc)));
+            drop(q.complete(&raw));
         })?;
         self.check_grace(st);
-        Ok(n)
+        Ok((n, taken))
     }
 
     fn check_grace(&self, st: &mut VerbsState) {
@@ -406,7 +423,7 @@ impl VerbsConn {
                 return Ok(true);
             }
         }
-        self.wait_until_slow(due, ready)
+        self.wait_until_slow(due, None, &mut None, ready)
     }
 
     /// [`wait_until`](Self::wait_until) past its first poll: spinning, then
@@ -414,8 +431,18 @@ impl VerbsConn {
     /// (rung when another thread changed the queue: reaped a completion,
     /// and perhaps took the channel's event with it, after this one looked).
     /// A sleep lasts until one of those or the deadline.
+    ///
+    /// With `want`, a poll that finds that operation's successful final
+    /// completion puts it in `taken` and ends the wait (`Ok(true)`), as
+    /// [`progress_for`](Self::progress_for) hands it over.
     #[inline(never)]
-    fn wait_until_slow(&self, due: &mut Deadline, mut ready: impl FnMut(&mut VerbsState) -> bool) -> Result<bool> {
+    fn wait_until_slow(
+        &self,
+        due: &mut Deadline,
+        want: Option<OpId>,
+        taken: &mut Option<Completion>,
+        mut ready: impl FnMut(&mut VerbsState) -> bool,
+    ) -> Result<bool> {
         // Both fixed at the first clock read, not before: a wait that ends
         // within `polls_per_read` polls never reads the clock.
         let mut spin_until: Option<Instant> = None;
@@ -428,7 +455,10 @@ impl VerbsConn {
         loop {
             let grace_end = {
                 let mut st = self.lock();
-                self.progress(&mut st)?;
+                if let (_, Some(c)) = self.progress_for(&mut st, want)? {
+                    *taken = Some(c);
+                    return Ok(true);
+                }
                 let changes = Some(st.q.changes());
                 if seen != changes {
                     if ready(&mut st) {
@@ -476,7 +506,11 @@ impl VerbsConn {
                 // Polled empty after arming: a completion already queued
                 // raises no event.
                 loop {
-                    let n = self.progress(&mut st)?;
+                    let (n, got) = self.progress_for(&mut st, want)?;
+                    if got.is_some() {
+                        *taken = got;
+                        return Ok(true);
+                    }
                     if ready(&mut st) {
                         return Ok(true);
                     }
@@ -544,8 +578,11 @@ impl VerbsConn {
             if let Some(outcome) = st.q.take(id) {
                 return waited(outcome);
             }
-            if let Err(e) = self.progress(&mut st) {
-                return Err(WaitError::unfinished(e));
+            // Its success, found by this poll, comes straight back.
+            match self.progress_for(&mut st, Some(id)) {
+                Ok((_, Some(c))) => return Ok(c),
+                Ok((_, None)) => {}
+                Err(e) => return Err(WaitError::unfinished(e)),
             }
             if let Some(outcome) = st.q.take(id) {
                 return waited(outcome);
@@ -557,22 +594,29 @@ impl VerbsConn {
     /// [`wait_take`](Self::wait_take) past its first poll.
     #[inline(never)]
     fn wait_take_slow(&self, id: OpId, due: &mut Deadline) -> Waited {
-        self.wait_outcome(due, |st| st.q.take(id))
+        self.wait_outcome(due, Some(id), |st| st.q.take(id))
     }
 
     /// Waits, driving progress, until `outcome` gives one (it is asked
     /// after every poll), or the deadline passes ([`WaitError::Unfinished`]).
+    /// With `want` (the operation `outcome` takes), its success comes
+    /// straight from the poll that finds it.
     fn wait_outcome(
         &self,
         due: &mut Deadline,
+        want: Option<OpId>,
         mut outcome: impl FnMut(&mut VerbsState) -> Option<OpOutcome>,
     ) -> Waited {
         let mut found = None;
-        match self.wait_until_slow(due, |st| {
+        let mut taken = None;
+        match self.wait_until_slow(due, want, &mut taken, |st| {
             found = outcome(st);
             found.is_some()
         }) {
-            Ok(_) => found.map_or_else(|| Err(WaitError::unfinished(due.expired())), waited),
+            Ok(_) => match taken {
+                Some(c) => Ok(c),
+                None => found.map_or_else(|| Err(WaitError::unfinished(due.expired())), waited),
+            },
             Err(e) => Err(WaitError::unfinished(e)),
         }
     }
@@ -1140,7 +1184,7 @@ impl VerbsConn {
     pub(crate) fn wait_quiet(&self, q: &QuietSend, due: &mut Deadline) -> Waited {
         match self.poll_quiet(q) {
             Ok(Some(outcome)) => waited(outcome),
-            Ok(None) => self.wait_outcome(due, |st| st.q.quiet_outcome(q)),
+            Ok(None) => self.wait_outcome(due, None, |st| st.q.quiet_outcome(q)),
             Err(e) => Err(WaitError::unfinished(e)),
         }
     }
