@@ -330,20 +330,13 @@ impl OpTable {
         if raw.wr_id != want.wr_id(true) || !raw.status.is_success() {
             return None;
         }
-        let e = self.entries.get_mut(want.index as usize)?;
-        if e.generation != want.generation
-            || e.phase != Phase::Busy
-            || e.failed_early
-            || e.orphan.is_some()
-            || e.waker.is_some()
-        {
+        let e = self.entry(want, Phase::Busy)?;
+        if e.failed_early || e.orphan.is_some() || e.waker.is_some() {
             return None;
         }
-        let completion = e.completion(raw);
-        let held = e.held;
-        e.phase = Phase::Free;
+        let (held, completion) = (e.held, e.completion(raw));
         self.busy -= 1;
-        self.free.push(want.index);
+        self.release(want.index);
         Some((held, completion))
     }
 
