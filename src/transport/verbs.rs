@@ -357,22 +357,26 @@ impl VerbsConn {
 
     /// Polls the completion queue once and records what it finds.
     fn progress(&self, st: &mut VerbsState) -> Result<usize> {
-        self.progress_for(st, None).map(|(n, _)| n)
+        self.progress_for(st, None, &mut None)
     }
 
     /// [`progress`](Self::progress) for a waiter of `want`: its successful
-    /// final completion, if this poll finds it, is handed back rather than
-    /// recorded to be taken (see [`QueueCore::complete_taking`]); the
-    /// other completions are recorded as usual. How many it read, and that.
+    /// final completion, if this poll finds it, is put in `taken` (which
+    /// must be `None`) rather than recorded to be taken (see
+    /// [`QueueCore::complete_taking`]); the other completions are recorded
+    /// as usual. How many it read.
+    ///
+    /// `taken` is the waiter's own: the completion is written once, where
+    /// the waiter reads it, not returned and copied at each level on the
+    /// way from a poll to the next post.
     #[inline(always)]
-    fn progress_for(&self, st: &mut VerbsState, want: Option<OpId>) -> Result<(usize, Option<Completion>)> {
+    fn progress_for(&self, st: &mut VerbsState, want: Option<OpId>, taken: &mut Option<Completion>) -> Result<usize> {
         let q = &mut st.q;
-        let mut taken = None;
         let n = self.cq.poll_each(|wc| {
             let raw = raw_completion(&wc);
             if let Some(id) = want.filter(|_| taken.is_none()) {
                 if let Some(c) = q.complete_taking(&raw, id) {
-                    taken = Some(c);
+                    *taken = Some(c);
                     return;
                 }
             }
@@ -383,7 +387,7 @@ impl VerbsConn {
             drop(q.complete(&raw));
         })?;
         self.check_grace(st);
-        Ok((n, taken))
+        Ok(n)
     }
 
     fn check_grace(&self, st: &mut VerbsState) {
@@ -455,8 +459,8 @@ impl VerbsConn {
         loop {
             let grace_end = {
                 let mut st = self.lock();
-                if let (_, Some(c)) = self.progress_for(&mut st, want)? {
-                    *taken = Some(c);
+                self.progress_for(&mut st, want, taken)?;
+                if taken.is_some() {
                     return Ok(true);
                 }
                 let changes = Some(st.q.changes());
@@ -506,9 +510,8 @@ impl VerbsConn {
                 // Polled empty after arming: a completion already queued
                 // raises no event.
                 loop {
-                    let (n, got) = self.progress_for(&mut st, want)?;
-                    if got.is_some() {
-                        *taken = got;
+                    let n = self.progress_for(&mut st, want, taken)?;
+                    if taken.is_some() {
                         return Ok(true);
                     }
                     if ready(&mut st) {
@@ -579,10 +582,12 @@ impl VerbsConn {
                 return waited(outcome);
             }
             // Its success, found by this poll, comes straight back.
-            match self.progress_for(&mut st, Some(id)) {
-                Ok((_, Some(c))) => return Ok(c),
-                Ok((_, None)) => {}
-                Err(e) => return Err(WaitError::unfinished(e)),
+            let mut taken = None;
+            if let Err(e) = self.progress_for(&mut st, Some(id), &mut taken) {
+                return Err(WaitError::unfinished(e));
+            }
+            if let Some(c) = taken {
+                return Ok(c);
             }
             if let Some(outcome) = st.q.take(id) {
                 return waited(outcome);
