@@ -148,10 +148,12 @@ struct Options {
     tool: String,
     function: Option<String>,
     top: usize,
+    /// Only the instructions that ran about once an iteration.
+    once: bool,
 }
 
 fn parse(args: &[String]) -> Result<Options> {
-    let mut o = Options { dir: None, tool: "gpu-rdma".into(), function: None, top: 20 };
+    let mut o = Options { dir: None, tool: "gpu-rdma".into(), function: None, top: 20, once: false };
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut value = |what: &str| it.next().cloned().ok_or_else(|| format!("{a} needs {what}"));
@@ -159,8 +161,9 @@ fn parse(args: &[String]) -> Result<Options> {
             "--tool" => o.tool = value("gpu-rdma, perftest or ucx")?,
             "--fn" => o.function = Some(value("a part of a function's name")?),
             "--top" => o.top = value("a count")?.parse().map_err(|_| format!("{a} needs a count"))?,
+            "--once" => o.once = true,
             dir if !dir.starts_with('-') && o.dir.is_none() => o.dir = Some(PathBuf::from(dir)),
-            _ => return Err(format!("hot takes [RUN_DIR] --tool TOOL --fn NAME --top N; got {args:?}")),
+            _ => return Err(format!("hot takes [RUN_DIR] --tool TOOL --fn NAME --top N --once; got {args:?}")),
         }
     }
     Ok(o)
@@ -193,7 +196,10 @@ pub fn command(args: &[String]) -> Result<i32> {
         let text = fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
         self_costs(&text).map_err(|e| format!("{}: {e}", path.display()))
     };
-    let costs = per_iteration(&read(1000)?, &read(3000)?);
+    let mut costs = per_iteration(&read(1000)?, &read(3000)?);
+    if o.once {
+        costs.retain(|k, v| runs_once(k, *v));
+    }
     let rows = by_function(&costs);
     let total: f64 = rows.iter().map(|(_, v)| v).sum();
     println!("{}: {} per iteration, each function's own instructions, the most first:", dir.display(), o.tool);
@@ -208,6 +214,13 @@ pub fn command(args: &[String]) -> Result<i32> {
         }
     }
     Ok(0)
+}
+
+/// Whether an instruction ran about once an iteration (`--once`): on the
+/// path each message takes, not in a spin that runs as often as the
+/// timing lets it. Function totals without positions have no such count.
+fn runs_once(k: &Key, per_iteration: f64) -> bool {
+    k.addr != 0 && (0.5..1.5).contains(&per_iteration)
 }
 
 /// `function`'s instructions that ran, each with its executions per
@@ -328,12 +341,32 @@ totals: 114
     }
 
     #[test]
+    fn once_keeps_what_ran_about_once_an_iteration_and_only_with_a_position() {
+        let at = |addr| Key { object: "o".into(), function: "f".into(), addr };
+        assert!(runs_once(&at(0x10), 1.0));
+        assert!(runs_once(&at(0x10), 0.94));
+        assert!(!runs_once(&at(0x10), 0.3), "a branch taken now and then");
+        assert!(!runs_once(&at(0x10), 40.0), "a spin");
+        assert!(!runs_once(&at(0x10), -1.5), "the lengths' spins differed");
+        assert!(!runs_once(&at(0), 1.0), "a function total, no position");
+    }
+
+    #[test]
     fn options_parse_and_refuse_what_they_do_not_know() {
         let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-        assert_eq!(parse(&[]).unwrap(), Options { dir: None, tool: "gpu-rdma".into(), function: None, top: 20 });
         assert_eq!(
-            parse(&args(&["runs/x", "--tool", "perftest", "--fn", "post", "--top", "5"])).unwrap(),
-            Options { dir: Some("runs/x".into()), tool: "perftest".into(), function: Some("post".into()), top: 5 }
+            parse(&[]).unwrap(),
+            Options { dir: None, tool: "gpu-rdma".into(), function: None, top: 20, once: false }
+        );
+        assert_eq!(
+            parse(&args(&["runs/x", "--tool", "perftest", "--fn", "post", "--top", "5", "--once"])).unwrap(),
+            Options {
+                dir: Some("runs/x".into()),
+                tool: "perftest".into(),
+                function: Some("post".into()),
+                top: 5,
+                once: true
+            }
         );
         assert!(parse(&args(&["--top"])).is_err());
         assert!(parse(&args(&["--bogus"])).is_err());

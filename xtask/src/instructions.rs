@@ -30,6 +30,14 @@
 //! counts of two tools differ, these say what the difference costs there.
 //! Both include the samples' sort and report after the loop.
 //!
+//! `--both` runs the other side under callgrind too, uncounted. With one
+//! side slowed, its peer answers before it looks, so the counted side's
+//! first poll finds each message; with both slowed, it spins for each one
+//! as in a timed run, and the path a message takes from the poll that
+//! finds it to the next post is the one counted. The totals then include
+//! that spin and move with timing: read a kept run with `cargo xtask hot
+//! --once`, which keeps the instructions that ran about once an iteration.
+//!
 //! `--runs N` (default 3) counts N times in one boot, the tools alternating,
 //! and prints each count and their median: both tools' counts include a
 //! busy poll that spins in wall time until the reply arrives, so they move
@@ -67,7 +75,11 @@ for tool in perftest gpu-rdma ucx; do
     fi
     cg="$VM_OUT/$tool-$run-$n.cg"
     counted="valgrind --tool=callgrind $CG_OPTS --callgrind-out-file=$cg"
-    if [ $SIDE = server ]; then srv="$counted $srv"; else cli="$counted $cli"; fi
+    # With BOTH=1 the other side runs under callgrind too, uncounted: as
+    # slow as the counted side, so the counted side spins for each message.
+    other=
+    if [ "$BOTH" = 1 ]; then other="valgrind --tool=callgrind --callgrind-out-file=$VM_OUT/$tool-$run-$n.other.cg"; fi
+    if [ $SIDE = server ]; then srv="$counted $srv"; cli="$other $cli"; else cli="$counted $cli"; srv="$other $srv"; fi
     timeout 600 $srv > "$VM_OUT/$tool-$run-$n.server" 2>&1 &
     sp=$!
     # The client starts once its server listens (under callgrind, seconds).
@@ -179,10 +191,12 @@ struct Options {
     keep: bool,
     /// Count loads and stores too (callgrind's cache simulation).
     memory: bool,
+    /// Run the other side under callgrind too (uncounted).
+    both: bool,
 }
 
 fn parse(args: &[String]) -> Result<Options> {
-    let mut o = Options { size: 2, server: false, runs: 3, keep: false, memory: false };
+    let mut o = Options { size: 2, server: false, runs: 3, keep: false, memory: false, both: false };
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
@@ -193,13 +207,14 @@ fn parse(args: &[String]) -> Result<Options> {
             "--server" => o.server = true,
             "--keep" => o.keep = true,
             "--memory" => o.memory = true,
+            "--both" => o.both = true,
             "--runs" => {
                 let n = it.next().ok_or("--runs needs a number")?;
                 o.runs = n.parse().ok().filter(|r| *r > 0).ok_or_else(|| format!("--runs {n}: not a count"))?;
             }
             _ => {
                 return Err(format!(
-                    "instructions takes --size N, --server, --runs N, --keep and --memory; got {args:?}"
+                    "instructions takes --size N, --server, --runs N, --keep, --memory and --both; got {args:?}"
                 ));
             }
         }
@@ -246,8 +261,10 @@ pub fn command(args: &[String]) -> Result<i32> {
     run_cmd(cargo().args(["build", "--release", "--features", "cli", "--bin", "gpu-rdma"]))?;
     println!(
         "xtask: instructions: ib_send_lat, gpu-rdma bench send-lat and ucx_perftest tag_lat, the {side} under \
-         callgrind on rxe0, {} B, 1,000 and 3,000 iterations, {} run(s)",
-        o.size, o.runs
+         callgrind on rxe0{}, {} B, 1,000 and 3,000 iterations, {} run(s)",
+        if o.both { " (the other side too, uncounted)" } else { "" },
+        o.size,
+        o.runs
     );
     let opts = VmOptions { timeout: Duration::from_secs(1800), keep: o.keep, ..VmOptions::default() };
     // A kept run's counts go down to each instruction, for reading the hot
@@ -259,10 +276,11 @@ pub fn command(args: &[String]) -> Result<i32> {
         .collect::<Vec<_>>()
         .join(" ");
     let script = format!(
-        "SIZE={}\nSIDE={side}\nRUNS={}\nKEEP={}\nCG_OPTS='{cg_opts}'\n{SCRIPT}",
+        "SIZE={}\nSIDE={side}\nRUNS={}\nKEEP={}\nBOTH={}\nCG_OPTS='{cg_opts}'\n{SCRIPT}",
         o.size,
         o.runs,
-        u8::from(o.keep)
+        u8::from(o.keep),
+        u8::from(o.both)
     );
     let mut guest = vm::run_script(&kernel, &root(), &script, &opts)?;
     let mut out = String::new();
@@ -444,10 +462,13 @@ mod tests {
     #[test]
     fn parses_the_size_and_the_side() {
         let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-        assert_eq!(parse(&[]), Ok(Options { size: 2, server: false, runs: 3, keep: false, memory: false }));
         assert_eq!(
-            parse(&args(&["--size", "4096", "--server", "--runs", "5", "--keep", "--memory"])),
-            Ok(Options { size: 4096, server: true, runs: 5, keep: true, memory: true })
+            parse(&[]),
+            Ok(Options { size: 2, server: false, runs: 3, keep: false, memory: false, both: false })
+        );
+        assert_eq!(
+            parse(&args(&["--size", "4096", "--server", "--runs", "5", "--keep", "--memory", "--both"])),
+            Ok(Options { size: 4096, server: true, runs: 5, keep: true, memory: true, both: true })
         );
         assert!(parse(&args(&["--runs", "0"])).is_err());
         assert!(parse(&args(&["--size", "0"])).is_err());

@@ -56,14 +56,17 @@ commands:
                           --only, --size: the guest's cases of one test, of one size (no host part);
                           --null: perftest twice a round, its second run against its first (the noise floor);
                           --from: the table from kept guest runs, their rounds pooled
-  instructions [--size N] [--server] [--runs N] [--keep] [--memory]
+  instructions [--size N] [--server] [--runs N] [--keep] [--memory] [--both]
                         instructions per send-lat iteration under callgrind: ib_send_lat, gpu-rdma, ucx_perftest
                           (the client's, or with --server the server's; 2 B unless --size; the median of
-                          3 runs unless --runs; --keep: the callgrind files kept; --memory: loads and stores too)
-  hot [RUN_DIR] [--tool TOOL] [--fn NAME] [--top N]
+                          3 runs unless --runs; --keep: the callgrind files kept; --memory: loads and stores too;
+                          --both: the other side under callgrind too, uncounted, so the counted one spins as in
+                          a timed run)
+  hot [RUN_DIR] [--tool TOOL] [--fn NAME] [--top N] [--once]
                         one send-lat iteration's instructions by function (self cost, the most first), from a
                           run `instructions --keep` kept (the newest unless RUN_DIR); --fn: each function whose
-                          name has NAME, instruction by instruction against its disassembly
+                          name has NAME, instruction by instruction against its disassembly; --once: only the
+                          instructions that ran about once an iteration (the path, not the spin)
   layers [--cycles]     the library's module graph: fails on a cycle or an import a layer may not make
                           (--cycles: on a cycle only, reporting the rest)
   gpu-check [--run]     build the GPU checks into target/gpu-bundle (binaries, libraries, run.sh)
