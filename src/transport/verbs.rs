@@ -419,6 +419,7 @@ impl VerbsConn {
 
     /// Waits, driving progress, until `ready` holds or the deadline passes.
     fn wait_until(&self, due: &mut Deadline, mut ready: impl FnMut(&mut VerbsState) -> bool) -> Result<bool> {
+        let seen;
         // Most waits end at the first poll.
         {
             let mut st = self.lock();
@@ -426,8 +427,9 @@ impl VerbsConn {
             if ready(&mut st) {
                 return Ok(true);
             }
+            seen = st.q.changes();
         }
-        self.wait_until_slow(due, None, &mut None, ready)
+        self.wait_until_slow(due, None, &mut None, Some(seen), ready)
     }
 
     /// [`wait_until`](Self::wait_until) past its first poll: spinning, then
@@ -439,12 +441,17 @@ impl VerbsConn {
     /// With `want`, a poll that finds that operation's successful final
     /// completion puts it in `taken` and ends the wait (`Ok(true)`), as
     /// [`progress_for`](Self::progress_for) hands it over.
+    ///
+    /// `seen`: the queue's change count when the caller, under the lock,
+    /// last found `ready` false (its first poll's); `ready` is asked again
+    /// only once the queue changed since. `None` asks it at the first poll.
     #[inline(never)]
     fn wait_until_slow(
         &self,
         due: &mut Deadline,
         want: Option<OpId>,
         taken: &mut Option<Completion>,
+        seen: Option<u64>,
         mut ready: impl FnMut(&mut VerbsState) -> bool,
     ) -> Result<bool> {
         // Both fixed at the first clock read, not before: a wait that ends
@@ -455,7 +462,7 @@ impl VerbsConn {
         let mut polls_to_read = polls_per_read;
         // `ready` is asked again only when the queue changed since it last
         // said no: an empty poll costs the poll alone.
-        let mut seen = None;
+        let mut seen = seen;
         loop {
             let grace_end = {
                 let mut st = self.lock();
@@ -575,6 +582,7 @@ impl VerbsConn {
     /// failed.
     #[inline(always)]
     pub(crate) fn wait_take(&self, id: OpId, due: &mut Deadline) -> Waited {
+        let seen;
         {
             // Taken already reaped, or reaped by one poll: one lock either way.
             let mut st = self.lock();
@@ -592,29 +600,33 @@ impl VerbsConn {
             if let Some(outcome) = st.q.take(id) {
                 return waited(outcome);
             }
+            seen = st.q.changes();
         }
-        self.wait_take_slow(id, due)
+        self.wait_take_slow(id, due, seen)
     }
 
-    /// [`wait_take`](Self::wait_take) past its first poll.
+    /// [`wait_take`](Self::wait_take) past its first poll, which found
+    /// nothing to take with the queue at change count `seen`.
     #[inline(never)]
-    fn wait_take_slow(&self, id: OpId, due: &mut Deadline) -> Waited {
-        self.wait_outcome(due, Some(id), |st| st.q.take(id))
+    fn wait_take_slow(&self, id: OpId, due: &mut Deadline, seen: u64) -> Waited {
+        self.wait_outcome(due, Some(id), Some(seen), |st| st.q.take(id))
     }
 
     /// Waits, driving progress, until `outcome` gives one (it is asked
     /// after every poll), or the deadline passes ([`WaitError::Unfinished`]).
     /// With `want` (the operation `outcome` takes), its success comes
-    /// straight from the poll that finds it.
+    /// straight from the poll that finds it. `seen`: as for
+    /// [`wait_until_slow`](Self::wait_until_slow).
     fn wait_outcome(
         &self,
         due: &mut Deadline,
         want: Option<OpId>,
+        seen: Option<u64>,
         mut outcome: impl FnMut(&mut VerbsState) -> Option<OpOutcome>,
     ) -> Waited {
         let mut found = None;
         let mut taken = None;
-        match self.wait_until_slow(due, want, &mut taken, |st| {
+        match self.wait_until_slow(due, want, &mut taken, seen, |st| {
             found = outcome(st);
             found.is_some()
         }) {
@@ -1189,7 +1201,7 @@ impl VerbsConn {
     pub(crate) fn wait_quiet(&self, q: &QuietSend, due: &mut Deadline) -> Waited {
         match self.poll_quiet(q) {
             Ok(Some(outcome)) => waited(outcome),
-            Ok(None) => self.wait_outcome(due, None, |st| st.q.quiet_outcome(q)),
+            Ok(None) => self.wait_outcome(due, None, None, |st| st.q.quiet_outcome(q)),
             Err(e) => Err(WaitError::unfinished(e)),
         }
     }
