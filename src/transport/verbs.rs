@@ -443,8 +443,9 @@ impl VerbsConn {
     /// [`progress_for`](Self::progress_for) hands it over.
     ///
     /// `seen`: the queue's change count when the caller, under the lock,
-    /// last found `ready` false (its first poll's); `ready` is asked again
-    /// only once the queue changed since. `None` asks it at the first poll.
+    /// polled and found `ready` false; the spin starts after that poll, and
+    /// `ready` is asked again only once the queue changed since. `None`
+    /// polls and asks at once.
     #[inline(never)]
     fn wait_until_slow(
         &self,
@@ -463,12 +464,17 @@ impl VerbsConn {
         // `ready` is asked again only when the queue changed since it last
         // said no: an empty poll costs the poll alone.
         let mut seen = seen;
+        // A caller that passed `seen` polled just before this: the spin's
+        // first step starts after that poll, not with another.
+        let mut polled = seen.is_some();
         loop {
             let grace_end = {
                 let mut st = self.lock();
-                self.progress_for(&mut st, want, taken)?;
-                if taken.is_some() {
-                    return Ok(true);
+                if !std::mem::replace(&mut polled, false) {
+                    self.progress_for(&mut st, want, taken)?;
+                    if taken.is_some() {
+                        return Ok(true);
+                    }
                 }
                 let changes = Some(st.q.changes());
                 if seen != changes {
