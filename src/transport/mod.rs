@@ -353,8 +353,10 @@ impl ConnTransport {
 
     /// Drives progress until `id` is done and takes its outcome
     /// ([`WaitError::Unfinished`](crate::ops::WaitError) when the deadline
-    /// passed first: still in flight).
-    #[inline]
+    /// passed first: still in flight). Inlined into its callers (a ring's
+    /// next message, a handle's wait): the waited completion comes back
+    /// through one frame fewer.
+    #[inline(always)]
     pub(crate) fn wait_take(&self, id: OpId, due: &mut Deadline) -> Waited {
         dispatch!(self, t => t.wait_take(id, due))
     }

@@ -429,6 +429,18 @@ impl VerbsConn {
             }
             seen = st.q.changes();
         }
+        self.wait_until_spin(due, seen, ready)
+    }
+
+    /// [`wait_until`](Self::wait_until)'s spin in a frame of its own, out
+    /// of the posts and waits that inline `wait_until`.
+    #[inline(never)]
+    fn wait_until_spin(
+        &self,
+        due: &mut Deadline,
+        seen: u64,
+        ready: impl FnMut(&mut VerbsState) -> bool,
+    ) -> Result<bool> {
         self.wait_until_slow(due, None, &mut None, Some(seen), ready)
     }
 
@@ -446,7 +458,11 @@ impl VerbsConn {
     /// polled and found `ready` false; the spin starts after that poll, and
     /// `ready` is asked again only once the queue changed since. `None`
     /// polls and asks at once.
-    #[inline(never)]
+    ///
+    /// Inlined into the one frame that waits ([`wait_take_slow`](Self::wait_take_slow),
+    /// [`wait_until_spin`](Self::wait_until_spin), [`wait_quiet`](Self::wait_quiet)):
+    /// a found completion comes back through one return fewer.
+    #[inline]
     fn wait_until_slow(
         &self,
         due: &mut Deadline,
@@ -623,6 +639,7 @@ impl VerbsConn {
     /// With `want` (the operation `outcome` takes), its success comes
     /// straight from the poll that finds it. `seen`: as for
     /// [`wait_until_slow`](Self::wait_until_slow).
+    #[inline(always)]
     fn wait_outcome(
         &self,
         due: &mut Deadline,
@@ -1204,6 +1221,7 @@ impl VerbsConn {
 
     /// Drives progress until quiet send `q`'s outcome is known (a signaled
     /// request after it must be in flight: see [`cover`](Self::cover)).
+    #[inline(never)]
     pub(crate) fn wait_quiet(&self, q: &QuietSend, due: &mut Deadline) -> Waited {
         match self.poll_quiet(q) {
             Ok(Some(outcome)) => waited(outcome),
