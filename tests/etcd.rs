@@ -135,10 +135,41 @@ fn a_killed_process_disappears_when_its_lease_expires() {
     assert!(watcher.list("rank/").unwrap().is_empty());
 }
 
+/// A TCP socket bound to a port of 127.0.0.1 and never listening: a
+/// connect to that port is refused, and no other socket can take the port
+/// while the returned descriptor lives (a port picked and let go could be
+/// taken by another test's etcd meanwhile).
+fn refusing_port() -> (std::os::fd::OwnedFd, u16) {
+    use std::os::fd::FromRawFd;
+    // SAFETY: socket(2) with constant arguments; it returns a new descriptor
+    // or -1, checked next.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+    // SAFETY: `fd` is a descriptor this function just opened and owns no
+    // one else; `OwnedFd` closes it once.
+    let owned = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+    let mut addr = libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: 0,
+        sin_addr: libc::in_addr { s_addr: u32::from(std::net::Ipv4Addr::LOCALHOST).to_be() },
+        sin_zero: [0; 8],
+    };
+    let mut len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // SAFETY: `addr` is a valid sockaddr_in and `len` its size; bind(2)
+    // only reads it.
+    let rc = unsafe { libc::bind(fd, (&raw const addr).cast(), len) };
+    assert_eq!(rc, 0, "bind: {}", std::io::Error::last_os_error());
+    // SAFETY: getsockname(2) writes at most `len` bytes into `addr`, which
+    // has room for a sockaddr_in, the family of this socket.
+    let rc = unsafe { libc::getsockname(fd, (&raw mut addr).cast(), &mut len) };
+    assert_eq!(rc, 0, "getsockname: {}", std::io::Error::last_os_error());
+    (owned, u16::from_be(addr.sin_port))
+}
+
 #[test]
 fn etcd_down_at_start_is_a_clear_error_naming_the_endpoint() {
-    // A port nobody listens on.
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    // A port nobody listens on, and nobody can while the test runs.
+    let (_held, port) = refusing_port();
     let endpoint = format!("http://127.0.0.1:{port}");
     let t0 = Instant::now();
     let err =
