@@ -68,9 +68,12 @@ impl EtcdServer {
         let _ = std::fs::remove_dir_all(&dir);
         let log = dir.with_extension("log");
         let mut s = EtcdServer { child: None, dir, log, client_port, peer_port };
-        for _ in 0..5 {
+        let mut tries = 0;
+        loop {
+            tries += 1;
             match s.spawn() {
                 Start::Up => return s,
+                Start::Exited(tail) if tries == 6 => panic!("etcd did not start in six tries; its log ends:\n{tail}"),
                 Start::Exited(_) => {
                     // Taken between the pick and the bind: new ports.
                     release(&[s.client_port, s.peer_port]);
@@ -78,10 +81,6 @@ impl EtcdServer {
                     let _ = std::fs::remove_dir_all(&s.dir);
                 }
             }
-        }
-        match s.spawn() {
-            Start::Up => s,
-            Start::Exited(tail) => panic!("etcd did not start in six tries; its log ends:\n{tail}"),
         }
     }
 
