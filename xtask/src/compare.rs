@@ -95,13 +95,21 @@ fn ucx_cmd(c: &Case, port: u16) -> String {
 }
 
 /// UCX's figure from its `Final:` line: the median latency (usec) for a
-/// latency test, the average bandwidth (MB/s, 2^20 bytes, as perftest's)
-/// for a bandwidth test.
+/// latency test, the whole run's bandwidth (MB/s, 2^20 bytes, as
+/// perftest's) for a bandwidth test.
+///
+/// ucx_perftest's `average` columns cover only the stretch since its last
+/// progress report (libperf's moment average) and its `overall` columns
+/// the whole run: the `Final:` line's bandwidth `average` is the last
+/// stretch's, and 0.00 when no iteration ended after the last report (seen
+/// in the guest at 1 MiB: `average` 0.00, `overall` 49.72). perftest's BW
+/// average is bytes over the whole run's time, so `overall` is the one to
+/// set beside it.
 pub fn ucx_figure(log: &str, bw: bool) -> Option<f64> {
     let line = log.lines().find(|l| l.trim_start().starts_with("Final:"))?;
     let f: Vec<&str> = line.split_whitespace().collect();
     // Final: iterations p50 average overall bw-average bw-overall rate-average rate-overall
-    f.get(if bw { 5 } else { 2 }).and_then(|s| usable(s))
+    f.get(if bw { 6 } else { 2 }).and_then(|s| usable(s))
 }
 
 /// A figure that measures something: a finite, positive number. perftest
@@ -826,6 +834,14 @@ mod tests {
                    Final:                  2000      4.011     8.168     8.168        7.47       7.47      122436      122436\n";
         assert_eq!(ucx_figure(ucx, false), Some(4.011));
         assert_eq!(ucx_figure(ucx, true), Some(7.47));
+        // The last stretch had no iteration: its average is 0.00 and `inf`,
+        // the whole run's figures are there (a guest's 1 MiB get).
+        let last_empty = "Final:                   100  20113.000       inf 20113.740        0.00      49.72           0          50\n";
+        assert_eq!(ucx_figure(last_empty, true), Some(49.72));
+        assert_eq!(ucx_figure(last_empty, false), Some(20113.0));
+        // The two bandwidth columns differ: the whole run's is taken.
+        let differ = "Final: 100 10.0 11.0 12.0 40.00 45.50 0 0\n";
+        assert_eq!(ucx_figure(differ, true), Some(45.5));
         assert_eq!(ucx_figure("no final line", true), None);
     }
 
