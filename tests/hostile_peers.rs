@@ -733,3 +733,116 @@ fn a_message_write_or_read_response_shorter_than_announced_fails_and_breaks_the_
         );
     }
 }
+
+// ---- 8. replies that lie ----
+
+/// Waits for the victim's connection to break; its reason.
+fn broken_within(conn: &Connection, limit: Duration) -> Option<String> {
+    within(limit, || conn.broken().is_some()).and_then(|_| conn.broken())
+}
+
+fn ack_frame(seq: u32, status: u32) -> Vec<u8> {
+    let mut out = Vec::new();
+    frame(ACK, 0, seq, 0, 0, 0, status, &mut out);
+    out
+}
+
+/// A peer that reads only the first frame header of a 32 MiB write or send
+/// and acknowledges it at once: the operation must not complete (its
+/// buffer would come back while the transport still reads it to send the
+/// rest); the connection breaks, naming the early reply.
+#[test]
+fn an_acknowledgement_before_the_request_reached_the_peer_whole_breaks_and_never_completes_it() {
+    let _serial = serial();
+    let victim = Victim::new();
+    const BIG: u64 = 32 << 20;
+    for send in [false, true] {
+        let theirs = RemoteRegion { tag: 9, addr: 0x1000, len: BIG, rkey: 77, access: Access::REMOTE_WRITE };
+        let (conn, s, _) = victim.accept_advertising(endpoint(0, 128), vec![theirs]);
+        let remote = conn.remote_region(9).expect("advertised");
+        let mut local = victim.domain.alloc(BIG as usize).unwrap();
+        local.as_mut_slice().fill(0x5a);
+        let mut op = if send { conn.send(local) } else { conn.write(local, &remote.slice(0..BIG).unwrap()) };
+        let mut h = [0u8; HEADER];
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        (&s).read_exact(&mut h).expect("the first frame's header");
+        assert_eq!(h[0], if send { SEND } else { WRITE });
+        (&s).write_all(&ack_frame(u32_at(&h, 4), 0)).unwrap();
+        let got = op.wait_timeout(Duration::from_secs(10));
+        let why = broken_within(&conn, Duration::from_secs(5));
+        println!("send {send}: {got:?}; broken: {why:?}");
+        assert!(got.is_err(), "send {send}: completed on an acknowledgement of bytes never sent");
+        assert!(
+            why.as_deref().is_some_and(|w| w.contains("before the request reached it whole")),
+            "send {send}: {why:?}"
+        );
+        // The buffer comes back, once the transport let go of it.
+        assert_eq!(op.into_buffer().map(|b| b.len()).ok(), Some(BIG as usize));
+        drop((conn, s));
+    }
+}
+
+/// Acknowledgements for nothing, twice, out of order, a refusal of a
+/// request never sent, a read answered out of order: each breaks the
+/// connection (naming why) and completes nothing wrongly.
+#[test]
+fn duplicate_unknown_and_out_of_order_replies_break_the_connection() {
+    let _serial = serial();
+    let victim = Victim::new();
+
+    // An acknowledgement when nothing was sent.
+    let (conn, s, _) = victim.accept(endpoint(0, 128));
+    (&s).write_all(&ack_frame(4242, 0)).unwrap();
+    let why = broken_within(&conn, Duration::from_secs(5));
+    assert!(why.as_deref().is_some_and(|w| w.contains("no reply is due")), "unknown: {why:?}");
+    drop((conn, s));
+
+    // The same acknowledgement twice.
+    let (conn, s, _) = victim.accept(endpoint(0, 128));
+    let mut first = conn.send_inline(b"once", None);
+    let (_, _, seq, _) = next_frames(&s, 1).remove(0);
+    (&s).write_all(&ack_frame(seq, 0)).unwrap();
+    first.wait_timeout(Duration::from_secs(10)).expect("acknowledged once");
+    assert!(conn.broken().is_none());
+    (&s).write_all(&ack_frame(seq, 0)).unwrap();
+    let why = broken_within(&conn, Duration::from_secs(5));
+    assert!(why.as_deref().is_some_and(|w| w.contains("a duplicate")), "twice: {why:?}");
+    drop((conn, s));
+
+    // The second request acknowledged before the first.
+    let (conn, s, _) = victim.accept(endpoint(0, 128));
+    let mut one = conn.send_inline(b"one", None);
+    let mut two = conn.send_inline(b"two", None);
+    let frames = next_frames(&s, 2);
+    (&s).write_all(&ack_frame(frames[1].2, 0)).unwrap();
+    let why = broken_within(&conn, Duration::from_secs(5));
+    assert!(why.as_deref().is_some_and(|w| w.contains("out of order")), "out of order: {why:?}");
+    assert!(two.wait_timeout(Duration::from_secs(5)).is_err(), "the second completed out of order");
+    assert!(one.wait_timeout(Duration::from_secs(5)).is_err(), "the first completed without its reply");
+    drop((conn, s));
+
+    // A refusal of a request never sent.
+    let (conn, s, _) = victim.accept(endpoint(0, 128));
+    (&s).write_all(&ack_frame(17, 10)).unwrap();
+    let why = broken_within(&conn, Duration::from_secs(5));
+    assert!(why.as_deref().is_some_and(|w| w.contains("never sent")), "refused unsent: {why:?}");
+    drop((conn, s));
+
+    // A read answered before the send posted ahead of it.
+    let theirs = RemoteRegion { tag: 9, addr: 0x1000, len: 1 << 20, rkey: 77, access: Access::REMOTE_READ };
+    let (conn, s, _) = victim.accept_advertising(endpoint(0, 128), vec![theirs]);
+    let remote = conn.remote_region(9).expect("advertised");
+    let mut sent = conn.send_inline(b"first", None);
+    let mut read = conn.read(victim.domain.alloc(64).unwrap(), &remote.slice(0..64).unwrap());
+    let frames = next_frames(&s, 2);
+    assert_eq!(frames[1].0, READ_REQ);
+    let mut out = Vec::new();
+    frame(READ_RESP, FIRST | LAST, frames[1].2, 0, 0, 64, 0, &mut out);
+    out.extend_from_slice(&[0x77; 64]);
+    (&s).write_all(&out).unwrap();
+    let why = broken_within(&conn, Duration::from_secs(5));
+    assert!(why.as_deref().is_some_and(|w| w.contains("out of order")), "read first: {why:?}");
+    assert!(read.wait_timeout(Duration::from_secs(5)).is_err(), "the read completed out of order");
+    assert!(sent.wait_timeout(Duration::from_secs(5)).is_err());
+    drop((conn, s));
+}

@@ -50,11 +50,11 @@
 //!   teardown joins both threads before anything still owned is released:
 //!   no memory is touched after its operation completed.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::io;
 use std::net::TcpStream;
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -68,6 +68,9 @@ use crate::memory::keys::{KeyEntry, KeyTable};
 use crate::memory::{Access, LocalParts};
 use crate::ops::{OpId, OpOutcome, RawCompletion, WaitError, Waited, is_final, op_of, waited};
 use crate::options::{ConnectOptions, ConnectionInfo, Transport};
+use replies::{OnAck, Progress, Replies, Reply, Request};
+
+mod replies;
 
 /// The largest message (send, or write with immediate) this side accepts.
 pub(crate) const MAX_MESSAGE: u32 = 1 << 30;
@@ -79,6 +82,9 @@ const STEP: usize = 1 << 20;
 /// longest a withdrawal waits for a stalled peer's write.
 const RECV_WAIT: Duration = Duration::from_millis(10);
 const HEADER: usize = 32;
+/// The most bytes of a message one write call hands to the socket: the
+/// rest of a header and a step of payload.
+const MAX_CALL: u64 = (HEADER + STEP) as u64;
 /// Inline sends copy at most this much into the request.
 const MAX_INLINE: u32 = 1024;
 /// Inline copy buffers a connection starts with.
@@ -362,12 +368,26 @@ fn discard(fd: RawFd, mut len: usize, scratch: &mut [u8]) -> io::Result<bool> {
     Ok(true)
 }
 
+/// Where a message's writer reports its progress: the atomic, and the
+/// bytes of the message before this frame.
+type Tx<'a> = Option<(&'a AtomicU64, u64)>;
+
+/// Stores a writer's progress (see [`Inner::tx`]).
+fn report(tx: Tx<'_>, handed_in_frame: usize, in_call: bool) {
+    if let Some((at, base)) = tx {
+        at.store(Progress { handed: base + handed_in_frame as u64, in_call }.pack(), Ordering::Release);
+    }
+}
+
 /// Sends a header and `len` bytes at `ptr`. `gate` is held only while bytes
 /// move; if it reports the source gone, `Ok(false)` is returned after the
 /// header and the bytes sent so far (the caller then breaks the connection).
+/// A message's writer reports through `tx` how much of it the socket has,
+/// and when it is inside a call that may hand more.
 ///
 /// # Safety
 /// While `gate` returns true, `ptr..ptr + len` must be valid for reads.
+#[allow(clippy::too_many_arguments)]
 unsafe fn send_frame(
     fd: RawFd,
     header: &FrameHeader,
@@ -376,6 +396,7 @@ unsafe fn send_frame(
     gate: Option<&RwLock<bool>>,
     already: usize,
     more: bool,
+    tx: Tx<'_>,
 ) -> io::Result<bool> {
     let head = header.encode();
     // More follows at once: let the kernel fill segments across frames
@@ -385,6 +406,7 @@ unsafe fn send_frame(
     // thread's attempt that the socket cut short).
     let mut head_sent = already.min(HEADER);
     let mut sent = already.saturating_sub(HEADER).min(len);
+    report(tx, head_sent + sent, false);
     while head_sent < HEADER || sent < len {
         let guard = gate.map(|g| g.read().unwrap_or_else(|e| e.into_inner()));
         if guard.as_ref().is_some_and(|alive| !**alive) {
@@ -400,10 +422,12 @@ unsafe fn send_frame(
         let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
         msg.msg_iov = iov[first..].as_mut_ptr();
         msg.msg_iovlen = count;
+        report(tx, head_sent + sent, true);
         // SAFETY: valid socket, message and buffers; MSG_NOSIGNAL instead of SIGPIPE.
         let n = unsafe { libc::sendmsg(fd, &msg, flags) };
         drop(guard);
         if n < 0 {
+            report(tx, head_sent + sent, false);
             let e = io::Error::last_os_error();
             match e.kind() {
                 // The socket is full: wait for room without holding the gate.
@@ -420,13 +444,14 @@ unsafe fn send_frame(
             n -= h;
         }
         sent += n;
+        report(tx, head_sent + sent, false);
     }
     Ok(true)
 }
 
 fn send_header(fd: RawFd, header: &FrameHeader) -> io::Result<()> {
     // SAFETY: no payload.
-    unsafe { send_frame(fd, header, std::ptr::null(), 0, None, 0, false) }.map(drop)
+    unsafe { send_frame(fd, header, std::ptr::null(), 0, None, 0, false, None) }.map(drop)
 }
 
 // ---- the connection ----
@@ -473,6 +498,26 @@ impl Out {
     fn unacked(&self) -> bool {
         matches!(self.kind, OutKind::Inline { unacked: true, .. })
     }
+
+    /// Its bytes on the wire: a frame per segment of payload (one for none).
+    fn wire_len(&self) -> u64 {
+        let len = match &self.kind {
+            OutKind::ReadReq { .. } => 0,
+            OutKind::Inline { data, .. } => data.len() as u64,
+            _ => self.len,
+        };
+        len + HEADER as u64 * len.div_ceil(SEGMENT as u64).max(1)
+    }
+}
+
+/// Message `o` as its writer starts it: what it waits for, its size.
+fn request(o: &Out) -> Request {
+    let reply = match o.kind {
+        OutKind::ReadReq { .. } => Reply::Read { addr: o.addr, len: o.len },
+        _ if wants_ack(o) => Reply::Ack,
+        _ => Reply::None,
+    };
+    Request { seq: o.seq, first: o.first, wr_id: o.wr_id, reply, wire: o.wire_len() }
 }
 
 /// A frame the receiver asks the sender to send.
@@ -488,14 +533,6 @@ struct Recv {
     len: u64,
 }
 
-struct ReadDst {
-    wr_id: u64,
-    addr: u64,
-    len: u64,
-    /// Where the response's next segment starts.
-    next: u64,
-}
-
 struct TcpState {
     /// Operations, credits, the lost state.
     q: QueueCore,
@@ -503,15 +540,14 @@ struct TcpState {
     next_seq: u32,
     queue: VecDeque<Out>,
     control: VecDeque<Ctl>,
-    /// Being sent or sent, waiting for the acknowledgement: seq -> work
-    /// request id and first sequence number of its chain. Entered before
-    /// sending, since the acknowledgement may arrive before the sender thread
-    /// has returned from its last call. Only final messages (acknowledged
-    /// ones) are entered.
-    awaiting: HashMap<u32, (u64, u32)>,
+    /// The replies this side waits for, in request order, and who may
+    /// complete each request (see [`replies`]). A request enters when its
+    /// writer starts it, since a reply may arrive before the writer has
+    /// returned from its last call.
+    replies: Replies,
     /// The message being written now (by the sender thread, or by a posting
-    /// thread sending directly): its memory is in use, so only its writer
-    /// may fail it.
+    /// thread sending directly, or begun by one and not yet finished by the
+    /// other): its memory is in use, so only its writer may fail it.
     sending: Option<u32>,
     /// The operation of the message being written: none of its requests is
     /// failed by anyone but the writer (completing its final request would
@@ -526,8 +562,6 @@ struct TcpState {
     /// socket filled up (the header, and how many of its bytes went): the
     /// sender thread finishes it before anything else.
     ctl_rest: Option<(FrameHeader, usize)>,
-    /// Read requests queued or sent: seq -> destination.
-    reads: HashMap<u32, ReadDst>,
     recvs: VecDeque<Recv>,
     /// The sender thread has ended (after the connection broke or stopped).
     sender_done: bool,
@@ -565,6 +599,10 @@ struct Inner {
     /// queued frame does not wake the waiters.
     events: Condvar,
     fd: RawFd,
+    /// How far the writer of the current message is ([`Progress`], packed):
+    /// stored by the writer around each call, without the lock, and read
+    /// by whoever reads a reply, to tell a reply that came early.
+    tx: AtomicU64,
     /// Set with `lost`: read without the lock by the receiver before each
     /// frame, so nothing more from the peer is carried out once broken.
     dead: AtomicBool,
@@ -650,29 +688,51 @@ impl Inner {
         st.sending = None;
         st.sending_op = None;
         st.writing = false;
-        if !write_failed && st.q.lost().is_none() {
-            if o.unacked() && st.awaiting.remove(&o.seq).is_some() {
-                // The socket has the whole frame, and no acknowledgement will
-                // come: done. (A refusal still may: it breaks the connection.)
+        let lost = st.q.lost().is_some();
+        match st.replies.finish(o.seq, !write_failed) {
+            // An acknowledgement that came while this writer was in its last
+            // call: the operation is done now that nothing reads its buffer.
+            Some((wr_id, true)) => self.complete(st, &raw(wr_id, WcStatus::Success)),
+            Some((wr_id, false)) => self.fail_request(st, wr_id),
+            None => {}
+        }
+        if o.unacked() {
+            // The socket has the whole frame, and no acknowledgement will
+            // come: done. (A refusal still may: it breaks the connection.)
+            if !write_failed && !lost {
                 self.complete(st, &raw(o.wr_id, WcStatus::Success));
+            } else {
+                self.fail_request(st, o.wr_id);
             }
-        } else {
-            let pending = st.awaiting.remove(&o.seq).is_some() || st.reads.remove(&o.seq).is_some();
-            if pending {
-                self.complete(st, &raw(o.wr_id, WcStatus::WrFlush));
-            }
-            if let Some(reason) = st.q.lost().map(str::to_owned) {
-                // What a break left alone while this message was in use.
-                self.break_with(st, reason);
-            }
+        }
+        if lost {
+            // What a break left alone while this message was in use.
+            let reason = st.q.lost().unwrap_or_default().to_owned();
+            self.break_with(st, reason);
         }
     }
 
-    /// Marks `o` as being written.
-    fn start_write(st: &mut TcpState, o: &Out) {
+    /// Marks `o` as being written, from its first byte or from where a
+    /// posting thread that began it left off (`o.skip`).
+    fn start_write(&self, st: &mut TcpState, o: &Out) {
         st.writing = true;
         st.sending = Some(o.seq);
         st.sending_op = Some(op_of(o.wr_id));
+        st.replies.start(&request(o));
+        self.tx.store(Progress { handed: o.skip as u64, in_call: false }.pack(), Ordering::Release);
+    }
+
+    /// Fails request `wr_id` (flushed) for a writer or a break. The final
+    /// request of an operation with a read whose response the reader may
+    /// be landing is parked instead: the reader completes it when it lets
+    /// go of the read, so the operation's buffer never comes back while
+    /// the reader fills it.
+    fn fail_request(&self, st: &mut TcpState, wr_id: u64) {
+        if is_final(wr_id) && st.replies.reader_holds(op_of(wr_id)) {
+            st.replies.park(wr_id);
+        } else {
+            self.complete(st, &raw(wr_id, WcStatus::WrFlush));
+        }
     }
 
     /// Returns an inline message's copy to the pool (at most the send-queue
@@ -725,25 +785,19 @@ impl Inner {
         self.dead.store(true, Ordering::Release);
         // The operation being written keeps its requests until its writer
         // is done (end_write fails them then).
-        let (sending, in_use) = (st.sending, st.sending_op);
+        let in_use = st.sending_op;
         let queued: Vec<Out> = st.queue.drain(..).collect();
         for o in queued {
             if in_use == Some(op_of(o.wr_id)) {
                 st.queue.push_back(o);
                 continue;
             }
-            st.reads.remove(&o.seq);
-            self.complete(st, &raw(o.wr_id, WcStatus::WrFlush));
+            self.fail_request(st, o.wr_id);
         }
-        let waiting: Vec<(u32, u64)> = st
-            .awaiting
-            .iter()
-            .map(|(s, (w, _))| (*s, *w))
-            .filter(|(s, w)| Some(*s) != sending && Some(op_of(*w)) != in_use)
-            .collect();
-        for (seq, w) in waiting {
-            st.awaiting.remove(&seq);
-            self.complete(st, &raw(w, WcStatus::WrFlush));
+        // Messages sent whole: no code touches their buffers any more.
+        // Requests being written stay their writer's, reads the reader's.
+        for w in st.replies.take_sent_messages() {
+            self.fail_request(st, w);
         }
         self.work.notify_all();
         self.wake(st);
@@ -864,13 +918,12 @@ impl TcpConn {
                 // messages are acknowledged): nothing allocates in steady state.
                 queue: VecDeque::with_capacity(limits.send_depth as usize),
                 control: VecDeque::with_capacity(peer_depth),
-                awaiting: HashMap::with_capacity(limits.send_depth as usize),
+                replies: Replies::new(limits.send_depth as usize, MAX_CALL),
                 sending: None,
                 sending_op: None,
                 writing: false,
                 resume: None,
                 ctl_rest: None,
-                reads: HashMap::new(),
                 recvs: VecDeque::new(),
                 sender_done: false,
                 sleepers: 0,
@@ -882,6 +935,7 @@ impl TcpConn {
             work: Condvar::new(),
             events: Condvar::new(),
             fd: stream.as_raw_fd(),
+            tx: AtomicU64::new(0),
             dead: AtomicBool::new(false),
             keys: keys.clone(),
             granted: RwLock::new(opts.advertise.iter().map(|r| r.rkey).collect()),
@@ -987,9 +1041,6 @@ impl TcpConn {
             let seq = st.next_seq;
             st.next_seq = st.next_seq.wrapping_add(1).max(1);
             let wr_id = id.wr_id(i + 1 == count);
-            if let OutKind::ReadReq { .. } = kind {
-                st.reads.insert(seq, ReadDst { wr_id, addr, len, next: 0 });
-            }
             st.queue.push_back(Out { seq, wr_id, kind, addr, len, skip: 0, first });
         }
         if count == 1 && st.socket_idle() && st.queue.len() == 1 && matches!(st.queue[0].kind, OutKind::Inline { .. }) {
@@ -1006,23 +1057,23 @@ impl TcpConn {
     /// latency path. Never blocks: what the socket does not take at once,
     /// the sender thread finishes before anything else.
     fn send_direct(&self, mut st: MutexGuard<'_, TcpState>, mut o: Out, id: OpId) -> Posted {
-        Inner::start_write(&mut st, &o);
-        st.awaiting.insert(o.seq, (o.wr_id, o.first));
+        self.inner.start_write(&mut st, &o);
         drop(st);
-        let written = try_send_inline(self.inner.fd, &o);
+        let written = try_send_inline(self.inner.fd, &o, &self.inner.tx);
         let mut st = self.inner.lock();
         let whole = HEADER + o.len as usize;
         let mut done = None;
         match written {
             Ok(n) if n < whole && st.q.lost().is_none() => {
-                st.sending = None;
-                st.sending_op = None;
+                // Still being written (`sending` stays): the sender thread
+                // goes on with it before anything else.
                 st.writing = false;
                 o.skip = n;
                 st.resume = Some(o);
             }
             r => {
-                self.inner.end_write(&mut st, &o, r.is_err());
+                let whole_sent = matches!(r, Ok(n) if n == whole);
+                self.inner.end_write(&mut st, &o, !whole_sent);
                 if let Err(e) = r {
                     self.inner.break_with(&mut st, format!("sending to the peer failed: {e}"));
                 }
@@ -1248,9 +1299,8 @@ impl TcpConn {
         for r in recvs {
             self.inner.complete(&mut st, &raw(r.wr_id, WcStatus::WrFlush));
         }
-        let reads: Vec<ReadDst> = st.reads.drain().map(|(_, r)| r).collect();
-        for r in reads {
-            self.inner.complete(&mut st, &raw(r.wr_id, WcStatus::WrFlush));
+        for w in st.replies.take_all() {
+            self.inner.complete(&mut st, &raw(w, WcStatus::WrFlush));
         }
         self.inner.break_with(&mut st, reason.to_owned());
     }
@@ -1293,8 +1343,8 @@ fn sender(inner: &Inner) {
                 }
                 if let Some(o) = st.resume.take() {
                     // The rest of a frame a posting thread began: first, so
-                    // the stream stays whole.
-                    Inner::start_write(&mut st, &o);
+                    // the stream stays whole. It is already started.
+                    st.writing = true;
                     break Work::Out(o, false);
                 }
                 if let Some(c) = st.control.pop_front() {
@@ -1316,10 +1366,7 @@ fn sender(inner: &Inner) {
                     return;
                 }
                 if let Some(o) = st.queue.pop_front() {
-                    Inner::start_write(&mut st, &o);
-                    if !matches!(o.kind, OutKind::ReadReq { .. }) && is_final(o.wr_id) {
-                        st.awaiting.insert(o.seq, (o.wr_id, o.first));
-                    }
+                    inner.start_write(&mut st, &o);
                     let more = !st.queue.is_empty();
                     break Work::Out(o, more);
                 }
@@ -1329,7 +1376,7 @@ fn sender(inner: &Inner) {
         let outcome = match work {
             Work::Rest(h, sent) => {
                 // SAFETY: no payload.
-                let r = unsafe { send_frame(fd, &h, std::ptr::null(), 0, None, sent, false) }.map(drop);
+                let r = unsafe { send_frame(fd, &h, std::ptr::null(), 0, None, sent, false, None) }.map(drop);
                 inner.lock().writing = false;
                 r
             }
@@ -1349,7 +1396,7 @@ fn sender(inner: &Inner) {
                 r
             }
             Work::Out(mut o, more) => {
-                let r = send_message(fd, &o, more);
+                let r = send_message(fd, &o, more, &inner.tx);
                 inner.recycle(&mut o);
                 inner.end_write(&mut inner.lock(), &o, r.is_err());
                 r
@@ -1365,7 +1412,7 @@ fn sender(inner: &Inner) {
 
 /// One attempt, without blocking, to write an inline message's whole frame
 /// (header and data); how many bytes of it the socket took.
-fn try_send_inline(fd: RawFd, o: &Out) -> io::Result<usize> {
+fn try_send_inline(fd: RawFd, o: &Out, tx: &AtomicU64) -> io::Result<usize> {
     let OutKind::Inline { data, imm, .. } = &o.kind else {
         return Ok(0);
     };
@@ -1390,10 +1437,13 @@ fn try_send_inline(fd: RawFd, o: &Out) -> io::Result<usize> {
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = iov.as_mut_ptr();
     msg.msg_iovlen = iov.len();
-    sent_without_waiting(|| {
+    report(Some((tx, 0)), 0, true);
+    let r = sent_without_waiting(|| {
         // SAFETY: valid socket, message and buffers; MSG_NOSIGNAL instead of SIGPIPE.
         unsafe { libc::sendmsg(fd, &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) }
-    })
+    });
+    report(Some((tx, 0)), *r.as_ref().unwrap_or(&0), false);
+    r
 }
 
 /// Whether the peer acknowledges `o`: the last message of an operation,
@@ -1402,7 +1452,9 @@ fn wants_ack(o: &Out) -> bool {
     is_final(o.wr_id) && !o.unacked()
 }
 
-fn send_message(fd: RawFd, o: &Out, more: bool) -> io::Result<()> {
+/// Writes message `o` (from `o.skip` bytes on), reporting its progress
+/// through `tx`.
+fn send_message(fd: RawFd, o: &Out, more: bool, tx: &AtomicU64) -> io::Result<()> {
     let (op, key, raddr, imm) = match &o.kind {
         OutKind::Send { imm } | OutKind::Inline { imm, .. } => (FrameOp::Send, 0, 0, *imm),
         OutKind::Write { raddr, key, imm } => (FrameOp::Write, *key, *raddr, *imm),
@@ -1417,9 +1469,12 @@ fn send_message(fd: RawFd, o: &Out, more: bool) -> io::Result<()> {
     let imm_flag = if imm.is_some() { IMM } else { 0 } | if wants_ack(o) { ACK } else { 0 };
     let Some((ptr, len)) = payload else {
         let h = FrameHeader { op: op as u8, flags: FIRST | LAST, seq: o.seq, key, imm: 0, addr: raddr, len: 0, total };
-        return send_header(fd, &h);
+        // SAFETY: no payload.
+        return unsafe { send_frame(fd, &h, std::ptr::null(), 0, None, o.skip, more, Some((tx, 0))) }.map(drop);
     };
     let mut off = 0u64;
+    // The message's bytes on the wire before this frame.
+    let mut wire = 0u64;
     loop {
         let n = (len - off).min(SEGMENT as u64);
         let mut flags = imm_flag;
@@ -1452,9 +1507,11 @@ fn send_message(fd: RawFd, o: &Out, more: bool) -> io::Result<()> {
                 None,
                 if off == 0 { o.skip } else { 0 },
                 more || !last,
+                Some((tx, wire)),
             )?
         };
         off += n;
+        wire += HEADER as u64 + n;
         if off >= len {
             return Ok(());
         }
@@ -1476,7 +1533,8 @@ fn send_read_response(fd: RawFd, seq: u32, entry: &KeyEntry, addr: u64, len: u64
         };
         // SAFETY: the range was checked against the exposure, whose memory stays
         // valid while its gate says alive (revocation waits for the gate).
-        let whole = unsafe { send_frame(fd, &h, (addr + off) as *const u8, n as usize, Some(&entry.alive), 0, false)? };
+        let whole =
+            unsafe { send_frame(fd, &h, (addr + off) as *const u8, n as usize, Some(&entry.alive), 0, false, None)? };
         if !whole {
             // Revoked mid-way: the frame is cut, the stream cannot be resynchronized.
             return Err(io::Error::other("an exposed region was withdrawn during a read"));
@@ -1676,7 +1734,8 @@ fn receiver(inner: &Inner) {
             break why;
         }
     };
-    drop(reader);
+    // Still the reader: broken before anyone else may read, so no waiter
+    // lands a frame from here on (each looks at `dead` first).
     let mut st = inner.lock();
     inner.break_with(&mut st, why);
     // This thread owns receives and reads: fail them.
@@ -1684,10 +1743,12 @@ fn receiver(inner: &Inner) {
     for r in recvs {
         inner.complete(&mut st, &raw(r.wr_id, WcStatus::WrFlush));
     }
-    let reads: Vec<ReadDst> = st.reads.drain().map(|(_, r)| r).collect();
-    for r in reads {
-        inner.complete(&mut st, &raw(r.wr_id, WcStatus::WrFlush));
+    for w in st.replies.take_reads() {
+        inner.complete(&mut st, &raw(w, WcStatus::WrFlush));
     }
+    drop(st);
+    drop(reader);
+    let mut st = inner.lock();
     // The sender delivers the replies already queued (a refusal), then hangs
     // up. A peer that does not read gets LINGER for that, then the socket is
     // shut under the sender, which ends it: a broken connection holds no
@@ -1997,41 +2058,37 @@ fn on_read_request(inner: &Inner, h: &FrameHeader) -> Handled {
 
 fn on_read_response(inner: &Inner, h: &FrameHeader, src: &mut Source<'_>, scratch: &mut [u8]) -> Handled {
     let n = u64::from(h.len);
-    // Where this segment must start (the peer sends a read's response in
-    // order, from its start), and where the next one then starts.
-    let dst = inner.lock().reads.get_mut(&h.seq).map(|d| {
-        let at = d.next;
-        d.next = h.addr.saturating_add(n);
-        (d.wr_id, d.addr, d.len, at)
-    });
-    let Some((wr_id, addr, len, at)) = dst else {
-        src.drain(h, scratch)?;
-        return Err("a read response for no read".into());
+    // It must answer the oldest request waiting for a reply, a read that
+    // reached the peer whole, and land next in order inside its buffer
+    // (the peer sends a read's response in order, from its start).
+    let segment = {
+        let mut st = inner.lock();
+        let progress = Progress::unpack(inner.tx.load(Ordering::Acquire));
+        st.replies.on_read_segment(h.seq, h.addr, n, progress)
     };
-    if h.addr.checked_add(n).is_none_or(|e| e > len) {
-        src.drain(h, scratch)?;
-        return Err("a read response past its read's buffer".into());
-    }
-    if h.addr != at {
-        src.drain(h, scratch)?;
-        return Err(format!("a read response out of order (bytes from {} where {at} were due)", h.addr));
-    }
+    let seg = match segment {
+        Ok(seg) => seg,
+        Err(why) => {
+            src.drain(h, scratch)?;
+            return Err(why);
+        }
+    };
     // SAFETY: inside the read's destination (checked), owned by its operation
-    // until this thread completes it.
-    let ok = unsafe { src.fill((addr + h.addr) as *mut u8, n as usize, None, scratch) };
+    // until this thread, the reader, lets go of the read (`read_done`, or
+    // `take_reads` when it stops): nobody else completes the operation.
+    let ok = unsafe { src.fill((seg.addr + h.addr) as *mut u8, n as usize, None, scratch) };
     if !ok.map_err(io_err)? {
         return Err("the peer closed the connection".into());
     }
     if h.flags & LAST != 0 {
         let mut st = inner.lock();
-        st.reads.remove(&h.seq);
-        let end = h.addr + n;
-        if end != len {
+        let whole = st.replies.read_done().is_some_and(|(_, whole)| whole);
+        if !whole {
             // Part of the read's buffer would hold what was there before.
-            inner.complete(&mut st, &raw(wr_id, WcStatus::BadResponse));
-            return Err(format!("a read response of {end} bytes for a read of {len}"));
+            inner.complete(&mut st, &raw(seg.wr_id, WcStatus::BadResponse));
+            return Err(format!("a read response of {} bytes for a read of {}", h.addr + n, seg.len));
         }
-        inner.complete(&mut st, &raw(wr_id, WcStatus::Success));
+        inner.complete(&mut st, &raw(seg.wr_id, WcStatus::Success));
     }
     Ok(())
 }
@@ -2042,63 +2099,45 @@ fn short_message(total: u64, arrived: u64) -> String {
     format!("a garbled frame (a message of {total} bytes announced, {arrived} arrived): the stream is out of step")
 }
 
-/// The final request's work request id of the chain whose messages
-/// include `seq` (between its first message and its final one): sent and
-/// awaiting its acknowledgement, or still queued.
+/// The final request's work request id of the queued operation whose
+/// requests include `seq` (a request of it was sent and refused, its final
+/// request is still queued).
 #[cold]
-fn chain_of(st: &TcpState, seq: u32) -> Option<u64> {
-    let within = |first: u32, last: u32| seq.wrapping_sub(first) < last.wrapping_sub(first);
-    st.awaiting
-        .iter()
-        .find(|(last, (_, first))| within(*first, **last))
-        .map(|(_, (w, _))| *w)
-        .or_else(|| st.queue.iter().find(|o| is_final(o.wr_id) && within(o.first, o.seq)).map(|o| o.wr_id))
+fn queued_chain_of(st: &TcpState, seq: u32) -> Option<u64> {
+    let within = |first: u32, last: u32| seq.wrapping_sub(first) <= last.wrapping_sub(first);
+    st.queue.iter().find(|o| is_final(o.wr_id) && within(o.first, o.seq)).map(|o| o.wr_id)
 }
 
+/// An acknowledgement: completes the oldest request waiting for one, if it
+/// answers it (see [`replies`]); a refusal fails the operation it names
+/// and breaks the connection; any other acknowledgement breaks it too.
 fn on_ack(inner: &Inner, h: &FrameHeader) -> Handled {
     let status = WcStatus::from_raw(h.total);
     let mut st = inner.lock();
-    // A refused read is answered with an acknowledgement carrying the status.
-    let wr_id = match st.awaiting.remove(&h.seq) {
-        Some((w, _)) => Some(w),
-        None => match st.reads.remove(&h.seq) {
-            Some(r) if status.is_success() => {
-                // A read is answered by its data; only a refusal comes as an
-                // acknowledgement. Taken as success, its buffer would keep
-                // what was there before.
-                inner.complete(&mut st, &raw(r.wr_id, WcStatus::BadResponse));
-                let why = "the peer acknowledged a read without sending its data".to_owned();
-                inner.break_with(&mut st, why.clone());
-                return Err(why);
+    let progress = Progress::unpack(inner.tx.load(Ordering::Acquire));
+    let why = match st.replies.on_ack(h.seq, status.is_success(), progress) {
+        OnAck::Complete(wr_id) => {
+            inner.complete(&mut st, &raw(wr_id, WcStatus::Success));
+            return Ok(());
+        }
+        OnAck::Deferred => return Ok(()),
+        OnAck::Violation(why) => why,
+        OnAck::Refused(chain) => match chain.or_else(|| queued_chain_of(&st, h.seq)) {
+            Some(final_wr_id) => {
+                st.q.lose(|| format!("the connection went to the error state after a request failed with {status}"));
+                // Recorded as the operation's failure; whoever owns its
+                // final request (a writer, the reader, the break below)
+                // completes it once nothing touches its buffer.
+                inner.complete(&mut st, &raw(op_of(final_wr_id), status));
+                st.q.lost().unwrap_or_default().to_owned()
             }
-            r => r.map(|r| r.wr_id),
+            None => format!("the peer refused a request with {status}"),
         },
     };
-    let wr_id = match wr_id {
-        Some(w) => w,
-        // An error for a message not acknowledged itself: an earlier
-        // request of a chain, which fails the chain.
-        None if !status.is_success() => match chain_of(&st, h.seq) {
-            Some(final_wr_id) => op_of(final_wr_id),
-            None => {
-                let why = format!("the peer refused a request with {status}");
-                inner.break_with(&mut st, why.clone());
-                return Err(why);
-            }
-        },
-        None => return Ok(()),
-    };
-    if !status.is_success() {
-        st.q.lose(|| format!("the connection went to the error state after a request failed with {status}"));
-    }
-    inner.complete(&mut st, &raw(wr_id, status));
-    if !status.is_success() {
-        let why = st.q.lost().unwrap_or_default().to_owned();
-        inner.break_with(&mut st, why.clone());
-        // The peer broke the connection: nothing more from it is carried out.
-        return Err(why);
-    }
-    Ok(())
+    // The peer broke the connection, or the rules: nothing more from it
+    // is carried out.
+    inner.break_with(&mut st, why.clone());
+    Err(why)
 }
 
 #[cfg(test)]
@@ -2150,8 +2189,13 @@ mod tests {
                 use std::io::Write;
                 (&tx).write_all(&frame[..skip]).unwrap();
             }
-            send_message(tx.as_raw_fd(), &o, false).unwrap();
+            let progress = AtomicU64::new(0);
+            send_message(tx.as_raw_fd(), &o, false, &progress).unwrap();
             assert_eq!(read_exactly(&mut rx, frame.len()), frame, "resumed after {skip} bytes");
+            // The writer said where it was: all of it handed, out of its call.
+            let whole = Progress { handed: frame.len() as u64, in_call: false };
+            assert_eq!(Progress::unpack(progress.load(Ordering::Acquire)), whole);
+            assert_eq!(o.wire_len(), frame.len() as u64);
         }
     }
 
@@ -2175,7 +2219,12 @@ mod tests {
         let mut frames = Vec::new();
         let partial = loop {
             let (mut o, frame) = inline_out(frames.len() as u32 + 1, &data);
-            let n = try_send_inline(tx.as_raw_fd(), &o).unwrap();
+            let progress = AtomicU64::new(0);
+            let n = try_send_inline(tx.as_raw_fd(), &o, &progress).unwrap();
+            assert_eq!(
+                Progress::unpack(progress.load(Ordering::Acquire)),
+                Progress { handed: n as u64, in_call: false }
+            );
             frames.push(frame);
             if n < HEADER + data.len() {
                 o.skip = n;
@@ -2184,7 +2233,8 @@ mod tests {
             assert!(frames.len() < 10_000, "the socket never filled");
         };
         // The sender thread's part: the rest, blocking until the peer reads.
-        let writer = std::thread::spawn(move || send_message(tx.as_raw_fd(), &partial, false).map(|()| tx));
+        let writer =
+            std::thread::spawn(move || send_message(tx.as_raw_fd(), &partial, false, &AtomicU64::new(0)).map(|()| tx));
         for (i, frame) in frames.iter().enumerate() {
             assert_eq!(&read_exactly(&mut rx, frame.len()), frame, "frame {i} of {}", frames.len());
         }
@@ -2214,7 +2264,7 @@ mod tests {
         // none went), blocking until the peer reads.
         let writer = std::thread::spawn(move || {
             // SAFETY: no payload.
-            unsafe { send_frame(tx.as_raw_fd(), &rest, std::ptr::null(), 0, None, already, false) }.map(|_| tx)
+            unsafe { send_frame(tx.as_raw_fd(), &rest, std::ptr::null(), 0, None, already, false, None) }.map(|_| tx)
         });
         for (i, h) in sent.iter().enumerate() {
             let got: [u8; HEADER] = read_tcp(&mut rx, HEADER).try_into().unwrap();
