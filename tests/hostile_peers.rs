@@ -846,3 +846,127 @@ fn duplicate_unknown_and_out_of_order_replies_break_the_connection() {
     assert!(sent.wait_timeout(Duration::from_secs(5)).is_err());
     drop((conn, s));
 }
+
+// ---- 9. an inbox's bound is in bytes ----
+
+/// A notification message as the crate encodes it (`magic "gN", version 1,
+/// status, payload length`, big-endian; then the payload), sent by hand
+/// with `tag` as its immediate.
+fn note_frame(seq: u32, tag: u32, failed: bool, payload: &[u8], out: &mut Vec<u8>) {
+    let mut msg = vec![0x67, 0x4e, 1, u8::from(failed)];
+    msg.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    msg.extend_from_slice(payload);
+    out.extend_from_slice(&[SEND, FIRST | LAST | IMM, 0, 0]);
+    out.extend_from_slice(&seq.to_le_bytes());
+    out.extend_from_slice(&0u32.to_le_bytes());
+    out.extend_from_slice(&tag.to_le_bytes());
+    out.extend_from_slice(&0u64.to_le_bytes());
+    out.extend_from_slice(&(msg.len() as u32).to_le_bytes());
+    out.extend_from_slice(&(msg.len() as u32).to_le_bytes());
+    out.extend_from_slice(&msg);
+}
+
+/// The worst payload for an inbox: 70,000 failure notes of 4 KiB of bytes
+/// that are not UTF-8 (each would grow to 12 KiB as text), every one under
+/// a tag of its own, that nobody takes. The inbox holds at most
+/// `MAX_QUEUED_BYTES` of them, and this process grows by no more than that
+/// (and the transport's own bound); a reason taken is the text of what
+/// arrived.
+#[test]
+fn an_inbox_holds_at_most_its_byte_bound_whatever_notes_arrive() {
+    let _serial = serial();
+    let victim = Victim::new();
+    let (conn, s, _) = victim.accept(endpoint(7, 128));
+    let mut inbox = conn.inbox(64).unwrap();
+    const NOTES: u32 = 70_000;
+    let base = resident_bytes();
+    let feeder = thread::spawn(move || {
+        let payload = vec![0xffu8; gpu_rdma::MAX_NOTIFY_PAYLOAD];
+        let mut out = Vec::with_capacity(1 << 20);
+        for i in 0..NOTES {
+            note_frame(i + 1, 1_000_000 + i, true, &payload, &mut out);
+            if out.len() >= 1 << 20 || i + 1 == NOTES {
+                (&s).write_all(&out).expect("the victim reads on");
+                out.clear();
+            }
+        }
+        s
+    });
+    let t0 = Instant::now();
+    let mut peak = 0u64;
+    loop {
+        inbox.poll().unwrap();
+        let st = inbox.stats();
+        peak = peak.max(resident_bytes().saturating_sub(base));
+        if st.received + st.overflowed >= u64::from(NOTES) || t0.elapsed() > Duration::from_secs(60) {
+            break;
+        }
+        thread::sleep(Duration::from_millis(1));
+    }
+    let s = feeder.join().unwrap();
+    let st = inbox.stats();
+    println!(
+        "{NOTES} notes: {st:?}; resident +{} MiB at most (bound {} MiB)",
+        peak >> 20,
+        gpu_rdma::MAX_QUEUED_BYTES >> 20
+    );
+    assert_eq!(st.received + st.overflowed, u64::from(NOTES), "every note was seen: {st:?}");
+    assert!(st.overflowed > 0, "the bound was never reached: {st:?}");
+    assert!(st.queued_bytes <= gpu_rdma::MAX_QUEUED_BYTES, "{st:?}");
+    let cost = gpu_rdma::NOTE_OVERHEAD + gpu_rdma::MAX_NOTIFY_PAYLOAD;
+    assert_eq!(st.queued, gpu_rdma::MAX_QUEUED_BYTES / cost, "{st:?}");
+    // What the process holds for them, with the slots, the transport's
+    // bound and the allocator's slack (16 MiB) on top.
+    let allowed = (gpu_rdma::MAX_QUEUED_BYTES + (16 << 20)) as u64 + conn.info().memory_bound.unwrap_or(0);
+    assert!(peak <= allowed, "grew by {} MiB, allowed {} MiB", peak >> 20, allowed >> 20);
+    // A reason comes out as the text of the bytes that arrived.
+    match inbox.try_take(1_000_000, 1) {
+        Err(gpu_rdma::Error::PeerTransferFailed { tag, reason }) => {
+            assert_eq!(tag, 1_000_000);
+            assert_eq!(reason.chars().count(), gpu_rdma::MAX_NOTIFY_PAYLOAD);
+            assert!(reason.chars().all(|c| c == char::REPLACEMENT_CHARACTER));
+        }
+        other => panic!("not the failure: {other:?}"),
+    }
+    assert_eq!(inbox.stats().queued, st.queued - 1);
+    assert_eq!(inbox.stats().queued_bytes, st.queued_bytes - cost);
+    drop((inbox, conn, s));
+}
+
+/// The other worst case: empty notes, each under a tag of its own, cost
+/// the inbox only their overhead; what the process grows by stays within
+/// what the inbox charges them (`NOTE_OVERHEAD` each).
+#[test]
+fn an_inbox_charges_each_note_at_least_what_it_costs() {
+    let _serial = serial();
+    let victim = Victim::new();
+    let (conn, s, _) = victim.accept(endpoint(7, 128));
+    let mut inbox = conn.inbox(64).unwrap();
+    const NOTES: u32 = 60_000;
+    let base = resident_bytes();
+    let feeder = thread::spawn(move || {
+        let mut out = Vec::with_capacity(1 << 20);
+        for i in 0..NOTES {
+            note_frame(i + 1, i, false, b"", &mut out);
+            if out.len() >= 1 << 20 || i + 1 == NOTES {
+                (&s).write_all(&out).expect("the victim reads on");
+                out.clear();
+            }
+        }
+        s
+    });
+    let t0 = Instant::now();
+    while inbox.stats().received < u64::from(NOTES) && t0.elapsed() < Duration::from_secs(60) {
+        inbox.poll().unwrap();
+        thread::sleep(Duration::from_millis(1));
+    }
+    let grew = resident_bytes().saturating_sub(base);
+    let s = feeder.join().unwrap();
+    let st = inbox.stats();
+    println!("{NOTES} empty notes: {st:?}; resident +{} bytes a note", grew / u64::from(NOTES));
+    assert_eq!(st.queued, NOTES as usize);
+    assert_eq!(st.queued_bytes, NOTES as usize * gpu_rdma::NOTE_OVERHEAD);
+    let slack = 4 << 20;
+    assert!(grew <= st.queued_bytes as u64 + slack, "grew by {grew} bytes, charged {}", st.queued_bytes);
+    drop((inbox, conn, s));
+}

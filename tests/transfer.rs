@@ -392,8 +392,9 @@ both!(
 );
 
 /// A peer sending notifications nobody takes cannot grow this side's
-/// memory without bound: past `MAX_QUEUED_NOTES` they are dropped and
-/// counted. (TCP only: 66,000 messages.)
+/// memory without bound: past `MAX_QUEUED_NOTES` (or `MAX_QUEUED_BYTES`,
+/// see `hostile_peers.rs`) they are dropped and counted. (TCP only: 66,000
+/// messages.)
 #[test]
 fn tcp_notifications_nobody_takes_are_bounded() {
     let d = domain(Kind::Tcp);

@@ -37,15 +37,47 @@ pub struct InboxStats {
     pub malformed: u64,
     /// Notifications received and not yet taken.
     pub queued: usize,
-    /// Notifications dropped because [`MAX_QUEUED_NOTES`] were already waiting
-    /// to be taken (a peer sending tags nobody waits for).
+    /// What the notifications not yet taken are charged (see
+    /// [`MAX_QUEUED_BYTES`]).
+    pub queued_bytes: usize,
+    /// Notifications dropped because [`MAX_QUEUED_NOTES`] or
+    /// [`MAX_QUEUED_BYTES`] were already waiting to be taken (a peer sending
+    /// tags nobody waits for).
     pub overflowed: u64,
 }
 
-/// Notifications an inbox keeps untaken at most (with up to 4 KiB of
-/// payload each: 256 MiB); past that, new ones are dropped and counted, so
-/// a peer cannot grow this side's memory without bound.
+/// Notifications an inbox keeps untaken at most; past that, new ones are
+/// dropped and counted ([`InboxStats::overflowed`]).
 pub const MAX_QUEUED_NOTES: usize = 65_536;
+
+/// Bytes of notifications an inbox keeps untaken at most: each one is
+/// charged its payload (kept as the bytes that arrived, a failure's reason
+/// too: at most [`MAX_NOTIFY_PAYLOAD`](crate::MAX_NOTIFY_PAYLOAD)) and
+/// [`NOTE_OVERHEAD`]. Past that, new ones are dropped and counted, so a
+/// peer cannot grow this side's memory past this bound per inbox, whatever
+/// it sends (plus the inbox's receive slots, about 4 KiB each).
+pub const MAX_QUEUED_BYTES: usize = 64 << 20;
+
+/// What each notification waiting in an inbox is charged beyond its
+/// payload: its entry, its tag's queue and its share of the table of tags,
+/// with the allocator's overhead (measured: about 270 bytes with every note
+/// under a tag of its own, the worst case; `tests/hostile_peers.rs`).
+pub const NOTE_OVERHEAD: usize = 384;
+
+/// One notification not yet taken: its payload, or a failure's reason, as
+/// the bytes that arrived (turned into text only when taken).
+#[derive(Debug)]
+enum Entry {
+    Done(Bytes),
+    Failed(Bytes),
+}
+
+impl Entry {
+    fn cost(&self) -> usize {
+        let (Entry::Done(b) | Entry::Failed(b)) = self;
+        NOTE_OVERHEAD + b.len()
+    }
+}
 
 /// Notifications arriving on one connection, counted by tag; see
 /// [`Connection::inbox`].
@@ -58,9 +90,11 @@ pub struct Inbox {
     /// Posted receives, in the order they complete.
     slots: VecDeque<Pending<Region<HostMemory>>>,
     /// Per tag, what arrived and is not taken: a payload, or a failure's reason.
-    by_tag: HashMap<u32, VecDeque<std::result::Result<Bytes, String>>>,
+    by_tag: HashMap<u32, VecDeque<Entry>>,
     /// Entries in `by_tag`.
     queued: usize,
+    /// What they are charged ([`Entry::cost`]).
+    queued_bytes: usize,
     /// Why no more will arrive.
     lost: Option<String>,
     stats: InboxStats,
@@ -86,6 +120,7 @@ impl Connection {
             slots: VecDeque::with_capacity(slots),
             by_tag: HashMap::new(),
             queued: 0,
+            queued_bytes: 0,
             lost: None,
             stats: InboxStats::default(),
         };
@@ -118,17 +153,26 @@ impl Inbox {
             return;
         };
         match notify::decode(msg) {
-            Ok(_) if self.queued >= MAX_QUEUED_NOTES => {
+            Ok((_, payload))
+                if self.queued >= MAX_QUEUED_NOTES
+                    || self.queued_bytes + NOTE_OVERHEAD + payload.len() > MAX_QUEUED_BYTES =>
+            {
                 self.stats.overflowed += 1;
-                tracing::warn!("{MAX_QUEUED_NOTES} notifications wait to be taken: dropped one with tag {tag}");
+                tracing::warn!(
+                    "{} notifications ({} bytes) wait to be taken: dropped one with tag {tag}",
+                    self.queued,
+                    self.queued_bytes
+                );
             }
             Ok((status, payload)) => {
                 self.stats.received += 1;
-                self.queued += 1;
+                let bytes = Bytes::copy_from_slice(payload);
                 let entry = match status {
-                    NotifyStatus::Done => Ok(Bytes::copy_from_slice(payload)),
-                    NotifyStatus::Failed => Err(String::from_utf8_lossy(payload).into_owned()),
+                    NotifyStatus::Done => Entry::Done(bytes),
+                    NotifyStatus::Failed => Entry::Failed(bytes),
                 };
+                self.queued += 1;
+                self.queued_bytes += entry.cost();
                 self.by_tag.entry(tag).or_default().push_back(entry);
             }
             Err(notify::Malformed(why)) => {
@@ -190,19 +234,32 @@ impl Inbox {
     }
 
     fn take_ready(&mut self, tag: u32, n: usize) -> Result<Option<Vec<Note>>> {
-        let queue = self.by_tag.entry(tag).or_default();
-        if let Some(at) = queue.iter().position(std::result::Result::is_err) {
-            let reason = queue.remove(at).and_then(std::result::Result::err).unwrap_or_default();
-            self.queued -= 1;
-            return Err(Error::PeerTransferFailed { tag, reason });
-        }
-        if queue.len() >= n {
-            let notes: Vec<Note> = queue.drain(..n).map(|p| Note { tag, payload: p.unwrap_or_default() }).collect();
-            self.queued -= notes.len();
+        if let Some(queue) = self.by_tag.get_mut(&tag) {
+            let failed = queue.iter().position(|e| matches!(e, Entry::Failed(_)));
+            let taken: Vec<Entry> = match failed {
+                Some(at) => queue.remove(at).into_iter().collect(),
+                None if queue.len() >= n => queue.drain(..n).collect(),
+                None => Vec::new(),
+            };
             if queue.is_empty() {
                 self.by_tag.remove(&tag);
             }
-            return Ok(Some(notes));
+            if !taken.is_empty() || n == 0 {
+                self.queued -= taken.len();
+                self.queued_bytes -= taken.iter().map(Entry::cost).sum::<usize>();
+                if let [Entry::Failed(reason)] = taken.as_slice() {
+                    // Text only now, for the one reason handed out.
+                    let reason = String::from_utf8_lossy(reason).into_owned();
+                    return Err(Error::PeerTransferFailed { tag, reason });
+                }
+                let notes = taken.into_iter().map(|e| {
+                    let (Entry::Done(payload) | Entry::Failed(payload)) = e;
+                    Note { tag, payload }
+                });
+                return Ok(Some(notes.collect()));
+            }
+        } else if n == 0 {
+            return Ok(Some(Vec::new()));
         }
         match &self.lost {
             Some(reason) => Err(Error::ConnectionLost { reason: reason.clone() }),
@@ -250,7 +307,7 @@ impl Inbox {
     /// Notifications with `tag` that arrived and are not taken (as of the
     /// last poll or wait).
     pub fn count(&self, tag: u32) -> usize {
-        self.by_tag.get(&tag).map_or(0, |q| q.iter().filter(|e| e.is_ok()).count())
+        self.by_tag.get(&tag).map_or(0, |q| q.iter().filter(|e| matches!(e, Entry::Done(_))).count())
     }
 
     /// Whether no more notifications can arrive (the connection is lost).
@@ -260,7 +317,7 @@ impl Inbox {
 
     /// What the inbox has seen.
     pub fn stats(&self) -> InboxStats {
-        InboxStats { queued: self.queued, ..self.stats }
+        InboxStats { queued: self.queued, queued_bytes: self.queued_bytes, ..self.stats }
     }
 }
 

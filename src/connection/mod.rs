@@ -12,7 +12,7 @@ mod waiting;
 
 pub use crate::options::{ConnectOptions, ConnectionInfo};
 pub use establish::{Interrupt, Listener, MAX_CONCURRENT_HANDSHAKES};
-pub use inbox::{Inbox, InboxStats, MAX_QUEUED_NOTES, Note};
+pub use inbox::{Inbox, InboxStats, MAX_QUEUED_BYTES, MAX_QUEUED_NOTES, NOTE_OVERHEAD, Note};
 pub use persistent::{Persistent, PersistentRecv, PersistentSend};
 pub use ring::{Received, RecvRing};
 pub(crate) use transfer::Direction;
