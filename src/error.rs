@@ -165,6 +165,17 @@ pub enum Error {
         granted: Access,
     },
 
+    /// A notification payload longer than
+    /// [`MAX_NOTIFY_PAYLOAD`](crate::MAX_NOTIFY_PAYLOAD); nothing was posted
+    /// (the peer's wait for its tag fails, as for any list that fails).
+    #[error("a notification payload of {len} bytes exceeds the limit of {max} bytes")]
+    NotifyPayloadTooLarge {
+        /// The payload's size.
+        len: u64,
+        /// The limit.
+        max: u64,
+    },
+
     /// A message larger than the transport's maximum message size; nothing was posted.
     #[error("a message of {len} bytes exceeds the maximum message size of {max} bytes")]
     MessageTooLarge {
@@ -474,6 +485,20 @@ pub enum BootstrapError {
     /// The peer's endpoint cannot be used with ours.
     #[error("incompatible peer: {0}")]
     Incompatible(String),
+    /// The peer announced a limit (a size, a depth, a count) outside what
+    /// this side accepts: too small to work with, or past what this side
+    /// would hold for it. Nothing was planned or allocated from it.
+    #[error("the peer announced {field} {value}, outside what this side accepts ({min}..={max})")]
+    OutOfRange {
+        /// The hello's field.
+        field: &'static str,
+        /// What the peer announced.
+        value: u64,
+        /// The least this side accepts.
+        min: u64,
+        /// The most this side accepts.
+        max: u64,
+    },
     /// The shared-secret check failed; nothing else was exchanged.
     #[error("authentication failed: {0}")]
     Auth(AuthFailure),

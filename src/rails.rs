@@ -245,8 +245,10 @@ impl Rails {
     /// connections per rail, rail `r` here to `addrs[r]`.
     ///
     /// # Errors
-    /// [`Error::RailMismatch`] when `addrs` lists another number of rails;
-    /// as [`Domain::connect`] for each connection.
+    /// [`Error::RailMismatch`] when `addrs` lists another number of rails,
+    /// or the listener expects another number of queue pairs (its hello
+    /// names the place it expects, so both sides know at the first
+    /// connection); as [`Domain::connect`] for each connection.
     pub fn connect(&self, addrs: &[SocketAddr], opts: &RailOptions) -> Result<RailConnection> {
         opts.check()?;
         if addrs.len() != self.len() {
@@ -259,7 +261,18 @@ impl Rails {
             for (r, (d, a)) in self.domains.iter().zip(addrs).enumerate() {
                 let mut c = opts.connect.clone();
                 c.name = place(r, self.len(), q, opts.queue_pairs).into_bytes();
-                links.push(RailLink::new(r, d.connect(a, &c)?));
+                let conn = d.connect(a, &c)?;
+                // The listener names the place it expects this connection at.
+                if conn.info().peer_name != c.name {
+                    return Err(Error::RailMismatch {
+                        detail: format!(
+                            "this side dials as \"{}\", the listener expects \"{}\"",
+                            String::from_utf8_lossy(&c.name),
+                            String::from_utf8_lossy(&conn.info().peer_name)
+                        ),
+                    });
+                }
+                links.push(RailLink::new(r, conn));
             }
         }
         Ok(RailConnection::new(self, links, opts))
@@ -498,8 +511,12 @@ impl RailListener {
         let mut links = Vec::new();
         for q in 0..opts.queue_pairs {
             for (r, l) in self.listeners.iter().enumerate() {
-                let conn = l.accept_timeout(&opts.connect, opts.connect.handshake_timeout)?;
                 let want = place(r, n, q, opts.queue_pairs);
+                // Named after the place it expects, so a dialer set up
+                // otherwise finds out at once too.
+                let mut c = opts.connect.clone();
+                c.name = want.clone().into_bytes();
+                let conn = l.accept_timeout(&c, opts.connect.handshake_timeout)?;
                 let got = String::from_utf8_lossy(&conn.info().peer_name).into_owned();
                 if got != want {
                     return Err(Error::RailMismatch {
@@ -825,6 +842,12 @@ impl<M: Memory> Striped<M> {
 
     /// Checks the ranges, cuts the stripes and posts one list per queue pair.
     fn plan(&mut self) -> Result<()> {
+        if let Some((_, payload)) = &self.note {
+            if payload.len() > crate::MAX_NOTIFY_PAYLOAD {
+                let (len, max) = (payload.len() as u64, crate::MAX_NOTIFY_PAYLOAD as u64);
+                return Err(Error::NotifyPayloadTooLarge { len, max });
+            }
+        }
         let n = self.shared.rails.len();
         if self.local.rails.len() != n || self.remote.rails.len() != n {
             return Err(Error::RailMismatch {

@@ -970,3 +970,50 @@ fn an_inbox_charges_each_note_at_least_what_it_costs() {
     assert!(grew <= st.queued_bytes as u64 + slack, "grew by {grew} bytes, charged {}", st.queued_bytes);
     drop((inbox, conn, s));
 }
+
+// ---- 10. limits a peer announces ----
+
+/// A peer announcing limits too small to work with (a largest message of
+/// one byte would split an 8 MiB list into eight million requests) or past
+/// what this side holds for it is refused at the handshake, naming the
+/// field; the listener goes on serving.
+#[test]
+fn announced_limits_outside_what_this_side_accepts_are_refused_at_the_handshake() {
+    let _serial = serial();
+    let victim = Victim::new();
+    let listener = victim.domain.listen("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let bad = [
+        ("TCP max_message", TcpEndpoint { max_message: 1, ..endpoint(0, 128) }),
+        ("TCP max_message", TcpEndpoint { max_message: 65_535, ..endpoint(0, 128) }),
+        ("TCP send_depth", TcpEndpoint { send_depth: 0, ..endpoint(0, 128) }),
+        ("TCP send_depth", TcpEndpoint { send_depth: u32::MAX, ..endpoint(0, 128) }),
+        ("TCP rnr_retry", TcpEndpoint { rnr_retry: 8, ..endpoint(0, 128) }),
+    ];
+    for (field, tcp) in bad {
+        let opts = victim.opts();
+        let l = &listener;
+        let accepted = thread::scope(|sc| {
+            let server = sc.spawn(move || l.accept_timeout(&opts, Duration::from_secs(10)));
+            let s = TcpStream::connect(addr).unwrap();
+            let deadline = Deadline::after(Duration::from_secs(10), "the victim");
+            let mine = Hello { caps: CAP_TCP, verbs: None, tcp: Some(tcp), regions: vec![], name: vec![] };
+            let _ = bootstrap::exchange_hello(&s, &mine, deadline, 1 << 20);
+            server.join().unwrap()
+        });
+        match accepted {
+            Err(gpu_rdma::Error::Bootstrap(e @ gpu_rdma::BootstrapError::OutOfRange { field: f, .. })) => {
+                assert_eq!(f, field);
+                println!("refused: {e}");
+            }
+            other => panic!("{field}: accepted or refused otherwise: {other:?}"),
+        }
+    }
+    // At the floor, it works.
+    let tcp = TcpEndpoint { max_message: gpu_rdma::bootstrap::MIN_MAX_MESSAGE, ..endpoint(0, 128) };
+    let opts = victim.opts();
+    let server = thread::spawn(move || listener.accept_timeout(&opts, Duration::from_secs(10)));
+    let (_s, _) = hostile_client(addr, tcp, vec![]);
+    let conn = server.join().unwrap().expect("accepted at the floor");
+    assert_eq!(conn.info().max_message_size, u64::from(gpu_rdma::bootstrap::MIN_MAX_MESSAGE));
+}

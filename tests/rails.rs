@@ -14,7 +14,7 @@ use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::{first_difference, opts, pattern};
 use gpu_rdma::Failure;
@@ -153,6 +153,10 @@ fn bad_requests_are_refused(server: Rails, client: Rails) {
     let one = Rails::from_domains(vec![client.domains()[0].clone()]).unwrap();
     let narrow = one.alloc(MIB as usize, 4).unwrap();
     assert!(matches!(c.write(&narrow, 0, &d, 0, MIB).wait(), Err(Error::RailMismatch { .. })));
+    // A notification payload past the limit, before any stripe moves.
+    let long = vec![0u8; gpu_rdma::MAX_NOTIFY_PAYLOAD + 1];
+    let refused = c.write_notify(&mine, 0, &d, 0, MIB, 5, &long).wait();
+    assert!(matches!(refused, Err(Error::NotifyPayloadTooLarge { .. })), "{refused:?}");
     // Zero bytes move nothing and succeed.
     assert_eq!(c.write(&mine, 0, &d, 0, 0).wait().unwrap().bytes, 0);
     assert!(c.stats().iter().all(|r| r.failure.is_none() && r.alive == 2), "{:?}", c.stats());
@@ -354,12 +358,23 @@ fn tcp_mismatched_sides_are_refused() {
     let (server, client) = (tcp_rails(2), tcp_rails(2));
     let listener = server.listen("127.0.0.1:0").unwrap();
     let addrs = listener.addrs().unwrap();
-    let t = thread::spawn(move || listener.accept(&rail_opts(Duration::from_secs(5)).queue_pairs(2)));
+    let t = thread::spawn(move || {
+        let r = listener.accept(&rail_opts(Duration::from_secs(5)).queue_pairs(2));
+        (r, Instant::now())
+    });
     let short = RailOptions::default()
         .queue_pairs(1)
         .connect(ConnectOptions::default().handshake_timeout(Duration::from_secs(5)));
-    let _ = client.connect(&addrs, &short);
-    assert!(matches!(t.join().unwrap(), Err(Error::RailMismatch { .. })));
+    // Both sides learn it at the first connection, not at a handshake's timeout.
+    let t0 = Instant::now();
+    let dialed = client.connect(&addrs, &short);
+    let dialer_took = t0.elapsed();
+    let (accepted, at) = t.join().unwrap();
+    let listener_took = at.duration_since(t0);
+    println!("dialer: {dialed:?} after {dialer_took:?}; listener: {accepted:?} after {listener_took:?}");
+    assert!(matches!(dialed, Err(Error::RailMismatch { .. })), "{dialed:?}");
+    assert!(matches!(accepted, Err(Error::RailMismatch { .. })), "{accepted:?}");
+    assert!(dialer_took < Duration::from_secs(2) && listener_took < Duration::from_secs(2));
     // A dialer with fewer rails than the listener has ports.
     assert!(matches!(tcp_rails(1).connect(&addrs, &short), Err(Error::RailMismatch { .. })));
     assert!(matches!(client.connect(&addrs, &RailOptions::default().queue_pairs(0)), Err(Error::InvalidArgument(_))));

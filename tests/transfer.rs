@@ -114,7 +114,13 @@ fn a_bad_piece_refuses_the_whole_list_moves_nothing_and_returns_the_buffer(t: Ki
     assert!(matches!(failed.error, Error::OutOfBounds { side: "local", .. }), "{failed}");
     let back = failed.buffer.unwrap();
     let failed = c.write_list(back, &remote, [Piece::new(u64::MAX, 0, 2)]).finish().unwrap_err();
-    assert!(matches!(failed.error, Error::OutOfBounds { .. }), "{failed}");
+    assert!(matches!(failed.error, Error::OutOfBounds { side: "local", offset: u64::MAX, .. }), "{failed}");
+    // A remote offset that overflows names the remote side and its range.
+    let failed = c.write_list(failed.buffer.unwrap(), &remote, [Piece::new(0, u64::MAX - 1, 4)]).finish().unwrap_err();
+    assert!(
+        matches!(failed.error, Error::OutOfBounds { side: "remote", offset, len: 4, region_len: 65536 } if offset == u64::MAX - 1),
+        "{failed}"
+    );
     // A list on a region without the right is refused before posting too.
     let read_only = d.expose(d.alloc(4096).unwrap(), Access::REMOTE_READ, 0).unwrap();
     let ro = s.grant(&read_only).whole();
@@ -283,6 +289,23 @@ fn a_list_that_fails_fails_the_peers_wait_at_once(t: Kind) {
     c.write_list_notify(d.alloc(1).unwrap(), &remote, [], 8, b"").finish().unwrap();
     assert_eq!(&inbox.wait(7, 1).unwrap()[0].payload[..], b"ok");
     assert!(inbox.wait(8, 1).unwrap()[0].payload.is_empty());
+    // A payload past the limit is the caller's bug: refused, never cut;
+    // nothing moves and the peer's wait fails at once.
+    let max = gpu_rdma::MAX_NOTIFY_PAYLOAD;
+    let long = vec![9u8; max + 1];
+    let failed = c.write_list_notify(filled(&d, &[1; 64]), &remote, [Piece::new(0, 0, 64)], 9, &long).finish();
+    let failed = failed.unwrap_err();
+    assert!(
+        matches!(failed.error, Error::NotifyPayloadTooLarge { len, max: m } if len == max as u64 + 1 && m == max as u64),
+        "{failed}"
+    );
+    assert!(failed.buffer.is_some(), "nothing was posted: the buffer is back");
+    let mut got = [0u8; 64];
+    target.read_at(0, &mut got).unwrap();
+    assert_ne!(got, [1; 64], "a refused list moved nothing");
+    assert!(matches!(inbox.wait_timeout(9, 1, Duration::from_secs(20)), Err(Error::PeerTransferFailed { tag: 9, .. })));
+    c.write_list_notify(d.alloc(1).unwrap(), &remote, [], 10, &long[..max]).finish().unwrap();
+    assert_eq!(inbox.wait(10, 1).unwrap()[0].payload.len(), max, "the largest payload, whole");
 }
 
 fn a_peer_that_goes_away_fails_the_inbox_wait_promptly(t: Kind) {

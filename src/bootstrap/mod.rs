@@ -13,7 +13,8 @@ pub mod wire;
 pub use auth::{Secret, authenticate};
 pub use wire::{
     CAP_TCP, CAP_VERBS, DEFAULT_MAX_PAYLOAD, FrameKind, HEADER_LEN, Hello, MAGIC, MAX_NAME, MAX_TCP_QUEUE_DEPTH,
-    REGION_LEN, TcpEndpoint, VERSION, VerbsEndpoint, decode_frame, decode_region, encode_frame, encode_region,
+    MIN_MAX_MESSAGE, REGION_LEN, TcpEndpoint, VERSION, VerbsEndpoint, decode_frame, decode_region, encode_frame,
+    encode_region,
 };
 
 pub use io::{Deadline, exchange_hello, exchange_ready, read_frame, send_bye, send_reject, write_frame};

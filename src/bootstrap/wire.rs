@@ -252,6 +252,18 @@ pub const TCP_LEN: usize = 12;
 /// transport's limit on [`ConnectOptions::send_queue_depth`](crate::ConnectOptions)).
 pub const MAX_TCP_QUEUE_DEPTH: u32 = 1 << 16;
 
+/// The smallest largest-message size a peer may announce (verbs
+/// `max_msg_sz`, TCP `max_message`): every RDMA device carries far more
+/// (InfiniBand 2 GiB, soft-RoCE 8 MiB), and work planned against the
+/// peer's limit (a list split into pieces of at most that size) stays
+/// proportional to what the caller asked for.
+pub const MIN_MAX_MESSAGE: u32 = 64 * 1024;
+
+/// Checks an announced number against what this side accepts.
+fn in_range(field: &'static str, value: u64, min: u64, max: u64) -> Result<(), BootstrapError> {
+    if (min..=max).contains(&value) { Ok(()) } else { Err(BootstrapError::OutOfRange { field, value, min, max }) }
+}
+
 /// The first message each side sends.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Hello {
@@ -353,9 +365,8 @@ impl Hello {
             if !(1..=5).contains(&mtu) {
                 return Err(bad(format!("MTU code {mtu} is not 1..=5")));
             }
-            if max_msg_sz == 0 {
-                return Err(bad("maximum message size 0".into()));
-            }
+            in_range("verbs max_msg_sz", max_msg_sz.into(), MIN_MAX_MESSAGE.into(), u32::MAX.into())?;
+            in_range("verbs responder_resources", responder_resources.into(), 1, u8::MAX.into())?;
             if link_layer > 2 {
                 return Err(bad(format!("link layer {link_layer} is unknown")));
             }
@@ -372,15 +383,10 @@ impl Hello {
             p.advance(2);
             let max_message = p.get_u32();
             let send_depth = p.get_u32();
-            if !(1..=MAX_TCP_QUEUE_DEPTH).contains(&send_depth) {
-                return Err(bad(format!("send-queue depth {send_depth} is not 1..={MAX_TCP_QUEUE_DEPTH}")));
-            }
-            if rnr_retry > 7 || min_rnr_timer > 31 {
-                return Err(bad(format!("RNR retry {rnr_retry} or timer {min_rnr_timer} out of range")));
-            }
-            if max_message == 0 {
-                return Err(bad("maximum message size 0".into()));
-            }
+            in_range("TCP send_depth", send_depth.into(), 1, MAX_TCP_QUEUE_DEPTH.into())?;
+            in_range("TCP rnr_retry", rnr_retry.into(), 0, 7)?;
+            in_range("TCP min_rnr_timer", min_rnr_timer.into(), 0, 31)?;
+            in_range("TCP max_message", max_message.into(), MIN_MAX_MESSAGE.into(), u32::MAX.into())?;
             Some(TcpEndpoint { rnr_retry, min_rnr_timer, max_message, send_depth })
         } else {
             None
@@ -539,7 +545,50 @@ mod tests {
         for depth in [0, MAX_TCP_QUEUE_DEPTH + 1, u32::MAX] {
             let mut h = hello();
             h.tcp.as_mut().unwrap().send_depth = depth;
-            assert!(matches!(Hello::decode(&h.encode()), Err(BootstrapError::Malformed { .. })), "depth {depth}");
+            let e = Hello::decode(&h.encode());
+            assert!(matches!(e, Err(BootstrapError::OutOfRange { field: "TCP send_depth", .. })), "depth {depth}");
+        }
+        // Every announced limit, just outside and just inside what is accepted.
+        type Set = fn(&mut Hello, u64);
+        let limits: [(&str, Set, &[u64], &[u64]); 5] = [
+            (
+                "verbs max_msg_sz",
+                |h, v| h.verbs.as_mut().unwrap().max_msg_sz = v as u32,
+                &[0, 1, 65_535],
+                &[65_536, u64::from(u32::MAX)],
+            ),
+            (
+                "verbs responder_resources",
+                |h, v| h.verbs.as_mut().unwrap().responder_resources = v as u8,
+                &[0],
+                &[1, 255],
+            ),
+            (
+                "TCP max_message",
+                |h, v| h.tcp.as_mut().unwrap().max_message = v as u32,
+                &[0, 1, 4096, 65_535],
+                &[65_536],
+            ),
+            ("TCP rnr_retry", |h, v| h.tcp.as_mut().unwrap().rnr_retry = v as u8, &[8, 255], &[0, 7]),
+            ("TCP min_rnr_timer", |h, v| h.tcp.as_mut().unwrap().min_rnr_timer = v as u8, &[32, 255], &[0, 31]),
+        ];
+        for (name, set, refused, accepted) in limits {
+            for &v in refused {
+                let mut h = hello();
+                set(&mut h, v);
+                match Hello::decode(&h.encode()) {
+                    Err(e @ BootstrapError::OutOfRange { field, value, .. }) => {
+                        assert_eq!((field, value), (name, v));
+                        assert!(e.to_string().contains(name), "{e}");
+                    }
+                    other => panic!("{name} {v}: {other:?}"),
+                }
+            }
+            for &v in accepted {
+                let mut h = hello();
+                set(&mut h, v);
+                assert!(Hello::decode(&h.encode()).is_ok(), "{name} {v}");
+            }
         }
         let mut payload = hello().encode().to_vec();
         // Announce more regions than follow.

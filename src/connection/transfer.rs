@@ -20,7 +20,7 @@ use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::memory::{LocalBuffer, LocalParts, LocalSlice, RemoteSlice};
 use crate::ops::{OpId, WaitError};
-use crate::protocol::list::{self, Piece};
+use crate::protocol::list::{self, Cursor, ListPlan, Piece};
 use crate::protocol::notify::{self, NotifyStatus};
 use crate::transport::engine::{Awaiting, LOOK_AGAIN};
 use crate::transport::{Posted, RemoteOp, WorkItem};
@@ -54,9 +54,10 @@ struct List<B: Send + 'static> {
     local: LocalParts,
     remote: RemoteSlice,
     direction: Direction,
-    pieces: Vec<Piece>,
-    /// The next piece to post.
-    next: usize,
+    /// The checked, merged pieces, split into requests as they are posted.
+    plan: ListPlan,
+    /// The next request to post.
+    next: Cursor,
     /// Requests per post.
     chain: usize,
     /// Posted chains (and the notification), oldest first.
@@ -110,6 +111,8 @@ struct NoteOut {
     id: Option<OpId>,
     /// The registered copy of a message too long to go inline.
     region: Option<Region<HostMemory>>,
+    /// The length of a payload past the limit: the list is refused.
+    too_long: Option<usize>,
 }
 
 /// Notification buffers kept per connection for reuse.
@@ -325,13 +328,15 @@ impl Connection {
     }
 
     /// [`write_list`](Self::write_list), then a notification for the
-    /// peer's [`Inbox`](crate::Inbox): `tag` and up to
-    /// [`MAX_NOTIFY_PAYLOAD`](crate::MAX_NOTIFY_PAYLOAD) bytes of `payload`
-    /// (longer is cut), posted after the last piece, so the peer sees it only
-    /// once every piece has landed. If the list fails, the peer's wait for
-    /// `tag` fails too ([`Error::PeerTransferFailed`], or the connection
-    /// lost): at once, not at its timeout. An empty list sends just the
-    /// notification.
+    /// peer's [`Inbox`](crate::Inbox): `tag` and `payload` (at most
+    /// [`MAX_NOTIFY_PAYLOAD`](crate::MAX_NOTIFY_PAYLOAD) bytes), posted
+    /// after the last piece, so the peer sees it only once every piece has
+    /// landed. If the list fails, the peer's wait for `tag` fails too
+    /// ([`Error::PeerTransferFailed`], or the connection lost): at once, not
+    /// at its timeout. An empty list sends just the notification.
+    ///
+    /// A longer payload fails the list before anything is posted
+    /// ([`Error::NotifyPayloadTooLarge`]).
     pub fn write_list_notify<B: LocalBuffer>(
         &self,
         local: impl Into<LocalSlice<B>>,
@@ -342,7 +347,8 @@ impl Connection {
     ) -> Transfer<B> {
         let mut msg = Vec::new();
         notify::encode(NotifyStatus::Done, payload, &mut msg);
-        let note = NoteOut { tag, msg, sent: false, id: None, region: None };
+        let too_long = (payload.len() > notify::MAX_NOTIFY_PAYLOAD).then_some(payload.len());
+        let note = NoteOut { tag, msg, sent: false, id: None, region: None, too_long };
         Transfer::new(List::start(self, local.into(), *remote, pieces, Direction::Write, Some(note)))
     }
 
@@ -376,8 +382,8 @@ impl<B: LocalBuffer> List<B> {
             local: LocalParts { addr: 0, len: 0, lkey: 0, domain: 0, path: None },
             remote,
             direction,
-            pieces: Vec::new(),
-            next: 0,
+            plan: ListPlan::default(),
+            next: Cursor::default(),
             // Several chains fit the queue at once, so one completes while
             // the next are on the wire.
             chain: (depth / 4).clamp(1, 64),
@@ -396,6 +402,12 @@ impl<B: LocalBuffer> List<B> {
             #[cfg(feature = "cuda")]
             staged: None,
         };
+        if let Some(len) = t.note.as_ref().and_then(|n| n.too_long) {
+            // A caller's bug: nothing moves (the peer hears of the failure).
+            t.buf = Some(local.into_inner());
+            t.fail(Error::NotifyPayloadTooLarge { len: len as u64, max: notify::MAX_NOTIFY_PAYLOAD as u64 });
+            return t;
+        }
         let parts = match local.resolve() {
             Ok(p) => p,
             Err(e) => {
@@ -410,8 +422,8 @@ impl<B: LocalBuffer> List<B> {
         let max_piece = info.max_message_size.min(u64::from(u32::MAX));
         match list::plan(pieces, parts.len as u64, remote.len(), max_piece) {
             Ok(plan) => {
-                t.pieces = plan.pieces;
                 t.bytes = plan.bytes;
+                t.plan = plan;
             }
             Err(e) => t.fail(e),
         }
@@ -422,7 +434,7 @@ impl<B: LocalBuffer> List<B> {
             }
         }
         t.buf = Some(local.into_inner());
-        t.items.reserve(t.chain.min(t.pieces.len()));
+        t.items.reserve(t.chain.min(t.plan.requests()));
         t.pump();
         t
     }
@@ -476,7 +488,7 @@ impl<B: Send + 'static> List<B> {
                 break;
             }
         }
-        if !self.failed && self.next == self.pieces.len() {
+        if !self.failed && self.plan.done(&self.next) {
             self.post_note(Deadline::immediate("room in the send queue"));
         }
     }
@@ -510,8 +522,8 @@ impl<B: Send + 'static> List<B> {
             i += 1;
         }
         let (chunk, depth) = self.shared.staging;
-        while error.is_none() && !self.failed && st.active.len() < st.width && self.next < self.pieces.len() {
-            let p = self.pieces[self.next];
+        while error.is_none() && !self.failed && st.active.len() < st.width {
+            let Some(p) = self.plan.next(&mut self.next) else { break };
             let parts = LocalParts { addr: self.local.addr + p.local, len: p.len as usize, ..self.local };
             let remote = self.remote.sub(p.remote, p.len);
             let op = match self.direction {
@@ -532,7 +544,6 @@ impl<B: Send + 'static> List<B> {
                 }
                 Err(e) => error = Some(e),
             }
-            self.next += 1;
             self.done.posts += 1;
             self.done.requests += 1;
             st.progress = Instant::now();
@@ -544,7 +555,7 @@ impl<B: Send + 'static> List<B> {
         }
         // After every piece has landed: the pipelines post their writes over
         // time, so the notification waits for all of them to finish.
-        if !self.failed && self.next == self.pieces.len() && idle {
+        if !self.failed && self.plan.done(&self.next) && idle {
             self.post_note(Deadline::immediate("room in the send queue"));
         }
     }
@@ -646,12 +657,14 @@ impl<B: Send + 'static> List<B> {
     /// Posts the next chain, waiting for room up to `due`. Whether one was
     /// posted (a full queue, with `due` immediate, is not an error).
     fn post_chain(&mut self, due: Deadline) -> bool {
-        if self.failed || self.next == self.pieces.len() {
+        if self.failed || self.plan.done(&self.next) {
             return false;
         }
-        let end = (self.next + self.chain).min(self.pieces.len());
+        // Taken for good only once posted.
+        let mut next = self.next;
         self.items.clear();
-        for p in &self.pieces[self.next..end] {
+        while self.items.len() < self.chain {
+            let Some(p) = self.plan.next(&mut next) else { break };
             let local = LocalParts { addr: self.local.addr + p.local, len: p.len as usize, ..self.local };
             let remote = self.remote.sub(p.remote, p.len);
             let op = match self.direction {
@@ -665,8 +678,8 @@ impl<B: Send + 'static> List<B> {
             Posted::Ok(id) => {
                 self.in_flight.push_back(id);
                 self.done.posts += 1;
-                self.done.requests += end - self.next;
-                self.next = end;
+                self.done.requests += self.items.len();
+                self.next = next;
                 true
             }
             Posted::Refused(e) if immediate && matches!(*e, Error::QueueFull { .. }) => false,
@@ -737,7 +750,7 @@ impl<B: Send + 'static> List<B> {
         let note_out = self.note.as_ref().is_none_or(|n| n.sent);
         self.in_flight.is_empty()
             && self.staged_active() == 0
-            && (self.failed || (self.next == self.pieces.len() && note_out))
+            && (self.failed || (self.plan.done(&self.next) && note_out))
     }
 
     /// The outcome of a settled transfer (an error is handed out once).
@@ -823,7 +836,7 @@ impl<B: Send + 'static> List<B> {
                 // Nothing of ours in flight, and the queue full of other
                 // operations: wait for room, as any post does.
                 let due = Deadline::lazy(slice, "room in the send queue");
-                if self.next < self.pieces.len() {
+                if !self.plan.done(&self.next) {
                     self.post_chain(due);
                 } else {
                     self.post_note(due);
@@ -1063,8 +1076,8 @@ impl<B: Send + 'static> fmt::Debug for List<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Transfer")
             .field("direction", &self.direction)
-            .field("requests", &self.pieces.len())
-            .field("posted", &self.next)
+            .field("requests", &self.plan.requests())
+            .field("posted", &self.next.taken)
             .field("in_flight", &self.in_flight.len())
             .field("failed", &self.failed)
             .finish()

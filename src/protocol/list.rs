@@ -90,42 +90,80 @@ impl PageLayout {
     }
 }
 
-/// A checked plan: every piece within both ranges and at most `max_piece`
-/// bytes long, zero-length pieces dropped, and each run of pieces
-/// contiguous on both sides merged (before splitting).
+/// A checked plan: every piece within both ranges, zero-length pieces
+/// dropped, and each run of pieces contiguous on both sides merged. Long
+/// pieces are split into requests of at most `max_piece` bytes only as
+/// they are posted ([`next`](Self::next)), so a plan holds no more than
+/// the pieces the caller passed, whatever `max_piece` (a peer's limit) is.
 #[derive(Debug, Default)]
 pub(crate) struct ListPlan {
-    pub pieces: Vec<Piece>,
+    merged: Vec<Piece>,
+    max_piece: u64,
     pub bytes: u64,
 }
 
+/// Where posting a [`ListPlan`] is: the merged piece and the offset in it,
+/// and how many requests were taken.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Cursor {
+    at: usize,
+    off: u64,
+    pub taken: usize,
+}
+
+impl ListPlan {
+    /// The requests the plan splits into.
+    pub fn requests(&self) -> usize {
+        let n: u64 = self.merged.iter().map(|p| p.len.div_ceil(self.max_piece)).fold(0, u64::saturating_add);
+        usize::try_from(n).unwrap_or(usize::MAX)
+    }
+
+    /// The request after `c` (at most `max_piece` bytes), moving `c` past it.
+    pub fn next(&self, c: &mut Cursor) -> Option<Piece> {
+        let p = self.merged.get(c.at)?;
+        let len = (p.len - c.off).min(self.max_piece);
+        let piece = Piece { local: p.local + c.off, remote: p.remote + c.off, len };
+        c.off += len;
+        if c.off == p.len {
+            c.at += 1;
+            c.off = 0;
+        }
+        c.taken += 1;
+        Some(piece)
+    }
+
+    /// Whether every request was taken.
+    pub fn done(&self, c: &Cursor) -> bool {
+        c.at >= self.merged.len()
+    }
+}
+
 /// Plans `pieces` over a local buffer of `local_len` bytes and a remote
-/// range of `remote_len`, each planned piece at most `max_piece` bytes.
+/// range of `remote_len`, each request at most `max_piece` bytes.
 ///
 /// # Errors
-/// [`Error::OutOfBounds`] naming the first piece outside a range (nothing
-/// is planned: a list is checked whole before anything is posted).
+/// [`Error::OutOfBounds`] naming the first piece outside a range, and the
+/// side it leaves (nothing is planned: a list is checked whole before
+/// anything is posted).
 pub(crate) fn plan(
     pieces: impl IntoIterator<Item = Piece>,
     local_len: u64,
     remote_len: u64,
     max_piece: u64,
 ) -> Result<ListPlan> {
-    let max_piece = max_piece.max(1);
     let mut merged: Vec<Piece> = Vec::new();
+    let mut bytes = 0u64;
     for p in pieces {
-        let (Some(local_end), Some(remote_end)) = (p.local_end(), p.remote_end()) else {
-            return Err(Error::OutOfBounds { side: "local", offset: p.local, len: p.len, region_len: local_len });
-        };
-        if local_end > local_len {
+        if p.local_end().is_none_or(|end| end > local_len) {
             return Err(Error::OutOfBounds { side: "local", offset: p.local, len: p.len, region_len: local_len });
         }
-        if remote_end > remote_len {
+        if p.remote_end().is_none_or(|end| end > remote_len) {
             return Err(Error::OutOfBounds { side: "remote", offset: p.remote, len: p.len, region_len: remote_len });
         }
         if p.len == 0 {
             continue;
         }
+        bytes += p.len;
         match merged.last_mut() {
             Some(last) if last.local_end() == Some(p.local) && last.remote_end() == Some(p.remote) => {
                 last.len += p.len;
@@ -133,22 +171,23 @@ pub(crate) fn plan(
             _ => merged.push(p),
         }
     }
-    let mut plan = ListPlan { pieces: Vec::with_capacity(merged.len()), bytes: 0 };
-    for p in merged {
-        plan.bytes += p.len;
-        let mut off = 0;
-        while off < p.len {
-            let len = (p.len - off).min(max_piece);
-            plan.pieces.push(Piece { local: p.local + off, remote: p.remote + off, len });
-            off += len;
-        }
-    }
-    Ok(plan)
+    Ok(ListPlan { merged, max_piece: max_piece.max(1), bytes })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    impl ListPlan {
+        /// Every request, in order.
+        fn all(&self) -> Vec<Piece> {
+            let mut c = Cursor::default();
+            let out: Vec<Piece> = std::iter::from_fn(|| self.next(&mut c)).collect();
+            assert!(self.done(&c));
+            assert_eq!((out.len(), c.taken), (self.requests(), self.requests()));
+            out
+        }
+    }
 
     #[test]
     fn adjacent_pieces_merge_and_long_ones_split() {
@@ -156,7 +195,7 @@ mod tests {
         let p = plan(pieces, 100, 300, 16).unwrap();
         assert_eq!(p.bytes, 50);
         assert_eq!(
-            p.pieces,
+            p.all(),
             vec![
                 Piece::new(0, 100, 16),
                 Piece::new(16, 116, 4),
@@ -171,7 +210,7 @@ mod tests {
     fn only_runs_contiguous_on_both_sides_merge() {
         // Contiguous here but not there, and the reverse.
         let p = plan([Piece::new(0, 0, 4), Piece::new(4, 8, 4), Piece::new(12, 12, 4)], 64, 64, 1024).unwrap();
-        assert_eq!(p.pieces.len(), 3);
+        assert_eq!(p.all().len(), 3);
     }
 
     #[test]
@@ -179,9 +218,9 @@ mod tests {
         let p = plan([Piece::new(5, 5, 0)], 4, 4, 8);
         assert!(matches!(p, Err(Error::OutOfBounds { .. })), "even empty, a piece must lie in range");
         let p = plan([Piece::new(4, 4, 0), Piece::new(0, 0, 0)], 4, 4, 8).unwrap();
-        assert!(p.pieces.is_empty());
+        assert!(p.all().is_empty());
         assert_eq!(p.bytes, 0);
-        assert!(plan([], 0, 0, 8).unwrap().pieces.is_empty());
+        assert!(plan([], 0, 0, 8).unwrap().all().is_empty());
     }
 
     #[test]
@@ -191,9 +230,13 @@ mod tests {
         let e = plan([Piece::new(0, 60, 8)], 64, 64, 8).unwrap_err();
         assert!(matches!(e, Error::OutOfBounds { side: "remote", offset: 60, .. }), "{e:?}");
         let e = plan([Piece::new(u64::MAX, 0, 2)], 64, 64, 8).unwrap_err();
-        assert!(matches!(e, Error::OutOfBounds { side: "local", .. }), "overflow: {e:?}");
+        assert!(matches!(e, Error::OutOfBounds { side: "local", offset: u64::MAX, .. }), "overflow: {e:?}");
+        // A remote offset that overflows names the remote side and its real range.
         let e = plan([Piece::new(0, u64::MAX - 1, 2)], 64, u64::MAX, 8).unwrap_err();
-        assert!(matches!(e, Error::OutOfBounds { .. }), "overflow at the end: {e:?}");
+        assert!(
+            matches!(e, Error::OutOfBounds { side: "remote", offset, len: 2, region_len: u64::MAX } if offset == u64::MAX - 1),
+            "overflow at the end: {e:?}"
+        );
     }
 
     #[test]
@@ -207,6 +250,24 @@ mod tests {
         // Packed pages in order coalesce into one piece.
         let packed = Piece::pages(&PageLayout::packed(4096), &[0, 1, 2, 3], &[7, 8, 9, 10]).unwrap();
         let planned = plan(packed, 1 << 20, 1 << 20, 1 << 20).unwrap();
-        assert_eq!(planned.pieces, vec![Piece::new(0, 7 * 4096, 4 * 4096)]);
+        assert_eq!(planned.all(), vec![Piece::new(0, 7 * 4096, 4 * 4096)]);
+    }
+
+    #[test]
+    fn a_plan_holds_the_callers_pieces_whatever_the_largest_request() {
+        // 8 MiB in one piece, split a byte at a time: eight million
+        // requests, planned in one piece's memory.
+        let p = plan([Piece::new(0, 0, 8 << 20)], 8 << 20, 8 << 20, 1).unwrap();
+        assert_eq!(p.merged.len(), 1);
+        assert_eq!(p.requests(), 8 << 20);
+        let mut c = Cursor::default();
+        assert_eq!(p.next(&mut c), Some(Piece::new(0, 0, 1)));
+        assert_eq!(p.next(&mut c), Some(Piece::new(1, 1, 1)));
+        assert_eq!(c.taken, 2);
+        // A cursor copied and dropped takes nothing (a post refused).
+        let mut tried = c;
+        p.next(&mut tried);
+        assert_eq!(p.next(&mut c), Some(Piece::new(2, 2, 1)));
+        assert!(plan([Piece::new(0, 0, u64::MAX)], u64::MAX, u64::MAX, 1).unwrap().requests() > 0);
     }
 }
