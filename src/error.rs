@@ -109,6 +109,19 @@ pub enum Error {
         reason: String,
     },
 
+    /// The peer reached at a rank's published address is another: the
+    /// rendezvous entry is stale (the rank moved) or its port was reused.
+    /// The connection was closed.
+    #[error("dialed {expected} at {addr}, but the peer there is {found:?}: a stale rendezvous entry or a reused port")]
+    PeerMismatch {
+        /// The rank asked for (`<job>/rank/<r>`).
+        expected: String,
+        /// The name the peer gave in its handshake.
+        found: String,
+        /// Where it was dialed.
+        addr: String,
+    },
+
     /// Every rail of a [`RailConnection`](crate::rails::RailConnection)
     /// failed during a transfer: nothing is left to finish it on.
     #[error("every rail failed: {}", failures.join("; "))]

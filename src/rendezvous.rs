@@ -12,7 +12,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -47,6 +47,8 @@ pub enum Change {
 pub struct Watch {
     rx: mpsc::Receiver<Change>,
     stop: Arc<AtomicBool>,
+    /// Why the feeder cannot see changes now, while it cannot.
+    failing: Arc<Mutex<Option<String>>>,
 }
 
 impl Watch {
@@ -55,7 +57,14 @@ impl Watch {
     pub fn channel() -> (mpsc::Sender<Change>, Arc<AtomicBool>, Watch) {
         let (tx, rx) = mpsc::channel();
         let stop = Arc::new(AtomicBool::new(false));
-        (tx, Arc::clone(&stop), Watch { rx, stop })
+        (tx, Arc::clone(&stop), Watch { rx, stop, failing: Arc::new(Mutex::new(None)) })
+    }
+
+    /// Why this watch cannot see changes right now (its store cannot be
+    /// listed), or `None` while it can. Changes made meanwhile are
+    /// reported once the store can be listed again.
+    pub fn failing(&self) -> Option<String> {
+        self.failing.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// The next change, waiting up to `timeout`; `None` if there was none
@@ -95,11 +104,15 @@ fn diff(old: &BTreeMap<String, Vec<u8>>, new: &BTreeMap<String, Vec<u8>>) -> Vec
 pub fn poll_watch<R: Rendezvous + ?Sized + 'static>(store: Arc<R>, prefix: &str) -> Result<Watch> {
     let mut seen: BTreeMap<String, Vec<u8>> = store.list(prefix)?.into_iter().collect();
     let (tx, stop, watch) = Watch::channel();
+    let failing = Arc::clone(&watch.failing);
     let prefix = prefix.to_owned();
     std::thread::Builder::new().name("gpu-rdma-watch".into()).spawn(move || {
         while !stop.load(Ordering::Acquire) {
             std::thread::sleep(WATCH_POLL);
-            let Ok(now) = store.list(&prefix) else { continue };
+            let listed = store.list(&prefix);
+            // Said, not swallowed: the watcher sees it (`Watch::failing`).
+            *failing.lock().unwrap_or_else(|e| e.into_inner()) = listed.as_ref().err().map(ToString::to_string);
+            let Ok(now) = listed else { continue };
             let now: BTreeMap<String, Vec<u8>> = now.into_iter().collect();
             for change in diff(&seen, &now) {
                 if tx.send(change).is_err() {
@@ -173,12 +186,38 @@ fn check_key(key: &str) -> Result<()> {
 /// The time a lookup sleeps between looks at a directory.
 const POLL: Duration = Duration::from_millis(10);
 
+/// The largest value a [`DirRendezvous`] publishes or reads (an endpoint
+/// or a descriptor takes a few hundred bytes).
+pub const MAX_VALUE: usize = 1 << 20;
+
+/// The most bytes of values one [`DirRendezvous`] listing holds: past
+/// that, the listing fails rather than grow.
+pub const MAX_LISTING: usize = 64 << 20;
+
+/// What reading one entry of the directory found.
+enum Found {
+    Value(Vec<u8>),
+    /// Nothing under that name (or it went while being read).
+    Absent,
+    /// Something that is not a value: not a regular file, unreadable, too large.
+    Skipped(String),
+}
+
 /// A directory of files: key `a/b` is the file `a%b` in it, written
 /// whole (to a temporary name, then renamed), so a reader never sees half
 /// a value.
+///
+/// It trusts nothing it finds there: an entry is read only if it is a
+/// regular file (never through a symbolic link, never blocking on a FIFO
+/// or a device) of at most [`MAX_VALUE`] bytes; anything else is skipped
+/// and counted ([`skipped`](Self::skipped)), so one stray entry neither
+/// blocks nor fails a lookup or a listing of the others. A listing holds
+/// at most [`MAX_LISTING`] bytes of values. Every call returns within its
+/// timeout.
 #[derive(Clone, Debug)]
 pub struct DirRendezvous {
     dir: PathBuf,
+    skipped: Arc<AtomicU64>,
 }
 
 impl DirRendezvous {
@@ -188,21 +227,117 @@ impl DirRendezvous {
     /// [`Error::Io`] when it cannot be made.
     pub fn new(dir: impl AsRef<Path>) -> Result<Self> {
         std::fs::create_dir_all(dir.as_ref())?;
-        Ok(DirRendezvous { dir: dir.as_ref().to_owned() })
+        Ok(DirRendezvous { dir: dir.as_ref().to_owned(), skipped: Arc::new(AtomicU64::new(0)) })
+    }
+
+    /// Entries passed over so far because they were not values: not a
+    /// regular file (a directory, a symbolic link, a FIFO, a device),
+    /// unreadable, or larger than [`MAX_VALUE`].
+    pub fn skipped(&self) -> u64 {
+        self.skipped.load(Ordering::Relaxed)
     }
 
     fn path(&self, key: &str) -> Result<PathBuf> {
         check_key(key)?;
         Ok(self.dir.join(key.replace('/', "%")))
     }
+
+    fn store(&self) -> String {
+        format!("directory {}", self.dir.display())
+    }
+
+    /// Reads the entry at `path` without following a link, without
+    /// blocking, and no more than [`MAX_VALUE`] bytes of it.
+    fn read_entry(&self, path: &Path) -> Result<Found> {
+        use std::io::Read;
+        use std::os::unix::fs::OpenOptionsExt;
+        let found = match std::fs::symlink_metadata(path) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Found::Absent),
+            Err(e) => Found::Skipped(format!("cannot be examined: {e}")),
+            Ok(m) if !m.file_type().is_file() => Found::Skipped(format!("{}, not a regular file", kind_of(&m))),
+            Ok(_) => {
+                // Opened without following a link or waiting (a FIFO put
+                // there since it was examined), then examined again.
+                let opened =
+                    std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK).open(path);
+                match opened.and_then(|f| f.metadata().map(|m| (f, m))) {
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Found::Absent),
+                    Err(e) => Found::Skipped(format!("cannot be read: {e}")),
+                    Ok((_, m)) if !m.file_type().is_file() => {
+                        Found::Skipped(format!("{}, not a regular file", kind_of(&m)))
+                    }
+                    Ok((_, m)) if m.len() > MAX_VALUE as u64 => {
+                        Found::Skipped(format!("{} bytes, over the {MAX_VALUE}-byte limit", m.len()))
+                    }
+                    Ok((f, _)) => {
+                        let mut v = Vec::new();
+                        match f.take(MAX_VALUE as u64 + 1).read_to_end(&mut v) {
+                            Ok(n) if n > MAX_VALUE => Found::Skipped(format!("over the {MAX_VALUE}-byte limit")),
+                            Ok(_) => Found::Value(v),
+                            Err(e) => Found::Skipped(format!("cannot be read: {e}")),
+                        }
+                    }
+                }
+            }
+        };
+        if let Found::Skipped(why) = &found {
+            let n = self.skipped.fetch_add(1, Ordering::Relaxed);
+            // Loud the first few times; a polling watch would repeat it.
+            if n < 16 {
+                tracing::warn!("rendezvous {}: {} skipped: {why}", self.store(), path.display());
+            } else {
+                tracing::debug!("rendezvous {}: {} skipped: {why}", self.store(), path.display());
+            }
+        }
+        Ok(found)
+    }
+}
+
+/// What a file type is, in words.
+fn kind_of(m: &std::fs::Metadata) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    let t = m.file_type();
+    if t.is_dir() {
+        "a directory"
+    } else if t.is_symlink() {
+        "a symbolic link"
+    } else if t.is_fifo() {
+        "a FIFO"
+    } else if t.is_socket() {
+        "a socket"
+    } else if t.is_block_device() || t.is_char_device() {
+        "a device"
+    } else {
+        "not a file"
+    }
 }
 
 impl Rendezvous for DirRendezvous {
     fn publish(&self, key: &str, value: &[u8]) -> Result<()> {
+        use std::io::Write;
         let path = self.path(key)?;
-        let tmp = self.dir.join(format!(".{}.{}.tmp", key.replace('/', "%"), std::process::id()));
-        std::fs::write(&tmp, value)?;
-        std::fs::rename(&tmp, &path)?;
+        if value.len() > MAX_VALUE {
+            return Err(Error::InvalidArgument(format!(
+                "a rendezvous value of {} bytes, at most {MAX_VALUE}",
+                value.len()
+            )));
+        }
+        // A fresh name, created here (never an entry someone put there, nor
+        // through a link), then renamed over the key.
+        let mut attempt = 0u32;
+        let (tmp, mut file) = loop {
+            let tmp = self.dir.join(format!(".{}.{}.{attempt}.tmp", key.replace('/', "%"), std::process::id()));
+            match std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp) {
+                Ok(f) => break (tmp, f),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && attempt < 64 => attempt += 1,
+                Err(e) => return Err(e.into()),
+            }
+        };
+        let written = file.write_all(value).and_then(|()| std::fs::rename(&tmp, &path));
+        if let Err(e) = written {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(e.into());
+        }
         Ok(())
     }
 
@@ -210,15 +345,23 @@ impl Rendezvous for DirRendezvous {
         let path = self.path(key)?;
         let until = Instant::now() + timeout;
         loop {
-            match std::fs::read(&path) {
-                Ok(v) => return Ok(v),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(e.into()),
+            let last_skip = match self.read_entry(&path)? {
+                Found::Value(v) => return Ok(v),
+                Found::Absent => None,
+                // Not a value: a publish may yet replace it (a rename over it).
+                Found::Skipped(why) => Some(why),
+            };
+            let now = Instant::now();
+            if now >= until {
+                return Err(match last_skip {
+                    Some(why) => Error::Rendezvous {
+                        store: self.store(),
+                        reason: format!("the entry for {key} is {why}; no value was published there in {timeout:?}"),
+                    },
+                    None => Error::Timeout { what: "a rendezvous key to be published", after: timeout },
+                });
             }
-            if Instant::now() >= until {
-                return Err(Error::Timeout { what: "a rendezvous key to be published", after: timeout });
-            }
-            std::thread::sleep(POLL);
+            std::thread::sleep(POLL.min(until - now));
         }
     }
 
@@ -231,17 +374,25 @@ impl Rendezvous for DirRendezvous {
 
     fn list(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>> {
         let mut out = Vec::new();
+        let mut held = 0usize;
         for entry in std::fs::read_dir(&self.dir)? {
-            let entry = entry?;
+            let Ok(entry) = entry else {
+                self.skipped.fetch_add(1, Ordering::Relaxed);
+                continue;
+            };
             let Some(name) = entry.file_name().to_str().map(|n| n.replace('%', "/")) else { continue };
-            if name.starts_with('.') || !name.starts_with(prefix) {
+            if name.starts_with('.') || !name.starts_with(prefix) || check_key(&name).is_err() {
                 continue;
             }
-            match std::fs::read(entry.path()) {
-                Ok(v) => out.push((name, v)),
-                // Removed since the directory was read.
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(e.into()),
+            if let Found::Value(v) = self.read_entry(&entry.path())? {
+                held += v.len();
+                if held > MAX_LISTING {
+                    return Err(Error::Rendezvous {
+                        store: self.store(),
+                        reason: format!("the values under {prefix:?} hold more than {MAX_LISTING} bytes"),
+                    });
+                }
+                out.push((name, v));
             }
         }
         out.sort();

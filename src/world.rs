@@ -122,6 +122,8 @@ struct WorldInner {
     state: Mutex<WorldState>,
     changed: Condvar,
     stop: AtomicBool,
+    /// Why the rendezvous's watch cannot see ranks leave, while it cannot.
+    watch_failing: Mutex<Option<String>>,
 }
 
 /// A rank's view of its job (see the module docs).
@@ -206,6 +208,7 @@ impl World {
             state: Mutex::new(WorldState::default()),
             changed: Condvar::new(),
             stop: AtomicBool::new(false),
+            watch_failing: Mutex::new(None),
         });
         let prefix = format!("{}/rank/", inner.opts.job);
         let watch = Arc::clone(&rdv).watch(&prefix)?;
@@ -220,6 +223,18 @@ impl World {
             let inner = Arc::clone(&inner);
             std::thread::Builder::new().name("gpu-rdma-world-watch".into()).spawn(move || {
                 while !inner.stop.load(Ordering::Acquire) {
+                    let failing = watch.failing();
+                    let mut was = inner.watch_failing.lock().unwrap_or_else(|e| e.into_inner());
+                    if *was != failing {
+                        match &failing {
+                            Some(why) => tracing::warn!(
+                                "the rendezvous cannot be watched ({why}): ranks that leave go unnoticed until it can"
+                            ),
+                            None => tracing::info!("the rendezvous can be watched again"),
+                        }
+                        *was = failing;
+                    }
+                    drop(was);
                     match watch.next_timeout(Duration::from_millis(100)) {
                         Some(Change::Removed { key }) => {
                             if let Some(r) = rank_of(&inner.opts.job, key.as_bytes()).filter(|&r| r != inner.rank) {
@@ -247,6 +262,14 @@ impl World {
     /// How many ranks the job has.
     pub fn size(&self) -> u32 {
         self.inner.size
+    }
+
+    /// Why this rank cannot see other ranks leave right now (its
+    /// rendezvous cannot be watched: listed, for a store without watches
+    /// of its own), or `None` while it can. Said once in the log when it
+    /// starts and when it ends; dialing still looks ranks up directly.
+    pub fn watch_failing(&self) -> Option<String> {
+        self.inner.watch_failing.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// The connection this rank dialed to `rank`, dialed now if there is
@@ -373,9 +396,38 @@ impl World {
             }
         };
         inner.lock().known.insert(rank);
-        let endpoint = Endpoint::from_bytes(&bytes)?;
         let opts = inner.opts.connect.clone().name(key(&inner.opts.job, inner.rank));
-        inner.domain.connect(endpoint.addr, &opts)
+        // The peer says who it is in its handshake: a stale entry, or a
+        // port reused by another rank, is not taken for this one. The entry
+        // is read again (it may be mid-update) for up to a second.
+        let mut bytes = bytes;
+        let reread_until = Instant::now() + inner.opts.lookup_timeout.min(Duration::from_secs(1));
+        loop {
+            let endpoint = Endpoint::from_bytes(&bytes)?;
+            let conn = inner.domain.connect(endpoint.addr, &opts)?;
+            let found = conn.info().peer_name.clone();
+            if rank_of(&inner.opts.job, &found) == Some(rank) {
+                return Ok(conn);
+            }
+            drop(conn);
+            let mismatch = Error::PeerMismatch {
+                expected: name.clone(),
+                found: String::from_utf8_lossy(&found).into_owned(),
+                addr: endpoint.addr.to_string(),
+            };
+            tracing::warn!("{mismatch}");
+            let again = loop {
+                if Instant::now() >= reread_until {
+                    return Err(mismatch);
+                }
+                std::thread::sleep(Duration::from_millis(100));
+                match inner.rdv.lookup(&name, Duration::ZERO) {
+                    Ok(b) if b != bytes => break b,
+                    _ => {}
+                }
+            };
+            bytes = again;
+        }
     }
 
     /// The connection `rank` dialed to this rank, waiting up to `timeout`
@@ -436,6 +488,9 @@ fn evict(st: &mut WorldState, max: usize) -> Vec<Arc<Connection>> {
 
 fn accept_loop(inner: &Arc<WorldInner>, listener: &Listener) {
     let opts = inner.opts.connect.clone().name(key(&inner.opts.job, inner.rank));
+    // With a shared secret every accepted peer proved it holds it: a rank
+    // that restarted may take its place at once.
+    let authenticated = opts.secret.is_some();
     while !inner.stop.load(Ordering::Acquire) {
         match listener.accept(&opts) {
             Ok(conn) => {
@@ -446,7 +501,20 @@ fn accept_loop(inner: &Arc<WorldInner>, listener: &Listener) {
                     );
                     continue;
                 };
-                let old = inner.lock().incoming.insert(r, Arc::new(conn));
+                let mut st = inner.lock();
+                if !authenticated && st.incoming.get(&r).is_some_and(|old| old.broken().is_none()) {
+                    // Anyone can claim a rank: without a secret, a claim does
+                    // not displace the rank's live connection.
+                    drop(st);
+                    tracing::warn!(
+                        "a second connection claiming rank {r} (from {:?}) while rank {r}'s connection is live: \
+                         refused (set a shared secret to let a restarted rank take over at once)",
+                        conn.info().peer_addr
+                    );
+                    continue;
+                }
+                let old = st.incoming.insert(r, Arc::new(conn));
+                drop(st);
                 drop(old);
                 inner.changed.notify_all();
             }

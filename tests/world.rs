@@ -192,6 +192,69 @@ fn a_rank_published_while_a_late_lookup_is_out_is_dialed_not_gone() {
     }
 }
 
+/// Rank 2's endpoint published under rank 1's key (a stale entry, or a
+/// port another rank now uses): dialing rank 1 is refused, typed, naming
+/// both, not a silent connection to rank 2; once rank 1 publishes, it is
+/// dialed.
+#[test]
+fn a_dialed_peer_that_is_not_the_rank_asked_for_is_refused() {
+    let rdv: Arc<dyn Rendezvous> = Arc::new(MemRendezvous::default());
+    let d = domain(Kind::Tcp);
+    let w0 = World::join(&d, 0, 3, Arc::clone(&rdv), world_opts("who")).unwrap();
+    let _w2 = World::join(&d, 2, 3, Arc::clone(&rdv), world_opts("who")).unwrap();
+    let two = rdv.lookup("who/rank/2", Duration::ZERO).unwrap();
+    rdv.publish("who/rank/1", &two).unwrap();
+    let t0 = Instant::now();
+    match w0.peer(1) {
+        Err(Error::PeerMismatch { expected, found, .. }) => {
+            assert_eq!((expected.as_str(), found.as_str()), ("who/rank/1", "who/rank/2"));
+        }
+        other => panic!("rank 2 taken for rank 1: {:?}", other.map(|c| c.info().peer_name.clone())),
+    }
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    let _w1 = World::join(&d, 1, 3, Arc::clone(&rdv), world_opts("who")).unwrap();
+    let c = w0.peer(1).expect("rank 1, once it published");
+    assert_eq!(c.info().peer_name, b"who/rank/1");
+}
+
+/// A connection claiming a rank whose connection to this rank is live does
+/// not displace it, unless the world's connections are authenticated (a
+/// shared secret): then a restarted rank takes over at once.
+#[test]
+fn a_claim_to_a_rank_displaces_its_live_connection_only_when_authenticated() {
+    for secret in [None, Some("job secret")] {
+        let rdv: Arc<dyn Rendezvous> = Arc::new(MemRendezvous::default());
+        let d = domain(Kind::Tcp);
+        let base = world_opts("claim");
+        let connect = match secret {
+            Some(s) => base.connect.clone().secret(gpu_rdma::Secret::new(s).unwrap()),
+            None => base.connect.clone().no_secret(),
+        };
+        let o = base.connect(connect);
+        let w0 = World::join(&d, 0, 2, Arc::clone(&rdv), o.clone()).unwrap();
+        let w1 = World::join(&d, 1, 2, Arc::clone(&rdv), o.clone()).unwrap();
+        w1.peer(0).unwrap();
+        let first = w0.accepted(1, Duration::from_secs(10)).unwrap();
+        // Someone else says it is rank 1.
+        let addr = Endpoint::from_bytes(&rdv.lookup("claim/rank/0", Duration::ZERO).unwrap()).unwrap().addr;
+        let claim = d.connect(addr, &o.connect.clone().name("claim/rank/1")).unwrap();
+        thread::sleep(Duration::from_millis(300));
+        let now = w0.accepted(1, Duration::from_secs(10)).unwrap();
+        if secret.is_none() {
+            assert!(Arc::ptr_eq(&first, &now), "an unauthenticated claim displaced rank 1's live connection");
+            assert!(first.broken().is_none());
+            let refused = (0..100).any(|_| {
+                thread::sleep(Duration::from_millis(20));
+                claim.broken().is_some()
+            });
+            assert!(refused, "the claim was kept open");
+        } else {
+            assert!(!Arc::ptr_eq(&first, &now), "an authenticated rank 1 did not take over");
+            assert!(claim.broken().is_none());
+        }
+    }
+}
+
 both!(
     ranks_reach_each_other_on_first_use,
     the_pool_is_bounded,

@@ -285,6 +285,9 @@ impl EtcdRendezvous {
     /// can hit.
     fn follow(&self, prefix: &str, mut known: BTreeMap<String, Vec<u8>>, mut revision: i64) -> Watch {
         let (tx, stop, watch) = Watch::channel();
+        let failing = Arc::clone(&watch.failing);
+        let set_failing = move |why: Option<String>| *failing.lock().unwrap_or_else(|e| e.into_inner()) = why;
+        let store = self.store.clone();
         let ns = self.opts.namespace.clone();
         let full = self.full(prefix);
         let mut client = self.client.clone();
@@ -336,7 +339,11 @@ impl EtcdRendezvous {
                     if stop.load(Ordering::Acquire) {
                         return;
                     }
-                    if let Ok((now, at)) = list_prefix(&mut client, full.clone(), &ns).await {
+                    let listed = list_prefix(&mut client, full.clone(), &ns).await;
+                    set_failing(
+                        listed.as_ref().err().map(|e| format!("{store}: the watch is down and listing fails: {e}")),
+                    );
+                    if let Ok((now, at)) = listed {
                         for change in super::diff(&known, &now) {
                             if tx.send(change).is_err() {
                                 return;
