@@ -61,6 +61,23 @@
 //! - The low-level [`verbs`] layer is complete but its registration and
 //!   posting calls are `unsafe`, with a `# Safety` contract each.
 //!
+//! Every place memory comes back to its owner, and the rule that makes it
+//! safe then (an operation completes only when no code of the transport,
+//! the device or the engine can touch its memory again):
+//!
+//! | memory | comes back | why nothing touches it after |
+//! |---|---|---|
+//! | a send's, write's or write-with-immediate's buffer | at the operation's completion ([`Pending`]) | verbs: the NIC's completion, in order on the queue pair. TCP: only once its writer handed every byte to the socket **and** the peer acknowledged it, in request order; a reply while bytes were never handed, a second reply, one out of order or for a request never sent breaks the connection; one that arrives during the writer's last call is held for the writer, which completes the operation when it lets go |
+//! | a read's buffer | at its completion | verbs: the NIC. TCP: a response must answer the oldest request waiting, a read that reached the peer whole, landing in order inside the buffer; only the thread filling the read completes it, and a failed final request of the same operation waits until that thread lets go |
+//! | a receive's buffer, an [`Inbox`] slot, a [`RecvRing`] slot | at its completion; a ring's slot is posted again only when its [`Received`] loan ends | TCP: a receive is its reader's from the moment a message is matched to it until it is filled or failed; a message larger than it, or shorter than announced, fails it |
+//! | a transfer list's buffer ([`Transfer`]) | once every chain it posted completed | each chain is an operation as above |
+//! | a dropped [`Pending`], [`Transfer`], future or set | never to the caller | the connection keeps the buffer (a share of it per chain in flight) until the final completion, or until the queue pair or the transport's threads are gone |
+//! | an inline send's bytes | at once | verbs copies them into the work request; TCP into a buffer of the connection's pool, recycled only after its writer is done with it |
+//! | a notification's registered buffer | to the connection's pool, at the notification's completion | as a send |
+//! | a staging slot (GPU memory on the staged path) | to the GPU's cache, at the completion of the network operation on it | copies are synchronized before a GPU buffer comes back; a dropped operation leaves its slots that are on the network with the connection |
+//! | a [`RailRegion`] | shared: freed when its last holder, a transfer included, drops it | as [`Shared`]: no safe slice |
+//! | an [`Exposed`] region, withdrawn | after a TCP write or read of the peer in progress on it ends (its gate) | verbs: deregistration; a peer using the old key gets a remote-access error |
+//!
 //! The compiler enforces these rules; for example, a buffer moved into an
 //! operation cannot be touched:
 //!
@@ -245,7 +262,7 @@
 //!
 //! | error | what happened | the connection | what to do |
 //! |---|---|---|---|
-//! | [`Error::OutOfBounds`], [`Error::AccessDenied`], [`Error::MessageTooLarge`], [`Error::DomainMismatch`], [`Error::TooManyRequests`], [`Error::EmptyBatch`], [`Error::LengthMismatch`], [`Error::NeedsDirectPath`], [`Error::InvalidArgument`] | refused before posting | unchanged, usable | fix the request; the buffer comes back from [`Pending::into_buffer`] |
+//! | [`Error::OutOfBounds`], [`Error::AccessDenied`], [`Error::MessageTooLarge`], [`Error::NotifyPayloadTooLarge`], [`Error::DomainMismatch`], [`Error::TooManyRequests`], [`Error::EmptyBatch`], [`Error::LengthMismatch`], [`Error::NeedsDirectPath`], [`Error::InvalidArgument`] | refused before posting | unchanged, usable | fix the request; the buffer comes back from [`Pending::into_buffer`] |
 //! | [`Error::Timeout`] from [`Pending::wait`] | nothing yet | unchanged | wait again, or drop the connection to abort |
 //! | [`Error::Completion`] | the device failed the operation | the queue pair is in the error state ([`Connection::broken`] says why) | connect again |
 //! | [`Error::ConnectionLost`] | the peer closed or died, or this side closed: every pending operation gets it (a killed peer is seen within milliseconds on TCP, and through the handshake socket on verbs, before the transport's retries run out) | broken; the domain's other connections are unaffected | connect again (a restarted peer on the same address works) |
@@ -253,6 +270,7 @@
 //! | [`BootstrapError::Auth`] | the shared secrets differ, or only one side has one (both sides get it; nothing but nonces and proofs was exchanged) | never established | give both sides the same [`ConnectOptions::secret`] (or `GPU_RDMA_SECRET`) |
 //! | [`Error::NoDevice`], [`Error::DeviceNotFound`], [`Error::NoActivePort`], [`Error::NoGid`] | no usable RDMA port | - | see the reason; `gpu-rdma devices` |
 //! | [`Error::QueueFull`] | the send queue stayed full for [`ConnectOptions::post_timeout`] (zero: a try-post) | unchanged | wait for completions, post again; the buffer comes back |
+//! | [`Error::PeerMismatch`] from [`World::peer`] | the address under a rank's key answered as another rank (a stale entry, a reused port) | closed | the rank republishes; ask again |
 //! | [`Error::PeerTransferFailed`] from an [`Inbox`] wait | the peer's transfer list for that tag failed (its reason) | unchanged | ask again, or give up on the tag |
 //! | [`Error::Interrupted`] from accept | [`Listener::interrupt_handle`] was used | accepted connections unaffected | - |
 //!
@@ -274,6 +292,17 @@
 //!   on TCP the socket is watched every 5 ms meanwhile; on verbs the
 //!   handshake socket's closure breaks the connection. Dropping the
 //!   connection ends any such wait at once.
+//! - **A peer's replies are checked, not believed.** On TCP an
+//!   acknowledgement or read response must answer the oldest request
+//!   waiting for one, a request that reached the peer whole; anything
+//!   else (early, twice, out of order, for nothing) breaks the connection
+//!   and completes nothing (see the table under Memory safety).
+//! - **Announced limits are checked.** A hello announcing a largest
+//!   message below [`bootstrap::MIN_MAX_MESSAGE`] (64 KiB), no responder
+//!   resources, a send depth, receiver-not-ready retry or timer out of
+//!   range is refused at the handshake ([`BootstrapError::OutOfRange`],
+//!   naming the field); work planned against the peer's limits (a list's
+//!   requests) holds only what the caller passed.
 //! - **Memory per connection is bounded.** On TCP a peer may have at most
 //!   its announced send-queue depth of requests awaiting replies (at most
 //!   [`bootstrap::MAX_TCP_QUEUE_DEPTH`]); one that sends more, or stops
@@ -283,7 +312,20 @@
 //!   receive buffer, the two threads' stacks, the replies
 //!   queued for the peer (tens of bytes each), and this side's own queues;
 //!   about 1.4 MiB with default depths, 5.5 MiB with the deepest peer.
-//!   Other connections of the domain are unaffected.
+//!   Other connections of the domain are unaffected. An [`Inbox`] holds
+//!   at most [`MAX_QUEUED_BYTES`] (64 MiB) of notifications nobody took,
+//!   each charged its payload and [`NOTE_OVERHEAD`], and at most
+//!   [`MAX_QUEUED_NOTES`]; past that new ones are dropped and counted.
+//! - **Local stores are not trusted either.** A
+//!   [`DirRendezvous`](rendezvous::DirRendezvous) reads only regular files
+//!   (never through a link, never blocking on a FIFO), at most
+//!   [`MAX_VALUE`](rendezvous::MAX_VALUE) (1 MiB) each and
+//!   [`MAX_LISTING`](rendezvous::MAX_LISTING) (64 MiB) a listing, skips
+//!   and counts the rest, and returns within its timeout; a watch that
+//!   cannot list its store says so ([`World::watch_failing`]). A dialed
+//!   rank must name itself as the rank asked for
+//!   ([`Error::PeerMismatch`]); without a shared secret a connection
+//!   claiming a rank does not displace that rank's live one.
 //! - **Handshakes are concurrent.** [`Listener`] runs each handshake on its
 //!   own thread, bounded by [`ConnectOptions::handshake_timeout`], up to
 //!   [`MAX_CONCURRENT_HANDSHAKES`] at once (past that the oldest is cut

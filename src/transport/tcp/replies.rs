@@ -540,6 +540,28 @@ mod tests {
     }
 
     #[test]
+    fn a_failed_final_request_waits_for_the_reader_of_its_operation() {
+        // One operation of two reads into one buffer: the first sent and
+        // its response landing, the final one still queued at a break.
+        const FINAL: u64 = 1 << 63;
+        let op = 0x0000_0007_0000_0003u64;
+        let mut r = Replies::new(4, CALL);
+        r.start(&Request { seq: 1, first: 1, wr_id: op, reply: Reply::Read { addr: 0, len: 64 }, wire: 32 });
+        assert!(!r.reader_holds(op), "its writer's while it is written");
+        assert_eq!(r.finish(1, true), None);
+        assert!(r.reader_holds(op), "sent whole: its response may land at any moment");
+        r.on_read_segment(1, 0, 16, Progress::default()).unwrap();
+        assert!(r.reader_holds(op));
+        assert!(!r.reader_holds(op + 1), "another operation");
+        // The break fails the queued final request: parked, not completed.
+        r.park(op | FINAL);
+        assert!(r.take_sent_messages().is_empty());
+        // The reader lets go: its read first, then the final request.
+        assert_eq!(r.take_reads(), vec![op, op | FINAL]);
+        assert!(r.take_all().is_empty());
+    }
+
+    #[test]
     fn progress_packs_into_one_word() {
         for p in [
             Progress { handed: 0, in_call: false },
