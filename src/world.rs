@@ -237,12 +237,14 @@ impl World {
                     drop(was);
                     match watch.next_timeout(Duration::from_millis(100)) {
                         Some(Change::Removed { key }) => {
-                            if let Some(r) = rank_of(&inner.opts.job, key.as_bytes()).filter(|&r| r != inner.rank) {
+                            // Only ranks of this job: what a store says of others is not kept.
+                            let rank = rank_of(&inner.opts.job, key.as_bytes()).filter(|&r| r < inner.size);
+                            if let Some(r) = rank.filter(|&r| r != inner.rank) {
                                 inner.gone(r, format!("rank {r} left the rendezvous (it left, or its lease expired)"));
                             }
                         }
                         Some(Change::Put { key, .. }) => {
-                            if let Some(r) = rank_of(&inner.opts.job, key.as_bytes()) {
+                            if let Some(r) = rank_of(&inner.opts.job, key.as_bytes()).filter(|&r| r < inner.size) {
                                 inner.back(r);
                             }
                         }
