@@ -2122,17 +2122,28 @@ fn on_ack(inner: &Inner, h: &FrameHeader) -> Handled {
         }
         OnAck::Deferred => return Ok(()),
         OnAck::Violation(why) => why,
-        OnAck::Refused(chain) => match chain.or_else(|| queued_chain_of(&st, h.seq)) {
-            Some(final_wr_id) => {
-                st.q.lose(|| format!("the connection went to the error state after a request failed with {status}"));
-                // Recorded as the operation's failure; whoever owns its
-                // final request (a writer, the reader, the break below)
-                // completes it once nothing touches its buffer.
-                inner.complete(&mut st, &raw(op_of(final_wr_id), status));
-                st.q.lost().unwrap_or_default().to_owned()
+        OnAck::Refused(chain) => {
+            // The operation: one waiting for a reply, one whose final
+            // request is queued, or the one being written (an untracked
+            // send refused while its writer is at it).
+            let op = chain
+                .or_else(|| queued_chain_of(&st, h.seq))
+                .map(op_of)
+                .or_else(|| st.sending_op.filter(|_| st.sending == Some(h.seq)));
+            match op {
+                Some(op) => {
+                    st.q.lose(|| {
+                        format!("the connection went to the error state after a request failed with {status}")
+                    });
+                    // Recorded as the operation's failure; whoever owns its
+                    // final request (a writer, the reader, the break below)
+                    // completes it once nothing touches its buffer.
+                    inner.complete(&mut st, &raw(op, status));
+                    st.q.lost().unwrap_or_default().to_owned()
+                }
+                None => format!("the peer refused a request with {status}"),
             }
-            None => format!("the peer refused a request with {status}"),
-        },
+        }
     };
     // The peer broke the connection, or the rules: nothing more from it
     // is carried out.
