@@ -323,6 +323,16 @@ gpu_tcp_test! {
 }
 
 gpu_tcp_test! {
+    /// Two producers on two streams, each fencing its half of one buffer:
+    /// a write waits for both, over TCP (GPU memory staged).
+    fn a_write_waits_for_every_producers_fence_over_tcp() {
+        let d = tcp_domain();
+        let n = common::gpu::two_producers(&d, &d, PathPolicy::Auto, 20, 64 << 10);
+        println!("{n} rounds of two producers verified over TCP (staged)");
+    }
+}
+
+gpu_tcp_test! {
     /// Forcing a direct path where the domain has no RDMA device is an
     /// error that names the reason and gives the buffer back, never a
     /// region with key 0.

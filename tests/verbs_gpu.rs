@@ -409,6 +409,18 @@ gpu_test! {
     }
 }
 
+gpu_test! {
+    /// Two producers on two streams, each fencing its half of one buffer:
+    /// a write waits for both, on the direct and on the staged path.
+    fn a_write_waits_for_every_producers_fence_on_rxe0() {
+        for path in [MemPath::PeerMem, MemPath::Staged] {
+            let (ds, dc) = (domain(), domain());
+            let n = common::gpu::two_producers(&ds, &dc, PathPolicy::Force(path), 20, 64 << 10);
+            println!("{n} rounds of two producers verified on rxe0, {path:?}");
+        }
+    }
+}
+
 /// Registers `buf` with `path` in `d` and writes it to a fresh host region
 /// of the peer's, verified; or returns the registration error.
 fn register_and_write(d: &Domain, peer: &Domain, buf: CudaBuffer, path: MemPath) -> Result<(), Error> {

@@ -237,9 +237,10 @@ pub enum SyncMemops {
 /// kernels producing the contents must be done; before one writes it
 /// (receive, read) the kernels still reading the old contents must be done.
 /// Call [`ready_after`](Self::ready_after) with the stream that runs that
-/// work before posting each such operation: the operation waits for the work
-/// queued on the stream up to that call (on the GPU for staged copies, on the
-/// CPU before a direct post), and never for anything else. Without it the
+/// work before posting each such operation, once per stream when several
+/// produce it: the operation waits for the work queued on each of them up
+/// to its call (on the GPU for staged copies, on the CPU before a direct
+/// post), and never for anything else. Without it the
 /// crate assumes the contents are settled (after a synchronous copy or the
 /// caller's own synchronize); it never synchronizes the whole context, which
 /// would wait for unrelated work and is illegal during graph capture.
@@ -252,8 +253,9 @@ pub struct CudaBuffer {
     ptr: sys::CUdeviceptr,
     len: usize,
     device: CudaDevice,
-    /// The latest fence: operations posted from now on wait for it.
-    ready: std::sync::Mutex<Option<std::sync::Arc<CudaEvent>>>,
+    /// The fences operations posted from now on wait for: one per
+    /// [`ready_after`](Self::ready_after), until its work is known done.
+    ready: std::sync::Mutex<Vec<std::sync::Arc<CudaEvent>>>,
     sync_memops: SyncMemops,
     /// `CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE`.
     gdr_capable: bool,
@@ -456,41 +458,55 @@ impl CudaBuffer {
         &self.device
     }
 
-    /// The fence for the operations posted from now on: they wait for the
+    /// A fence for the operations posted from now on: they wait for the
     /// work queued on `stream` up to this call (a kernel producing the data
     /// a send or write reads, or still reading the memory a receive or read
-    /// will overwrite). Call it before each such operation: each records a
-    /// new event, and an operation waits for the latest one recorded before
-    /// it was posted. Takes `&self`, so it works through a registered
+    /// will overwrite). Call it before each such operation, once for each
+    /// stream whose work touches the buffer: fences add up, and an
+    /// operation waits for every one recorded before it was posted whose
+    /// work is not yet known done (two producers on two streams: both).
+    /// Takes `&self`, so it works through a registered
     /// [`Region`](crate::Region) or an [`Exposed`](crate::Exposed) region.
     ///
     /// # Errors
     /// [`Error::Cuda`].
     pub fn ready_after(&self, stream: &CudaStream) -> Result<()> {
         let ev = std::sync::Arc::new(CudaEvent::record(stream)?);
-        *self.ready.lock().unwrap_or_else(|e| e.into_inner()) = Some(ev);
+        let mut fences = self.ready.lock().unwrap_or_else(|e| e.into_inner());
+        // Fences whose work is done are dropped (one whose work failed is
+        // kept, for the next operation to report): the set holds only
+        // producers that may still run.
+        fences.retain(|f| !matches!(f.is_done(), Ok(true)));
+        fences.push(ev);
         Ok(())
     }
 
-    /// The current fence, if any.
-    pub(crate) fn fence(&self) -> Option<std::sync::Arc<CudaEvent>> {
+    /// The fences an operation posted now waits for.
+    pub(crate) fn fences(&self) -> Vec<std::sync::Arc<CudaEvent>> {
         self.ready.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    /// Waits (on the CPU) for the latest fence; nothing without one.
+    /// Waits (on the CPU) for every fence; nothing without one. Those
+    /// waited for leave the set.
     pub(crate) fn wait_ready(&self) -> Result<()> {
-        match self.fence() {
-            Some(ev) => ev.synchronize(),
-            None => Ok(()),
+        let fences = self.fences();
+        if fences.is_empty() {
+            return Ok(());
         }
+        for f in &fences {
+            f.synchronize()?;
+        }
+        let mut set = self.ready.lock().unwrap_or_else(|e| e.into_inner());
+        set.retain(|f| !fences.iter().any(|w| std::sync::Arc::ptr_eq(f, w)));
+        Ok(())
     }
 
-    /// Makes `stream` wait (on the GPU) for the latest fence; nothing without one.
+    /// Makes `stream` wait (on the GPU) for every fence; nothing without one.
     pub(crate) fn order_after_ready(&self, stream: &CudaStream) -> Result<()> {
-        match self.fence() {
-            Some(ev) => stream.wait_event(&ev),
-            None => Ok(()),
+        for f in self.fences() {
+            stream.wait_event(&f)?;
         }
+        Ok(())
     }
 
     /// [`Error::OutOfBounds`] unless `offset..offset + len` lies in the buffer.
@@ -661,7 +677,7 @@ fn host_page_size() -> usize {
 
 impl Drop for CudaBuffer {
     fn drop(&mut self) {
-        *self.ready.get_mut().unwrap_or_else(|e| e.into_inner()) = None;
+        *self.ready.get_mut().unwrap_or_else(|e| e.into_inner()) = Vec::new();
         if let Owner::Ours = self.owner {
             let Ok(_ctx) = CtxGuard::enter(&self.device) else { return };
             // SAFETY: allocated by cuMemAlloc in `alloc` and freed once; a Region

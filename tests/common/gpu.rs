@@ -253,6 +253,53 @@ pub fn producer_loop(
     iters
 }
 
+/// Two producers on two streams fill the two halves of one GPU region, the
+/// first slower than the second; each fences the region
+/// ([`ready_after`](gpu_rdma::cuda::CudaBuffer::ready_after) once per
+/// stream); then the region is written to the peer, `rounds` times. A write
+/// that waits only for the latest fence sends the first half stale. The
+/// source is registered on `dc` with `policy`; the target is host memory
+/// `ds` exposes. Returns the rounds verified. Stand-in only.
+pub fn two_producers(
+    ds: &gpu_rdma::Domain,
+    dc: &gpu_rdma::Domain,
+    policy: gpu_rdma::memory::path::PathPolicy,
+    rounds: u64,
+    len: usize,
+) -> u64 {
+    use gpu_rdma::Access;
+    let target = ds.expose(ds.alloc(len).unwrap(), Access::REMOTE_WRITE, 7).unwrap();
+    let (s, c) = super::pair_on(ds, dc, super::opts().advertise(&target), super::opts().staging(len / 4, 4));
+    let device = CudaDevice::open(0).unwrap();
+    let (slow, fast) = (CudaStream::new(&device).unwrap(), CudaStream::new(&device).unwrap());
+    let mut src = Some(gpu_region_on(dc, &device, len, None, policy));
+    let remote = c.remote_region(7).unwrap().whole();
+    let half = len / 2;
+    let mut got = vec![0u8; len];
+    for i in 0..rounds {
+        let (a, b) = (0x7a00_0000 + 2 * i, 0x7a00_0001 + 2 * i);
+        let region = src.take().unwrap();
+        produce(&slow, region.memory(), 0, half, a, 3000);
+        region.memory().ready_after(&slow).unwrap();
+        produce(&fast, region.memory(), half, half, b, 10);
+        region.memory().ready_after(&fast).unwrap();
+        let mut note = s.recv_imm();
+        let (_, back) =
+            c.write_with_imm(region, &remote, i as u32).finish().unwrap_or_else(|e| panic!("round {i}: write: {e}"));
+        src = Some(back);
+        assert_eq!(note.wait().unwrap().imm, Some(i as u32));
+        target.read_at(0, &mut got).unwrap();
+        if let Some(at) = super::first_difference(&got[..half], &produced(a, half)) {
+            panic!("round {i}: byte {at} of the first half is stale: the write waited only for the latest fence");
+        }
+        assert_eq!(super::first_difference(&got[half..], &produced(b, half)), None, "round {i}: the second half");
+        let mut ok = c.recv_imm();
+        s.send_inline(&[], Some(i as u32)).wait().unwrap();
+        assert_eq!(ok.wait().unwrap().imm, Some(i as u32));
+    }
+    rounds
+}
+
 /// A ping-pong awaited: each round writes a GPU buffer (registered on `d`
 /// with `policy`: a staged path) into the peer in 64 KiB staged chunks, two
 /// at a time, with an immediate on the last (not awaited), and awaits the
