@@ -256,6 +256,44 @@ cuda_test! {
 }
 
 cuda_test! {
+    /// A framework set its own context flags (a blocking-sync scheduling
+    /// policy); memory that refuses the SYNC_MEMOPS pointer attribute makes
+    /// the crate set the context-wide flag, which cuCtxSetFlags does by
+    /// replacing the flags: the framework's must survive.
+    fn the_context_wide_sync_memops_keeps_the_frameworks_flags() {
+        let d = device();
+        const BLOCKING_SYNC: u32 = 0x04;
+        const SYNC_MEMOPS: u32 = 0x80;
+        let flags = || {
+            let _ctx = common::gpu::Ctx::enter(&d);
+            let mut f = 0u32;
+            // SAFETY: a current context and a valid out-pointer.
+            let rc = unsafe { gpu_rdma::cuda::sys::cuCtxGetFlags(&mut f) };
+            assert_eq!(rc, gpu_rdma::cuda::sys::CUresult::CUDA_SUCCESS);
+            f
+        };
+        {
+            let _ctx = common::gpu::Ctx::enter(&d);
+            // SAFETY: a current context; the flags take no pointers.
+            let rc = unsafe { gpu_rdma::cuda::sys::cuCtxSetFlags(flags() & !SYNC_MEMOPS | BLOCKING_SYNC) };
+            assert_eq!(rc, gpu_rdma::cuda::sys::CUresult::CUDA_SUCCESS, "the framework sets its flags");
+        }
+        let block = std::sync::Arc::new(VmmBlock::new(&d, 2 << 20, true));
+        let keep = std::sync::Arc::clone(&block);
+        // SAFETY: the block stays mapped while `keep` lives inside the wrapper.
+        let buf = unsafe { CudaBuffer::from_raw(&d, block.ptr, block.len, Box::new(keep)) }.unwrap();
+        if buf.sync_memops_by() == gpu_rdma::cuda::SyncMemops::Context {
+            let now = flags();
+            println!("context flags {now:#x}");
+            assert_eq!(now & SYNC_MEMOPS, SYNC_MEMOPS, "SYNC_MEMOPS set context-wide");
+            assert_eq!(now & BLOCKING_SYNC, BLOCKING_SYNC, "the framework's flags were dropped: {now:#x}");
+        } else {
+            println!("SYNC_MEMOPS by {:?}: the context's flags were not touched", buf.sync_memops_by());
+        }
+    }
+}
+
+cuda_test! {
     /// An event recorded again stands for its latest record only: the
     /// earlier record completing, on another stream, does not complete it
     /// (as the staging's reused events rely on, and a stand-in that let the

@@ -612,10 +612,15 @@ pub unsafe extern "C" fn cuCtxSetFlags(flags: u32) -> CUresult {
     if let Err(e) = current() {
         return e;
     }
-    if flags & !CTX_SYNC_MEMOPS != 0 {
-        return INVALID_VALUE; // only SYNC_MEMOPS is modelled
+    // As the driver: the flags it accepts (scheduling, map-host, local
+    // memory resize, coredump, SYNC_MEMOPS), and they *replace* the
+    // context's flags: a caller that does not read them first drops the
+    // framework's own.
+    const KNOWN: u32 = 0x07 | 0x08 | 0x10 | 0x20 | 0x40 | CTX_SYNC_MEMOPS;
+    if flags & !KNOWN != 0 {
+        return INVALID_VALUE;
     }
-    state().ctx_flags.fetch_or(flags, Ordering::AcqRel);
+    state().ctx_flags.store(flags, Ordering::Release);
     SUCCESS
 }
 

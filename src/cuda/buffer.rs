@@ -390,11 +390,19 @@ impl CudaBuffer {
             return Ok(SyncMemops::Unavailable);
         }
         let _ctx = CtxGuard::enter(&self.device)?;
-        check(
-            // SAFETY: the device's primary context is current; the flag takes no pointers.
-            unsafe { sys::cuCtxSetFlags(sys::CUctx_flags::CU_CTX_SYNC_MEMOPS as u32) },
-            "cuCtxSetFlags(CU_CTX_SYNC_MEMOPS)",
-        )?;
+        // cuCtxSetFlags replaces the context's flags: the framework's own
+        // (its scheduling policy, say) are read and kept.
+        let mut flags = 0u32;
+        // SAFETY: the device's primary context is current; `flags` is a valid out-pointer.
+        check(unsafe { sys::cuCtxGetFlags(&mut flags) }, "cuCtxGetFlags")?;
+        let sync = sys::CUctx_flags::CU_CTX_SYNC_MEMOPS as u32;
+        if flags & sync == 0 {
+            check(
+                // SAFETY: the context is current; the flags take no pointers.
+                unsafe { sys::cuCtxSetFlags(flags | sync) },
+                "cuCtxSetFlags(CU_CTX_SYNC_MEMOPS)",
+            )?;
+        }
         Ok(SyncMemops::Context)
     }
 

@@ -61,7 +61,8 @@ const REQUIRED: &[&str] = &[
 ];
 
 /// Functions of newer drivers; each feature that needs one is off without it.
-const OPTIONAL: &[&str] = &["cuMemGetHandleForAddressRange", "cuFlushGPUDirectRDMAWrites", "cuCtxSetFlags"];
+const OPTIONAL: &[&str] =
+    &["cuMemGetHandleForAddressRange", "cuFlushGPUDirectRDMAWrites", "cuCtxSetFlags", "cuCtxGetFlags"];
 
 /// What the driver probe found.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -75,7 +76,7 @@ pub struct DriverInfo {
     /// Whether `cuFlushGPUDirectRDMAWrites` (CUDA 11.3+) exists.
     pub has_flush: bool,
     /// Whether `cuCtxSetFlags` (CUDA 12.1+, the context-wide
-    /// `CU_CTX_SYNC_MEMOPS`) exists.
+    /// `CU_CTX_SYNC_MEMOPS`) and `cuCtxGetFlags` exist.
     pub has_ctx_flags: bool,
 }
 
@@ -138,7 +139,8 @@ fn init() -> std::result::Result<DriverInfo, String> {
         device_count: count as usize,
         has_dmabuf_export: has_symbol(OPTIONAL[0]),
         has_flush: has_symbol(OPTIONAL[1]),
-        has_ctx_flags: has_symbol(OPTIONAL[2]),
+        // Set by reading the flags and adding to them: both calls.
+        has_ctx_flags: has_symbol(OPTIONAL[2]) && has_symbol(OPTIONAL[3]),
     };
     tracing::debug!(?info, "CUDA driver loaded");
     Ok(info)
