@@ -427,9 +427,10 @@
 //!   receive or read into it), the work still reading the old contents
 //!   must be. Call [`cuda::CudaBuffer::ready_after`] with that work's stream
 //!   before posting each such operation (it takes `&self`: call it through
-//!   `region.memory()` or `exposed.cuda()`): the operation waits for the
-//!   work queued up to that call (on the GPU for staged copies, on the CPU
-//!   before a direct post), and a later call records a later fence. Without
+//!   `region.memory()` or `exposed.cuda()`), once per stream whose work
+//!   touches the buffer: the operation waits for the work queued on each up
+//!   to its call (on the GPU for staged copies, on the CPU before a direct
+//!   post); fences add up until their work is done. Without
 //!   it the contents are taken as settled (after a synchronous copy or your
 //!   own synchronize); the crate never synchronizes the whole context,
 //!   which would wait for unrelated work and is illegal under graph capture.
@@ -454,8 +455,21 @@
 //!   into the GPU, which is the only way such a write reaches GPU memory.
 //!   Before letting a peer read an exposed staged region, call
 //!   [`Exposed::publish`], which copies the GPU contents to the mirror.
-//! - Staged operations advance when they are waited on or polled; their
-//!   chunk size and depth are [`ConnectOptions::staging_chunk`] and
+//! - **Posting order.** On one connection, sends, writes (with or without
+//!   immediate), reads, transfer lists and their notifications take effect
+//!   at the peer in the order they were posted, whatever memory each uses
+//!   and whatever path it takes: a staged GPU write followed by a send
+//!   (host or GPU) is seen by the peer only once every byte of the write
+//!   landed. An operation whose requests cannot all go to the transport at
+//!   once (a staged one, whose chunks follow their copies; a list longer
+//!   than the send queue) holds back what is posted after it until it has
+//!   handed over its last request; the domain's engine moves it meanwhile,
+//!   whether or not anyone waits on it. Receives are a queue of their own
+//!   and never wait. As on RC, a read's data may still be on its way when a
+//!   later operation takes effect; a list's failure notification goes out
+//!   at once (it carries no data).
+//! - Staged operations also advance when they are waited on or polled;
+//!   their chunk size and depth are [`ConnectOptions::staging_chunk`] and
 //!   [`ConnectOptions::staging_depth`]. A direct-path peer and a staged
 //!   peer interoperate: the wire does not know the difference.
 //!

@@ -62,6 +62,12 @@ const QUIET_BIT: u64 = 1 << 62;
 const GEN_MASK: u32 = 0x3fff_ffff;
 
 impl OpId {
+    /// An id with slot `index`, for tests of what holds ids.
+    #[cfg(test)]
+    pub(crate) fn for_tests(index: u32) -> OpId {
+        OpId { index, generation: 0 }
+    }
+
     /// The work request id for one of its work requests. Only the final
     /// request of an operation completes it; earlier ones (unsignaled parts
     /// of a batch) report only errors.

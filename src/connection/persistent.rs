@@ -136,6 +136,10 @@ impl<B: LocalBuffer> Persistent<B> {
     fn post(&mut self) {
         let Some(parts) = self.direct else { return self.post_slow() };
         let shared = &self.pending.shared;
+        if !shared.gate.is_open() && matches!(self.op, Repeated::Send) {
+            // Behind an operation still handing over its requests.
+            return self.post_slow();
+        }
         let posted = match self.op {
             Repeated::Recv => PostedInline::Tracked(shared.transport.post_recv(Some(parts))),
             Repeated::Send => shared.transport.post_quiet_send(&parts, shared.deadline()),

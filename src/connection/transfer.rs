@@ -22,6 +22,7 @@ use crate::memory::{LocalBuffer, LocalParts, LocalSlice, RemoteSlice};
 use crate::ops::{OpId, WaitError};
 use crate::protocol::list::{self, Cursor, ListPlan, Piece};
 use crate::protocol::notify::{self, NotifyStatus};
+use crate::protocol::order::Ticket;
 use crate::transport::engine::{Awaiting, LOOK_AGAIN};
 use crate::transport::{Posted, RemoteOp, WorkItem};
 use crate::{HostMemory, Region};
@@ -86,6 +87,10 @@ struct List<B: Send + 'static> {
     /// Staged GPU memory: the pieces go through the staging pipeline.
     #[cfg(feature = "cuda")]
     staged: Option<StagedPieces>,
+    /// Its place at the connection's gate, until its last request (the
+    /// notification's, if any) is handed to the transport: what was posted
+    /// before it takes effect first, what is posted after it waits.
+    turn: Option<Ticket>,
 }
 
 /// The pieces of a list on staged GPU memory in progress: one staging
@@ -219,7 +224,12 @@ impl<B: Send + 'static> Transfer<B> {
         let t = Transfer { list, driver: Arc::clone(&driver) };
         {
             let mut l = t.lock();
-            l.driver = Some(Waker::from(driver));
+            let driver = Waker::from(driver);
+            if let Some(turn) = l.turn {
+                // Woken when the operations in front of it are out.
+                l.shared.gate.set_waker(turn, &driver);
+            }
+            l.driver = Some(driver);
             l.arm();
         }
         t
@@ -401,6 +411,7 @@ impl<B: LocalBuffer> List<B> {
             awaiter: None,
             #[cfg(feature = "cuda")]
             staged: None,
+            turn: None,
         };
         if let Some(len) = t.note.as_ref().and_then(|n| n.too_long) {
             // A caller's bug: nothing moves (the peer hears of the failure).
@@ -435,6 +446,9 @@ impl<B: LocalBuffer> List<B> {
         }
         t.buf = Some(local.into_inner());
         t.items.reserve(t.chain.min(t.plan.requests()));
+        if !t.failed {
+            t.turn = Some(t.shared.gate.hold(None));
+        }
         t.pump();
         t
     }
@@ -456,6 +470,7 @@ impl<B: LocalBuffer> List<B> {
         cuda.wait_ready()?;
         if route(&parts, self.shared.transport.is_tcp()) == Route::Staged {
             let width = self.shared.staging.1.max(1);
+            // Its pieces take effect in the list's turn (taken once planned).
             self.staged = Some(StagedPieces {
                 device: cuda.device().clone(),
                 active: Vec::new(),
@@ -491,6 +506,32 @@ impl<B: Send + 'static> List<B> {
         if !self.failed && self.plan.done(&self.next) {
             self.post_note(Deadline::immediate("room in the send queue"));
         }
+        self.release_turn_if_done();
+    }
+
+    /// Whether the list's requests may go to the transport now: everything
+    /// posted before it on the connection has handed over its last request.
+    fn my_turn(&self) -> bool {
+        self.turn.is_none_or(|t| self.shared.gate.is_first(t))
+    }
+
+    /// Lets the operations posted after the list go, once it handed over
+    /// its last request (or never will).
+    fn release_turn_if_done(&mut self) {
+        let note_out = self.note.as_ref().is_none_or(|n| n.sent);
+        #[cfg(feature = "cuda")]
+        let pieces_out = self.staged.as_ref().is_none_or(|st| st.active.iter().all(|p| p.all_posted()));
+        #[cfg(not(feature = "cuda"))]
+        let pieces_out = true;
+        if self.failed || (self.plan.done(&self.next) && pieces_out && note_out) {
+            self.release_turn();
+        }
+    }
+
+    fn release_turn(&mut self) {
+        if let Some(t) = self.turn.take() {
+            self.shared.gate.release(t, Some(&self.shared.transport));
+        }
     }
 
     /// Staged GPU memory: moves the pipelines along, takes the finished
@@ -522,7 +563,9 @@ impl<B: Send + 'static> List<B> {
             i += 1;
         }
         let (chunk, depth) = self.shared.staging;
-        while error.is_none() && !self.failed && st.active.len() < st.width {
+        // Pieces start in the list's turn at the connection's gate.
+        let turn = self.my_turn();
+        while turn && error.is_none() && !self.failed && st.active.len() < st.width {
             let Some(p) = self.plan.next(&mut self.next) else { break };
             let parts = LocalParts { addr: self.local.addr + p.local, len: p.len as usize, ..self.local };
             let remote = self.remote.sub(p.remote, p.len);
@@ -531,7 +574,11 @@ impl<B: Send + 'static> List<B> {
                 Direction::Read => RemoteOp::Read(remote),
             };
             let home = &self.shared.domain.inner.staging;
-            match Pipeline::new(Some(op), home, &st.device, parts, chunk, depth, self.shared.op_timeout) {
+            let made = Pipeline::new(Some(op), home, &st.device, parts, chunk, depth, self.shared.op_timeout);
+            match made.map(|p| match self.turn {
+                Some(turn) => p.in_turn_of(&self.shared.gate, turn),
+                None => p,
+            }) {
                 Ok(mut pipeline) => {
                     let started = pipeline.advance(t);
                     match started {
@@ -558,6 +605,7 @@ impl<B: Send + 'static> List<B> {
         if !self.failed && self.plan.done(&self.next) && idle {
             self.post_note(Deadline::immediate("room in the send queue"));
         }
+        self.release_turn_if_done();
     }
 
     /// Staged pieces still in progress.
@@ -603,6 +651,9 @@ impl<B: Send + 'static> List<B> {
     /// Posts the notification, up to `due`. Whether it is out (or there
     /// is none to send).
     fn post_note(&mut self, due: Deadline) -> bool {
+        if !self.my_turn() {
+            return false;
+        }
         let immediate = due.is_immediate();
         let Some(note) = self.note.as_mut().filter(|n| !n.sent) else {
             return true;
@@ -657,7 +708,7 @@ impl<B: Send + 'static> List<B> {
     /// Posts the next chain, waiting for room up to `due`. Whether one was
     /// posted (a full queue, with `due` immediate, is not an error).
     fn post_chain(&mut self, due: Deadline) -> bool {
-        if self.failed || self.plan.done(&self.next) {
+        if self.failed || self.plan.done(&self.next) || !self.my_turn() {
             return false;
         }
         // Taken for good only once posted.
@@ -713,6 +764,8 @@ impl<B: Send + 'static> List<B> {
             }
         }
         self.error = Some(e);
+        // Nothing more of it goes out: what was posted after it may.
+        self.release_turn();
     }
 
     /// Records a chain's outcome.
@@ -1026,6 +1079,7 @@ impl<B: Send + 'static> List<B> {
     /// last one done. Once is enough: a second call finds nothing to do.
     fn let_go(&mut self) {
         self.failed = true;
+        self.release_turn();
         if let Some(aw) = self.awaiting.take() {
             aw.disarm(&self.shared.domain.inner.engine);
         }

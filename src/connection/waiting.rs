@@ -44,7 +44,13 @@ impl<B: Send + 'static> Pending<B> {
                 // One pass over the connection's staged operations; a copy
                 // still in flight means looking again soon.
                 copying = self.staged_in_progress() && self.progress_staged();
-                (self.poll_moved().transpose(), false)
+                let outcome = self.poll_moved().transpose();
+                if let Stage::Deferred(kept) = &self.stage {
+                    // Woken when its turn comes (and looked at again soon
+                    // anyway: what holds the gate moves by being looked at).
+                    kept.wake_when_posted(waker);
+                }
+                (outcome, false)
             }
         };
         if let Some(result) = outcome {

@@ -5,6 +5,8 @@
 //!   by the engine in [`Transfer`](crate::Transfer).
 //! - Notifications ([`notify`]): the message a list sends after its last
 //!   piece, and its codec.
+//! - Order ([`order`]): a connection's operations take effect at the peer
+//!   in posting order, whatever path each takes.
 //!
 //! For GPU memory, chosen once per operation (host memory is always direct):
 //! - Direct: the operation is posted as it is; the NIC reads or writes the
@@ -19,6 +21,7 @@
 
 pub(crate) mod list;
 pub(crate) mod notify;
+pub(crate) mod order;
 #[cfg(feature = "cuda")]
 mod route;
 #[cfg(feature = "cuda")]

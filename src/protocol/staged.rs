@@ -14,11 +14,12 @@
 //! Up to `depth` chunks are in flight. The operation completes when the last
 //! copy into the GPU is done, so its completion means "visible to CUDA".
 //!
-//! There is no progress thread: a staged operation moves when its handle is
-//! waited on or polled, and when any other operation of its connection is
-//! ([`StagedSet`]), so a ping-pong that waits only for the reply still gets
-//! its send out. A handle dropped early cancels what had not reached the
-//! network yet.
+//! A staged operation moves when its handle is waited on or polled, when
+//! any other operation of its connection is ([`StagedSet`]), so a
+//! ping-pong that waits only for the reply still gets its send out, and,
+//! while it holds its connection's gate (its requests are not all handed
+//! over: [`order`](super::order)), on the domain's engine. A handle dropped
+//! early cancels what had not reached the network yet.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::mem::ManuallyDrop;
@@ -32,6 +33,7 @@ use crate::error::{Error, Result};
 use crate::memory::{Access, LocalParts, Memory};
 use crate::memory::{MemoryDomain, Registration};
 use crate::ops::OpId;
+use crate::protocol::order::{Gate, Ticket};
 use crate::transport::{ConnTransport, Posted, RemoteOp, WorkItem};
 
 /// Smallest slot: one GPU page.
@@ -530,39 +532,20 @@ pub(crate) struct Pipeline {
     /// be gone).
     abandoned: bool,
     post_timeout: std::time::Duration,
-    /// A message that consumes one of the peer's receives (a send, the last
-    /// chunk of a write with immediate): its place among the connection's
-    /// staged messages, which are posted in the order they were made.
-    ticket: Option<(Arc<MessageOrder>, u64)>,
+    /// Its place at the connection's gate (an operation that reaches the
+    /// peer: not a receive): its requests go to the transport only while it
+    /// is first, so it takes effect after everything posted before it and
+    /// before everything posted after it. Its own, or its list's.
+    turn: Option<Turn>,
 }
 
-/// The order of a connection's staged messages: each is posted only after
-/// every staged message made before it (or given up), so messages reach the
-/// peer's receives in the order they were made, whichever copy out of the
-/// GPU finishes first.
-#[derive(Default)]
-pub(crate) struct MessageOrder {
-    next: AtomicU64,
-    waiting: Mutex<VecDeque<u64>>,
-}
-
-impl MessageOrder {
-    fn take(self: &Arc<Self>) -> (Arc<Self>, u64) {
-        let mut w = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
-        let t = self.next.fetch_add(1, Ordering::AcqRel);
-        w.push_back(t);
-        (Arc::clone(self), t)
-    }
-
-    /// Whether `t` is the oldest message not yet posted.
-    fn is_next(&self, t: u64) -> bool {
-        self.waiting.lock().unwrap_or_else(|e| e.into_inner()).front() == Some(&t)
-    }
-
-    /// `t` was posted, or will never be.
-    fn done(&self, t: u64) {
-        self.waiting.lock().unwrap_or_else(|e| e.into_inner()).retain(|&x| x != t);
-    }
+/// A pipeline's place at its connection's gate.
+struct Turn {
+    gate: Arc<Gate>,
+    ticket: Ticket,
+    /// Taken by this pipeline (released by it once its last request is
+    /// handed over), or its list's (released by the list).
+    owned: bool,
 }
 
 impl Pipeline {
@@ -578,7 +561,7 @@ impl Pipeline {
     ) -> Result<Self> {
         let stager = Stager::for_device(home, device)?;
         Ok(Pipeline {
-            ticket: None,
+            turn: None,
             op,
             stager,
             domain_id: home.domain_id,
@@ -598,14 +581,32 @@ impl Pipeline {
         })
     }
 
-    /// Takes its place in `order` if it is a message that consumes one of
-    /// the peer's receives (a send, a write with immediate): it is then
-    /// posted only after the connection's staged messages made before it.
-    pub(crate) fn in_order(mut self, order: &Arc<MessageOrder>) -> Self {
-        if matches!(self.op, Some(RemoteOp::Send | RemoteOp::SendWithImm(_) | RemoteOp::WriteWithImm(..))) {
-            self.ticket = Some(order.take());
+    /// Takes its place at the connection's gate if it reaches the peer
+    /// (not a receive): its requests go to the transport only after every
+    /// operation posted before it handed over its last one.
+    pub(crate) fn in_turn(mut self, gate: &Arc<Gate>) -> Self {
+        if self.op.is_some() {
+            self.turn = Some(Turn { gate: Arc::clone(gate), ticket: gate.hold(None), owned: true });
         }
         self
+    }
+
+    /// A piece of a transfer list: its requests go to the transport only
+    /// while the list's place (`ticket`) is first; the list releases it.
+    pub(crate) fn in_turn_of(mut self, gate: &Arc<Gate>, ticket: Ticket) -> Self {
+        self.turn = Some(Turn { gate: Arc::clone(gate), ticket, owned: false });
+        self
+    }
+
+    /// Whether its requests may go to the transport now.
+    fn my_turn(&self) -> bool {
+        self.turn.as_ref().is_none_or(|t| t.gate.is_first(t.ticket))
+    }
+
+    /// Whether every request it will make was handed to the transport (or
+    /// none will be: it failed).
+    pub(crate) fn all_posted(&self) -> bool {
+        self.error.is_some() || !self.has_more() && !self.steps.iter().any(|s| matches!(s.state, StepState::CopyOut(_)))
     }
 
     /// The host-to-device stream: GPU work still reading the destination is
@@ -671,13 +672,13 @@ impl Pipeline {
         if self.error.is_none() {
             self.error = Some(e);
         }
-        self.release_ticket();
     }
 
-    /// Its message was posted, or never will be: the next may go.
-    fn release_ticket(&mut self) {
-        if let Some((order, t)) = self.ticket.take() {
-            order.done(t);
+    /// Its last request was handed over, or never will be: what was
+    /// posted after it may go (posted now with `transport`).
+    fn release_turn(&mut self, transport: Option<&ConnTransport>) {
+        if let Some(t) = self.turn.take_if(|t| t.owned) {
+            t.gate.release(t.ticket, transport);
         }
     }
 
@@ -749,7 +750,11 @@ impl Pipeline {
         if self.abandoned {
             return Ok(());
         }
-        while self.error.is_none() && self.steps.len() < self.depth && self.has_more() {
+        // Nothing starts before the operation's turn at the connection's
+        // gate: an operation queued behind others holds no slot, and its
+        // chunks are posted in order once it is first.
+        let turn = self.turn.is_none() || self.my_turn();
+        while turn && self.error.is_none() && self.steps.len() < self.depth && self.has_more() {
             let n = if single(self.op) { self.len } else { (self.len - self.next).min(self.chunk) };
             let off = self.next;
             self.next += n;
@@ -781,6 +786,8 @@ impl Pipeline {
                 }
                 self.steps.push_back(step);
             } else {
+                // A read (in its turn), or a receive (the receive queue is
+                // not ordered with the sends).
                 self.steps.push_back(step);
                 let i = self.steps.len() - 1;
                 self.post(t, i);
@@ -793,15 +800,9 @@ impl Pipeline {
         for i in 0..self.steps.len() {
             match &self.steps[i].state {
                 StepState::CopyOut(ev) => {
-                    let last = self.steps[i].off + self.steps[i].len >= self.len;
-                    // The message itself waits for the staged messages made before it.
-                    let its_turn = !last || self.ticket.as_ref().is_none_or(|(order, t)| order.is_next(*t));
-                    if in_order && its_turn && self.error.is_none() && ev.is_done()? {
+                    if in_order && self.error.is_none() && ev.is_done()? {
                         tracing::trace!(off = self.steps[i].off, "staged: copied out, posting");
                         self.post(t, i);
-                        if last {
-                            self.release_ticket();
-                        }
                     } else {
                         in_order = false;
                         if self.error.is_some() && ev.is_done()? {
@@ -862,6 +863,9 @@ impl Pipeline {
         }
         // Finished steps give their slots back.
         self.steps.retain(|s| !matches!(s.state, StepState::Done));
+        if self.turn.is_some() && self.all_posted() {
+            self.release_turn(Some(t));
+        }
         Ok(())
     }
 
@@ -870,7 +874,7 @@ impl Pipeline {
     /// the connection until the device is done with them.
     pub(crate) fn abandon(&mut self, t: &ConnTransport) {
         self.abandoned = true;
-        self.release_ticket();
+        self.release_turn(Some(t));
         if let Err(e) = self.stager.d2h.synchronize().and_then(|()| self.stager.h2d.synchronize()) {
             tracing::error!("synchronizing the staging streams: {e}");
         }
@@ -886,7 +890,7 @@ impl Pipeline {
 
 impl Drop for Pipeline {
     fn drop(&mut self) {
-        self.release_ticket();
+        self.release_turn(None);
     }
 }
 
@@ -901,19 +905,12 @@ pub(crate) struct StagedSet {
     /// How many entries `list` holds, read without the lock.
     live: AtomicUsize,
     list: Mutex<Vec<Weak<Mutex<Pipeline>>>>,
-    /// The order of the connection's staged messages.
-    order: Arc<MessageOrder>,
     /// Tasks awaiting the network steps of the set's operations
     /// ([`await_steps`](Self::await_steps)), woken when another joins.
     awaiters: Mutex<Vec<std::task::Waker>>,
 }
 
 impl StagedSet {
-    /// The order the connection's staged messages are posted in.
-    pub(crate) fn order(&self) -> &Arc<MessageOrder> {
-        &self.order
-    }
-
     /// Tracks `p` until its handle drops it.
     pub(crate) fn add(&self, p: &Arc<Mutex<Pipeline>>) {
         let mut list = self.list.lock().unwrap_or_else(|e| e.into_inner());

@@ -358,13 +358,14 @@ pub fn awaited_staged_round_trips(d: &gpu_rdma::Domain, policy: gpu_rdma::memory
     rounds
 }
 
-/// Two bursts of `burst` staged 1 MiB writes in flight at once, from slices
+/// Two bursts of `burst` staged 1 MiB writes posted at once, from slices
 /// of one GPU buffer registered on `d` with `policy` (a staged path), into
 /// a host region of the peer, each burst verified there. Returns the
-/// staging slots pinned by each burst: the second, at the same depth,
-/// must find every slot it needs in the cache (pinning is the staged
-/// path's most costly step, and a cache that drops what a workload needs
-/// pins again on every burst).
+/// staging slots pinned by each burst: the second must find nearly every
+/// slot it needs in the cache (pinning is the staged path's most costly
+/// step, and a cache that drops what a workload needs pins again on every
+/// burst). The writes take effect in posting order, each starting its copy
+/// in its turn, so how many hold a slot at once varies with timing.
 pub fn staged_bursts(d: &gpu_rdma::Domain, policy: gpu_rdma::memory::path::PathPolicy, burst: usize) -> (u64, u64) {
     use gpu_rdma::{Access, LocalBuffer};
     let len = 1 << 20;
@@ -476,4 +477,185 @@ pub fn last_device_registration() -> (u32, u64) {
     // SAFETY: a valid out-pointer.
     let access = unsafe { f(&mut count) };
     (access, count)
+}
+
+/// What a message of [`ordered_mix`] is.
+#[derive(Clone, Copy, Debug)]
+enum Message {
+    Inline,
+    HostSend,
+    GpuSend,
+    WriteImm,
+}
+
+/// A randomized mix of operations on one connection, `rounds` rounds of
+/// it: each round posts a few writes of fresh bytes into slots of the
+/// peer's host memory (from host memory, from GPU memory on either of two
+/// GPUs, registered with `policy`, and as transfer lists of both), then one
+/// message (an inline send, a host send, a GPU send, a write with
+/// immediate) carrying the round's number. A verifier at the peer, on
+/// seeing message `k`, checks at once that every byte written before it is
+/// there. Nobody waits on the sender's operations until the round's
+/// message was seen: what moves them is the connection. Returns the rounds
+/// verified and how many operations of each kind ran.
+pub fn ordered_mix(
+    ds: &gpu_rdma::Domain,
+    dc: &gpu_rdma::Domain,
+    policy: gpu_rdma::memory::path::PathPolicy,
+    rounds: u32,
+    seed: u64,
+) -> (u32, [u32; 8]) {
+    use gpu_rdma::{Access, Piece};
+    use std::sync::mpsc;
+    const SLOT: usize = 1 << 20;
+    const SLOTS: usize = 12;
+    let target = ds.expose(ds.alloc(SLOT * SLOTS).unwrap(), Access::REMOTE_WRITE, 7).unwrap();
+    let (s, c) = super::pair_on(ds, dc, super::opts().advertise(&target), super::opts().staging(256 << 10, 4));
+    let remote = c.remote_region(7).unwrap();
+    let devices: Vec<CudaDevice> =
+        (0..CudaDevice::count().unwrap().min(2)).map(|i| CudaDevice::open(i).unwrap()).collect();
+    let mut gpu_src: Vec<_> = devices.iter().map(|dev| Some(gpu_region_on(dc, dev, SLOT, None, policy))).collect();
+    let gpu_msg = gpu_region_on(dc, &devices[0], 64, None, policy);
+    let mut gpu_msg = Some(gpu_msg);
+    let mut rng = super::Rng(seed);
+    let (to_verifier, expected) = mpsc::channel::<(u32, Vec<(usize, Vec<u8>)>)>();
+    let (to_sender, verified) = mpsc::channel::<std::result::Result<u32, String>>();
+    let target_v = target.clone();
+    let dv = ds.clone();
+    let verifier = std::thread::spawn(move || {
+        let mut got = vec![0u8; SLOT];
+        for _ in 0..rounds {
+            let mut rx = s.recv(dv.alloc(16).unwrap());
+            let (k, writes) = expected.recv().unwrap();
+            let c = rx.wait_timeout(std::time::Duration::from_secs(60)).unwrap_or_else(|e| panic!("round {k}: {e}"));
+            let buf = rx.into_buffer().unwrap();
+            let said = c.imm.unwrap_or_else(|| u32::from_le_bytes(buf.as_slice()[..4].try_into().unwrap()));
+            let mut bad = None;
+            for (off, bytes) in &writes {
+                target_v.read_at(*off, &mut got[..bytes.len()]).unwrap();
+                if let Some(at) = super::first_difference(&got[..bytes.len()], bytes) {
+                    bad = Some(format!("round {k}: message {said} seen with byte {at} of the write at {off} stale"));
+                    break;
+                }
+            }
+            let verdict = match bad {
+                Some(why) => Err(why),
+                None if said != k => Err(format!("round {k}: message {said} arrived")),
+                None => Ok(k),
+            };
+            let stop = verdict.is_err();
+            to_sender.send(verdict).unwrap();
+            if stop {
+                return s;
+            }
+        }
+        s
+    });
+    let mut kinds = [0u32; 8];
+    for k in 0..rounds {
+        let mut writes = Vec::new();
+        let mut held_host = Vec::new();
+        let mut held_gpu: Vec<gpu_rdma::Pending<gpu_rdma::Region<CudaBuffer>>> = Vec::new();
+        let mut held_lists_host = Vec::new();
+        let mut held_lists_gpu = Vec::new();
+        let mut slots: Vec<usize> = (0..SLOTS).collect();
+        let n = 2 + rng.below(4) as usize;
+        let mut gpu_used = vec![false; gpu_src.len()];
+        for _ in 0..n {
+            let slot = slots.remove(rng.below(slots.len() as u64) as usize);
+            let len = (4096 + rng.below((SLOT - 4096) as u64) as usize) & !3;
+            let off = slot * SLOT;
+            let data = super::pattern(len, u64::from(k) << 8 | slot as u64);
+            let dst = remote.slice(off as u64..(off + len) as u64).unwrap();
+            let kind = rng.below(4);
+            let g = rng.below(gpu_src.len() as u64) as usize;
+            let kind = if kind >= 2 && gpu_used[g] { kind - 2 } else { kind };
+            match kind {
+                0 => held_host.push(c.write(super::filled(dc, &data), &dst)),
+                1 => {
+                    let pieces: Vec<Piece> = (0..len.div_ceil(4096))
+                        .map(|i| i * 4096)
+                        .map(|o| Piece::new(o as u64, o as u64, (len - o).min(4096) as u64))
+                        .collect();
+                    held_lists_host.push(c.write_list(super::filled(dc, &data), &dst, pieces));
+                }
+                2 => {
+                    gpu_used[g] = true;
+                    let src = gpu_src[g].take().unwrap();
+                    src.memory().copy_from_host(0, &data).unwrap();
+                    held_gpu.push(c.write(src.slice(..len), &dst));
+                }
+                _ => {
+                    gpu_used[g] = true;
+                    let src = gpu_src[g].take().unwrap();
+                    src.memory().copy_from_host(0, &data).unwrap();
+                    let pieces: Vec<Piece> = (0..len / 65536 + 1)
+                        .map(|i| i * 65536)
+                        .filter(|&o| o < len)
+                        .map(|o| Piece::new(o as u64, o as u64, (len - o).min(65536) as u64))
+                        .collect();
+                    held_lists_gpu.push(c.write_list(src, &dst, pieces));
+                }
+            }
+            kinds[kind as usize] += 1;
+            writes.push((off, data));
+        }
+        to_verifier.send((k, writes)).unwrap();
+        let message = match rng.below(4) {
+            0 => Message::Inline,
+            1 => Message::HostSend,
+            2 => Message::GpuSend,
+            _ => Message::WriteImm,
+        };
+        kinds[4 + message as usize] += 1;
+        let word = k.to_le_bytes();
+        let mut msg_gpu = None;
+        let mut msg_host = None;
+        let mut msg_inline = None;
+        match message {
+            Message::Inline => msg_inline = Some(c.send_inline(&word, None)),
+            Message::HostSend => msg_host = Some(c.send(super::filled(dc, &word))),
+            Message::GpuSend => {
+                let m = gpu_msg.take().unwrap();
+                m.memory().copy_from_host(0, &word).unwrap();
+                msg_gpu = Some(c.send(m.slice(..4)));
+            }
+            Message::WriteImm => {
+                let last = remote.slice((SLOT * SLOTS - 4) as u64..(SLOT * SLOTS) as u64).unwrap();
+                msg_host = Some(c.write_with_imm(super::filled(dc, &word), &last, k));
+            }
+        }
+        // The peer's verdict comes before anything here is waited on.
+        match verified.recv().unwrap() {
+            Ok(_) => {}
+            Err(why) => panic!("{why} (operations so far: {kinds:?})"),
+        }
+        for mut p in held_host {
+            p.wait().unwrap();
+        }
+        for t in held_lists_host {
+            t.finish().unwrap();
+        }
+        for p in held_gpu {
+            let (_, r) = p.finish().unwrap();
+            let g = devices.iter().position(|d| d.ordinal() == r.memory().device().ordinal()).unwrap();
+            gpu_src[g] = Some(r);
+        }
+        for t in held_lists_gpu {
+            let (_, r) = t.finish().unwrap();
+            let g = devices.iter().position(|d| d.ordinal() == r.memory().device().ordinal()).unwrap();
+            gpu_src[g] = Some(r);
+        }
+        if let Some(mut p) = msg_inline {
+            p.wait().unwrap();
+        }
+        if let Some(mut p) = msg_host {
+            p.wait().unwrap();
+        }
+        if let Some(p) = msg_gpu {
+            gpu_msg = Some(p.finish().unwrap().1);
+        }
+    }
+    drop(verifier.join().unwrap());
+    (rounds, kinds)
 }
