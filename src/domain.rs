@@ -333,7 +333,15 @@ impl Domain {
             Ok(tcp) => tcp,
             Err(error) => return Err(BufError { error, buffer: region }),
         };
-        Ok(Exposed::from_parts(reg, region, remote, tag, self.live(Counter::Exposed), tcp))
+        #[cfg(feature = "cuda")]
+        let on_gpu = gpu.is_some();
+        let exposed = Exposed::from_parts(reg, region, remote, tag, self.live(Counter::Exposed), tcp);
+        #[cfg(feature = "cuda")]
+        if on_gpu {
+            // A notification naming it makes what peers wrote visible first.
+            self.inner.mem.visible.add(exposed.rkey(), exposed.visible());
+        }
+        Ok(exposed)
     }
 }
 

@@ -449,10 +449,15 @@
 //!   `cuFlushGPUDirectRDMAWrites` where the device's ordering attributes
 //!   need it, the copy into the GPU on the staged path.
 //! - A peer's one-sided write into an [`Exposed`] GPU region is visible to
-//!   CUDA after [`Connection::recv_write`] completes for the peer's
-//!   "done" (a write with immediate, or a zero-byte send): on a direct path
-//!   it flushes, on the staged path it copies the region's host mirror
-//!   into the GPU, which is the only way such a write reaches GPU memory.
+//!   CUDA once an [`Inbox`] hands out the notification of the transfer
+//!   list that wrote it (the notification names the region and the ranges
+//!   the list wrote; the inbox copies them in from the staged path's host
+//!   mirror, or flushes on a direct path, before it hands the note out), or
+//!   after [`Connection::recv_write`] completes for the peer's "done" (a
+//!   write with immediate, or a zero-byte send): on a direct path it
+//!   flushes, on the staged path it copies the region's host mirror into
+//!   the GPU. A write that neither names reaches GPU memory on the staged
+//!   path only through [`Exposed::pull`].
 //!   Before letting a peer read an exposed staged region, call
 //!   [`Exposed::publish`], which copies the GPU contents to the mirror.
 //! - **Posting order.** On one connection, sends, writes (with or without

@@ -681,3 +681,13 @@ gpu_tcp_test! {
         println!("{rounds} rounds in posting order over TCP; writes host/list/gpu/gpu list, messages inline/host/gpu/imm: {kinds:?}");
     }
 }
+
+gpu_tcp_test! {
+    /// See [`common::gpu::notified_pages_are_visible`]: over TCP the
+    /// receiver's GPU region is staged, and the note pulls its pages in.
+    fn a_notified_list_into_staged_gpu_memory_is_visible_when_the_note_is_handed_out() {
+        let d = tcp_domain();
+        let n = common::gpu::notified_pages_are_visible(&d, &d, PathPolicy::Auto, 20);
+        println!("{n} rounds of scattered pages visible in GPU memory at the note, over TCP (staged)");
+    }
+}

@@ -849,12 +849,15 @@ fn duplicate_unknown_and_out_of_order_replies_break_the_connection() {
 
 // ---- 9. an inbox's bound is in bytes ----
 
-/// A notification message as the crate encodes it (`magic "gN", version 1,
-/// status, payload length`, big-endian; then the payload), sent by hand
-/// with `tag` as its immediate.
+/// A notification message as the crate encodes it (`magic "gN", version 2,
+/// status, payload length, key, range count, 3 reserved`, big-endian; then
+/// the ranges (none here) and the payload), sent by hand with `tag` as its
+/// immediate.
 fn note_frame(seq: u32, tag: u32, failed: bool, payload: &[u8], out: &mut Vec<u8>) {
-    let mut msg = vec![0x67, 0x4e, 1, u8::from(failed)];
+    let mut msg = vec![0x67, 0x4e, 2, u8::from(failed)];
     msg.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    // No ranges written: key 0, a count of 0, 3 reserved bytes.
+    msg.extend_from_slice(&[0; 8]);
     msg.extend_from_slice(payload);
     out.extend_from_slice(&[SEND, FIRST | LAST | IMM, 0, 0]);
     out.extend_from_slice(&seq.to_le_bytes());

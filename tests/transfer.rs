@@ -426,7 +426,7 @@ fn tcp_notifications_nobody_takes_are_bounded() {
     let total = gpu_rdma::MAX_QUEUED_NOTES as u32 + 500;
     let sender = std::thread::spawn(move || {
         // A valid, empty notification, each with its own tag.
-        let msg = [0x67, 0x4e, 1, 0, 0, 0, 0, 0];
+        let msg = [0x67, 0x4e, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
         let mut window = std::collections::VecDeque::new();
         for tag in 0..total {
             window.push_back(c.send_inline(&msg, Some(tag)));

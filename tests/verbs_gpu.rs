@@ -436,6 +436,18 @@ gpu_test! {
     }
 }
 
+gpu_test! {
+    /// See [`common::gpu::notified_pages_are_visible`], on rxe0 with the
+    /// receiver's GPU region staged and on the direct path.
+    fn a_notified_list_into_gpu_memory_is_visible_when_the_note_is_handed_out_on_rxe0() {
+        for path in [MemPath::Staged, MemPath::PeerMem] {
+            let (ds, dc) = (domain(), domain());
+            let n = common::gpu::notified_pages_are_visible(&ds, &dc, PathPolicy::Force(path), 10);
+            println!("{n} rounds of scattered pages visible at the note on rxe0, {path:?}");
+        }
+    }
+}
+
 /// Registers `buf` with `path` in `d` and writes it to a fresh host region
 /// of the peer's, verified; or returns the registration error.
 fn register_and_write(d: &Domain, peer: &Domain, buf: CudaBuffer, path: MemPath) -> Result<(), Error> {

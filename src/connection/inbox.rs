@@ -82,6 +82,12 @@ impl Entry {
 /// Notifications arriving on one connection, counted by tag; see
 /// [`Connection::inbox`].
 ///
+/// A notification is handed out only once the data its transfer wrote is
+/// visible to CUDA work where it landed in GPU memory this side exposed:
+/// copied in from the host mirror on the staged path, or flushed on a
+/// direct path where the GPU needs it (a failure to do so hands the note
+/// out as the transfer's failure).
+///
 /// It owns the connection's receive side: every message the peer sends
 /// lands here. Do not post receives of your own on a connection with an
 /// inbox (they would take notifications in turn).
@@ -153,9 +159,9 @@ impl Inbox {
             return;
         };
         match notify::decode(msg) {
-            Ok((_, payload))
+            Ok(d)
                 if self.queued >= MAX_QUEUED_NOTES
-                    || self.queued_bytes + NOTE_OVERHEAD + payload.len() > MAX_QUEUED_BYTES =>
+                    || self.queued_bytes + NOTE_OVERHEAD + d.payload.len() > MAX_QUEUED_BYTES =>
             {
                 self.stats.overflowed += 1;
                 tracing::warn!(
@@ -164,12 +170,14 @@ impl Inbox {
                     self.queued_bytes
                 );
             }
-            Ok((status, payload)) => {
+            Ok(d) => {
                 self.stats.received += 1;
-                let bytes = Bytes::copy_from_slice(payload);
-                let entry = match status {
-                    NotifyStatus::Done => Entry::Done(bytes),
-                    NotifyStatus::Failed => Entry::Failed(bytes),
+                let entry = match (d.status, self.make_visible(&d.cover)) {
+                    (NotifyStatus::Done, Ok(())) => Entry::Done(Bytes::copy_from_slice(d.payload)),
+                    (NotifyStatus::Done, Err(e)) => {
+                        Entry::Failed(Bytes::from(format!("the transfer's data could not be made visible here: {e}")))
+                    }
+                    (NotifyStatus::Failed, _) => Entry::Failed(Bytes::copy_from_slice(d.payload)),
                 };
                 self.queued += 1;
                 self.queued_bytes += entry.cost();
@@ -180,6 +188,19 @@ impl Inbox {
                 tracing::warn!("a message that is not a notification reached an inbox ({why}): dropped");
             }
         }
+    }
+
+    /// Makes the ranges a notification names visible to CUDA work where
+    /// they are GPU memory of this side (copied in from the staged mirror,
+    /// or flushed): the note is handed out only after that.
+    fn make_visible(&self, cover: &notify::Cover) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        for &(addr, len) in &cover.ranges {
+            self.shared.domain.inner.mem.visible.make_visible(cover.key, addr, len)?;
+        }
+        #[cfg(not(feature = "cuda"))]
+        let _ = cover;
+        Ok(())
     }
 
     /// Takes in what has arrived, without blocking; how many messages.

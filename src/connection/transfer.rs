@@ -22,7 +22,7 @@ use crate::memory::{LocalBuffer, LocalParts, LocalSlice, RemoteSlice};
 use crate::ops::{OpId, WaitError};
 use crate::protocol::list::{self, Cursor, ListPlan, Piece};
 use crate::protocol::notify::{self, NotifyStatus};
-use crate::protocol::order::Ticket;
+use crate::protocol::order::Place;
 use crate::transport::engine::{Awaiting, LOOK_AGAIN};
 use crate::transport::{Posted, RemoteOp, WorkItem};
 use crate::{HostMemory, Region};
@@ -90,7 +90,7 @@ struct List<B: Send + 'static> {
     /// Its place at the connection's gate, until its last request (the
     /// notification's, if any) is handed to the transport: what was posted
     /// before it takes effect first, what is posted after it waits.
-    turn: Option<Ticket>,
+    turn: Option<Place>,
 }
 
 /// The pieces of a list on staged GPU memory in progress: one staging
@@ -108,8 +108,11 @@ struct StagedPieces {
 /// A notification on its way out.
 struct NoteOut {
     tag: u32,
-    /// The encoded message.
+    /// The encoded message (once the list is planned: it names the ranges
+    /// the list writes).
     msg: Vec<u8>,
+    /// Its payload, until encoded.
+    payload: Vec<u8>,
     /// Posted (or given up on): nothing more to send.
     sent: bool,
     /// Its request, while in flight.
@@ -355,10 +358,9 @@ impl Connection {
         tag: u32,
         payload: &[u8],
     ) -> Transfer<B> {
-        let mut msg = Vec::new();
-        notify::encode(NotifyStatus::Done, payload, &mut msg);
         let too_long = (payload.len() > notify::MAX_NOTIFY_PAYLOAD).then_some(payload.len());
-        let note = NoteOut { tag, msg, sent: false, id: None, region: None, too_long };
+        let payload = if too_long.is_some() { Vec::new() } else { payload.to_vec() };
+        let note = NoteOut { tag, msg: Vec::new(), payload, sent: false, id: None, region: None, too_long };
         Transfer::new(List::start(self, local.into(), *remote, pieces, Direction::Write, Some(note)))
     }
 
@@ -434,6 +436,14 @@ impl<B: LocalBuffer> List<B> {
         match list::plan(pieces, parts.len as u64, remote.len(), max_piece) {
             Ok(plan) => {
                 t.bytes = plan.bytes;
+                if let Some(note) = t.note.as_mut() {
+                    // The notification names what the list writes, for the
+                    // peer to make visible before it hands the note out.
+                    let base = remote.addr();
+                    let cover = notify::Cover::of(remote.rkey(), plan.remote_ranges().map(|(o, l)| (base + o, l)));
+                    notify::encode(NotifyStatus::Done, &cover, &note.payload, &mut note.msg);
+                    note.payload = Vec::new();
+                }
                 t.plan = plan;
             }
             Err(e) => t.fail(e),
@@ -755,7 +765,7 @@ impl<B: Send + 'static> List<B> {
         }
         self.failed = true;
         if let Some(note) = self.note.as_mut().filter(|n| !n.sent) {
-            notify::encode(NotifyStatus::Failed, e.to_string().as_bytes(), &mut note.msg);
+            notify::encode(NotifyStatus::Failed, &notify::Cover::default(), e.to_string().as_bytes(), &mut note.msg);
             note.sent = true;
             let due = Deadline::lazy(self.shared.op_timeout, "room in the send queue");
             if let Posted::Ok(id) | Posted::Stuck(id, _) = Self::send_note(&self.shared, note, due) {

@@ -74,6 +74,9 @@ pub(crate) struct MemoryDomain {
     #[cfg(feature = "verbs")]
     pub(crate) verbs: Option<Nic>,
     pub(crate) keys: KeyTable,
+    /// Exposed GPU regions, by key: what makes peers' writes visible.
+    #[cfg(feature = "cuda")]
+    pub(crate) visible: super::visible::VisibleTable,
     /// Why this domain has no verbs device.
     pub(crate) no_verbs: Option<String>,
     pub(crate) policy: TransportPolicy,
@@ -99,7 +102,16 @@ pub(crate) fn open(config: &DomainConfig) -> Result<MemoryDomain> {
                 Err(e) => (None, Some(e.to_string())),
             },
         };
-        Ok(MemoryDomain { id, verbs: v, keys, no_verbs, policy, counters })
+        Ok(MemoryDomain {
+            id,
+            verbs: v,
+            keys,
+            #[cfg(feature = "cuda")]
+            visible: Default::default(),
+            no_verbs,
+            policy,
+            counters,
+        })
     }
     #[cfg(not(feature = "verbs"))]
     {
@@ -109,6 +121,8 @@ pub(crate) fn open(config: &DomainConfig) -> Result<MemoryDomain> {
         Ok(MemoryDomain {
             id,
             keys,
+            #[cfg(feature = "cuda")]
+            visible: Default::default(),
             no_verbs: Some("gpu-rdma was built without the `verbs` feature".into()),
             policy,
             counters,

@@ -23,6 +23,8 @@ pub(crate) mod keys;
 pub mod path;
 mod region;
 mod registration;
+#[cfg(feature = "cuda")]
+pub(crate) mod visible;
 
 pub use crate::access::Access;
 pub use crate::host_memory::HostMemory;

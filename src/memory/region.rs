@@ -529,17 +529,58 @@ impl Exposed<crate::cuda::CudaBuffer> {
     /// # Errors
     /// [`Error::OutOfBounds`] past the region; [`Error::Cuda`].
     pub fn pull_range(&self, range: std::ops::Range<usize>) -> Result<()> {
-        let buf = self.cuda();
         let (off, len) = self.check_mirror_range(&range)?;
-        match self.remote().mirror() {
+        self.inner.pull(off, len)
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl<M: Memory> Exposed<M> {
+    /// What makes peers' writes into this region visible, for the domain's
+    /// table (found by key when a notification names the region).
+    pub(crate) fn visible(&self) -> std::sync::Weak<dyn crate::memory::visible::Visible> {
+        let weak: std::sync::Weak<SharedInner<M>> = Arc::downgrade(&self.inner);
+        weak
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl<M: Memory> SharedInner<M> {
+    /// Copies `off..off + len` of the staged mirror into GPU memory (checked
+    /// by the caller against both), after the latest fence; on a direct
+    /// path, flushes remote writes where the GPU needs that.
+    fn pull(&self, off: usize, len: usize) -> Result<()> {
+        let Some(buf) = self.region.memory().cuda_buffer() else { return Ok(()) };
+        let remote = self.remote.as_ref().expect("an exposed region has a remote registration");
+        match remote.mirror() {
             Some((addr, _)) => {
                 buf.wait_ready()?;
-                let _cpu = self.inner.cpu.lock().unwrap_or_else(|e| e.into_inner());
-                // SAFETY: as in publish_range, reading the mirror.
+                let _cpu = self.cpu.lock().unwrap_or_else(|e| e.into_inner());
+                // SAFETY: `off..off + len` is inside the mirror (the caller checked),
+                // a live mapping owned by the remote registration; no Rust reference
+                // to it exists (CPU copies are serialized by `cpu`).
                 unsafe { buf.copy_from_raw(off, (addr as usize + off) as *const u8, len) }
             }
             None => buf.device().flush_remote_writes(),
         }
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl<M: Memory> crate::memory::visible::Visible for SharedInner<M> {
+    fn make_visible(&self, addr: u64, len: u64) -> Result<()> {
+        let Some(buf) = self.region.memory().cuda_buffer() else { return Ok(()) };
+        let remote = self.remote.as_ref().expect("an exposed region has a remote registration");
+        // The range as the peer named it, in the descriptor's addresses (the
+        // mirror's on the staged path); what lies outside the region is not
+        // this side's to copy.
+        let (base, limit) = remote.mirror().map_or((self.region.addr(), buf.len()), |(a, l)| (a, l.min(buf.len())));
+        let off = addr.saturating_sub(base).min(limit as u64) as usize;
+        let end = addr.saturating_add(len).saturating_sub(base).min(limit as u64) as usize;
+        if end <= off && remote.mirror().is_some() {
+            return Ok(());
+        }
+        self.pull(off, end.saturating_sub(off))
     }
 }
 

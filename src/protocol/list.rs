@@ -136,6 +136,12 @@ impl ListPlan {
     pub fn done(&self, c: &Cursor) -> bool {
         c.at >= self.merged.len()
     }
+
+    /// The ranges of the remote range the plan moves: (offset, length).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub fn remote_ranges(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.merged.iter().map(|p| (p.remote, p.len))
+    }
 }
 
 /// Plans `pieces` over a local buffer of `local_len` bytes and a remote

@@ -47,11 +47,11 @@ pub(crate) enum What {
 /// Where a kept post's outcome lands.
 #[derive(Default)]
 pub(crate) struct Deferred {
-    state: Mutex<Outcome>,
+    state: Mutex<PostState>,
 }
 
 #[derive(Default)]
-enum Outcome {
+enum PostState {
     /// Still kept; wake this when it is posted.
     #[default]
     Kept,
@@ -63,7 +63,7 @@ enum Outcome {
 }
 
 impl Deferred {
-    fn lock(&self) -> MutexGuard<'_, Outcome> {
+    fn lock(&self) -> MutexGuard<'_, PostState> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -71,36 +71,36 @@ impl Deferred {
     /// second call gets `None`).
     pub(crate) fn take(&self) -> Option<Posted> {
         match &mut *self.lock() {
-            Outcome::Posted(p) => p.take(),
+            PostState::Posted(p) => p.take(),
             _ => None,
         }
     }
 
     /// Whether it is still kept (not posted, not cancelled).
     pub(crate) fn is_kept(&self) -> bool {
-        matches!(*self.lock(), Outcome::Kept | Outcome::KeptWaking(_))
+        matches!(*self.lock(), PostState::Kept | PostState::KeptWaking(_))
     }
 
     /// Wakes `waker` once it is posted (at once if it was).
     pub(crate) fn wake_when_posted(&self, waker: &Waker) {
         let mut st = self.lock();
         match &mut *st {
-            Outcome::Kept => *st = Outcome::KeptWaking(waker.clone()),
-            Outcome::KeptWaking(w) if !w.will_wake(waker) => *w = waker.clone(),
-            Outcome::KeptWaking(_) => {}
-            Outcome::Posted(_) | Outcome::Cancelled => waker.wake_by_ref(),
+            PostState::Kept => *st = PostState::KeptWaking(waker.clone()),
+            PostState::KeptWaking(w) if !w.will_wake(waker) => *w = waker.clone(),
+            PostState::KeptWaking(_) => {}
+            PostState::Posted(_) | PostState::Cancelled => waker.wake_by_ref(),
         }
     }
 
     fn posted(&self, p: Posted) {
-        let before = std::mem::replace(&mut *self.lock(), Outcome::Posted(Some(p)));
-        if let Outcome::KeptWaking(w) = before {
+        let before = std::mem::replace(&mut *self.lock(), PostState::Posted(Some(p)));
+        if let PostState::KeptWaking(w) = before {
             w.wake();
         }
     }
 }
 
-enum Entry {
+enum InLine {
     /// An operation that hands its requests over itself, over time, and
     /// may do so only while it is first; woken when it becomes first.
     Held { ticket: u64, waker: Option<Waker> },
@@ -111,7 +111,7 @@ enum Entry {
 #[derive(Default)]
 struct Queue {
     next: u64,
-    entries: VecDeque<Entry>,
+    entries: VecDeque<InLine>,
 }
 
 /// What hands a kept post to the transport (the transport itself; a
@@ -138,7 +138,7 @@ pub(crate) struct Gate {
 
 /// An operation's place at the gate ([`Gate::hold`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Ticket(u64);
+pub(crate) struct Place(u64);
 
 impl Gate {
     fn lock(&self) -> MutexGuard<'_, Queue> {
@@ -158,25 +158,25 @@ impl Gate {
     /// [`release`](Self::release)s its place once its last request is
     /// handed over (or never will be). `waker` is woken when it becomes
     /// first behind another.
-    pub(crate) fn hold(&self, waker: Option<Waker>) -> Ticket {
+    pub(crate) fn hold(&self, waker: Option<Waker>) -> Place {
         let mut q = self.lock();
         let ticket = q.next;
         q.next += 1;
-        q.entries.push_back(Entry::Held { ticket, waker });
+        q.entries.push_back(InLine::Held { ticket, waker });
         self.waiting.fetch_add(1, Ordering::AcqRel);
-        Ticket(ticket)
+        Place(ticket)
     }
 
     /// Whether `t` is first: every operation posted before it has handed
     /// over its last request.
-    pub(crate) fn is_first(&self, t: Ticket) -> bool {
-        matches!(self.lock().entries.front(), Some(Entry::Held { ticket, .. }) if *ticket == t.0)
+    pub(crate) fn is_first(&self, t: Place) -> bool {
+        matches!(self.lock().entries.front(), Some(InLine::Held { ticket, .. }) if *ticket == t.0)
     }
 
     /// Replaces the waker of holder `t`.
-    pub(crate) fn set_waker(&self, t: Ticket, waker: &Waker) {
+    pub(crate) fn set_waker(&self, t: Place, waker: &Waker) {
         for e in &mut self.lock().entries {
-            if let Entry::Held { ticket, waker: w } = e {
+            if let InLine::Held { ticket, waker: w } = e {
                 if *ticket == t.0 {
                     if !w.as_ref().is_some_and(|w| w.will_wake(waker)) {
                         *w = Some(waker.clone());
@@ -190,9 +190,9 @@ impl Gate {
     /// Holder `t` handed over its last request, or never will: the posts
     /// kept behind it go to the transport (with `transport`; else the next
     /// pump posts them), up to the next holder, which is woken.
-    pub(crate) fn release<H: Hand + ?Sized>(&self, t: Ticket, transport: Option<&H>) {
+    pub(crate) fn release<H: Hand + ?Sized>(&self, t: Place, transport: Option<&H>) {
         let mut q = self.lock();
-        let Some(at) = q.entries.iter().position(|e| matches!(e, Entry::Held { ticket, .. } if *ticket == t.0)) else {
+        let Some(at) = q.entries.iter().position(|e| matches!(e, InLine::Held { ticket, .. } if *ticket == t.0)) else {
             return;
         };
         q.entries.remove(at);
@@ -203,7 +203,7 @@ impl Gate {
         match transport {
             Some(transport) => self.pump_locked(&mut q, transport),
             None => {
-                if let Some(Entry::Held { waker: Some(w), .. }) = q.entries.front_mut() {
+                if let Some(InLine::Held { waker: Some(w), .. }) = q.entries.front_mut() {
                     w.wake_by_ref();
                 }
             }
@@ -218,7 +218,7 @@ impl Gate {
             return Err(what);
         }
         let out = Arc::new(Deferred::default());
-        q.entries.push_back(Entry::Kept { what, due, out: Arc::clone(&out) });
+        q.entries.push_back(InLine::Kept { what, due, out: Arc::clone(&out) });
         self.waiting.fetch_add(1, Ordering::AcqRel);
         Ok(out)
     }
@@ -236,7 +236,7 @@ impl Gate {
     fn pump_locked<H: Hand + ?Sized>(&self, q: &mut Queue, transport: &H) {
         loop {
             match q.entries.front_mut() {
-                Some(Entry::Kept { what, due, out }) => {
+                Some(InLine::Kept { what, due, out }) => {
                     let posted = transport.hand(what);
                     if let Some(Posted::Refused(e)) = &posted {
                         if matches!(**e, Error::QueueFull { .. }) && Instant::now() < *due {
@@ -250,10 +250,10 @@ impl Gate {
                     if let Some(posted) = posted {
                         out.posted(posted);
                     } else {
-                        *out.lock() = Outcome::Posted(None);
+                        *out.lock() = PostState::Posted(None);
                     }
                 }
-                Some(Entry::Held { waker, .. }) => {
+                Some(InLine::Held { waker, .. }) => {
                     if let Some(w) = waker.take() {
                         w.wake();
                     }
@@ -269,14 +269,14 @@ impl Gate {
     /// post, for the handle to leave with the connection.
     pub(crate) fn cancel<H: Hand + ?Sized>(&self, out: &Arc<Deferred>, transport: &H) -> Option<Posted> {
         let mut q = self.lock();
-        let at = q.entries.iter().position(|e| matches!(e, Entry::Kept { out: o, .. } if Arc::ptr_eq(o, out)));
+        let at = q.entries.iter().position(|e| matches!(e, InLine::Kept { out: o, .. } if Arc::ptr_eq(o, out)));
         let Some(at) = at else {
             drop(q);
             return out.take();
         };
         q.entries.remove(at);
         self.waiting.fetch_sub(1, Ordering::AcqRel);
-        *out.lock() = Outcome::Cancelled;
+        *out.lock() = PostState::Cancelled;
         if at == 0 {
             // What was behind it may go now.
             self.pump_locked(&mut q, transport);

@@ -33,7 +33,7 @@ use crate::error::{Error, Result};
 use crate::memory::{Access, LocalParts, Memory};
 use crate::memory::{MemoryDomain, Registration};
 use crate::ops::OpId;
-use crate::protocol::order::{Gate, Ticket};
+use crate::protocol::order::{Gate, Place};
 use crate::transport::{ConnTransport, Posted, RemoteOp, WorkItem};
 
 /// Smallest slot: one GPU page.
@@ -542,7 +542,7 @@ pub(crate) struct Pipeline {
 /// A pipeline's place at its connection's gate.
 struct Turn {
     gate: Arc<Gate>,
-    ticket: Ticket,
+    ticket: Place,
     /// Taken by this pipeline (released by it once its last request is
     /// handed over), or its list's (released by the list).
     owned: bool,
@@ -593,7 +593,7 @@ impl Pipeline {
 
     /// A piece of a transfer list: its requests go to the transport only
     /// while the list's place (`ticket`) is first; the list releases it.
-    pub(crate) fn in_turn_of(mut self, gate: &Arc<Gate>, ticket: Ticket) -> Self {
+    pub(crate) fn in_turn_of(mut self, gate: &Arc<Gate>, ticket: Place) -> Self {
         self.turn = Some(Turn { gate: Arc::clone(gate), ticket, owned: false });
         self
     }

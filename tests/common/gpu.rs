@@ -659,3 +659,55 @@ pub fn ordered_mix(
     drop(verifier.join().unwrap());
     (rounds, kinds)
 }
+
+/// A transfer list with a notification into GPU memory the receiver
+/// exposed (registered on `ds` with `policy`), `rounds` times with fresh
+/// bytes over scattered pages: when the receiver's `Inbox` hands the note
+/// out, the pages are in its GPU memory (pulled from the staged mirror, or
+/// flushed), with nothing else called. Returns the rounds verified.
+pub fn notified_pages_are_visible(
+    ds: &gpu_rdma::Domain,
+    dc: &gpu_rdma::Domain,
+    policy: gpu_rdma::memory::path::PathPolicy,
+    rounds: u32,
+) -> u32 {
+    use gpu_rdma::{Access, Piece};
+    const PAGE: usize = 16 << 10;
+    const PAGES: usize = 256;
+    let device = CudaDevice::open(0).unwrap();
+    let pool = ds
+        .expose(
+            gpu_region_on(ds, &device, PAGE * PAGES, Some(&vec![0u8; PAGE * PAGES]), policy),
+            Access::REMOTE_WRITE,
+            5,
+        )
+        .unwrap();
+    let (s, c) = super::pair_on(ds, dc, super::opts().advertise(&pool), super::opts());
+    let remote = c.remote_region(5).unwrap().whole();
+    let mut inbox = s.inbox(4).unwrap();
+    let mut rng = super::Rng(0x715_1b1e);
+    let mut got = vec![0u8; PAGE * PAGES];
+    let mut now = vec![0u8; PAGE * PAGES];
+    for k in 0..rounds {
+        // 40 of the pages, scattered, each from its own place in a local buffer.
+        let mut pages: Vec<usize> = (0..PAGES).collect();
+        let chosen: Vec<usize> = (0..40).map(|_| pages.remove(rng.below(pages.len() as u64) as usize)).collect();
+        let local = super::pattern(40 * PAGE, u64::from(k) + 500);
+        let pieces: Vec<Piece> = chosen
+            .iter()
+            .enumerate()
+            .map(|(i, &p)| Piece::new((i * PAGE) as u64, (p * PAGE) as u64, PAGE as u64))
+            .collect();
+        c.write_list_notify(super::filled(dc, &local), &remote, pieces, k, b"pages").finish().unwrap();
+        let notes = inbox.wait(k, 1).unwrap();
+        assert_eq!(&notes[0].payload[..], b"pages");
+        pool.cuda().copy_to_host(0, &mut got).unwrap();
+        for (i, &p) in chosen.iter().enumerate() {
+            now[p * PAGE..(p + 1) * PAGE].copy_from_slice(&local[i * PAGE..(i + 1) * PAGE]);
+        }
+        if let Some(at) = super::first_difference(&got, &now) {
+            panic!("round {k}: byte {at} of the receiver's GPU memory is stale when the note was handed out");
+        }
+    }
+    rounds
+}

@@ -1,0 +1,44 @@
+//! What makes the bytes peers wrote into an exposed GPU region visible to
+//! CUDA work, found by the key the peers used: a notification names the
+//! region (its remote key) and the ranges its transfer wrote, and the
+//! receiving side makes those visible before the notification is handed
+//! out (a copy from the host mirror on the staged path, a flush of remote
+//! writes where the GPU needs one on a direct path). Host memory needs
+//! nothing, and is not listed.
+
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock, Weak};
+
+use crate::error::Result;
+
+/// An exposed region whose remote writes need a step to become visible.
+pub(crate) trait Visible: Send + Sync {
+    /// Makes the `len` bytes peers wrote at `addr` (an address of the
+    /// region's descriptor) visible to CUDA work; waits for the copy.
+    fn make_visible(&self, addr: u64, len: u64) -> Result<()>;
+}
+
+/// A domain's exposed GPU regions, by remote key. Cloning shares the table.
+#[derive(Clone, Default)]
+pub(crate) struct VisibleTable {
+    map: Arc<RwLock<HashMap<u32, Weak<dyn Visible>>>>,
+}
+
+impl VisibleTable {
+    /// Lists `region` under `key` (until it is dropped).
+    pub(crate) fn add(&self, key: u32, region: Weak<dyn Visible>) {
+        let mut map = self.map.write().unwrap_or_else(|e| e.into_inner());
+        map.retain(|_, w| w.strong_count() > 0);
+        map.insert(key, region);
+    }
+
+    /// Makes what peers wrote at `addr..addr + len` under `key` visible;
+    /// nothing for a key of host memory (or of a region gone since).
+    pub(crate) fn make_visible(&self, key: u32, addr: u64, len: u64) -> Result<()> {
+        let region = self.map.read().unwrap_or_else(|e| e.into_inner()).get(&key).and_then(Weak::upgrade);
+        match region {
+            Some(r) => r.make_visible(addr, len),
+            None => Ok(()),
+        }
+    }
+}
