@@ -473,6 +473,10 @@
 //!   and never wait. As on RC, a read's data may still be on its way when a
 //!   later operation takes effect; a list's failure notification goes out
 //!   at once (it carries no data).
+//! - Staged copies of different operations never wait on each other: each
+//!   staged operation copies on a stream of its own (from a pool per GPU),
+//!   after its own fences only, and dropping one waits for nothing (what
+//!   its copies in flight touch is released once they end).
 //! - Staged operations also advance when they are waited on or polled;
 //!   their chunk size and depth are [`ConnectOptions::staging_chunk`] and
 //!   [`ConnectOptions::staging_depth`]. A direct-path peer and a staged

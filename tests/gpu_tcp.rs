@@ -489,7 +489,8 @@ gpu_tcp_test! {
         assert_eq!(first_difference(&got, &apply(&pieces, &data, len, true)), None);
         assert_eq!(&notes[0].payload[..], b"staged");
         list.finish().unwrap();
-        // Dropped mid-flight: copies waited for, slots kept until the network is done.
+        // Dropped mid-flight: slots kept until the network is done, buffers
+        // until their copies are.
         let regions = d.stats().regions;
         for round in 0..3u64 {
             let mut t = c.write_list(gpu_region(&d, len, Some(&pattern(len, round))), &remote, pieces.iter().copied());
@@ -497,11 +498,12 @@ gpu_tcp_test! {
             drop(t);
         }
         let until = std::time::Instant::now() + std::time::Duration::from_secs(60);
-        while c.stats().in_flight > 0 {
-            assert!(std::time::Instant::now() < until, "{:?}", c.stats());
+        // The drops waited for nothing: the network lets go of the slots, the
+        // engine of what copies in flight held, each once done.
+        while c.stats().in_flight > 0 || d.stats().regions != regions {
+            assert!(std::time::Instant::now() < until, "{:?}, {} regions", c.stats(), d.stats().regions);
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
-        assert_eq!(d.stats().regions, regions);
         // Still healthy.
         c.write_list(gpu_region(&d, 4096, Some(&[9; 4096])), &remote, [Piece::new(0, 0, 4096)]).finish().unwrap();
     }
@@ -689,5 +691,60 @@ gpu_tcp_test! {
         let d = tcp_domain();
         let n = common::gpu::notified_pages_are_visible(&d, &d, PathPolicy::Auto, 20);
         println!("{n} rounds of scattered pages visible in GPU memory at the note, over TCP (staged)");
+    }
+}
+
+gpu_tcp_test! {
+    /// Staged operations of different connections never wait for each
+    /// other's fences: connection A's send waits for a producer that lands
+    /// 600 ms late; connection B's unfenced send on the same GPU goes at
+    /// once. And dropping A's send, its fence still pending, returns at
+    /// once: nothing is synchronized on drop.
+    fn a_fence_on_one_connection_holds_up_no_other_and_no_drop() {
+        use common::gpu::produce;
+        use std::time::{Duration, Instant};
+        let d = tcp_domain();
+        let dev = CudaDevice::open(0).unwrap();
+        let (sa, ca) = pair_on(&d, &d, opts(), opts());
+        let (sb, cb) = pair_on(&d, &d, opts(), opts());
+        let stream = gpu_rdma::cuda::CudaStream::new(&dev).unwrap();
+        let slow = gpu_region(&d, 64 << 10, None);
+        produce(&stream, slow.memory(), 0, 64 << 10, 61, 600_000);
+        slow.memory().ready_after(&stream).unwrap();
+        let mut rxa = sa.recv(d.alloc(64 << 10).unwrap());
+        let t0 = Instant::now();
+        let mut a = ca.send(slow);
+        let msg = pattern(64 << 10, 62);
+        let mut rxb = sb.recv(d.alloc(64 << 10).unwrap());
+        let mut b = cb.send(gpu_region(&d, 64 << 10, Some(&msg)));
+        b.wait_timeout(Duration::from_secs(10)).unwrap();
+        rxb.wait_timeout(Duration::from_secs(10)).unwrap();
+        let b_took = t0.elapsed();
+        assert_eq!(first_difference(&rxb.into_buffer().unwrap()[..], &msg), None);
+        a.wait_timeout(Duration::from_secs(10)).unwrap();
+        rxa.wait_timeout(Duration::from_secs(10)).unwrap();
+        let a_took = t0.elapsed();
+        println!("the unfenced send on another connection took {b_took:?}; the fenced one {a_took:?}");
+        assert!(a_took >= Duration::from_millis(550), "the fenced send did not wait for its producer: {a_took:?}");
+        assert!(b_took < Duration::from_millis(300), "an unrelated send waited for another connection's fence: {b_took:?}");
+        assert_eq!(first_difference(&rxa.into_buffer().unwrap()[..], &common::gpu::produced(61, 64 << 10)), None);
+
+        // Dropped with its fence pending: the drop does not wait for it.
+        let slow = gpu_region(&d, 64 << 10, None);
+        produce(&stream, slow.memory(), 0, 64 << 10, 63, 600_000);
+        slow.memory().ready_after(&stream).unwrap();
+        let a = ca.send(slow);
+        let t0 = Instant::now();
+        drop(a);
+        let dropped_in = t0.elapsed();
+        println!("dropped a staged send with its fence 600 ms out in {dropped_in:?}");
+        assert!(dropped_in < Duration::from_millis(200), "the drop waited for the fence: {dropped_in:?}");
+        // The connection goes on: the next send on it works (the dropped
+        // one never reached the network).
+        let mut rx = sa.recv(d.alloc(64).unwrap());
+        ca.send_inline(b"after", None).wait_timeout(Duration::from_secs(10)).unwrap();
+        rx.wait_timeout(Duration::from_secs(10)).unwrap();
+        assert_eq!(&rx.into_buffer().unwrap()[..5], b"after");
+        stream.synchronize().unwrap();
     }
 }

@@ -66,8 +66,10 @@ pub(crate) struct ConnShared {
 /// Moves a connection along on the domain's engine while an operation holds
 /// its gate: a staged operation must hand over all its requests whether or
 /// not anyone waits on it (a post kept behind it may have no handle at all:
-/// an untracked send), and so must what is kept behind it. Looks again on a
-/// short timer (copies end without waking anyone) until the gate is open.
+/// an untracked send), and so must what is kept behind it. It also lets go
+/// of what dropped staged operations' copies held once they end. Looks
+/// again on a short timer (copies end without waking anyone) until the gate
+/// is open and no such copy is left.
 #[derive(Default)]
 struct ConnDriver {
     shared: std::sync::OnceLock<std::sync::Weak<ConnShared>>,
@@ -102,7 +104,12 @@ impl crate::transport::engine::Task for ConnDriver {
         use std::sync::atomic::Ordering::AcqRel;
         let Some(shared) = self.shared.get().and_then(std::sync::Weak::upgrade) else { return };
         let copying = shared.drive();
-        if shared.gate.is_open() {
+        // Copies of dropped staged operations: what they hold goes once they end.
+        #[cfg(feature = "cuda")]
+        let retiring = shared.domain.inner.staging.reap();
+        #[cfg(not(feature = "cuda"))]
+        let retiring = false;
+        if shared.gate.is_open() && !retiring {
             self.busy.store(false, std::sync::atomic::Ordering::Release);
             // Held since the look above, which asked nothing (busy was set).
             if shared.gate.is_open() || self.busy.swap(true, AcqRel) {
@@ -144,6 +151,12 @@ impl ConnShared {
             }
             Err(What::Untracked { .. }) => unreachable!("untracked sends are kept by send_inline_untracked"),
         }
+    }
+
+    /// Has the engine move this connection along soon (see [`ConnDriver`]).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn drive_soon(self: &Arc<Self>) {
+        self.driver.ask(self);
     }
 
     /// Moves what is held at the gate along: the staged operations, the
@@ -242,15 +255,10 @@ impl ConnShared {
             // Outgoing: the copies out of the GPU wait for the producer fence.
             // Incoming: the copies into it wait for the consumer fence (work
             // still reading what they overwrite).
-            let started = if op.is_some_and(RemoteOp::outbound) {
-                cuda.order_after_ready(pipeline.out_stream())
-            } else {
-                cuda.order_after_ready(pipeline.in_stream())
-            }
-            .and_then(|()| pipeline.advance(&self.transport));
-            if let Err(e) = started {
+            pipeline.after(cuda.fences());
+            if let Err(e) = pipeline.advance(&self.transport) {
                 // Whatever reached the device stays with the connection.
-                pipeline.abandon(&self.transport);
+                pipeline.abandon(&self.transport, None);
                 return Pending::failed(self, local.into_inner(), e);
             }
             return Pending::staged(self, pipeline, local.into_inner());
@@ -920,7 +928,7 @@ impl<B: Send + 'static> Pending<B> {
                 let mut p = p.lock().unwrap_or_else(|e| e.into_inner());
                 if let Err(e) = p.advance_owned(&self.shared.transport) {
                     // A CUDA failure: wait for what is in flight, then report it.
-                    p.abandon(&self.shared.transport);
+                    p.abandon(&self.shared.transport, None);
                     drop(p);
                     self.stage = Stage::Failed(Some(Box::new(e)));
                 } else if p.finished() {
@@ -1296,9 +1304,16 @@ impl<B: Send + 'static> Pending<B> {
         }
         #[cfg(feature = "cuda")]
         if let Stage::Staged(p) = &self.stage {
-            // Copies are waited for; slots still on the network stay with the
-            // connection. The GPU buffer is then free to go.
-            p.lock().unwrap_or_else(|e| e.into_inner()).abandon(&self.shared.transport);
+            // Copies in flight keep the buffer until they are done (never
+            // waited for here); slots still on the network stay with the
+            // connection.
+            let keep: Box<dyn std::any::Any + Send> = match self.buf.take() {
+                Some(b) => Box::new(b),
+                None => Box::new(()),
+            };
+            p.lock().unwrap_or_else(|e| e.into_inner()).abandon(&self.shared.transport, Some(keep));
+            // Released from the engine once the copies are done.
+            self.shared.driver.ask(&self.shared);
         }
         // A quiet send's flush request is left to the connection.
         self.release_flush();

@@ -557,7 +557,7 @@ impl<B: Send + 'static> List<B> {
             let p = &mut st.active[i];
             if let Err(e) = p.advance_owned(t) {
                 // A CUDA failure: what is on the network stays with the connection.
-                p.abandon(t);
+                p.abandon(t, None);
                 st.active.swap_remove(i);
                 error.get_or_insert(e);
                 continue;
@@ -594,7 +594,7 @@ impl<B: Send + 'static> List<B> {
                     match started {
                         Ok(()) => st.active.push(pipeline),
                         Err(e) => {
-                            pipeline.abandon(t);
+                            pipeline.abandon(t, None);
                             error = Some(e);
                         }
                     }
@@ -1093,20 +1093,26 @@ impl<B: Send + 'static> List<B> {
         if let Some(aw) = self.awaiting.take() {
             aw.disarm(&self.shared.domain.inner.engine);
         }
-        #[cfg(feature = "cuda")]
-        if let Some(st) = self.staged.as_mut() {
-            for mut p in st.active.drain(..) {
-                p.abandon(&self.shared.transport);
-            }
-        }
         let note = self.note.as_mut().and_then(|n| n.region.take());
-        if self.in_flight.is_empty() {
+        #[cfg(feature = "cuda")]
+        let copying = self.staged.as_ref().is_some_and(|st| !st.active.is_empty());
+        #[cfg(not(feature = "cuda"))]
+        let copying = false;
+        if self.in_flight.is_empty() && !copying {
             drop((self.buf.take(), note));
             return;
         }
-        // Several posts may still read or write the buffer: each holds a
-        // share of it, and the last one done drops it.
+        // Several posts and copies may still read or write the buffer: each
+        // holds a share of it, and the last one done drops it.
         let holder = Arc::new(Mutex::new((self.buf.take(), note)));
+        #[cfg(feature = "cuda")]
+        if let Some(st) = self.staged.as_mut() {
+            for mut p in st.active.drain(..) {
+                p.abandon(&self.shared.transport, Some(Box::new(Arc::clone(&holder))));
+            }
+            // Released from the engine once the copies are done.
+            self.shared.drive_soon();
+        }
         for id in self.in_flight.drain(..) {
             self.shared.transport.orphan(id, Box::new(Arc::clone(&holder)));
         }

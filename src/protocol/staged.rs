@@ -101,6 +101,16 @@ impl StagingHome {
         StagingHome { stagers: Mutex::new(Vec::new()), counts: Arc::default(), backend, domain_id }
     }
 
+    /// Releases what dropped operations' finished copies held; whether
+    /// copies of dropped operations are still in flight.
+    pub(crate) fn reap(&self) -> bool {
+        let stagers: Vec<Arc<Stager>> = self.stagers.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        stagers.iter().fold(false, |left, s| {
+            s.reap();
+            left | !s.retired.lock().unwrap_or_else(|e| e.into_inner()).is_empty()
+        })
+    }
+
     /// Pinned bytes held for staging, in use and cached.
     pub(crate) fn pinned_bytes(&self) -> usize {
         self.counts.pinned.load(Ordering::Acquire)
@@ -156,12 +166,17 @@ impl StagingHome {
     }
 }
 
-/// Per-GPU staging machinery of a domain: two streams and a cache of
-/// pinned, registered host buffers.
+/// Per-GPU staging machinery of a domain: streams lent to operations one
+/// at a time, and a cache of pinned, registered host buffers.
 pub(crate) struct Stager {
     device: CudaDevice,
-    d2h: CudaStream,
-    h2d: CudaStream,
+    /// Idle streams. Each staged operation copies on a stream of its own,
+    /// so no copy waits for another operation's fence or copies.
+    streams: Mutex<Vec<CudaStream>>,
+    /// What dropped operations left behind: copies still in flight, with
+    /// the slots and the memory they touch and the stream they run on,
+    /// released once the copies are done (a drop never waits for them).
+    retired: Mutex<Vec<Retired>>,
     pool: Mutex<Pool>,
     /// Events whose copies are over, for the next copies to record (making
     /// and destroying one per copy costs driver calls a copy need not pay).
@@ -324,8 +339,8 @@ impl Stager {
         }
         let s = Arc::new(Stager {
             device: device.clone(),
-            d2h: CudaStream::new(device)?,
-            h2d: CudaStream::new(device)?,
+            streams: Mutex::default(),
+            retired: Mutex::default(),
             pool: Mutex::default(),
             events: Mutex::default(),
             counts: Arc::clone(&home.counts),
@@ -337,6 +352,49 @@ impl Stager {
 
     fn pool(&self) -> std::sync::MutexGuard<'_, Pool> {
         self.pool.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A stream for one operation's copies (idle: nothing another
+    /// operation queued is ahead of them).
+    fn stream(&self) -> Result<CudaStream> {
+        self.reap();
+        match self.streams.lock().unwrap_or_else(|e| e.into_inner()).pop() {
+            Some(s) => Ok(s),
+            None => CudaStream::new(&self.device),
+        }
+    }
+
+    /// An operation's stream back, idle (everything it queued is done).
+    fn give_back(&self, stream: CudaStream) {
+        let mut streams = self.streams.lock().unwrap_or_else(|e| e.into_inner());
+        if streams.len() < STREAMS_KEPT {
+            streams.push(stream);
+        }
+    }
+
+    /// Keeps what a dropped operation's copies in flight touch until they end.
+    fn retire(&self, r: Retired) {
+        self.retired.lock().unwrap_or_else(|e| e.into_inner()).push(r);
+    }
+
+    /// Releases what retired copies held once they are done (a copy that
+    /// failed is done too: its error was the dropped operation's).
+    fn reap(&self) {
+        let done: Vec<Retired> = {
+            let mut retired = self.retired.lock().unwrap_or_else(|e| e.into_inner());
+            if retired.is_empty() {
+                return;
+            }
+            let (done, left) =
+                retired.drain(..).partition(|r| r.events.iter().all(|e| !matches!(e.is_done(), Ok(false))));
+            *retired = left;
+            done
+        };
+        for mut r in done {
+            if let Some(s) = r.stream.take() {
+                self.give_back(s);
+            }
+        }
     }
 
     /// An event recorded at the current end of `stream` (one of this
@@ -373,6 +431,7 @@ impl Stager {
     /// newly pinned; cached again when returned only if no larger than
     /// `chunk` (or reserved).
     fn take(self: &Arc<Self>, len: usize, chunk: usize) -> Result<Slot> {
+        self.reap();
         let want = slot_size(len);
         let cached = {
             let mut pool = self.pool();
@@ -434,16 +493,19 @@ impl RingStaging {
             });
         }
         dst.check_range(dst_off, len)?;
-        let stream = &self.slot.home.h2d;
-        dst.order_after_ready(stream)?;
+        // A stream of its own: the copy waits for `dst`'s fences only.
+        let stream = self.slot.home.stream()?;
+        dst.order_after_ready(&stream)?;
         let src = (self.slot.addr() + off as u64) as *const u8;
         // SAFETY: both ranges were checked above: `src..src + len` inside the
         // slot's pinned memory and `dst_off..dst_off + len` inside `dst`'s
         // allocation, and both outlive the copy, which is waited for before
         // this returns. No Rust reference to the staging is made, so a NIC
         // writing there meanwhile could change only the bytes copied.
-        unsafe { copy_htod_async(dst.device_ptr() + dst_off as u64, src, len, stream) }?;
-        stream.synchronize()
+        unsafe { copy_htod_async(dst.device_ptr() + dst_off as u64, src, len, &stream) }?;
+        stream.synchronize()?;
+        self.slot.home.give_back(stream);
+        Ok(())
     }
 }
 
@@ -468,6 +530,20 @@ fn single(op: NextOp) -> bool {
 
 /// Events a stager keeps for reuse, at most.
 const EVENTS_KEPT: usize = 256;
+
+/// Idle streams a stager keeps for reuse, at most.
+const STREAMS_KEPT: usize = 32;
+
+/// A dropped operation's copies still in flight, and what they touch.
+struct Retired {
+    events: Vec<CopyEvent>,
+    /// The slots the copies read or write (back to the cache after them).
+    slots: Vec<Slot>,
+    /// The stream they run on (back to the stager's streams after them).
+    stream: Option<CudaStream>,
+    /// The operation's buffer, when a copy may still touch its GPU memory.
+    _keep: Option<Box<dyn std::any::Any + Send>>,
+}
 
 /// The event marking a copy's end, lent by its stager: back in the pool
 /// when dropped.
@@ -537,6 +613,13 @@ pub(crate) struct Pipeline {
     /// is first, so it takes effect after everything posted before it and
     /// before everything posted after it. Its own, or its list's.
     turn: Option<Turn>,
+    /// Its own stream, from its stager's: its copies wait for its fences
+    /// and nothing else.
+    stream: Option<CudaStream>,
+    /// The fences its first copy waits for (the producers of the data it
+    /// sends, or the work still reading what it overwrites), queued on its
+    /// stream just before that copy.
+    fences: Vec<Arc<CudaEvent>>,
 }
 
 /// A pipeline's place at its connection's gate.
@@ -560,8 +643,11 @@ impl Pipeline {
         post_timeout: std::time::Duration,
     ) -> Result<Self> {
         let stager = Stager::for_device(home, device)?;
+        let stream = Some(stager.stream()?);
         Ok(Pipeline {
             turn: None,
+            stream,
+            fences: Vec::new(),
             op,
             stager,
             domain_id: home.domain_id,
@@ -609,15 +695,21 @@ impl Pipeline {
         self.error.is_some() || !self.has_more() && !self.steps.iter().any(|s| matches!(s.state, StepState::CopyOut(_)))
     }
 
-    /// The host-to-device stream: GPU work still reading the destination is
-    /// ordered before it.
-    pub(crate) fn in_stream(&self) -> &CudaStream {
-        &self.stager.h2d
+    /// Orders its copies after `fences`: the producers of the data it
+    /// sends, or the work still reading the memory it overwrites. Waited
+    /// for on its own stream, on the GPU: nothing else waits for them.
+    pub(crate) fn after(&mut self, fences: Vec<Arc<CudaEvent>>) {
+        self.fences.extend(fences);
     }
 
-    /// The device-to-host stream: GPU work producing the data is ordered before it.
-    pub(crate) fn out_stream(&self) -> &CudaStream {
-        &self.stager.d2h
+    /// Its stream, with its fences queued ahead of the first copy.
+    fn copy_stream(&mut self) -> Result<&CudaStream> {
+        let stream =
+            self.stream.as_ref().ok_or_else(|| Error::InvalidArgument("a staged copy with no stream".into()))?;
+        for f in self.fences.drain(..) {
+            stream.wait_event(&f)?;
+        }
+        Ok(stream)
     }
 
     fn has_more(&self) -> bool {
@@ -769,11 +861,15 @@ impl Pipeline {
             let mut step = Step { off, len: n, slot: Some(slot), state: StepState::Done };
             if outbound(self.op) {
                 let dst = step.slot.as_ref().map_or(0, Slot::addr) as *mut u8;
-                // SAFETY: the slot stays owned by this step (or, if the pipeline is
-                // abandoned, the streams are synchronized first); the GPU range is
-                // inside the operation's buffer, owned by its Pending.
-                let copied = unsafe { copy_dtoh_async(dst, self.dev + off as u64, n, &self.stager.d2h) }
-                    .and_then(|()| self.stager.record(&self.stager.d2h));
+                let src = self.dev + off as u64;
+                let stager = Arc::clone(&self.stager);
+                let copied = self.copy_stream().and_then(|stream| {
+                    // SAFETY: the slot stays owned by this step (or, if the pipeline
+                    // is abandoned, retired with the copy's event until it is done);
+                    // the GPU range is inside the operation's buffer, owned by its
+                    // Pending (or retired with the copy likewise).
+                    unsafe { copy_dtoh_async(dst, src, n, stream) }.and_then(|()| stager.record(stream))
+                });
                 match copied {
                     Ok(ev) => {
                         tracing::trace!(off, n, "staged: copy out of the GPU started");
@@ -824,9 +920,12 @@ impl Pipeline {
                                     let n = (c.byte_len as usize).min(self.steps[i].len);
                                     let src = self.steps[i].slot.as_ref().map_or(0, Slot::addr) as *const u8;
                                     let dst = self.dev + self.steps[i].off as u64;
-                                    // SAFETY: as for the copy out, the other way round.
-                                    let copied = unsafe { copy_htod_async(dst, src, n, &self.stager.h2d) }
-                                        .and_then(|()| self.stager.record(&self.stager.h2d));
+                                    let stager = Arc::clone(&self.stager);
+                                    let copied = self.copy_stream().and_then(|stream| {
+                                        // SAFETY: as for the copy out, the other way round.
+                                        unsafe { copy_htod_async(dst, src, n, stream) }
+                                            .and_then(|()| stager.record(stream))
+                                    });
                                     self.moved += n as u64;
                                     match copied {
                                         Ok(ev) => {
@@ -869,28 +968,63 @@ impl Pipeline {
         Ok(())
     }
 
-    /// The operation's handle was dropped early: wait for the copies (so the
-    /// GPU buffer may be freed), and leave slots still on the network with
-    /// the connection until the device is done with them.
-    pub(crate) fn abandon(&mut self, t: &ConnTransport) {
+    /// The operation is given up: nothing more starts, and slots still on
+    /// the network stay with the connection until the device is done with
+    /// them. Its handle dropped (`keep`: the buffer, whose GPU memory its
+    /// copies in flight touch), those copies are never waited for: their
+    /// slots, its stream and the buffer are retired with their events and
+    /// released once they are done. Without `keep` (a CUDA failure, whose
+    /// buffer goes back to the caller) its own stream is waited for: its
+    /// copies and its own fences, never another operation's.
+    pub(crate) fn abandon(&mut self, t: &ConnTransport, keep: Option<Box<dyn std::any::Any + Send>>) {
         self.abandoned = true;
         self.release_turn(Some(t));
-        if let Err(e) = self.stager.d2h.synchronize().and_then(|()| self.stager.h2d.synchronize()) {
-            tracing::error!("synchronizing the staging streams: {e}");
-        }
-        for mut step in self.steps.drain(..) {
-            if let StepState::Net(id) = step.state {
-                if let Some(slot) = step.slot.take() {
-                    t.orphan(id, Box::new(slot));
+        self.fences.clear();
+        if keep.is_none() {
+            if let Some(stream) = &self.stream {
+                if let Err(e) = stream.synchronize() {
+                    tracing::error!("waiting for a failed staged operation's copies: {e}");
                 }
             }
         }
+        let mut retired = Retired { events: Vec::new(), slots: Vec::new(), stream: self.stream.take(), _keep: keep };
+        for mut step in self.steps.drain(..) {
+            match step.state {
+                StepState::Net(id) => {
+                    if let Some(slot) = step.slot.take() {
+                        t.orphan(id, Box::new(slot));
+                    }
+                }
+                StepState::CopyOut(ev) | StepState::CopyIn(ev) => {
+                    retired.events.push(ev);
+                    retired.slots.extend(step.slot.take());
+                }
+                StepState::Done => {}
+            }
+        }
+        self.stager.retire(retired);
     }
 }
 
 impl Drop for Pipeline {
     fn drop(&mut self) {
         self.release_turn(None);
+        if let Some(stream) = self.stream.take() {
+            if self.steps.is_empty() {
+                self.stager.give_back(stream);
+            } else {
+                // Dropped with copies in flight (not given up first): they
+                // are retired with their slots rather than waited for.
+                let mut r = Retired { events: Vec::new(), slots: Vec::new(), stream: Some(stream), _keep: None };
+                for mut step in self.steps.drain(..) {
+                    if let StepState::CopyOut(ev) | StepState::CopyIn(ev) = step.state {
+                        r.events.push(ev);
+                        r.slots.extend(step.slot.take());
+                    }
+                }
+                self.stager.retire(r);
+            }
+        }
     }
 }
 
