@@ -429,8 +429,13 @@
 //!   before posting each such operation (it takes `&self`: call it through
 //!   `region.memory()` or `exposed.cuda()`), once per stream whose work
 //!   touches the buffer: the operation waits for the work queued on each up
-//!   to its call (on the GPU for staged copies, on the CPU before a direct
-//!   post); fences add up until their work is done. Without
+//!   to its call; fences add up until their work is done. Nothing blocks
+//!   on them: a staged operation's copies wait on the GPU, and a send,
+//!   write, read, batch or list on a direct path is kept, in its place in
+//!   the connection's order, until its fences are done (the posting call
+//!   returns at once, and an awaited operation stays asynchronous). Only a
+//!   receive into direct GPU memory waits for its fences when it is posted
+//!   (a receive kept back would let a later one take its message). Without
 //!   it the contents are taken as settled (after a synchronous copy or your
 //!   own synchronize); the crate never synchronizes the whole context,
 //!   which would wait for unrelated work and is illegal under graph capture.

@@ -577,3 +577,82 @@ gpu_test! {
         reset_attributes();
     }
 }
+
+gpu_test! {
+    /// Posting a write, a list or a batch from GPU memory whose producer is
+    /// still running returns at once (the fence is looked at, never waited
+    /// on by the posting thread), the operation goes once the producer is
+    /// done, what is posted after it waits behind it, and it can be awaited
+    /// in an async runtime without blocking the runtime's thread.
+    fn a_fenced_direct_operation_never_blocks_its_poster_and_keeps_its_place() {
+        use common::gpu::{produce, produced};
+        const LEN: usize = 64 << 10;
+        let (ds, dc) = (domain(), domain());
+        let target = ds.expose(ds.alloc(3 * LEN).unwrap(), Access::REMOTE_WRITE, 3).unwrap();
+        let (s, c) = pair_on(&ds, &dc, opts().advertise(&target), opts());
+        let remote = c.remote_region(3).unwrap();
+        let stream = gpu_rdma::cuda::CudaStream::new(&gpu()).unwrap();
+        for (round, kind) in ["write", "list", "batch"].into_iter().enumerate() {
+            let src = gpu_region(&dc, LEN, None, PathPolicy::Force(MemPath::PeerMem));
+            let seed = 80 + round as u64;
+            produce(&stream, src.memory(), 0, LEN, seed, 400_000);
+            src.memory().ready_after(&stream).unwrap();
+            let dst = remote.slice((round * LEN) as u64..((round + 1) * LEN) as u64).unwrap();
+            let mut rx = s.recv(ds.alloc(16).unwrap());
+            let t0 = Instant::now();
+            let mut op: Box<dyn FnMut() -> gpu_rdma::Result<()>> = match kind {
+                "write" => {
+                    let mut w = c.write(src, &dst);
+                    Box::new(move || w.wait().map(drop))
+                }
+                "list" => {
+                    let l = c.write_list(src, &dst, [gpu_rdma::Piece::new(0, 0, LEN as u64)]);
+                    let mut l = Some(l);
+                    Box::new(move || l.take().map_or(Ok(()), |l| l.finish().map(drop).map_err(|f| f.error)))
+                }
+                _ => {
+                    let mut b = c.batch().write(src, &dst).post();
+                    Box::new(move || b.wait().map(drop))
+                }
+            };
+            let posted_in = t0.elapsed();
+            // Posted after it: seen by the peer only once the write landed.
+            let mut after = c.send_inline(&[round as u8], None);
+            rx.wait_timeout(Duration::from_secs(20)).unwrap();
+            let seen_after = t0.elapsed();
+            let mut got = vec![0u8; LEN];
+            target.read_at(round * LEN, &mut got).unwrap();
+            println!("{kind}: posted in {posted_in:?}, the send after it seen after {seen_after:?}");
+            assert!(posted_in < Duration::from_millis(150), "{kind}: the poster waited for the fence: {posted_in:?}");
+            assert_eq!(first_difference(&got, &produced(seed, LEN)), None, "{kind}: the send after it overtook it");
+            assert!(seen_after >= Duration::from_millis(350), "{kind}: went before its producer: {seen_after:?}");
+            op().unwrap();
+            after.wait().unwrap();
+        }
+        // Awaited on a one-thread runtime, a fenced write does not block it.
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let src = gpu_region(&dc, LEN, None, PathPolicy::Force(MemPath::PeerMem));
+        produce(&stream, src.memory(), 0, LEN, 90, 300_000);
+        src.memory().ready_after(&stream).unwrap();
+        let dst = remote.slice(0..LEN as u64).unwrap();
+        let ticks = rt.block_on(async {
+            let ticks = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+            let t = std::sync::Arc::clone(&ticks);
+            let ticker = tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    t.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            });
+            let mut w = c.write(src, &dst);
+            (&mut w).await.unwrap();
+            ticker.abort();
+            ticks.load(std::sync::atomic::Ordering::Relaxed)
+        });
+        println!("the runtime ticked {ticks} times while the fenced write was awaited");
+        assert!(ticks >= 10, "the awaited write blocked the runtime's thread: {ticks} ticks");
+        let mut got = vec![0u8; LEN];
+        target.read_at(0, &mut got).unwrap();
+        assert_eq!(first_difference(&got, &produced(90, LEN)), None);
+    }
+}

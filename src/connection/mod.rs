@@ -264,18 +264,31 @@ impl ConnShared {
             return Pending::staged(self, pipeline, local.into_inner());
         }
         // Direct: the NIC touches the memory as soon as the request is posted,
-        // so the fence (producer for outgoing data, consumer for incoming) is
-        // waited for first, whatever the operation.
+        // so the fences (producers for outgoing data, consumers for incoming)
+        // come first. An operation of the send queue is kept at the gate until
+        // they are done, nobody waiting on them; what is posted after it waits
+        // behind it. A receive waits for them here (the receive queue has no
+        // gate: a receive kept would let later ones take its message).
+        if let Some(op) = op {
+            let item = WorkItem { local: Some(parts), op };
+            let mut p = match fences_pending(cuda) {
+                None => self.post_items(local.into_inner(), Ok(&[item])),
+                Some(ready) => {
+                    let kept = self.gate.keep_until(What::Send(vec![item]), Instant::now() + self.post_timeout, ready);
+                    self.driver.ask(self);
+                    Pending::with(self, local.into_inner(), Stage::Deferred(kept))
+                }
+            };
+            if let RemoteOp::Read(_) = op {
+                p.after = Some(Box::new(move || device.flush_remote_writes()));
+            }
+            return p;
+        }
         if let Err(e) = cuda.wait_ready() {
             return Pending::failed(self, local.into_inner(), e);
         }
         match op {
-            Some(op @ RemoteOp::Read(_)) => {
-                let mut p = self.post_items(local.into_inner(), Ok(&[WorkItem { local: Some(parts), op }]));
-                p.after = Some(Box::new(move || device.flush_remote_writes()));
-                p
-            }
-            Some(op) => self.post_items(local.into_inner(), Ok(&[WorkItem { local: Some(parts), op }])),
+            Some(_) => unreachable!("sends, writes and reads went above"),
             None => {
                 let posted = self.transport.post_recv(Some(parts));
                 let mut p = self.pending(local.into_inner(), posted);
@@ -284,6 +297,26 @@ impl ConnShared {
             }
         }
     }
+}
+
+/// `buf`'s fences still running, as a check a post kept at the gate asks
+/// (`None`: all done, post now).
+#[cfg(feature = "cuda")]
+pub(crate) fn fences_pending(buf: &crate::cuda::CudaBuffer) -> Option<crate::protocol::order::DataReady> {
+    let fences = buf.fences();
+    if fences.iter().all(|f| matches!(f.is_done(), Ok(true))) {
+        return None;
+    }
+    let mut fences = fences;
+    Some(Box::new(move || {
+        while let Some(f) = fences.last() {
+            if !f.is_done()? {
+                return Ok(false);
+            }
+            fences.pop();
+        }
+        Ok(true)
+    }))
 }
 
 /// A reliable connection to one peer.
@@ -663,6 +696,10 @@ impl<B: LocalBuffer> Batch<'_, B> {
     pub fn post(self) -> Pending<Vec<B>> {
         #[cfg(feature = "cuda")]
         let mut flush: Vec<crate::cuda::CudaDevice> = Vec::new();
+        // Fences of GPU buffers still running: the batch is kept at the gate
+        // until they are done, nobody blocking on them.
+        #[cfg(feature = "cuda")]
+        let mut fenced: Vec<crate::protocol::order::DataReady> = Vec::new();
         let items: Result<Vec<WorkItem>> = self
             .items
             .iter()
@@ -676,7 +713,7 @@ impl<B: LocalBuffer> Batch<'_, B> {
                             reason: "this GPU buffer is staged: post its operations one by one".into(),
                         });
                     }
-                    cuda.wait_ready()?;
+                    fenced.extend(fences_pending(cuda));
                     if op.reads_remote() {
                         flush.push(cuda.device().clone());
                     }
@@ -685,10 +722,19 @@ impl<B: LocalBuffer> Batch<'_, B> {
             })
             .collect();
         let bufs: Vec<B> = self.items.into_iter().map(|(l, _)| l.into_inner()).collect();
+        let shared = &self.conn.shared;
         #[allow(unused_mut)]
         let mut pending = match items {
-            Ok(items) => self.conn.shared.post_items(bufs, Ok(&items)),
-            Err(e) => self.conn.shared.post_items(bufs, Err(e)),
+            #[cfg(feature = "cuda")]
+            Ok(items) if !fenced.is_empty() => {
+                let ready: crate::protocol::order::DataReady =
+                    Box::new(move || fenced.iter_mut().try_fold(true, |all, f| Ok(f()? && all)));
+                let kept = shared.gate.keep_until(What::Send(items), Instant::now() + shared.post_timeout, ready);
+                shared.driver.ask(shared);
+                Pending::with(shared, bufs, Stage::Deferred(kept))
+            }
+            Ok(items) => shared.post_items(bufs, Ok(&items)),
+            Err(e) => shared.post_items(bufs, Err(e)),
         };
         #[cfg(feature = "cuda")]
         if !flush.is_empty() {

@@ -91,6 +91,11 @@ struct List<B: Send + 'static> {
     /// notification's, if any) is handed to the transport: what was posted
     /// before it takes effect first, what is posted after it waits.
     turn: Option<Place>,
+    /// GPU memory on a direct path: whether the fences of the work
+    /// producing (or still reading) it are done; nothing is posted before.
+    /// Looked at, never waited on.
+    #[cfg(feature = "cuda")]
+    ready: Option<crate::protocol::order::DataReady>,
 }
 
 /// The pieces of a list on staged GPU memory in progress: one staging
@@ -103,6 +108,8 @@ struct StagedPieces {
     width: usize,
     /// When a piece last started or finished.
     progress: Instant,
+    /// The fences every piece's copies wait for, on the GPU.
+    fences: Vec<Arc<crate::cuda::CudaEvent>>,
 }
 
 /// A notification on its way out.
@@ -414,6 +421,8 @@ impl<B: LocalBuffer> List<B> {
             #[cfg(feature = "cuda")]
             staged: None,
             turn: None,
+            #[cfg(feature = "cuda")]
+            ready: None,
         };
         if let Some(len) = t.note.as_ref().and_then(|n| n.too_long) {
             // A caller's bug: nothing moves (the peer hears of the failure).
@@ -475,9 +484,9 @@ impl<B: LocalBuffer> List<B> {
         let Some(cuda) = local.buffer().cuda() else {
             return Err(Error::InvalidArgument("GPU path without a GPU buffer".into()));
         };
-        // The producer's fence (outgoing) or the consumers' (incoming), once
-        // for the whole list, before any byte moves.
-        cuda.wait_ready()?;
+        // The producers' fences (outgoing) or the consumers' (incoming), once
+        // for the whole list, before any byte moves: on the GPU before each
+        // staged piece's copies, looked at before a direct post.
         if route(&parts, self.shared.transport.is_tcp()) == Route::Staged {
             let width = self.shared.staging.1.max(1);
             // Its pieces take effect in the list's turn (taken once planned).
@@ -486,9 +495,11 @@ impl<B: LocalBuffer> List<B> {
                 active: Vec::new(),
                 width,
                 progress: Instant::now(),
+                fences: cuda.fences(),
             });
             return Ok(());
         }
+        self.ready = super::fences_pending(cuda);
         if self.direction == Direction::Read {
             let device = cuda.device().clone();
             self.after = Some(Box::new(move || device.flush_remote_writes()));
@@ -520,8 +531,22 @@ impl<B: Send + 'static> List<B> {
     }
 
     /// Whether the list's requests may go to the transport now: everything
-    /// posted before it on the connection has handed over its last request.
-    fn my_turn(&self) -> bool {
+    /// posted before it on the connection has handed over its last request,
+    /// and the GPU work its data waits for is done (looked at, not waited
+    /// on: while it runs, the list is looked at again later).
+    fn my_turn(&mut self) -> bool {
+        #[cfg(feature = "cuda")]
+        if let Some(ready) = self.ready.as_mut() {
+            match ready() {
+                Ok(false) => return false,
+                Ok(true) => self.ready = None,
+                Err(e) => {
+                    self.ready = None;
+                    self.fail(e);
+                    return false;
+                }
+            }
+        }
         self.turn.is_none_or(|t| self.shared.gate.is_first(t))
     }
 
@@ -550,7 +575,10 @@ impl<B: Send + 'static> List<B> {
     fn pump_staged(&mut self) {
         use crate::protocol::staged::Pipeline;
         let Some(mut st) = self.staged.take() else { return };
-        let t = &self.shared.transport;
+        // Pieces start in the list's turn at the connection's gate.
+        let turn = self.my_turn();
+        let shared = Arc::clone(&self.shared);
+        let t = &shared.transport;
         let mut error = None;
         let mut i = 0;
         while i < st.active.len() {
@@ -573,8 +601,6 @@ impl<B: Send + 'static> List<B> {
             i += 1;
         }
         let (chunk, depth) = self.shared.staging;
-        // Pieces start in the list's turn at the connection's gate.
-        let turn = self.my_turn();
         while turn && error.is_none() && !self.failed && st.active.len() < st.width {
             let Some(p) = self.plan.next(&mut self.next) else { break };
             let parts = LocalParts { addr: self.local.addr + p.local, len: p.len as usize, ..self.local };
@@ -585,9 +611,12 @@ impl<B: Send + 'static> List<B> {
             };
             let home = &self.shared.domain.inner.staging;
             let made = Pipeline::new(Some(op), home, &st.device, parts, chunk, depth, self.shared.op_timeout);
-            match made.map(|p| match self.turn {
-                Some(turn) => p.in_turn_of(&self.shared.gate, turn),
-                None => p,
+            match made.map(|mut p| {
+                p.after(st.fences.clone());
+                match self.turn {
+                    Some(turn) => p.in_turn_of(&self.shared.gate, turn),
+                    None => p,
+                }
             }) {
                 Ok(mut pipeline) => {
                     let started = pipeline.advance(t);

@@ -239,8 +239,9 @@ pub enum SyncMemops {
 /// Call [`ready_after`](Self::ready_after) with the stream that runs that
 /// work before posting each such operation, once per stream when several
 /// produce it: the operation waits for the work queued on each of them up
-/// to its call (on the GPU for staged copies, on the CPU before a direct
-/// post), and never for anything else. Without it the
+/// to its call (on the GPU for staged copies; a direct operation is kept
+/// back until they are done, without blocking its poster), and never for
+/// anything else. Without it the
 /// crate assumes the contents are settled (after a synchronous copy or the
 /// caller's own synchronize); it never synchronizes the whole context, which
 /// would wait for unrelated work and is illegal during graph capture.

@@ -100,12 +100,17 @@ impl Deferred {
     }
 }
 
+/// Whether a kept post may go now: its data is ready (the fences of the
+/// GPU work producing it are done), or why it never will (that work
+/// failed).
+pub(crate) type DataReady = Box<dyn FnMut() -> Result<bool, Error> + Send>;
+
 enum InLine {
     /// An operation that hands its requests over itself, over time, and
     /// may do so only while it is first; woken when it becomes first.
     Held { ticket: u64, waker: Option<Waker> },
-    /// A post kept for its turn.
-    Kept { what: What, due: Instant, out: Arc<Deferred> },
+    /// A post kept for its turn (and, with `ready`, for its data).
+    Kept { what: What, due: Instant, out: Arc<Deferred>, ready: Option<DataReady> },
 }
 
 #[derive(Default)]
@@ -218,9 +223,21 @@ impl Gate {
             return Err(what);
         }
         let out = Arc::new(Deferred::default());
-        q.entries.push_back(InLine::Kept { what, due, out: Arc::clone(&out) });
+        q.entries.push_back(InLine::Kept { what, due, out: Arc::clone(&out), ready: None });
         self.waiting.fetch_add(1, Ordering::AcqRel);
         Ok(out)
+    }
+
+    /// Keeps a post until its turn and until `ready` says its data is:
+    /// what is posted after it waits behind it, so the order holds while
+    /// nobody blocks (a GPU producer's fence is looked at, never waited on).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn keep_until(&self, what: What, due: Instant, ready: DataReady) -> Arc<Deferred> {
+        let mut q = self.lock();
+        let out = Arc::new(Deferred::default());
+        q.entries.push_back(InLine::Kept { what, due, out: Arc::clone(&out), ready: Some(ready) });
+        self.waiting.fetch_add(1, Ordering::AcqRel);
+        out
     }
 
     /// Hands the kept posts that are first to the transport (none is
@@ -236,8 +253,13 @@ impl Gate {
     fn pump_locked<H: Hand + ?Sized>(&self, q: &mut Queue, transport: &H) {
         loop {
             match q.entries.front_mut() {
-                Some(InLine::Kept { what, due, out }) => {
-                    let posted = transport.hand(what);
+                Some(InLine::Kept { what, due, out, ready }) => {
+                    let posted = match ready.as_mut().map(|r| r()) {
+                        // Its data is not ready: a later pump looks again.
+                        Some(Ok(false)) => return,
+                        Some(Err(e)) => Some(Posted::Refused(Box::new(e))),
+                        Some(Ok(true)) | None => transport.hand(what),
+                    };
                     if let Some(Posted::Refused(e)) = &posted {
                         if matches!(**e, Error::QueueFull { .. }) && Instant::now() < *due {
                             // Room comes with completions: a later pump posts it.
@@ -437,6 +459,29 @@ mod tests {
         r.full.store(false, Ordering::Release);
         g.pump(&r);
         assert_eq!(*r.handed.lock().unwrap(), vec![2]);
+    }
+
+    #[test]
+    fn a_post_kept_for_its_data_holds_what_follows_and_fails_with_its_producer() {
+        let (g, r) = (Gate::default(), Recorder::default());
+        let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let d = Arc::clone(&done);
+        let p1 = g.keep_until(inline(1), later(), Box::new(move || Ok(d.load(Ordering::Acquire))));
+        assert!(!g.is_open(), "kept even with nothing in front: its data is not ready");
+        let p2 = g.keep(inline(2), later()).unwrap();
+        g.pump(&r);
+        assert!(r.handed.lock().unwrap().is_empty(), "neither goes before the first's data is ready");
+        done.store(true, Ordering::Release);
+        g.pump(&r);
+        assert_eq!(*r.handed.lock().unwrap(), vec![1, 2]);
+        assert!(matches!(p1.take(), Some(Posted::Ok(_))) && matches!(p2.take(), Some(Posted::Ok(_))));
+        // A producer that failed: the post fails with its error, what follows goes.
+        let p3 = g.keep_until(inline(3), later(), Box::new(|| Err(Error::InvalidArgument("the kernel failed".into()))));
+        let p4 = g.keep(inline(4), later()).unwrap();
+        g.pump(&r);
+        assert!(matches!(p3.take(), Some(Posted::Refused(e)) if e.to_string().contains("kernel failed")));
+        assert!(matches!(p4.take(), Some(Posted::Ok(_))));
+        assert_eq!(*r.handed.lock().unwrap(), vec![1, 2, 4]);
     }
 
     #[test]
