@@ -221,13 +221,13 @@ gpu_tcp_test! {
     /// write.)
     fn a_second_staged_burst_finds_its_slots_in_the_cache() {
         let d = tcp_domain();
-        let (first, second) = common::gpu::staged_bursts(&d, PathPolicy::Auto, 72);
-        println!("staging slots pinned: {first} by the first burst of 72, {second} by the second");
+        let (first, second, freed) = common::gpu::staged_bursts(&d, PathPolicy::Auto, 72);
+        println!("staging slots pinned: {first} by the first burst of 72, {second} by the second, {freed} freed");
         assert!((1..=72).contains(&first), "the first burst pins what it needs: {first}");
-        // How many writes are on the network at once varies with timing (each
-        // starts in its turn): the second burst may have a few more than the
-        // first had, and pin those.
-        assert!(second * 4 <= first, "the second burst found its slots in the cache: {second} pinned, {first} before");
+        // Every slot the first burst pinned was kept and served the second,
+        // which pinned only what it held at once beyond the first.
+        assert_eq!(freed, 0, "the cache freed {freed} slot(s) a burst had needed");
+        assert!(first + second <= 72, "the second burst pinned anew what the first had: {first} then {second}");
         // Nothing is on loan or reserved now: trimming gives all of it back.
         let held = d.staging_bytes();
         assert!(held >= (first as usize) << 20, "the cache kept the burst's slots: {held} bytes");

@@ -372,13 +372,29 @@ impl Stream {
     }
 }
 
-/// Waits for the work queued on every live stream (the whole context).
+/// Waits for the work queued on every live stream (the whole context), up
+/// to this call. The streams' list is held only to queue a marker on each:
+/// while the markers are waited for, other threads create, destroy and
+/// use streams freely (a real driver does not stop them either).
 fn sync_all_streams() {
-    let streams = state().streams.lock().unwrap();
-    for &s in streams.iter() {
-        // SAFETY: boxes leaked by cuStreamCreate and still registered, so
-        // not destroyed (destroying takes this lock to unregister).
-        unsafe { &*(s as *const Stream) }.sync();
+    let markers: Vec<(Arc<Event>, u64)> = {
+        let streams = state().streams.lock().unwrap();
+        streams
+            .iter()
+            .map(|&s| {
+                // SAFETY: boxes leaked by cuStreamCreate and still registered, so
+                // not destroyed (destroying takes this lock to unregister).
+                let s = unsafe { &*(s as *const Stream) };
+                let ev = Event::new();
+                let generation = ev.record();
+                s.push(Task::Signal(Arc::clone(&ev), generation));
+                (ev, generation)
+            })
+            .collect()
+    };
+    // A stream destroyed meanwhile finishes its queue, the marker with it.
+    for (ev, generation) in markers {
+        ev.wait_for(generation);
     }
 }
 

@@ -361,12 +361,18 @@ pub fn awaited_staged_round_trips(d: &gpu_rdma::Domain, policy: gpu_rdma::memory
 /// Two bursts of `burst` staged 1 MiB writes posted at once, from slices
 /// of one GPU buffer registered on `d` with `policy` (a staged path), into
 /// a host region of the peer, each burst verified there. Returns the
-/// staging slots pinned by each burst: the second must find nearly every
-/// slot it needs in the cache (pinning is the staged path's most costly
-/// step, and a cache that drops what a workload needs pins again on every
-/// burst). The writes take effect in posting order, each starting its copy
-/// in its turn, so how many hold a slot at once varies with timing.
-pub fn staged_bursts(d: &gpu_rdma::Domain, policy: gpu_rdma::memory::path::PathPolicy, burst: usize) -> (u64, u64) {
+/// staging slots pinned by each burst and those freed meanwhile: the cache
+/// must keep every slot the first burst pinned for the second (pinning is
+/// the staged path's most costly step, and a cache that drops what a
+/// workload needs pins again on every burst), so the second pins only
+/// what it holds at once beyond the first. (The writes take effect in
+/// posting order, each starting its copy in its turn, so how many hold a
+/// slot at once varies with timing.)
+pub fn staged_bursts(
+    d: &gpu_rdma::Domain,
+    policy: gpu_rdma::memory::path::PathPolicy,
+    burst: usize,
+) -> (u64, u64, u64) {
     use gpu_rdma::{Access, LocalBuffer};
     let len = 1 << 20;
     let target = d.expose(d.alloc(burst * len).unwrap(), Access::REMOTE_WRITE, 9).unwrap();
@@ -375,6 +381,7 @@ pub fn staged_bursts(d: &gpu_rdma::Domain, policy: gpu_rdma::memory::path::PathP
     let limit = std::time::Duration::from_secs(60);
     let device = CudaDevice::open(0).unwrap();
     let mut pinned = Vec::new();
+    let freed_before = d.staging_stats().slots_freed;
     for round in 0..2u64 {
         let data = super::pattern(burst * len, 70 + round);
         let local = gpu_region_on(d, &device, burst * len, Some(&data), policy).share();
@@ -394,7 +401,7 @@ pub fn staged_bursts(d: &gpu_rdma::Domain, policy: gpu_rdma::memory::path::PathP
         assert_eq!(super::first_difference(&got, &data), None, "round {round}: the writes, at the peer");
     }
     drop(s);
-    (pinned[0], pinned[1])
+    (pinned[0], pinned[1], d.staging_stats().slots_freed - freed_before)
 }
 
 /// Slots reserved ahead on `d` ([`gpu_rdma::Domain::reserve_staging`]) are
