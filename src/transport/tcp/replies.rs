@@ -126,6 +126,9 @@ pub(super) struct Replies {
     /// Final requests failed while a read of their operation was the
     /// reader's: the reader completes them when it lets go of its reads.
     parked: Vec<u64>,
+    /// The reader stopped and let go of its reads: no response lands any
+    /// more, so a read whose writer finishes later is the writer's to fail.
+    reads_closed: bool,
     /// The most bytes one call of the writer hands to the socket.
     max_call: u64,
 }
@@ -143,6 +146,7 @@ impl Replies {
             deferred: None,
             last_started: None,
             parked: Vec::new(),
+            reads_closed: false,
             max_call,
         }
     }
@@ -175,7 +179,10 @@ impl Replies {
             }
         }
         let at = self.waiting.iter().rposition(|a| a.seq == seq && a.writing)?;
-        if ok {
+        // A read sent whole after the reader stopped would wait for a
+        // response nobody reads: failed with its write.
+        let orphan_read = self.reads_closed && self.waiting[at].read.is_some();
+        if ok && !orphan_read {
             self.waiting[at].writing = false;
             return None;
         }
@@ -318,6 +325,7 @@ impl Replies {
     /// reader fails them when it stops (no response can land any more),
     /// in that order.
     pub fn take_reads(&mut self) -> Vec<u64> {
+        self.reads_closed = true;
         let mut out = Vec::new();
         self.waiting.retain(|a| {
             let take = !a.writing && a.read.is_some();
@@ -558,6 +566,17 @@ mod tests {
         assert!(r.take_sent_messages().is_empty());
         // The reader lets go: its read first, then the final request.
         assert_eq!(r.take_reads(), vec![op, op | FINAL]);
+        assert!(r.take_all().is_empty());
+    }
+
+    #[test]
+    fn a_read_still_being_written_when_the_reader_stops_is_failed_by_its_writer() {
+        let mut r = Replies::new(4, CALL);
+        r.start(&Request { seq: 1, first: 1, wr_id: 101, reply: Reply::Read { addr: 0, len: 64 }, wire: 32 });
+        // The reader stops first (the connection broke): nothing of it yet.
+        assert!(r.take_reads().is_empty(), "still its writer's");
+        // Its writer finishes, whole: nobody will read a response, so it fails it.
+        assert_eq!(r.finish(1, true), Some((101, false)));
         assert!(r.take_all().is_empty());
     }
 
