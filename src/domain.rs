@@ -34,6 +34,22 @@ pub(crate) struct DomainInner {
 }
 
 impl Domain {
+    /// The domain's progress engine.
+    pub(crate) fn engine(&self) -> &crate::transport::engine::Engine {
+        &self.inner.engine
+    }
+
+    /// The domain's staging machinery.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn staging(&self) -> &crate::protocol::staged::StagingHome {
+        &self.inner.staging
+    }
+
+    /// Registration, the key table and the domain's other memory state.
+    pub(crate) fn mem(&self) -> &Arc<crate::memory::MemoryDomain> {
+        &self.inner.mem
+    }
+
     /// Opens the device named by the environment (see [`DomainConfig::from_env`]),
     /// else the first device with an active port; on a machine without a
     /// usable RDMA device, a TCP-only domain that says why

@@ -196,7 +196,7 @@ impl Inbox {
     fn make_visible(&self, cover: &notify::Cover) -> Result<()> {
         #[cfg(feature = "cuda")]
         for &(addr, len) in &cover.ranges {
-            self.shared.domain.inner.mem.visible.make_visible(cover.key, addr, len)?;
+            self.shared.domain.mem().visible.make_visible(cover.key, addr, len)?;
         }
         #[cfg(not(feature = "cuda"))]
         let _ = cover;

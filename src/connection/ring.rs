@@ -360,7 +360,7 @@ impl<B: LocalBuffer> RecvRing<B> {
             Ok(oldest) => oldest,
             Err(e) => return self.ready(Err(e)),
         };
-        let engine = &self.shared.domain.inner.engine;
+        let engine = self.shared.domain.engine();
         match self.shared.transport.poll_register(id, cx.waker(), engine) {
             Ok(Some(outcome)) => {
                 let finished = self.finish(slot, outcome).map(|completion| (slot, completion));
@@ -390,7 +390,7 @@ impl<B: LocalBuffer> RecvRing<B> {
     /// Cancels an awaited wait's timer, if one is armed.
     fn disarm(&mut self) {
         if let Some(aw) = self.awaiting.take() {
-            aw.disarm(&self.shared.domain.inner.engine);
+            aw.disarm(self.shared.domain.engine());
         }
     }
 
@@ -496,7 +496,7 @@ fn staging<B: LocalBuffer>(
         if route(parts, shared.transport.is_tcp()) == Route::Direct {
             return Ok(None);
         }
-        let home = &shared.domain.inner.staging;
+        let home = &shared.domain.staging();
         Ok(Some(Box::new(Staging::new(home, cuda.device(), len, shared.staging.0)?)))
     }
     #[cfg(not(feature = "cuda"))]

@@ -228,7 +228,7 @@ impl<B: Send + 'static> Drop for HeldBuffers<'_, B> {
 
 impl<B: Send + 'static> Transfer<B> {
     fn new(list: List<B>) -> Self {
-        let engine = list.shared.domain.inner.engine.handle();
+        let engine = list.shared.domain.engine().handle();
         let list = Arc::new(Mutex::new(list));
         let driver = Arc::new(Driver { list: Arc::downgrade(&list), engine, asked: Default::default() });
         let t = Transfer { list, driver: Arc::clone(&driver) };
@@ -609,7 +609,7 @@ impl<B: Send + 'static> List<B> {
                 Direction::Write => RemoteOp::Write(remote),
                 Direction::Read => RemoteOp::Read(remote),
             };
-            let home = &self.shared.domain.inner.staging;
+            let home = self.shared.domain.staging();
             let made = Pipeline::new(Some(op), home, &st.device, parts, chunk, depth, self.shared.op_timeout);
             match made.map(|mut p| {
                 p.after(st.fences.clone());
@@ -657,7 +657,7 @@ impl<B: Send + 'static> List<B> {
 
     /// Waits a moment for staged pieces: on a network step of one of them,
     /// else briefly (a copy finishes by itself:
-    /// [`look_again`](super::look_again)). [`Error::Timeout`] after the
+    /// [`look_again`](super::pending::look_again)). [`Error::Timeout`] after the
     /// operation timeout without a piece starting or finishing.
     #[cfg(feature = "cuda")]
     fn nap_staged(&mut self) -> Result<()> {
@@ -669,19 +669,19 @@ impl<B: Send + 'static> List<B> {
         if copying && st.progress.elapsed() < self.shared.spin {
             // Within the spin window after a piece last started or finished:
             // the caller looks at the copies and the network again at once.
-            super::look_again(true);
+            super::pending::look_again(true);
             return Ok(());
         }
         match st.active.iter().find_map(crate::protocol::staged::Pipeline::waiting_on) {
             Some(id) => {
-                let slice = super::staged_slice(copying);
+                let slice = super::pending::staged_slice(copying);
                 match self.shared.transport.wait(id, &mut Deadline::lazy(slice, WHAT)) {
                     Ok(()) | Err(Error::Timeout { .. }) => Ok(()),
                     Err(e) => Err(e),
                 }
             }
             None => {
-                super::look_again(false);
+                super::pending::look_again(false);
                 Ok(())
             }
         }
@@ -970,7 +970,7 @@ impl<B: Send + 'static> List<B> {
     fn arm(&mut self) {
         let Some(driver) = self.driver.clone() else { return };
         let shared = Arc::clone(&self.shared);
-        let engine = &shared.domain.inner.engine;
+        let engine = shared.domain.engine();
         // Where the device finishes requests as fast as they are posted
         // (soft-RoCE), taking outcomes and posting more could go on for the
         // whole list: after a queue's worth, the engine takes over.
@@ -1036,7 +1036,7 @@ impl<B: Send + 'static> List<B> {
         if self.settled() {
             self.awaiter = None;
             if let Some(aw) = self.awaiting.take() {
-                aw.disarm(&self.shared.domain.inner.engine);
+                aw.disarm(self.shared.domain.engine());
             }
             return Poll::Ready(self.outcome());
         }
@@ -1044,18 +1044,18 @@ impl<B: Send + 'static> List<B> {
         if self.next != posted || self.in_flight.len() != before {
             // Progress: the deadline (no progress for the timeout) starts again.
             if let Some(aw) = self.awaiting.take() {
-                aw.disarm(&self.shared.domain.inner.engine);
+                aw.disarm(self.shared.domain.engine());
             }
         }
         let aw = self.awaiting.get_or_insert_with(|| Awaiting::new(timeout));
         if Instant::now() >= aw.deadline {
             if let Some(aw) = self.awaiting.take() {
-                aw.disarm(&self.shared.domain.inner.engine);
+                aw.disarm(self.shared.domain.engine());
             }
             return Poll::Ready(Err(Error::Timeout { what: "a transfer list to complete", after: timeout }));
         }
         let at = aw.deadline;
-        aw.arm(&self.shared.domain.inner.engine, at, waker);
+        aw.arm(self.shared.domain.engine(), at, waker);
         Poll::Pending
     }
 }
@@ -1120,7 +1120,7 @@ impl<B: Send + 'static> List<B> {
         self.failed = true;
         self.release_turn();
         if let Some(aw) = self.awaiting.take() {
-            aw.disarm(&self.shared.domain.inner.engine);
+            aw.disarm(self.shared.domain.engine());
         }
         let note = self.note.as_mut().and_then(|n| n.region.take());
         #[cfg(feature = "cuda")]

@@ -29,7 +29,7 @@ impl<B: Send + 'static> Pending<B> {
     /// (with the engine watching) and, if `bounded`, a timer armed at the
     /// operation's deadline.
     pub(crate) fn poll_waker(&mut self, waker: &Waker, bounded: bool) -> Poll<Result<Completion>> {
-        let engine = &self.shared.domain.inner.engine;
+        let engine = self.shared.domain.engine();
         let mut copying = false;
         let (outcome, told) = match self.stage {
             Stage::InFlight(id) if !self.staged_in_progress() => {
@@ -55,7 +55,7 @@ impl<B: Send + 'static> Pending<B> {
         };
         if let Some(result) = outcome {
             if let Some(aw) = self.awaiting.take() {
-                aw.disarm(&self.shared.domain.inner.engine);
+                aw.disarm(self.shared.domain.engine());
             }
             return Poll::Ready(result);
         }
@@ -68,7 +68,7 @@ impl<B: Send + 'static> Pending<B> {
         let now = Instant::now();
         if bounded && now >= aw.deadline {
             if let Some(aw) = self.awaiting.take() {
-                aw.disarm(&self.shared.domain.inner.engine);
+                aw.disarm(self.shared.domain.engine());
             }
             // Still in flight: it may be awaited again (with a new deadline).
             return Poll::Ready(Err(Error::Timeout { what: WHAT, after: timeout }));
@@ -80,7 +80,7 @@ impl<B: Send + 'static> Pending<B> {
             (false, false) => Some(now + again),
         };
         if let Some(at) = at {
-            aw.arm(&self.shared.domain.inner.engine, at, waker);
+            aw.arm(self.shared.domain.engine(), at, waker);
         }
         Poll::Pending
     }
@@ -94,7 +94,7 @@ impl<B: Send + 'static> Pending<B> {
     fn await_staged_step(&self, waker: &Waker) -> bool {
         #[cfg(feature = "cuda")]
         {
-            let engine = &self.shared.domain.inner.engine;
+            let engine = self.shared.domain.engine();
             match self.stage {
                 Stage::Staged(_) => {}
                 Stage::InFlight(id) => match self.shared.transport.done_or_register(id, waker, engine) {
@@ -157,7 +157,7 @@ impl<B: Send + 'static> Pending<B> {
                 }
             }
         };
-        match transport.poll_register(flush, waker, &self.shared.domain.inner.engine) {
+        match transport.poll_register(flush, waker, self.shared.domain.engine()) {
             Ok(Some(_)) => {
                 // The flush is done (and its slot freed): so is every request before it.
                 self.stage = Stage::Quiet(q, None);
@@ -179,7 +179,7 @@ impl<B: Send + 'static> Pending<B> {
     /// thread that wakes every other waiter of the domain, and must not
     /// block on an operation.
     pub fn on_complete(self, f: impl FnOnce(Result<Completion>, Option<B>) + Send + 'static) {
-        let engine = self.shared.domain.inner.engine.handle();
+        let engine = self.shared.domain.engine().handle();
         let task = Arc::new(Callback { state: Mutex::new(Some((self, f))), engine });
         Arc::clone(&task).wake();
     }
