@@ -15,6 +15,16 @@
 //! 5. Region keys on a TCP-only domain are not predictable from each other.
 //! 6. An untracked inline send asks for no acknowledgement and is done
 //!    without one; a tracked send waits for the peer's.
+//! 7. A message, write or read response shorter than it announced fails
+//!    its operation and breaks the connection.
+//! 8. Replies that lie (an acknowledgement before the request reached the
+//!    peer whole, twice, out of order, for nothing; a read answered out of
+//!    order) break the connection and complete nothing: no buffer comes
+//!    back while the transport still reads it.
+//! 9. An inbox holds at most its byte bound, whatever notes arrive, and
+//!    charges each note at least what it costs.
+//! 10. Limits a peer announces outside what this side accepts are refused
+//!     at the handshake, naming the field.
 //!
 //! These tests count threads, descriptors and resident memory of this
 //! process, so they run one at a time (a lock), and each measures against
@@ -869,6 +879,26 @@ fn note_frame(seq: u32, tag: u32, failed: bool, payload: &[u8], out: &mut Vec<u8
     out.extend_from_slice(&msg);
 }
 
+/// Writes `n` notes (`note(i, out)` appends the i-th) to the victim, a
+/// MiB at a time, on a thread; the socket comes back when all went.
+fn feed_notes(
+    s: TcpStream,
+    n: u32,
+    mut note: impl FnMut(u32, &mut Vec<u8>) + Send + 'static,
+) -> thread::JoinHandle<TcpStream> {
+    thread::spawn(move || {
+        let mut out = Vec::with_capacity(1 << 20);
+        for i in 0..n {
+            note(i, &mut out);
+            if out.len() >= 1 << 20 || i + 1 == n {
+                (&s).write_all(&out).expect("the victim reads on");
+                out.clear();
+            }
+        }
+        s
+    })
+}
+
 /// The worst payload for an inbox: 70,000 failure notes of 4 KiB of bytes
 /// that are not UTF-8 (each would grow to 12 KiB as text), every one under
 /// a tag of its own, that nobody takes. The inbox holds at most
@@ -883,18 +913,8 @@ fn an_inbox_holds_at_most_its_byte_bound_whatever_notes_arrive() {
     let mut inbox = conn.inbox(64).unwrap();
     const NOTES: u32 = 70_000;
     let base = resident_bytes();
-    let feeder = thread::spawn(move || {
-        let payload = vec![0xffu8; gpu_rdma::MAX_NOTIFY_PAYLOAD];
-        let mut out = Vec::with_capacity(1 << 20);
-        for i in 0..NOTES {
-            note_frame(i + 1, 1_000_000 + i, true, &payload, &mut out);
-            if out.len() >= 1 << 20 || i + 1 == NOTES {
-                (&s).write_all(&out).expect("the victim reads on");
-                out.clear();
-            }
-        }
-        s
-    });
+    let payload = vec![0xffu8; gpu_rdma::MAX_NOTIFY_PAYLOAD];
+    let feeder = feed_notes(s, NOTES, move |i, out| note_frame(i + 1, 1_000_000 + i, true, &payload, out));
     let t0 = Instant::now();
     let mut peak = 0u64;
     loop {
@@ -947,17 +967,7 @@ fn an_inbox_charges_each_note_at_least_what_it_costs() {
     let mut inbox = conn.inbox(64).unwrap();
     const NOTES: u32 = 60_000;
     let base = resident_bytes();
-    let feeder = thread::spawn(move || {
-        let mut out = Vec::with_capacity(1 << 20);
-        for i in 0..NOTES {
-            note_frame(i + 1, i, false, b"", &mut out);
-            if out.len() >= 1 << 20 || i + 1 == NOTES {
-                (&s).write_all(&out).expect("the victim reads on");
-                out.clear();
-            }
-        }
-        s
-    });
+    let feeder = feed_notes(s, NOTES, |i, out| note_frame(i + 1, i, false, b"", out));
     let t0 = Instant::now();
     while inbox.stats().received < u64::from(NOTES) && t0.elapsed() < Duration::from_secs(60) {
         inbox.poll().unwrap();

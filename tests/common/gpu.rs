@@ -204,14 +204,55 @@ impl Drop for VmmBlock {
     }
 }
 
+/// `rounds` times: `fill` queues producers into a GPU region on the
+/// streams it is given (three of one device) and fences it, returning the
+/// bytes the region will hold; the region is written to the peer with an
+/// immediate, and the peer verifies what landed before the next round
+/// (`stale` says what a difference means). The source is registered on
+/// `dc` with `policy`; the target is host memory `ds` exposes. Returns the
+/// rounds verified. Stand-in only (the producer is its hook).
+fn produced_writes(
+    ds: &gpu_rdma::Domain,
+    dc: &gpu_rdma::Domain,
+    policy: gpu_rdma::memory::path::PathPolicy,
+    rounds: u64,
+    len: usize,
+    stale: &str,
+    mut fill: impl FnMut(u64, &CudaBuffer, &[CudaStream]) -> Vec<u8>,
+) -> u64 {
+    use gpu_rdma::Access;
+    let target = ds.expose(ds.alloc(len).unwrap(), Access::REMOTE_WRITE, 7).unwrap();
+    let (s, c) = super::pair_on(ds, dc, super::opts().advertise(&target), super::opts().staging(len / 4, 4));
+    let device = CudaDevice::open(0).unwrap();
+    let streams: Vec<CudaStream> = (0..3).map(|_| CudaStream::new(&device).unwrap()).collect();
+    let mut src = Some(gpu_region_on(dc, &device, len, None, policy));
+    let remote = c.remote_region(7).unwrap().whole();
+    let mut got = vec![0u8; len];
+    for i in 0..rounds {
+        let region = src.take().unwrap();
+        let expect = fill(i, region.memory(), &streams);
+        let mut note = s.recv_imm();
+        let (_, back) =
+            c.write_with_imm(region, &remote, i as u32).finish().unwrap_or_else(|e| panic!("round {i}: write: {e}"));
+        src = Some(back);
+        assert_eq!(note.wait().unwrap().imm, Some(i as u32));
+        target.read_at(0, &mut got).unwrap();
+        if let Some(at) = super::first_difference(&got, &expect) {
+            panic!("round {i}: the peer got stale data at byte {at}: {stale}");
+        }
+        // Tell the writer the target may be overwritten.
+        let mut ok = c.recv_imm();
+        s.send_inline(&[], Some(i as u32)).wait().unwrap();
+        assert_eq!(ok.wait().unwrap().imm, Some(i as u32));
+    }
+    rounds
+}
+
 /// "A producer kernel writes iteration i into the GPU region, then the
 /// region is written to the peer", `iters` times, the peer verifying each
-/// iteration before the next starts. The source region is registered on
-/// `ds`/`dc`'s client side with `policy`; the target is host memory the
-/// server exposes. Each iteration's producer runs on a stream after a
-/// delay, so a write that does not wait for its own fence sends stale or
-/// half-written bytes. Returns how many iterations verified (all, or the
-/// test fails). Stand-in only (the producer is its hook).
+/// iteration before the next starts. Each iteration's producer runs on a
+/// stream after a delay, so a write that does not wait for its own fence
+/// sends stale or half-written bytes. See [`produced_writes`].
 pub fn producer_loop(
     ds: &gpu_rdma::Domain,
     dc: &gpu_rdma::Domain,
@@ -219,47 +260,21 @@ pub fn producer_loop(
     iters: u64,
     len: usize,
 ) -> u64 {
-    use gpu_rdma::Access;
-    let target = ds.expose(ds.alloc(len).unwrap(), Access::REMOTE_WRITE, 7).unwrap();
-    let (s, c) = super::pair_on(ds, dc, super::opts().advertise(&target), super::opts().staging(len / 4, 4));
-    let device = CudaDevice::open(0).unwrap();
-    let stream = CudaStream::new(&device).unwrap();
-    let src = gpu_region_on(dc, &device, len, None, policy);
-    let remote = c.remote_region(7).unwrap().whole();
-    let mut src = Some(src);
-    let mut got = vec![0u8; len];
-    for i in 0..iters {
+    produced_writes(ds, dc, policy, iters, len, "the write did not wait for its producer", |i, buf, streams| {
         let seed = 0x5eed_0000 + i;
-        let region = src.take().unwrap();
         // The "kernel" lands 50-250 us after it is queued, varying.
-        produce(&stream, region.memory(), 0, len, seed, 50 + (i as u32 * 37) % 200);
-        region.memory().ready_after(&stream).unwrap();
-        let mut note = s.recv_imm();
-        let (_, back) = c
-            .write_with_imm(region, &remote, i as u32)
-            .finish()
-            .unwrap_or_else(|e| panic!("iteration {i}: write: {e}"));
-        src = Some(back);
-        assert_eq!(note.wait().unwrap().imm, Some(i as u32));
-        target.read_at(0, &mut got).unwrap();
-        if let Some(at) = super::first_difference(&got, &produced(seed, len)) {
-            panic!("iteration {i}: the peer got stale data at byte {at}: the write did not wait for its producer");
-        }
-        // Tell the writer the target may be overwritten.
-        let mut ok = c.recv_imm();
-        s.send_inline(&[], Some(i as u32)).wait().unwrap();
-        assert_eq!(ok.wait().unwrap().imm, Some(i as u32));
-    }
-    iters
+        produce(&streams[0], buf, 0, len, seed, 50 + (i as u32 * 37) % 200);
+        buf.ready_after(&streams[0]).unwrap();
+        produced(seed, len)
+    })
 }
 
 /// Two producers on two streams fill the two halves of one GPU region, the
 /// first slower than the second; each fences the region
 /// ([`ready_after`](gpu_rdma::cuda::CudaBuffer::ready_after) once per
 /// stream); then the region is written to the peer, `rounds` times. A write
-/// that waits only for the latest fence sends the first half stale. The
-/// source is registered on `dc` with `policy`; the target is host memory
-/// `ds` exposes. Returns the rounds verified. Stand-in only.
+/// that waits only for the latest fence sends the first half stale. See
+/// [`produced_writes`].
 pub fn two_producers(
     ds: &gpu_rdma::Domain,
     dc: &gpu_rdma::Domain,
@@ -267,37 +282,18 @@ pub fn two_producers(
     rounds: u64,
     len: usize,
 ) -> u64 {
-    use gpu_rdma::Access;
-    let target = ds.expose(ds.alloc(len).unwrap(), Access::REMOTE_WRITE, 7).unwrap();
-    let (s, c) = super::pair_on(ds, dc, super::opts().advertise(&target), super::opts().staging(len / 4, 4));
-    let device = CudaDevice::open(0).unwrap();
-    let (slow, fast) = (CudaStream::new(&device).unwrap(), CudaStream::new(&device).unwrap());
-    let mut src = Some(gpu_region_on(dc, &device, len, None, policy));
-    let remote = c.remote_region(7).unwrap().whole();
     let half = len / 2;
-    let mut got = vec![0u8; len];
-    for i in 0..rounds {
+    let stale = "the write waited only for the latest of two fences";
+    produced_writes(ds, dc, policy, rounds, len, stale, |i, buf, streams| {
         let (a, b) = (0x7a00_0000 + 2 * i, 0x7a00_0001 + 2 * i);
-        let region = src.take().unwrap();
-        produce(&slow, region.memory(), 0, half, a, 3000);
-        region.memory().ready_after(&slow).unwrap();
-        produce(&fast, region.memory(), half, half, b, 10);
-        region.memory().ready_after(&fast).unwrap();
-        let mut note = s.recv_imm();
-        let (_, back) =
-            c.write_with_imm(region, &remote, i as u32).finish().unwrap_or_else(|e| panic!("round {i}: write: {e}"));
-        src = Some(back);
-        assert_eq!(note.wait().unwrap().imm, Some(i as u32));
-        target.read_at(0, &mut got).unwrap();
-        if let Some(at) = super::first_difference(&got[..half], &produced(a, half)) {
-            panic!("round {i}: byte {at} of the first half is stale: the write waited only for the latest fence");
-        }
-        assert_eq!(super::first_difference(&got[half..], &produced(b, half)), None, "round {i}: the second half");
-        let mut ok = c.recv_imm();
-        s.send_inline(&[], Some(i as u32)).wait().unwrap();
-        assert_eq!(ok.wait().unwrap().imm, Some(i as u32));
-    }
-    rounds
+        produce(&streams[1], buf, 0, half, a, 3000);
+        buf.ready_after(&streams[1]).unwrap();
+        produce(&streams[2], buf, half, half, b, 10);
+        buf.ready_after(&streams[2]).unwrap();
+        let mut expect = produced(a, half);
+        expect.extend(produced(b, half));
+        expect
+    })
 }
 
 /// A ping-pong awaited: each round writes a GPU buffer (registered on `d`
