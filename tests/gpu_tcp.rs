@@ -452,8 +452,13 @@ gpu_tcp_test! {
         let remote = s.grant(&target).whole();
         let local = gpu_region(&d, gpu_len, Some(&data));
         assert_eq!(local.memory_path(), Some(MemPath::Staged));
+        let staged_before = d.staging_stats().slots_pinned;
         let (done, local) = c.write_list(local, &remote, pieces.iter().copied()).finish().unwrap();
         assert_eq!(done.bytes, pieces.iter().map(|p| p.len).sum::<u64>());
+        // Small pieces go in groups: one slot, one copy event and one post
+        // (a chain) for many pieces, not a pipeline each.
+        println!("{} requests in {} posts, {} slots pinned", done.requests, done.posts, d.staging_stats().slots_pinned - staged_before);
+        assert!(done.posts * 8 <= done.requests, "small pieces were not gathered: {done:?}");
         let mut got = vec![0u8; span as usize];
         target.read_at(0, &mut got).unwrap();
         assert_eq!(first_difference(&got, &apply(&pieces, &data, span as usize, true)), None, "GPU -> peer");
@@ -462,7 +467,8 @@ gpu_tcp_test! {
         target.write_at(0, &source).unwrap();
         let back: Vec<Piece> = raw.iter().map(|&(r, _, n)| Piece::new(r, r, n)).collect();
         let zero = gpu_region(&d, span as usize, Some(&vec![0u8; span as usize]));
-        let (_, zero) = c.read_list(zero, &remote, back.iter().copied()).finish().unwrap();
+        let (done, zero) = c.read_list(zero, &remote, back.iter().copied()).finish().unwrap();
+        assert!(done.posts * 8 <= done.requests, "small pieces were not gathered: {done:?}");
         let want = apply(&back, &source, span as usize, false);
         assert_eq!(first_difference(&read_gpu(zero.memory(), span as usize), &want), None, "peer -> GPU");
         drop(local);

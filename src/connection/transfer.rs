@@ -103,7 +103,7 @@ struct List<B: Send + 'static> {
 #[cfg(feature = "cuda")]
 struct StagedPieces {
     device: crate::cuda::CudaDevice,
-    active: Vec<crate::protocol::staged::Pipeline>,
+    active: Vec<crate::protocol::staged::ListPiece>,
     /// Pipelines at once.
     width: usize,
     /// When a piece last started or finished.
@@ -573,7 +573,7 @@ impl<B: Send + 'static> List<B> {
     /// ones, starts more; the notification once every piece is done.
     #[cfg(feature = "cuda")]
     fn pump_staged(&mut self) {
-        use crate::protocol::staged::Pipeline;
+        use crate::protocol::staged::{Gather, GatherPiece, ListPiece, Pipeline};
         let Some(mut st) = self.staged.take() else { return };
         // Pieces start in the list's turn at the connection's gate.
         let turn = self.my_turn();
@@ -583,7 +583,7 @@ impl<B: Send + 'static> List<B> {
         let mut i = 0;
         while i < st.active.len() {
             let p = &mut st.active[i];
-            if let Err(e) = p.advance_owned(t) {
+            if let Err(e) = p.advance(t) {
                 // A CUDA failure: what is on the network stays with the connection.
                 p.abandon(t, None);
                 st.active.swap_remove(i);
@@ -601,8 +601,65 @@ impl<B: Send + 'static> List<B> {
             i += 1;
         }
         let (chunk, depth) = self.shared.staging;
+        // Small pieces go in groups: one slot, one copy event and one post
+        // (a chain) per group, rather than a pipeline each.
+        let small = (chunk / 4).max(4096) as u64;
+        let max_group = (self.shared.info.send_queue_depth as usize).clamp(1, 64);
         while turn && error.is_none() && !self.failed && st.active.len() < st.width {
-            let Some(p) = self.plan.next(&mut self.next) else { break };
+            let mut peek = self.next;
+            let Some(p) = self.plan.next(&mut peek) else { break };
+            if let (true, Some(turn)) = (p.len <= small && max_group > 1, self.turn) {
+                let mut group = Vec::new();
+                let mut total = 0u64;
+                loop {
+                    let mut peek = self.next;
+                    match self.plan.next(&mut peek) {
+                        Some(q) if q.len <= small && total + q.len <= chunk as u64 && group.len() < max_group => {
+                            total += q.len;
+                            group.push(GatherPiece {
+                                gpu: self.local.addr + q.local,
+                                len: q.len as usize,
+                                remote: self.remote.sub(q.remote, q.len),
+                            });
+                            self.next = peek;
+                        }
+                        _ => break,
+                    }
+                }
+                let write = self.direction == Direction::Write;
+                let home = self.shared.domain.staging();
+                let timeout = self.shared.op_timeout;
+                let count = group.len();
+                let made = Gather::new(
+                    write,
+                    home,
+                    &st.device,
+                    group,
+                    chunk,
+                    st.fences.clone(),
+                    &self.shared.gate,
+                    turn,
+                    timeout,
+                );
+                match made {
+                    Ok(g) => {
+                        let mut piece = ListPiece::Many(g);
+                        match piece.advance(t) {
+                            Ok(()) => st.active.push(piece),
+                            Err(e) => {
+                                piece.abandon(t, None);
+                                error = Some(e);
+                            }
+                        }
+                    }
+                    Err(e) => error = Some(e),
+                }
+                self.done.posts += 1;
+                self.done.requests += count;
+                st.progress = Instant::now();
+                continue;
+            }
+            self.next = peek;
             let parts = LocalParts { addr: self.local.addr + p.local, len: p.len as usize, ..self.local };
             let remote = self.remote.sub(p.remote, p.len);
             let op = match self.direction {
@@ -621,7 +678,7 @@ impl<B: Send + 'static> List<B> {
                 Ok(mut pipeline) => {
                     let started = pipeline.advance(t);
                     match started {
-                        Ok(()) => st.active.push(pipeline),
+                        Ok(()) => st.active.push(ListPiece::One(pipeline)),
                         Err(e) => {
                             pipeline.abandon(t, None);
                             error = Some(e);
@@ -665,14 +722,14 @@ impl<B: Send + 'static> List<B> {
         if st.progress.elapsed() > self.shared.op_timeout {
             return Err(Error::Timeout { what: WHAT, after: self.shared.op_timeout });
         }
-        let copying = st.active.iter().any(crate::protocol::staged::Pipeline::copying);
+        let copying = st.active.iter().any(crate::protocol::staged::ListPiece::copying);
         if copying && st.progress.elapsed() < self.shared.spin {
             // Within the spin window after a piece last started or finished:
             // the caller looks at the copies and the network again at once.
             super::pending::look_again(true);
             return Ok(());
         }
-        match st.active.iter().find_map(crate::protocol::staged::Pipeline::waiting_on) {
+        match st.active.iter().find_map(crate::protocol::staged::ListPiece::waiting_on) {
             Some(id) => {
                 let slice = super::pending::staged_slice(copying);
                 match self.shared.transport.wait(id, &mut Deadline::lazy(slice, WHAT)) {
