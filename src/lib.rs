@@ -69,11 +69,12 @@
 //! |---|---|---|
 //! | a send's, write's or write-with-immediate's buffer | at the operation's completion ([`Pending`]) | verbs: the NIC's completion, in order on the queue pair. TCP: only once its writer handed every byte to the socket **and** the peer acknowledged it, in request order; a reply while bytes were never handed, a second reply, one out of order or for a request never sent breaks the connection; one that arrives during the writer's last call is held for the writer, which completes the operation when it lets go |
 //! | a read's buffer | at its completion | verbs: the NIC. TCP: a response must answer the oldest request waiting, a read that reached the peer whole, landing in order inside the buffer; only the thread filling the read completes it, and a failed final request of the same operation waits until that thread lets go |
-//! | a receive's buffer, an [`Inbox`] slot, a [`RecvRing`] slot | at its completion; a ring's slot is posted again only when its [`Received`] loan ends | TCP: a receive is its reader's from the moment a message is matched to it until it is filled or failed; a message larger than it, or shorter than announced, fails it |
+//! | a receive's buffer, a [`RecvRing`] slot | at its completion; a ring's slot is posted again only when its [`Received`] loan ends | TCP: a receive is its reader's from the moment a message is matched to it until it is filled or failed; a message larger than it, or shorter than announced, fails it |
 //! | a transfer list's buffer ([`Transfer`]) | once every chain it posted completed | each chain is an operation as above |
 //! | a dropped [`Pending`], [`Transfer`], future or set | never to the caller | the connection keeps the buffer (a share of it per chain in flight) until the final completion, or until the queue pair or the transport's threads are gone |
 //! | an inline send's bytes | at once | verbs copies them into the work request; TCP into a buffer of the connection's pool, recycled only after its writer is done with it |
-//! | a notification's registered buffer | to the connection's pool, at the notification's completion | as a send |
+//! | a notification's registered buffer | to the connection's pool, at the completion of its write into the peer's ring | as a write |
+//! | this side's notification ring | with the connection (an in-flight credit write keeps it registered until it completes) | the peer may write it at any time: it is read only word by word (atomics) and by volatile copies, never through a Rust reference, and a record is taken only once both its ends show the number expected |
 //! | a staging slot (GPU memory on the staged path) | to the GPU's cache, at the completion of the network operation on it | copies are synchronized before a GPU buffer comes back; a dropped operation leaves its slots that are on the network with the connection |
 //! | a [`RailRegion`] | shared: freed when its last holder, a transfer included, drops it | as [`Shared`]: no safe slice |
 //! | an [`Exposed`] region, withdrawn | after a TCP write or read of the peer in progress on it ends (its gate) | verbs: deregistration; a peer using the old key gets a remote-access error |
@@ -174,6 +175,15 @@
 //!   peer's [`Inbox`] counts them by tag, in any arrival order. A list that
 //!   fails sends a failure notification instead
 //!   ([`Error::PeerTransferFailed`] at the peer, at once).
+//!   Notifications take no receive: each is an RDMA write into the peer's
+//!   notification ring (exchanged at the handshake, under [`RING_TAG`]),
+//!   behind the data it covers. They wait there from the moment the
+//!   connection exists, before any [`Inbox`] is made, so no rank has to
+//!   make its inboxes before it finishes its own lists, and the
+//!   connection's own receives take only messages. A peer that takes none
+//!   holds a sender's next notification once its ring
+//!   ([`ConnectOptions::notify_ring`], 64 KiB by default) is full, up to the
+//!   sender's operation timeout.
 //! - [`Pending`] and [`Transfer`] implement `Future` for any runtime; one
 //!   progress engine per domain (a thread, started on first use) wakes
 //!   them: it sleeps on every awaited connection's completion channel and
@@ -312,7 +322,11 @@
 //!   receive buffer, the two threads' stacks, the replies
 //!   queued for the peer (tens of bytes each), and this side's own queues;
 //!   about 1.4 MiB with default depths, 5.5 MiB with the deepest peer.
-//!   Other connections of the domain are unaffected. An [`Inbox`] holds
+//!   Other connections of the domain are unaffected. A peer's
+//!   notifications wait in this side's ring, of the size this side chose,
+//!   until taken (a peer that writes past the room it was given only
+//!   spoils its own notifications; one that breaks the ring's format
+//!   breaks the connection). An [`Inbox`] holds
 //!   at most [`MAX_QUEUED_BYTES`] (64 MiB) of notifications nobody took,
 //!   each charged its payload and [`NOTE_OVERHEAD`], and at most
 //!   [`MAX_QUEUED_NOTES`]; past that new ones are dropped and counted.
@@ -548,6 +562,7 @@ pub mod verbs;
 pub mod world;
 
 pub use bootstrap::Secret;
+pub use bootstrap::{DEFAULT_RING, MAX_RING, MIN_RING, RING_TAG};
 pub use completion::{Completion, CompletionError, Failure, Opcode, WcStatus};
 pub use config::{Transport, TransportPolicy};
 pub use connection::{

@@ -73,6 +73,14 @@ pub struct ConnectOptions {
     /// Who this side is, told to the peer in the handshake (its
     /// [`ConnectionInfo::peer_name`]); at most 256 bytes, empty for none.
     pub name: Vec<u8>,
+    /// Bytes of this side's notification ring: where the peer's
+    /// notifications wait to be taken by an [`Inbox`](crate::Inbox),
+    /// taking no receive (default [`DEFAULT_RING`](crate::DEFAULT_RING),
+    /// 64 KiB: about 500 small notes, at least 14 of the largest; from
+    /// [`MIN_RING`](crate::MIN_RING) to [`MAX_RING`](crate::MAX_RING), a
+    /// multiple of 64). A peer whose notes fill it waits for room, up to its
+    /// operation timeout.
+    pub notify_ring: usize,
 }
 
 impl Default for ConnectOptions {
@@ -98,6 +106,7 @@ impl Default for ConnectOptions {
             staging_depth: 4,
             secret: secret_from_env(),
             post_timeout: None,
+            notify_ring: crate::bootstrap::DEFAULT_RING,
         }
     }
 }
@@ -128,6 +137,13 @@ impl ConnectOptions {
     /// and both sides get [`BootstrapError::Auth`](crate::BootstrapError::Auth).
     pub fn secret(mut self, secret: crate::bootstrap::Secret) -> Self {
         self.secret = Some(secret);
+        self
+    }
+
+    /// Sets the size of this side's notification ring
+    /// ([`notify_ring`](Self::notify_ring)).
+    pub fn notify_ring(mut self, bytes: usize) -> Self {
+        self.notify_ring = bytes;
         self
     }
 

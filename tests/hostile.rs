@@ -385,7 +385,14 @@ fn hostile_peer(listener: &TcpListener, frames: &[Vec<u8>]) -> usize {
         caps: CAP_TCP,
         verbs: None,
         tcp: Some(TcpEndpoint { rnr_retry: 0, min_rnr_timer: 1, max_message: 1 << 30, send_depth: 128 }),
-        regions: vec![],
+        // A notification ring it holds no memory for (nothing here writes to it).
+        regions: vec![RemoteRegion {
+            tag: gpu_rdma::RING_TAG,
+            addr: 0x7000_0000,
+            len: 64 + gpu_rdma::DEFAULT_RING as u64,
+            rkey: 0x5151,
+            access: Access::REMOTE_WRITE,
+        }],
         name: b"hostile".to_vec(),
     };
     if bootstrap::exchange_hello(&s, &hello, deadline, 1 << 20).is_err()

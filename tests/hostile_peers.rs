@@ -21,10 +21,13 @@
 //!    peer whole, twice, out of order, for nothing; a read answered out of
 //!    order) break the connection and complete nothing: no buffer comes
 //!    back while the transport still reads it.
-//! 9. An inbox holds at most its byte bound, whatever notes arrive, and
-//!    charges each note at least what it costs.
+//! 9. An inbox holds at most its byte bound, whatever notes arrive in its
+//!    ring, and charges each note at least what it costs; a record that is
+//!    not a notification is counted, one that breaks the ring breaks the
+//!    connection.
 //! 10. Limits a peer announces outside what this side accepts are refused
-//!     at the handshake, naming the field.
+//!     at the handshake, naming the field; so is a notification ring this
+//!     side cannot use.
 //!
 //! These tests count threads, descriptors and resident memory of this
 //! process, so they run one at a time (a lock), and each measures against
@@ -34,7 +37,7 @@ mod common;
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -131,13 +134,31 @@ fn endpoint(rnr_retry: u8, send_depth: u32) -> TcpEndpoint {
 
 /// Connects to `addr` and plays the handshake as a TCP-only client that
 /// advertises `regions`. Returns the socket and the victim's hello.
-fn hostile_client(addr: SocketAddr, tcp: TcpEndpoint, regions: Vec<RemoteRegion>) -> (TcpStream, Hello) {
+fn hostile_client(addr: SocketAddr, tcp: TcpEndpoint, mut regions: Vec<RemoteRegion>) -> (TcpStream, Hello) {
+    if !regions.iter().any(|r| r.tag == gpu_rdma::RING_TAG) {
+        regions.push(fake_ring());
+    }
     let s = TcpStream::connect(addr).expect("connect to the victim");
     let deadline = Deadline::after(Duration::from_secs(10), "the victim");
     let mine = Hello { caps: CAP_TCP, verbs: None, tcp: Some(tcp), regions, name: vec![] };
     let theirs = bootstrap::exchange_hello(&s, &mine, deadline, 1 << 20).expect("the victim's hello");
     bootstrap::exchange_ready(&s, deadline).expect("the victim's ready");
     (s, theirs)
+}
+
+/// The key of the notification ring the hostile client announces: it holds
+/// no memory; the victim's writes to it (its credits) are read off the
+/// socket.
+const FAKE_RING_KEY: u32 = 0x5151;
+
+fn fake_ring() -> RemoteRegion {
+    RemoteRegion {
+        tag: gpu_rdma::RING_TAG,
+        addr: 0x7000_0000,
+        len: 64 + gpu_rdma::DEFAULT_RING as u64,
+        rkey: FAKE_RING_KEY,
+        access: Access::REMOTE_WRITE,
+    }
 }
 
 /// A victim: a TCP domain exposing one 4 KiB region (write and read),
@@ -178,14 +199,21 @@ impl Victim {
         tcp: TcpEndpoint,
         regions: Vec<RemoteRegion>,
     ) -> (Connection, TcpStream, RemoteRegion) {
+        let (conn, s, theirs) = self.accept_hello(tcp, regions);
+        let region = theirs.regions.first().copied().expect("the victim advertised its region");
+        (conn, s, region)
+    }
+
+    /// As [`accept_advertising`](Self::accept_advertising), with the
+    /// victim's whole hello.
+    fn accept_hello(&self, tcp: TcpEndpoint, regions: Vec<RemoteRegion>) -> (Connection, TcpStream, Hello) {
         let listener = self.domain.listen("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         let opts = self.opts();
         let server = thread::spawn(move || listener.accept_timeout(&opts, Duration::from_secs(10)));
         let (s, theirs) = hostile_client(addr, tcp, regions);
         let conn = server.join().unwrap().expect("the victim accepts");
-        let region = theirs.regions.first().copied().expect("the victim advertised its region");
-        (conn, s, region)
+        (conn, s, theirs)
     }
 
     fn unchanged(&self) -> bool {
@@ -861,42 +889,121 @@ fn duplicate_unknown_and_out_of_order_replies_break_the_connection() {
 
 /// A notification message as the crate encodes it (`magic "gN", version 2,
 /// status, payload length, key, range count, 3 reserved`, big-endian; then
-/// the ranges (none here) and the payload), sent by hand with `tag` as its
-/// immediate.
-fn note_frame(seq: u32, tag: u32, failed: bool, payload: &[u8], out: &mut Vec<u8>) {
-    let mut msg = vec![0x67, 0x4e, 2, u8::from(failed)];
+/// the ranges (none here) and the payload).
+fn note_msg(failed: bool, payload: &[u8], msg: &mut Vec<u8>) {
+    msg.clear();
+    msg.extend_from_slice(&[0x67, 0x4e, 2, u8::from(failed)]);
     msg.extend_from_slice(&(payload.len() as u32).to_be_bytes());
     // No ranges written: key 0, a count of 0, 3 reserved bytes.
     msg.extend_from_slice(&[0; 8]);
     msg.extend_from_slice(payload);
-    out.extend_from_slice(&[SEND, FIRST | LAST | IMM, 0, 0]);
-    out.extend_from_slice(&seq.to_le_bytes());
-    out.extend_from_slice(&0u32.to_le_bytes());
-    out.extend_from_slice(&tag.to_le_bytes());
-    out.extend_from_slice(&0u64.to_le_bytes());
-    out.extend_from_slice(&(msg.len() as u32).to_le_bytes());
-    out.extend_from_slice(&(msg.len() as u32).to_le_bytes());
-    out.extend_from_slice(&msg);
 }
 
-/// Writes `n` notes (`note(i, out)` appends the i-th) to the victim, a
-/// MiB at a time, on a thread; the socket comes back when all went.
+/// Writes `n` notifications (`note(i, msg)` fills the i-th and returns its
+/// tag) into the victim's notification `ring`, as the crate's ring format
+/// says (`protocol/mailbox.rs`: records of `seq u64, len u32, tag u32,
+/// message, seq u64`, 64-byte aligned, a pad record before a wrap), a MiB
+/// of frames at a time, on a thread. It keeps within the credits the
+/// victim writes back (read off the socket, and acknowledged, by a second
+/// thread). The socket comes back when all went.
 fn feed_notes(
     s: TcpStream,
+    ring: RemoteRegion,
     n: u32,
-    mut note: impl FnMut(u32, &mut Vec<u8>) + Send + 'static,
+    mut note: impl FnMut(u32, &mut Vec<u8>) -> u32 + Send + 'static,
 ) -> thread::JoinHandle<TcpStream> {
+    let credits = Arc::new(AtomicU64::new(0));
+    // Credits go back and forth in small frames: no Nagle delay.
+    s.set_nodelay(true).unwrap();
+    let sock = Arc::new(Mutex::new(s.try_clone().unwrap()));
+    {
+        let (credits, sock, r) = (Arc::clone(&credits), Arc::clone(&sock), s.try_clone().unwrap());
+        // Ends when the victim hangs up.
+        thread::spawn(move || {
+            loop {
+                let mut h = [0u8; HEADER];
+                if (&r).read_exact(&mut h).is_err() {
+                    return;
+                }
+                let mut payload = vec![0u8; u32_at(&h, 24) as usize];
+                if (&r).read_exact(&mut payload).is_err() {
+                    return;
+                }
+                if h[0] == WRITE && u32_at(&h, 8) == FAKE_RING_KEY && payload.len() == 8 {
+                    credits.fetch_max(u64::from_le_bytes(payload[..8].try_into().unwrap()), Ordering::AcqRel);
+                }
+                if h[1] & WANTS_ACK != 0 {
+                    let ack = ack_frame(u32_at(&h, 4), 0);
+                    if sock.lock().unwrap().write_all(&ack).is_err() {
+                        return;
+                    }
+                }
+            }
+        });
+    }
     thread::spawn(move || {
-        let mut out = Vec::with_capacity(1 << 20);
+        let cap = ring.len - 64;
+        let (mut head, mut rseq, mut fseq) = (0u64, 1u64, 1u32);
+        let (mut out, mut msg) = (Vec::with_capacity(1 << 20), Vec::new());
+        let mut put = |out: &mut Vec<u8>, at: u64, bytes: &[u8]| {
+            frame(
+                WRITE,
+                FIRST | LAST,
+                fseq,
+                ring.rkey,
+                ring.addr + 64 + at,
+                bytes.len() as u32,
+                bytes.len() as u32,
+                out,
+            );
+            out.extend_from_slice(bytes);
+            fseq += 1;
+        };
+        let flush = |out: &mut Vec<u8>| {
+            sock.lock().unwrap().write_all(out).expect("the victim reads on");
+            out.clear();
+        };
         for i in 0..n {
-            note(i, &mut out);
+            let tag = note(i, &mut msg);
+            let size = (16 + msg.len() as u64 + 8).div_ceil(64) * 64;
+            let off = head % cap;
+            let pad = cap - off < size;
+            let need = if pad { cap - off + size } else { size };
+            while head + need - credits.load(Ordering::Acquire) > cap {
+                if !out.is_empty() {
+                    flush(&mut out);
+                }
+                thread::sleep(Duration::from_micros(50));
+            }
+            let mut at = off;
+            if pad {
+                let mut p = rseq.to_le_bytes().to_vec();
+                p.extend_from_slice(&u32::MAX.to_le_bytes());
+                p.extend_from_slice(&[0; 4]);
+                put(&mut out, at, &p);
+                rseq += 1;
+                at = 0;
+            }
+            let mut rec = vec![0u8; size as usize];
+            rec[..8].copy_from_slice(&rseq.to_le_bytes());
+            rec[8..12].copy_from_slice(&(msg.len() as u32).to_le_bytes());
+            rec[12..16].copy_from_slice(&tag.to_le_bytes());
+            rec[16..16 + msg.len()].copy_from_slice(&msg);
+            rec[size as usize - 8..].copy_from_slice(&rseq.to_le_bytes());
+            put(&mut out, at, &rec);
+            rseq += 1;
+            head += need;
             if out.len() >= 1 << 20 || i + 1 == n {
-                (&s).write_all(&out).expect("the victim reads on");
-                out.clear();
+                flush(&mut out);
             }
         }
         s
     })
+}
+
+/// The victim's notification ring, as its hello announced it.
+fn ring_of(theirs: &Hello) -> RemoteRegion {
+    theirs.regions.iter().find(|r| r.tag == gpu_rdma::RING_TAG).copied().expect("the victim announced its ring")
 }
 
 /// The worst payload for an inbox: 70,000 failure notes of 4 KiB of bytes
@@ -909,12 +1016,15 @@ fn feed_notes(
 fn an_inbox_holds_at_most_its_byte_bound_whatever_notes_arrive() {
     let _serial = serial();
     let victim = Victim::new();
-    let (conn, s, _) = victim.accept(endpoint(7, 128));
+    let (conn, s, theirs) = victim.accept_hello(endpoint(7, 128), Vec::new());
     let mut inbox = conn.inbox(64).unwrap();
     const NOTES: u32 = 70_000;
     let base = resident_bytes();
     let payload = vec![0xffu8; gpu_rdma::MAX_NOTIFY_PAYLOAD];
-    let feeder = feed_notes(s, NOTES, move |i, out| note_frame(i + 1, 1_000_000 + i, true, &payload, out));
+    let feeder = feed_notes(s, ring_of(&theirs), NOTES, move |i, msg| {
+        note_msg(true, &payload, msg);
+        1_000_000 + i
+    });
     let t0 = Instant::now();
     let mut peak = 0u64;
     loop {
@@ -924,7 +1034,6 @@ fn an_inbox_holds_at_most_its_byte_bound_whatever_notes_arrive() {
         if st.received + st.overflowed >= u64::from(NOTES) || t0.elapsed() > Duration::from_secs(60) {
             break;
         }
-        thread::sleep(Duration::from_millis(1));
     }
     let s = feeder.join().unwrap();
     let st = inbox.stats();
@@ -963,15 +1072,17 @@ fn an_inbox_holds_at_most_its_byte_bound_whatever_notes_arrive() {
 fn an_inbox_charges_each_note_at_least_what_it_costs() {
     let _serial = serial();
     let victim = Victim::new();
-    let (conn, s, _) = victim.accept(endpoint(7, 128));
+    let (conn, s, theirs) = victim.accept_hello(endpoint(7, 128), Vec::new());
     let mut inbox = conn.inbox(64).unwrap();
     const NOTES: u32 = 60_000;
     let base = resident_bytes();
-    let feeder = feed_notes(s, NOTES, |i, out| note_frame(i + 1, i, false, b"", out));
+    let feeder = feed_notes(s, ring_of(&theirs), NOTES, |i, msg| {
+        note_msg(false, b"", msg);
+        i
+    });
     let t0 = Instant::now();
     while inbox.stats().received < u64::from(NOTES) && t0.elapsed() < Duration::from_secs(60) {
         inbox.poll().unwrap();
-        thread::sleep(Duration::from_millis(1));
     }
     let grew = resident_bytes().saturating_sub(base);
     let s = feeder.join().unwrap();
@@ -981,6 +1092,50 @@ fn an_inbox_charges_each_note_at_least_what_it_costs() {
     assert_eq!(st.queued_bytes, NOTES as usize * gpu_rdma::NOTE_OVERHEAD);
     let slack = 4 << 20;
     assert!(grew <= st.queued_bytes as u64 + slack, "grew by {grew} bytes, charged {}", st.queued_bytes);
+    drop((inbox, conn, s));
+}
+
+/// A record in the ring that is not a notification is dropped and counted,
+/// and the next one still arrives; a record that breaks the ring's format
+/// (a length past the largest notification) breaks the connection, naming
+/// the ring, and the inbox's wait fails at once rather than at its
+/// timeout.
+#[test]
+fn a_bad_notification_is_counted_and_a_record_that_breaks_the_ring_breaks_the_connection() {
+    let _serial = serial();
+    let victim = Victim::new();
+    let (conn, s, theirs) = victim.accept_hello(endpoint(7, 128), Vec::new());
+    let ring = ring_of(&theirs);
+    let mut inbox = conn.inbox(1).unwrap();
+    let feeder = feed_notes(s, ring, 2, |i, msg| {
+        if i == 0 {
+            msg.clear();
+            msg.extend_from_slice(b"not a notification");
+        } else {
+            note_msg(false, b"after", msg);
+        }
+        5
+    });
+    let s = feeder.join().unwrap();
+    let notes = inbox.wait_timeout(5, 1, Duration::from_secs(10)).unwrap();
+    assert_eq!(&notes[0].payload[..], b"after");
+    assert_eq!(inbox.stats().malformed, 1);
+    // Record 3, after two of 64 bytes each, claims a length past the
+    // largest notification.
+    let mut rec = 3u64.to_le_bytes().to_vec();
+    rec.extend_from_slice(&(1u32 << 20).to_le_bytes());
+    rec.extend_from_slice(&5u32.to_le_bytes());
+    let mut out = Vec::new();
+    frame(WRITE, FIRST | LAST, 3, ring.rkey, ring.addr + 64 + 128, 16, 16, &mut out);
+    out.extend_from_slice(&rec);
+    (&s).write_all(&out).unwrap();
+    let t0 = Instant::now();
+    match inbox.wait_timeout(5, 1, Duration::from_secs(10)) {
+        Err(gpu_rdma::Error::ConnectionLost { reason }) => assert!(reason.contains("notification ring"), "{reason}"),
+        other => panic!("expected the connection lost: {other:?}"),
+    }
+    assert!(t0.elapsed() < Duration::from_secs(2), "at once, not at the timeout");
+    assert!(conn.broken().is_some_and(|r| r.contains("notification ring")), "{:?}", conn.broken());
     drop((inbox, conn, s));
 }
 
@@ -1029,4 +1184,41 @@ fn announced_limits_outside_what_this_side_accepts_are_refused_at_the_handshake(
     let (_s, _) = hostile_client(addr, tcp, vec![]);
     let conn = server.join().unwrap().expect("accepted at the floor");
     assert_eq!(conn.info().max_message_size, u64::from(gpu_rdma::bootstrap::MIN_MAX_MESSAGE));
+}
+
+/// A notification ring this side cannot use (none, two, too small to hold
+/// two of the largest notifications, past `MAX_RING`, not a multiple of
+/// 64, not writable) is refused at the handshake, saying why.
+#[test]
+fn a_notification_ring_this_side_cannot_use_is_refused_at_the_handshake() {
+    let _serial = serial();
+    let victim = Victim::new();
+    let listener = victim.domain.listen("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let ring = fake_ring();
+    let with_len = |len: usize| RemoteRegion { len: len as u64, ..ring };
+    let cases = [
+        (vec![], "0 notification rings"),
+        (vec![ring, ring], "2 notification rings"),
+        (vec![with_len(64 + gpu_rdma::MIN_RING - 64)], "notification ring length"),
+        (vec![with_len(64 + gpu_rdma::MAX_RING + 64)], "notification ring length"),
+        (vec![with_len(64 + gpu_rdma::MIN_RING + 8)], "notification ring length"),
+        (vec![RemoteRegion { access: Access::REMOTE_READ, ..ring }], "not writable"),
+    ];
+    for (regions, why) in cases {
+        let opts = victim.opts();
+        let l = &listener;
+        let accepted = thread::scope(|sc| {
+            let server = sc.spawn(move || l.accept_timeout(&opts, Duration::from_secs(10)));
+            let s = TcpStream::connect(addr).unwrap();
+            let deadline = Deadline::after(Duration::from_secs(10), "the victim");
+            let mine = Hello { caps: CAP_TCP, verbs: None, tcp: Some(endpoint(0, 128)), regions, name: vec![] };
+            let _ = bootstrap::exchange_hello(&s, &mine, deadline, 1 << 20);
+            server.join().unwrap()
+        });
+        match accepted {
+            Err(e) => assert!(e.to_string().contains(why), "{why}: {e}"),
+            Ok(_) => panic!("{why}: accepted"),
+        }
+    }
 }

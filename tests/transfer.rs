@@ -334,20 +334,98 @@ fn a_peer_that_goes_away_fails_the_inbox_wait_promptly(t: Kind) {
     assert_eq!(inbox.try_take(1, 1).unwrap().unwrap().len(), 1);
 }
 
-fn messages_that_are_not_notifications_are_dropped_and_counted(t: Kind) {
+/// Notifications take no receive: the connection's own receives, posted
+/// beside an inbox, get exactly the peer's messages, in order, while
+/// notified lists interleave with them; the inbox gets exactly the notes.
+fn messages_and_notifications_share_one_connection(t: Kind) {
     let d = domain(t);
     let (s, c) = pair(&d);
-    let mut inbox = s.inbox(4).unwrap();
-    c.send_inline(b"no immediate", None).wait().unwrap();
-    c.send_inline(b"garbage with an immediate", Some(3)).wait().unwrap();
-    c.send_inline(&[0x67, 0x4e, 1, 0, 0, 0, 0, 9], Some(3)).wait().unwrap();
+    let mut inbox = s.inbox(1).unwrap();
+    let target = d.expose(d.alloc(64 * 64).unwrap(), Access::REMOTE_WRITE, 0).unwrap();
+    let remote = s.grant(&target).whole();
+    const ROUNDS: u8 = 40;
+    let mut recvs: Vec<_> = (0..ROUNDS).map(|_| s.recv(d.alloc(16).unwrap())).collect();
+    for i in 0..ROUNDS {
+        let off = u64::from(i) * 64;
+        let list = c.write_list_notify(filled(&d, &[i; 64]), &remote, [Piece::new(0, off, 64)], 9, &[i]);
+        let mut msg = c.send(filled(&d, &[i; 16]));
+        list.finish().unwrap();
+        msg.wait().unwrap();
+    }
+    for (i, r) in recvs.iter_mut().enumerate() {
+        let c = r.wait().unwrap();
+        assert_eq!(c.byte_len, 16, "receive {i} took a message, not a notification");
+    }
+    for (i, r) in recvs.into_iter().enumerate() {
+        let buf = r.into_buffer().unwrap();
+        assert!(buf.iter().all(|&b| b == i as u8), "receive {i} got message {}", buf[0]);
+    }
+    let notes = inbox.wait(9, usize::from(ROUNDS)).unwrap();
+    for (i, n) in notes.iter().enumerate() {
+        assert_eq!(&n.payload[..], &[i as u8], "notes in order");
+    }
+    assert_eq!(inbox.stats().malformed, 0);
+}
+
+/// Notifications that arrive before the peer made its inbox wait for it in
+/// the ring: the sender's lists complete without the receiver doing
+/// anything (no choreography: every rank may finish its own lists before
+/// it looks at its inboxes), and an inbox made later finds them all.
+fn notifications_sent_before_the_inbox_exists_wait_for_it(t: Kind) {
+    let d = domain(t);
+    let (s, c) = pair(&d);
+    let target = d.expose(d.alloc(4096).unwrap(), Access::REMOTE_WRITE, 0).unwrap();
+    let remote = s.grant(&target).whole();
+    for i in 0..32u32 {
+        let list = c.write_list_notify(
+            filled(&d, &[i as u8; 128]),
+            &remote,
+            [Piece::new(0, u64::from(i) * 128, 128)],
+            i % 4,
+            b"early",
+        );
+        let t0 = Instant::now();
+        list.finish().unwrap();
+        assert!(t0.elapsed() < Duration::from_secs(5), "list {i} waited on the peer");
+    }
+    let mut inbox = s.inbox(1).unwrap();
+    for tag in 0..4 {
+        assert_eq!(inbox.wait_timeout(tag, 8, Duration::from_secs(5)).unwrap().len(), 8);
+    }
+    let mut got = vec![0u8; 4096];
+    target.read_at(0, &mut got).unwrap();
+    assert!(got.chunks(128).enumerate().all(|(i, c)| c.iter().all(|&b| b == i as u8)));
+}
+
+/// A peer that never takes its notes fills its ring and no more: the
+/// sender's next notification waits for room, and fails at its operation
+/// timeout, naming what it waited for; taking the notes makes room.
+fn a_full_ring_holds_the_sender_until_notes_are_taken(t: Kind) {
+    let d = domain(t);
+    let opts = common::opts().op_timeout(Duration::from_millis(600)).notify_ring(gpu_rdma::MIN_RING);
+    let (s, c) = common::pair_on(&d, &d, opts.clone(), opts);
     let target = d.expose(d.alloc(64).unwrap(), Access::REMOTE_WRITE, 0).unwrap();
     let remote = s.grant(&target).whole();
-    c.write_list_notify(d.alloc(64).unwrap(), &remote, [Piece::new(0, 0, 64)], 3, b"real").finish().unwrap();
-    let notes = inbox.wait(3, 1).unwrap();
-    assert_eq!(&notes[0].payload[..], b"real");
-    let st = inbox.stats();
-    assert_eq!((st.received, st.malformed), (1, 3));
+    let big = vec![7u8; gpu_rdma::MAX_NOTIFY_PAYLOAD];
+    let mut sent = 0;
+    let err = loop {
+        match c.write_list_notify(d.alloc(64).unwrap(), &remote, [], 1, &big).finish() {
+            Ok(_) => sent += 1,
+            Err(f) => break f.error,
+        }
+        assert!(sent <= 16, "the ring never filled");
+    };
+    assert!(sent >= 3, "a 16 KiB ring holds three of the largest notes: {sent}");
+    assert!(matches!(err, Error::Timeout { .. }) && err.to_string().contains("notification ring"), "{err}");
+    let mut inbox = s.inbox(1).unwrap();
+    // The failed list's own (short) failure note still fit: the peer hears of it.
+    match inbox.wait(1, sent) {
+        Err(Error::PeerTransferFailed { tag: 1, reason }) => assert!(reason.contains("notification ring"), "{reason}"),
+        other => panic!("expected the failure first: {other:?}"),
+    }
+    assert_eq!(inbox.wait(1, sent).unwrap().len(), sent);
+    c.write_list_notify(d.alloc(64).unwrap(), &remote, [], 1, &big).finish().unwrap();
+    assert_eq!(inbox.wait(1, 1).unwrap().len(), 1, "room again");
 }
 
 fn an_error_in_the_middle_of_a_chain_fails_it_with_that_error(t: Kind) {
@@ -409,7 +487,9 @@ both!(
     notifications_are_counted_right_under_eight_concurrent_transfers,
     a_list_that_fails_fails_the_peers_wait_at_once,
     a_peer_that_goes_away_fails_the_inbox_wait_promptly,
-    messages_that_are_not_notifications_are_dropped_and_counted,
+    messages_and_notifications_share_one_connection,
+    notifications_sent_before_the_inbox_exists_wait_for_it,
+    a_full_ring_holds_the_sender_until_notes_are_taken,
     an_error_in_the_middle_of_a_chain_fails_it_with_that_error,
     a_list_nobody_waits_on_is_carried_to_the_end_by_the_engine,
 );
@@ -421,21 +501,25 @@ both!(
 #[test]
 fn tcp_notifications_nobody_takes_are_bounded() {
     let d = domain(Kind::Tcp);
-    let (s, c) = pair(&d);
+    let opts = common::opts().notify_ring(1 << 20);
+    let (s, c) = common::pair_on(&d, &d, opts.clone(), opts);
     let mut inbox = s.inbox(64).unwrap();
     let total = gpu_rdma::MAX_QUEUED_NOTES as u32 + 500;
+    let target = d.expose(d.alloc(64).unwrap(), Access::REMOTE_WRITE, 0).unwrap();
+    let remote = s.grant(&target).whole();
     let sender = std::thread::spawn(move || {
-        // A valid, empty notification, each with its own tag.
-        let msg = [0x67, 0x4e, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+        // An empty list: just its notification, each with its own tag.
         let mut window = std::collections::VecDeque::new();
+        let mut spare: Vec<_> = (0..32).map(|_| d.alloc(64).unwrap()).collect();
         for tag in 0..total {
-            window.push_back(c.send_inline(&msg, Some(tag)));
-            if window.len() >= 32 {
-                window.pop_front().unwrap().wait().unwrap();
-            }
+            let buf = spare.pop().unwrap_or_else(|| {
+                let t: gpu_rdma::Transfer<_> = window.pop_front().unwrap();
+                t.finish().unwrap().1
+            });
+            window.push_back(c.write_list_notify(buf, &remote, [], tag, b""));
         }
-        for mut p in window {
-            p.wait().unwrap();
+        for t in window {
+            t.finish().unwrap();
         }
         c
     });

@@ -16,5 +16,7 @@ pub use wire::{
     MIN_MAX_MESSAGE, REGION_LEN, TcpEndpoint, VERSION, VerbsEndpoint, decode_frame, decode_region, encode_frame,
     encode_region,
 };
+pub use wire::{DEFAULT_RING, MAX_RING, MIN_RING, RING_ALIGN, RING_HEADER, RING_TAG};
+pub(crate) use wire::{take_ring, valid_ring};
 
 pub use io::{Deadline, exchange_hello, exchange_ready, read_frame, send_bye, send_reject, write_frame};

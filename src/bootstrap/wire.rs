@@ -34,6 +34,8 @@
 //! fabric, else TCP when both offer it, else the handshake fails.
 //!  region count u32
 //!  regions, 32 bytes each: tag u64, addr u64, len u64, rkey u32, access u32
+//!    (exactly one under tag u64::MAX: the side's notification ring,
+//!    writable, 64 bytes of header then MIN_RING..=MAX_RING bytes)
 //!  [name, if caps bit 2: length u16 (1..=256), then that many bytes: who
 //!   this side is, for the peer to tell its connections apart]
 //!  (trailing bytes, reserved for later extensions of version 1, are ignored)
@@ -52,15 +54,72 @@ use crate::remote::RemoteRegion;
 
 /// "GRDM".
 pub const MAGIC: u32 = 0x4752_444d;
-/// The protocol version this crate speaks (4: the TCP endpoint announces
-/// its send-queue depth).
-pub const VERSION: u16 = 4;
+/// The protocol version this crate speaks (5: each side announces its
+/// notification ring among its regions, under
+/// [`RING_TAG`]).
+pub const VERSION: u16 = 5;
 /// Bytes in a frame header.
 pub const HEADER_LEN: usize = 16;
 /// The default limit on a frame's payload.
 pub const DEFAULT_MAX_PAYLOAD: u32 = 1 << 20;
 /// The largest reject reason.
 pub const MAX_REASON: usize = 1024;
+
+/// The tag of the region each side announces as its notification ring:
+/// where the peer writes its notifications (see [`Hello::regions`]). A
+/// region of the user's may not use it.
+pub const RING_TAG: u64 = u64::MAX;
+
+/// Bytes of a notification ring's header, before the ring itself.
+pub const RING_HEADER: usize = 64;
+
+/// The smallest notification ring (the ring itself, after its header):
+/// two of the largest notification records.
+pub const MIN_RING: usize = 16 << 10;
+
+/// The largest notification ring a side makes or accepts.
+pub const MAX_RING: usize = 64 << 20;
+
+/// The notification ring a connection makes unless told otherwise
+/// ([`ConnectOptions::notify_ring`](crate::ConnectOptions::notify_ring)).
+pub const DEFAULT_RING: usize = 64 << 10;
+
+/// Records in a ring start on this alignment; a ring's size is a multiple.
+pub const RING_ALIGN: usize = 64;
+
+/// Whether `cap` is a ring size this side makes or accepts.
+pub fn valid_ring(cap: usize) -> bool {
+    (MIN_RING..=MAX_RING).contains(&cap) && cap % RING_ALIGN == 0
+}
+
+/// Takes the peer's notification ring out of the regions its hello
+/// announced, checked: exactly one, writable, of a size this side accepts.
+///
+/// # Errors
+/// [`BootstrapError::Incompatible`] for none, several or one not writable;
+/// [`BootstrapError::OutOfRange`] for its length.
+pub fn take_ring(regions: &mut Vec<RemoteRegion>) -> Result<RemoteRegion, BootstrapError> {
+    let n = regions.iter().filter(|r| r.tag == RING_TAG).count();
+    let Some(ring) = regions.iter().find(|r| r.tag == RING_TAG).copied().filter(|_| n == 1) else {
+        return Err(BootstrapError::Incompatible(format!(
+            "the peer announced {n} notification rings (region tag {RING_TAG:#x}); one is needed"
+        )));
+    };
+    regions.retain(|r| r.tag != RING_TAG);
+    let cap = ring.len.checked_sub(RING_HEADER as u64);
+    if !cap.is_some_and(|c| usize::try_from(c).is_ok_and(valid_ring)) {
+        return Err(BootstrapError::OutOfRange {
+            field: "notification ring length",
+            value: ring.len,
+            min: (RING_HEADER + MIN_RING) as u64,
+            max: (RING_HEADER + MAX_RING) as u64,
+        });
+    }
+    if !ring.access.contains(crate::access::Access::REMOTE_WRITE) {
+        return Err(BootstrapError::Incompatible("the peer's notification ring is not writable".into()));
+    }
+    Ok(ring)
+}
 
 /// Capability bit: the hello carries a verbs endpoint.
 pub const CAP_VERBS: u64 = 1;

@@ -5,6 +5,7 @@
 
 mod establish;
 mod inbox;
+mod notes;
 mod pending;
 mod persistent;
 mod ring;
@@ -13,7 +14,8 @@ mod waiting;
 
 pub use crate::options::{ConnectOptions, ConnectionInfo};
 pub use establish::{Interrupt, Listener, MAX_CONCURRENT_HANDSHAKES};
-pub use inbox::{Inbox, InboxStats, MAX_QUEUED_BYTES, MAX_QUEUED_NOTES, NOTE_OVERHEAD, Note};
+pub use inbox::Inbox;
+pub use notes::{InboxStats, MAX_QUEUED_BYTES, MAX_QUEUED_NOTES, NOTE_OVERHEAD, Note};
 pub use pending::Pending;
 pub(crate) use pending::Stage;
 pub use persistent::{Persistent, PersistentRecv, PersistentSend};
@@ -51,8 +53,10 @@ pub(crate) struct ConnShared {
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     spin: Duration,
     domain: Domain,
-    /// Registered buffers for notification messages too long to go inline.
+    /// Registered buffers notifications are written into the peer's ring from.
     note_pool: std::sync::Mutex<Vec<crate::Region<crate::HostMemory>>>,
+    /// Both notification rings: this side's (an [`Inbox`] reads it) and the peer's.
+    notes: notes::NoteRings<notes::Notes>,
     /// Staged GPU operations in progress, moved along by every wait.
     #[cfg(feature = "cuda")]
     staged: crate::protocol::staged::StagedSet,
@@ -356,7 +360,16 @@ impl Connection {
         opts: &ConnectOptions,
         is_server: bool,
     ) -> Result<Self> {
-        let est = transport::establish(domain.mem(), stream, opts, is_server)?;
+        if opts.advertise.iter().any(|r| r.tag == crate::RING_TAG) {
+            return Err(Error::InvalidArgument(format!(
+                "region tag {:#x} is reserved for the notification ring",
+                crate::RING_TAG
+            )));
+        }
+        let ring = notes::NoteRings::<notes::Notes>::make(domain, opts.notify_ring)?;
+        let mut with_ring = opts.clone();
+        with_ring.advertise.push(ring.descriptor());
+        let est = transport::establish(domain.mem(), stream, &with_ring, is_server)?;
         Ok(Connection {
             shared: Arc::new(ConnShared {
                 transport: est.transport,
@@ -368,6 +381,7 @@ impl Connection {
                 spin: opts.spin,
                 domain: domain.clone(),
                 note_pool: std::sync::Mutex::new(Vec::new()),
+                notes: notes::NoteRings::new(ring, est.peer_ring),
                 #[cfg(feature = "cuda")]
                 staged: crate::protocol::staged::StagedSet::default(),
                 gate: Arc::new(Gate::default()),

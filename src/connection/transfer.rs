@@ -124,8 +124,10 @@ struct NoteOut {
     sent: bool,
     /// Its request, while in flight.
     id: Option<OpId>,
-    /// The registered copy of a message too long to go inline.
+    /// The registered buffer its record is written from.
     region: Option<Region<HostMemory>>,
+    /// Since when it waits for room in the peer's ring.
+    ring_wait: Option<Instant>,
     /// The length of a payload past the limit: the list is refused.
     too_long: Option<usize>,
 }
@@ -367,7 +369,8 @@ impl Connection {
     ) -> Transfer<B> {
         let too_long = (payload.len() > notify::MAX_NOTIFY_PAYLOAD).then_some(payload.len());
         let payload = if too_long.is_some() { Vec::new() } else { payload.to_vec() };
-        let note = NoteOut { tag, msg: Vec::new(), payload, sent: false, id: None, region: None, too_long };
+        let note =
+            NoteOut { tag, msg: Vec::new(), payload, sent: false, id: None, region: None, ring_wait: None, too_long };
         Transfer::new(List::start(self, local.into(), *remote, pieces, Direction::Write, Some(note)))
     }
 
@@ -761,6 +764,16 @@ impl<B: Send + 'static> List<B> {
                 self.in_flight.push_back(id);
                 true
             }
+            // The peer has not taken enough of its notes yet: wait for room
+            // for up to the operation timeout, looked at again later.
+            Posted::Refused(e) if super::notes::ring_full(&e) => {
+                let since = *note.ring_wait.get_or_insert_with(Instant::now);
+                let timeout = self.shared.op_timeout;
+                if since.elapsed() >= timeout {
+                    self.fail(Error::Timeout { what: super::notes::RING_ROOM, after: timeout });
+                }
+                false
+            }
             Posted::Refused(e) if immediate && matches!(*e, Error::QueueFull { .. }) => false,
             Posted::Refused(e) => {
                 self.fail(*e);
@@ -776,27 +789,22 @@ impl<B: Send + 'static> List<B> {
         }
     }
 
-    /// Posts `note`'s message: inline when it fits, else from a registered
-    /// buffer of the connection's pool (kept in `note` until it completes).
+    /// Writes `note`'s message into the peer's notification ring, from a
+    /// registered buffer of the connection's pool (kept in `note` until it
+    /// completes), once the ring has room.
     fn send_note(shared: &ConnShared, note: &mut NoteOut, due: Deadline) -> Posted {
-        if note.msg.len() <= shared.info.max_inline as usize {
-            return shared.transport.post_inline(&note.msg, Some(note.tag), due);
-        }
         let region = match note.region.take() {
             Some(r) => Ok(r),
             None => {
                 let pooled = shared.note_pool.lock().unwrap_or_else(|e| e.into_inner()).pop();
-                pooled.map_or_else(|| shared.domain.alloc(notify::MAX_MESSAGE), Ok)
+                pooled.map_or_else(|| shared.domain.alloc(super::notes::OUT_BUFFER), Ok)
             }
         };
         let mut region = match region {
             Ok(r) => r,
             Err(e) => return Posted::refused(e),
         };
-        region.as_mut_slice()[..note.msg.len()].copy_from_slice(&note.msg);
-        let parts = LocalParts { len: note.msg.len(), ..crate::memory::parts_of(&region) };
-        let posted =
-            shared.transport.post_send(&[WorkItem { local: Some(parts), op: RemoteOp::SendWithImm(note.tag) }], due);
+        let posted = shared.notes.post(&shared.transport, note.tag, &note.msg, &mut region, due);
         note.region = Some(region);
         posted
     }
@@ -853,10 +861,17 @@ impl<B: Send + 'static> List<B> {
         if let Some(note) = self.note.as_mut().filter(|n| !n.sent) {
             notify::encode(NotifyStatus::Failed, &notify::Cover::default(), e.to_string().as_bytes(), &mut note.msg);
             note.sent = true;
-            let due = Deadline::lazy(self.shared.op_timeout, "room in the send queue");
-            if let Posted::Ok(id) | Posted::Stuck(id, _) = Self::send_note(&self.shared, note, due) {
-                note.id = Some(id);
-                self.in_flight.push_back(id);
+            // Never waits (this may be the engine's thread): with no room
+            // in the send queue or the peer's ring, the peer's wait ends at
+            // its own timeout instead.
+            match Self::send_note(&self.shared, note, Deadline::immediate("room in the send queue")) {
+                Posted::Ok(id) | Posted::Stuck(id, _) => {
+                    note.id = Some(id);
+                    self.in_flight.push_back(id);
+                }
+                Posted::Refused(why) => {
+                    tracing::warn!("a failed list's notification (tag {}) could not go out: {why}", note.tag);
+                }
             }
         }
         self.error = Some(e);

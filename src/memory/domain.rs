@@ -33,6 +33,7 @@ struct Counters {
     regions: AtomicUsize,
     exposed: AtomicUsize,
     connections: AtomicUsize,
+    internal: AtomicUsize,
 }
 
 /// What a [`Live`] counts.
@@ -41,6 +42,9 @@ pub(crate) enum Counter {
     Regions,
     Exposed,
     Connections,
+    /// The crate's own resources (a connection's notification ring):
+    /// counted apart, not in [`DomainStats`].
+    Internal,
 }
 
 impl Counters {
@@ -49,6 +53,7 @@ impl Counters {
             Counter::Regions => &self.regions,
             Counter::Exposed => &self.exposed,
             Counter::Connections => &self.connections,
+            Counter::Internal => &self.internal,
         }
     }
 }
@@ -58,6 +63,15 @@ impl Counters {
 pub(crate) struct Live {
     counters: Arc<Counters>,
     which: Counter,
+}
+
+impl Live {
+    /// Counts the resource as `which` from now on.
+    pub(crate) fn recount(&mut self, which: Counter) {
+        self.counters.get(which).fetch_add(1, Ordering::AcqRel);
+        self.counters.get(self.which).fetch_sub(1, Ordering::AcqRel);
+        self.which = which;
+    }
 }
 
 impl Drop for Live {

@@ -21,6 +21,7 @@ pub mod gpu;
 mod host;
 pub(crate) mod keys;
 pub mod path;
+pub(crate) mod peer_written;
 mod region;
 mod registration;
 #[cfg(feature = "cuda")]

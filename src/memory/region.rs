@@ -629,6 +629,22 @@ impl<M: Memory> Exposed<M> {
         }
     }
 
+    /// Counts it, and the region inside, as the crate's own, not in
+    /// [`DomainStats`](crate::DomainStats).
+    pub(crate) fn count_as_internal(&mut self) {
+        let inner = Arc::get_mut(&mut self.inner).expect("a fresh exposed region has one handle");
+        if let Some(live) = inner._live.as_mut() {
+            live.recount(super::Counter::Internal);
+        }
+        inner.region._live.recount(super::Counter::Internal);
+    }
+
+    /// The memory (for [`PeerWritten`](super::peer_written::PeerWritten),
+    /// which reads it only through raw pointers).
+    pub(crate) fn region_memory(&self) -> &M {
+        self.inner.region.memory()
+    }
+
     fn remote(&self) -> &Registration {
         self.inner.remote.as_ref().expect("an exposed region has a remote registration")
     }

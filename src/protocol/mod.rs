@@ -20,6 +20,7 @@
 //! checks a device makes are made once, in `route`, for both.
 
 pub(crate) mod list;
+pub(crate) mod mailbox;
 pub(crate) mod notify;
 pub(crate) mod order;
 #[cfg(feature = "cuda")]

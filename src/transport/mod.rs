@@ -32,6 +32,8 @@ pub(crate) enum ConnTransport {
 pub(crate) struct Established {
     pub transport: ConnTransport,
     pub peer_regions: Vec<RemoteRegion>,
+    /// The peer's notification ring ([`crate::protocol::mailbox`]).
+    pub peer_ring: RemoteRegion,
     pub info: ConnectionInfo,
 }
 
@@ -132,13 +134,20 @@ pub(crate) fn establish(
         regions: opts.advertise.clone(),
         name: opts.name.clone(),
     };
-    let peer = bootstrap::exchange_hello(&stream, &hello, deadline, opts.max_handshake_payload)?;
+    let mut peer = bootstrap::exchange_hello(&stream, &hello, deadline, opts.max_handshake_payload)?;
     let no_verbs_reason = match policy {
         TransportPolicy::Tcp => Some("TCP was asked for on this side".to_owned()),
         _ => backend.no_verbs.as_deref().map(|r| format!("this side has no RDMA: {r}")),
     };
     let choice = match choose(&hello, &peer, no_verbs_reason.as_deref()) {
         Ok(c) => c,
+        Err(e) => {
+            bootstrap::send_reject(&stream, &e.to_string());
+            return Err(e);
+        }
+    };
+    let peer_ring = match bootstrap::take_ring(&mut peer.regions).map_err(Error::from) {
+        Ok(r) => r,
         Err(e) => {
             bootstrap::send_reject(&stream, &e.to_string());
             return Err(e);
@@ -159,6 +168,7 @@ pub(crate) fn establish(
         return Ok(Established {
             transport: ConnTransport::Verbs(std::sync::Arc::new(conn)),
             peer_regions: peer.regions,
+            peer_ring,
             info,
         });
     }
@@ -166,7 +176,7 @@ pub(crate) fn establish(
     let (conn, mut info) =
         tcp::TcpConn::establish(&backend.keys, backend.id(), stream, &theirs, opts, deadline, choice.reason)?;
     info.peer_name = peer.name;
-    Ok(Established { transport: ConnTransport::Tcp(conn), peer_regions: peer.regions, info })
+    Ok(Established { transport: ConnTransport::Tcp(conn), peer_regions: peer.regions, peer_ring, info })
 }
 
 macro_rules! dispatch {
