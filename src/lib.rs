@@ -567,8 +567,9 @@ pub use completion::{Completion, CompletionError, Failure, Opcode, WcStatus};
 pub use config::{Transport, TransportPolicy};
 pub use connection::{
     Batch, CompletionSet, ConnectOptions, Connection, ConnectionInfo, ConnectionStats, Failed, Finished, Inbox,
-    InboxStats, Interrupt, Listener, MAX_CONCURRENT_HANDSHAKES, MAX_QUEUED_BYTES, MAX_QUEUED_NOTES, NOTE_OVERHEAD,
-    Note, Pending, Persistent, PersistentRecv, PersistentSend, Received, RecvRing, Transfer, Transferred,
+    InboxStats, Interrupt, Listener, Looking, MAX_CONCURRENT_HANDSHAKES, MAX_QUEUED_BYTES, MAX_QUEUED_NOTES,
+    NOTE_OVERHEAD, Note, Pending, Persistent, PersistentRecv, PersistentSend, Received, RecvRing, Transfer,
+    Transferred,
 };
 #[cfg(feature = "cuda")]
 pub use domain::StagingStats;

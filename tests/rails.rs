@@ -312,11 +312,12 @@ fn tcp_a_rail_cut_mid_transfer_is_dropped_and_the_transfer_finishes() {
     drop(proxy);
 }
 
-/// A striped transfer is a future: awaited on a one-thread runtime, with a
-/// rail cut mid-transfer, its stripes move to the rail left and its
-/// notification follows, while the runtime goes on running other tasks.
+/// A striped transfer is a future, and so is a rail inbox's wait: both
+/// awaited on one one-thread runtime, with a rail cut mid-transfer, the
+/// stripes move to the rail left and the notification follows, while the
+/// runtime goes on running other tasks.
 #[test]
-fn tcp_an_awaited_striped_transfer_moves_off_a_cut_rail_without_blocking_its_runtime() {
+fn tcp_an_awaited_striped_transfer_and_inbox_move_off_a_cut_rail_without_blocking_their_runtime() {
     const LEN: u64 = 64 * MIB;
     let (server, client) = (tcp_rails(2), tcp_rails(2));
     let ropts = rail_opts(Duration::from_secs(10));
@@ -334,7 +335,7 @@ fn tcp_an_awaited_striped_transfer_moves_off_a_cut_rail_without_blocking_its_run
     mine.write_at(0, &data).unwrap();
     let mut inbox = s.inbox(1).unwrap();
     let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
-    let (moved, ticks) = rt.block_on(async {
+    let (moved, notes, ticks) = rt.block_on(async {
         let ticks = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
         let ticker = {
             let ticks = ticks.clone();
@@ -345,17 +346,17 @@ fn tcp_an_awaited_striped_transfer_moves_off_a_cut_rail_without_blocking_its_run
                 }
             })
         };
-        let moved = c.write_notify(&mine, 0, &d, 0, LEN, 7, b"all here").await;
+        // The sender and the receiving side, both awaited on this one thread.
+        let (moved, notes) = tokio::join!(c.write_notify(&mine, 0, &d, 0, LEN, 7, b"all here"), inbox.wait_async(7, 1));
         ticker.abort();
-        (moved, ticks.load(std::sync::atomic::Ordering::Relaxed))
+        (moved, notes, ticks.load(std::sync::atomic::Ordering::Relaxed))
     });
     let moved = moved.expect("finished on the rail left");
     println!("{moved:?}, the runtime ticked {ticks} times meanwhile");
     assert_eq!(moved.bytes, LEN);
     assert!(moved.moved_again >= 1, "rail 1 was cut: {moved:?}");
     assert!(ticks > 0, "the runtime was blocked");
-    let notes = inbox.wait(7, 1).unwrap();
-    assert_eq!(&notes[0].payload[..], b"all here");
+    assert_eq!(&notes.expect("the awaited inbox")[0].payload[..], b"all here");
     let mut got = vec![0u8; LEN as usize];
     theirs.read_at(0, &mut got).unwrap();
     assert_eq!(first_difference(&got, &data), None, "every stripe landed before the notification");

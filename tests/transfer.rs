@@ -397,6 +397,48 @@ fn notifications_sent_before_the_inbox_exists_wait_for_it(t: Kind) {
     assert!(got.chunks(128).enumerate().all(|(i, c)| c.iter().all(|&b| b == i as u8)));
 }
 
+/// An inbox's wait as a future: awaited on a one-thread runtime, it gets
+/// notes sent later from another thread while the runtime runs other
+/// tasks.
+fn an_awaited_inbox_gets_its_notes_without_blocking_its_runtime(t: Kind) {
+    let d = domain(t);
+    let (s, c) = pair(&d);
+    let target = d.expose(d.alloc(4096).unwrap(), Access::REMOTE_WRITE, 0).unwrap();
+    let remote = s.grant(&target).whole();
+    let mut inbox = s.inbox(1).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+    let (got, ticks) = rt.block_on(async {
+        let ticks = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let ticker = {
+            let ticks = ticks.clone();
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                    ticks.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            })
+        };
+        let sender = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            for i in 0..4u8 {
+                let piece = [Piece::new(0, u64::from(i) * 64, 64)];
+                c.write_list_notify(filled(&d, &[i; 64]), &remote, piece, 3, &[i]).finish().unwrap();
+            }
+            c
+        });
+        let got = inbox.wait_async(3, 4).await;
+        ticker.abort();
+        let _c = sender.join().unwrap();
+        (got, ticks.load(std::sync::atomic::Ordering::Relaxed))
+    });
+    let notes = got.unwrap();
+    assert_eq!(notes.iter().map(|n| n.payload[0]).collect::<Vec<_>>(), [0, 1, 2, 3]);
+    assert!(ticks >= 10, "the runtime ran meanwhile: {ticks} ticks");
+    let mut got = vec![0u8; 256];
+    target.read_at(0, &mut got).unwrap();
+    assert!(got.chunks(64).enumerate().all(|(i, c)| c.iter().all(|&b| b == i as u8)));
+}
+
 /// A peer that never takes its notes fills its ring and no more: the
 /// sender's next notification waits for room, and fails at its operation
 /// timeout, naming what it waited for; taking the notes makes room.
@@ -490,6 +532,7 @@ both!(
     messages_and_notifications_share_one_connection,
     notifications_sent_before_the_inbox_exists_wait_for_it,
     a_full_ring_holds_the_sender_until_notes_are_taken,
+    an_awaited_inbox_gets_its_notes_without_blocking_its_runtime,
     an_error_in_the_middle_of_a_chain_fails_it_with_that_error,
     a_list_nobody_waits_on_is_carried_to_the_end_by_the_engine,
 );

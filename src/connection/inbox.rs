@@ -141,6 +141,17 @@ impl Inbox {
         }
     }
 
+    /// [`wait`](Self::wait) as a future: it never blocks the thread; the
+    /// domain's engine has it look at the ring again every 200 us until
+    /// the notifications are there, or the connection's operation timeout.
+    ///
+    /// # Errors
+    /// As [`wait`](Self::wait).
+    pub fn wait_async(&mut self, tag: u32, n: usize) -> Looking<impl FnMut() -> Result<Option<Vec<Note>>> + '_> {
+        let (domain, timeout) = (self.shared.domain.clone(), self.shared.op_timeout);
+        Looking::new(domain, timeout, "notifications", move || self.try_take(tag, n))
+    }
+
     /// Notifications with `tag` that arrived and are not taken (as of the
     /// last poll or wait).
     pub fn count(&self, tag: u32) -> usize {
@@ -153,11 +164,61 @@ impl Inbox {
         self.shared.notes.read_side().state.lost.is_some()
     }
 
+    /// The connection's domain (whose engine times async waits).
+    pub(crate) fn domain(&self) -> crate::Domain {
+        self.shared.domain.clone()
+    }
+
     /// What the inbox has seen.
     pub fn stats(&self) -> InboxStats {
         let side = self.shared.notes.read_side();
         let n = &side.state;
         InboxStats { queued: n.queued, queued_bytes: n.queued_bytes, ..n.stats }
+    }
+}
+
+/// A wait that looks again on the domain's engine's timer until `look`
+/// has its result or the timeout passes ([`Inbox::wait_async`],
+/// [`RailInbox::wait_async`](crate::rails::RailInbox::wait_async)).
+#[must_use = "a future does nothing unless awaited"]
+pub struct Looking<F> {
+    look: F,
+    domain: crate::Domain,
+    timeout: Duration,
+    until: Option<Instant>,
+    what: &'static str,
+}
+
+impl<F> Looking<F> {
+    pub(crate) fn new(domain: crate::Domain, timeout: Duration, what: &'static str, look: F) -> Self {
+        Looking { look, domain, timeout, until: None, what }
+    }
+}
+
+impl<T, F: FnMut() -> Result<Option<T>> + Unpin> std::future::Future for Looking<F> {
+    type Output = Result<T>;
+
+    fn poll(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<T>> {
+        use std::task::Poll;
+        let this = self.get_mut();
+        let now = Instant::now();
+        let until = *this.until.get_or_insert(now + this.timeout);
+        match (this.look)() {
+            Ok(Some(v)) => Poll::Ready(Ok(v)),
+            Err(e) => Poll::Ready(Err(e)),
+            Ok(None) if now >= until => Poll::Ready(Err(Error::Timeout { what: this.what, after: this.timeout })),
+            Ok(None) => {
+                let at = (now + crate::transport::engine::LOOK_AGAIN).min(until);
+                this.domain.engine().timer(at, cx.waker().clone());
+                Poll::Pending
+            }
+        }
+    }
+}
+
+impl<F> fmt::Debug for Looking<F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Looking").field("what", &self.what).field("until", &self.until).finish()
     }
 }
 

@@ -14,7 +14,7 @@ mod waiting;
 
 pub use crate::options::{ConnectOptions, ConnectionInfo};
 pub use establish::{Interrupt, Listener, MAX_CONCURRENT_HANDSHAKES};
-pub use inbox::Inbox;
+pub use inbox::{Inbox, Looking};
 pub use notes::{InboxStats, MAX_QUEUED_BYTES, MAX_QUEUED_NOTES, NOTE_OVERHEAD, Note};
 pub use pending::Pending;
 pub(crate) use pending::Stage;
