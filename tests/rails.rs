@@ -136,6 +136,37 @@ fn notification_after_all_stripes(server: Rails, client: Rails) {
     }
 }
 
+/// A rail transfer's source needs only local access: a region from
+/// `Rails::register` is written striped to the peer and read back into
+/// another, while the peer can reach neither (a grant refuses it, and its
+/// descriptor grants nothing: the peer's write is refused typed).
+fn a_local_only_region_is_a_source_and_destination_no_peer_can_reach(server: Rails, client: Rails) {
+    const LEN: u64 = 8 * MIB;
+    let ropts = rail_opts(Duration::from_secs(60)).stripe(MIB / 2);
+    let (s, c) = connect(&server, &client, &ropts, |a| a);
+    let theirs = server.alloc(LEN as usize, 1).unwrap();
+    let d = s.grant(&theirs).unwrap();
+    let src = client.register(HostMemory::new(LEN as usize).unwrap()).unwrap();
+    assert!(!src.is_exposed());
+    let data = pattern(LEN as usize, 31);
+    src.write_at(0, &data).unwrap();
+    assert_eq!(c.write(&src, 0, &d, 0, LEN).wait().unwrap().bytes, LEN);
+    let mut got = vec![0u8; LEN as usize];
+    theirs.read_at(0, &mut got).unwrap();
+    assert_eq!(first_difference(&got, &data), None, "the local-only source went out whole");
+    let dst = client.register(HostMemory::new(LEN as usize).unwrap()).unwrap();
+    assert_eq!(c.read(&dst, 0, &d, 0, LEN).wait().unwrap().bytes, LEN);
+    dst.read_at(0, &mut got).unwrap();
+    assert_eq!(first_difference(&got, &data), None, "read into a local-only destination");
+    assert!(matches!(c.grant(&src), Err(Error::InvalidArgument(_))), "a local-only region is never granted");
+    let none = src.descriptor();
+    assert!(none.rails().iter().all(|r| r.access().is_empty() && r.rkey() == 0), "{none:?}");
+    match s.write(&theirs, 0, &none, 0, 64).wait() {
+        Err(Error::AccessDenied { .. }) => {}
+        other => panic!("the peer reached a local-only region: {other:?}"),
+    }
+}
+
 /// Bad ranges, missing rights and mismatched regions are refused typed,
 /// before anything moves.
 fn bad_requests_are_refused(server: Rails, client: Rails) {
@@ -204,7 +235,12 @@ macro_rules! both_rails {
     };
 }
 
-both_rails!(striped_write_and_read_256m, notification_after_all_stripes, bad_requests_are_refused);
+both_rails!(
+    striped_write_and_read_256m,
+    notification_after_all_stripes,
+    bad_requests_are_refused,
+    a_local_only_region_is_a_source_and_destination_no_peer_can_reach,
+);
 
 fn striped_write_and_read_256m(server: Rails, client: Rails) {
     striped_write_and_read(server, client, 256 * MIB)

@@ -426,6 +426,26 @@ impl<M: Memory> Region<M> {
 }
 
 impl<M: Memory> Shared<M> {
+    /// `read_at` for any host memory type (the rail
+    /// set's aliases); other memory is refused.
+    pub(crate) fn copy_out(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        self.host_only()?;
+        self.inner.read_at(offset, out)
+    }
+
+    /// `write_at` for any host memory type.
+    pub(crate) fn copy_in(&self, offset: usize, data: &[u8]) -> Result<()> {
+        self.host_only()?;
+        self.inner.write_at(offset, data)
+    }
+
+    fn host_only(&self) -> Result<()> {
+        match self.kind() {
+            MemoryKind::Host => Ok(()),
+            kind => Err(Error::InvalidArgument(format!("CPU copies need host memory; this region is {kind:?}"))),
+        }
+    }
+
     /// The region back when this is the last handle (no clone, no operation
     /// in flight); else `self`.
     ///
@@ -639,6 +659,12 @@ impl<M: Memory> Exposed<M> {
         inner.region._live.recount(super::Counter::Internal);
     }
 
+    /// A handle on the same registration for local use only (what a rail
+    /// transfer posts from): no remote rights of its own.
+    pub(crate) fn local_view(&self) -> Shared<M> {
+        Shared { inner: Arc::clone(&self.inner) }
+    }
+
     /// The memory (for [`PeerWritten`](super::peer_written::PeerWritten),
     /// which reads it only through raw pointers).
     pub(crate) fn region_memory(&self) -> &M {
@@ -693,26 +719,6 @@ impl<M: Memory> Exposed<M> {
     pub fn withdraw(self) -> std::result::Result<Region<M>, WithdrawError<M>> {
         let inner = Arc::try_unwrap(self.inner).map_err(|inner| WithdrawError::InUse(Exposed { inner }))?;
         inner.into_region().map_err(WithdrawError::Failed)
-    }
-
-    /// [`read_at`](Exposed::read_at) for any host memory type (the rail
-    /// set's aliases); other memory is refused.
-    pub(crate) fn copy_out(&self, offset: usize, out: &mut [u8]) -> Result<()> {
-        self.host_only()?;
-        self.inner.read_at(offset, out)
-    }
-
-    /// [`write_at`](Exposed::write_at) for any host memory type.
-    pub(crate) fn copy_in(&self, offset: usize, data: &[u8]) -> Result<()> {
-        self.host_only()?;
-        self.inner.write_at(offset, data)
-    }
-
-    fn host_only(&self) -> Result<()> {
-        match self.kind() {
-            MemoryKind::Host => Ok(()),
-            kind => Err(Error::InvalidArgument(format!("CPU copies need host memory; this region is {kind:?}"))),
-        }
     }
 }
 

@@ -161,8 +161,13 @@ impl RailConnection {
                 ),
             });
         }
+        if !region.is_exposed() {
+            return Err(Error::InvalidArgument(
+                "a local-only rail region (Rails::register) cannot be granted: expose it (Rails::expose)".into(),
+            ));
+        }
         for l in &self.shared.links {
-            l.conn.grant(&region.rails[l.rail]);
+            l.conn.grant(&region.exposed[l.rail]);
         }
         Ok(region.descriptor())
     }

@@ -43,7 +43,7 @@ use crate::error::{Error, Result};
 use crate::host_memory::HostMemory;
 use crate::memory::alias::{Alias, aliases};
 use crate::memory::path::MemPath;
-use crate::memory::{Exposed, Memory};
+use crate::memory::{Exposed, Memory, Shared};
 use crate::options::ConnectOptions;
 
 mod connection;
@@ -191,7 +191,30 @@ impl Rails {
         access: Access,
         tag: u64,
     ) -> std::result::Result<RailRegion<M>, BufError<Option<M>>> {
-        let mut done: Vec<Exposed<Alias<M>>> = Vec::with_capacity(self.domains.len());
+        self.register_all(mem, Some((access, tag)))
+    }
+
+    /// Registers `mem` with every rail for this side's transfers only: the
+    /// source of a striped write, or the destination of a striped read,
+    /// that no peer can reach ([`RailConnection::grant`] refuses it).
+    ///
+    /// # Errors
+    /// As [`Rails::expose`].
+    #[allow(clippy::result_large_err)]
+    pub fn register<M: Memory>(&self, mem: M) -> std::result::Result<RailRegion<M>, BufError<Option<M>>> {
+        self.register_all(mem, None)
+    }
+
+    /// Registers `mem` with every rail, exposed with `remote` (rights and
+    /// tag) or local only; undone whole on a failure.
+    #[allow(clippy::result_large_err)]
+    fn register_all<M: Memory>(
+        &self,
+        mem: M,
+        remote: Option<(Access, u64)>,
+    ) -> std::result::Result<RailRegion<M>, BufError<Option<M>>> {
+        let mut rails: Vec<Shared<Alias<M>>> = Vec::with_capacity(self.domains.len());
+        let mut exposed: Vec<Exposed<Alias<M>>> = Vec::with_capacity(self.domains.len());
         let mut left = aliases(mem, self.domains.len());
         for domain in &self.domains {
             let alias = left.pop().expect("one alias per rail");
@@ -206,27 +229,45 @@ impl Rails {
                     };
                     (error, region.into_memory().ok())
                 }
-                Ok(region) => match domain.expose(region, access, tag) {
-                    Ok(exposed) => {
-                        done.push(exposed);
+                Ok(region) => match remote {
+                    None => {
+                        rails.push(region.share());
                         continue;
                     }
-                    Err(BufError { error, buffer }) => (error, buffer.into_memory().ok()),
+                    Some((access, tag)) => match domain.expose(region, access, tag) {
+                        Ok(e) => {
+                            rails.push(e.local_view());
+                            exposed.push(e);
+                            continue;
+                        }
+                        Err(BufError { error, buffer }) => (error, buffer.into_memory().ok()),
+                    },
                 },
                 Err(BufError { error, buffer }) => (error, Some(buffer)),
             };
             let (error, alias) = failed;
             left.extend(alias);
-            for e in done {
-                if let Ok(alias) = e.withdraw().map_err(|_| ()).and_then(|r| r.into_memory().map_err(|_| ())) {
-                    left.push(alias);
+            if exposed.is_empty() {
+                for s in rails {
+                    if let Ok(alias) = s.try_into_region().map_err(|_| ()).and_then(|r| r.into_memory().map_err(|_| ()))
+                    {
+                        left.push(alias);
+                    }
+                }
+            } else {
+                // The local views first: each withdraw needs the last handle.
+                drop(rails);
+                for e in exposed {
+                    if let Ok(alias) = e.withdraw().map_err(|_| ()).and_then(|r| r.into_memory().map_err(|_| ())) {
+                        left.push(alias);
+                    }
                 }
             }
             // The last alias gives the memory back; one kept by a registration
             // that could not be undone stays leaked with it.
             return Err(BufError { error, buffer: left.into_iter().find_map(Alias::into_inner) });
         }
-        Ok(RailRegion { rails: done })
+        Ok(RailRegion { rails, exposed })
     }
 
     /// Listens on every rail: rail `r` on `addr`'s host, at `addr`'s port

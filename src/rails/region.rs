@@ -5,25 +5,31 @@
 use crate::error::{BootstrapError, Error, Result};
 use crate::host_memory::HostMemory;
 use crate::memory::alias::Alias;
-use crate::memory::{Exposed, Memory, RemoteRegion};
+use crate::memory::{Exposed, Memory, RemoteRegion, Shared};
 use crate::remote::REGION_LEN;
 
 use super::*;
 
-/// Host (or GPU) memory registered with every rail of a set, exposed to
-/// peers under one key per rail. Cheap to clone.
+/// Host (or GPU) memory registered with every rail of a set: exposed to
+/// peers under one key per rail ([`Rails::expose`], [`Rails::alloc`]), or
+/// for local use only, as the source or destination of this side's
+/// transfers ([`Rails::register`]). Cheap to clone.
 ///
-/// Like an [`Exposed`] region it offers no `&[u8]`: a peer may write it at
-/// any time. Copy with [`read_at`](RailRegion::read_at) and
-/// [`write_at`](RailRegion::write_at).
+/// Like an [`Exposed`] region it offers no `&[u8]`: a peer, or a transfer
+/// in flight, may write it at any time. Copy with
+/// [`read_at`](RailRegion::read_at) and [`write_at`](RailRegion::write_at).
 pub struct RailRegion<M: Memory = HostMemory> {
-    /// One registration per rail, in rail order; all of the same bytes.
-    pub(super) rails: Vec<Exposed<Alias<M>>>,
+    /// One registration per rail, in rail order, all of the same bytes, as
+    /// this side's transfers use them.
+    pub(super) rails: Vec<Shared<Alias<M>>>,
+    /// The same registrations exposed to peers (empty for a local-only
+    /// region).
+    pub(super) exposed: Vec<Exposed<Alias<M>>>,
 }
 
 impl<M: Memory> Clone for RailRegion<M> {
     fn clone(&self) -> Self {
-        RailRegion { rails: self.rails.clone() }
+        RailRegion { rails: self.rails.clone(), exposed: self.exposed.clone() }
     }
 }
 
@@ -44,9 +50,24 @@ impl<M: Memory> RailRegion<M> {
         self.len() == 0
     }
 
-    /// What a peer needs to reach it on every rail.
+    /// Whether peers may reach it (it was exposed), or only this side's
+    /// transfers use it.
+    pub fn is_exposed(&self) -> bool {
+        !self.exposed.is_empty()
+    }
+
+    /// What a peer needs to reach it on every rail. A local-only region's
+    /// ([`Rails::register`]) grants no rights: a peer's every access to it
+    /// is refused.
     pub fn descriptor(&self) -> RailDescriptor {
-        RailDescriptor { rails: self.rails.iter().map(Exposed::descriptor).collect() }
+        if self.exposed.is_empty() {
+            let none = |r: &Shared<Alias<M>>| {
+                let p = crate::memory::parts_of(r);
+                RemoteRegion { tag: 0, addr: p.addr, len: p.len as u64, rkey: 0, access: crate::Access::empty() }
+            };
+            return RailDescriptor { rails: self.rails.iter().map(none).collect() };
+        }
+        RailDescriptor { rails: self.exposed.iter().map(Exposed::descriptor).collect() }
     }
 }
 

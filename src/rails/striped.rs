@@ -13,7 +13,7 @@ use crate::completion::Failure;
 use crate::connection::{Direction, Transfer, Transferred};
 use crate::error::{Error, Result};
 use crate::memory::alias::Alias;
-use crate::memory::{Exposed, Memory};
+use crate::memory::{LocalBuffer, Memory, Shared};
 use crate::protocol::list::Piece;
 
 use super::*;
@@ -35,7 +35,7 @@ pub(super) struct Lane<M: Memory> {
     pub(super) pieces: Vec<Piece>,
     pub(super) link: usize,
     /// In flight; `None` once landed.
-    pub(super) transfer: Option<Transfer<Exposed<Alias<M>>>>,
+    pub(super) transfer: Option<Transfer<Shared<Alias<M>>>>,
 }
 
 /// A striped transfer in flight; see [`RailConnection::write`].
@@ -53,9 +53,9 @@ pub struct Striped<M: Memory> {
     pub(super) turn: usize,
     pub(super) finished: bool,
     /// Lists of queue pairs that failed by timeout, until they are flushed.
-    pub(super) draining: Vec<Transfer<Exposed<Alias<M>>>>,
+    pub(super) draining: Vec<Transfer<Shared<Alias<M>>>>,
     /// The notification's list, on its queue pair, once everything landed.
-    pub(super) note_out: Option<(usize, Transfer<Exposed<Alias<M>>>)>,
+    pub(super) note_out: Option<(usize, Transfer<Shared<Alias<M>>>)>,
     /// Queue pairs the notification failed on.
     pub(super) note_tries: usize,
 }
@@ -159,7 +159,7 @@ impl<M: Memory> Striped<M> {
     }
 
     /// Posts `pieces` (offsets relative to the transfer) on `link`.
-    pub(super) fn post(&self, link: usize, pieces: &[Piece]) -> Result<Transfer<Exposed<Alias<M>>>> {
+    pub(super) fn post(&self, link: usize, pieces: &[Piece]) -> Result<Transfer<Shared<Alias<M>>>> {
         let l = &self.shared.links[link];
         let Span { local_offset, remote_offset, len } = self.span;
         let slice = self.local.rails[l.rail].clone().slice(local_offset as usize..(local_offset + len) as usize);
