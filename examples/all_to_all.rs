@@ -86,6 +86,22 @@ fn launch(args: &Args) -> Result<()> {
         .clone()
         .unwrap_or_else(|| std::env::temp_dir().join(format!("gpu-rdma-all-to-all-{}", std::process::id())));
     let _ = std::fs::remove_dir_all(&dir);
+    // The store, once, before any rank starts: a missing feature or an etcd
+    // that is not running is one clear line, not one per rank.
+    if let Some(endpoint) = &args.etcd {
+        #[cfg(not(feature = "etcd"))]
+        return Err(Error::InvalidArgument(format!(
+            "--etcd {endpoint} needs the etcd feature: cargo run --example all_to_all --features etcd -- --etcd {endpoint}"
+        )));
+        #[cfg(feature = "etcd")]
+        store(args).map_err(|e| {
+            let first = e.to_string().lines().next().unwrap_or_default().chars().take(200).collect::<String>();
+            Error::InvalidArgument(format!(
+                "cannot meet through etcd at {endpoint}: {first}\n  start one first (Debian: apt install etcd-server, \
+                 then `etcd --data-dir /tmp/etcd-data`), or leave out --etcd to meet through a directory"
+            ))
+        })?;
+    }
     let exe = std::env::current_exe()?;
     let started = Instant::now();
     let children: Vec<_> = (0..args.ranks)
@@ -102,16 +118,20 @@ fn launch(args: &Args) -> Result<()> {
                 .spawn()
         })
         .collect::<std::io::Result<_>>()?;
-    let mut failed = 0;
+    let mut failed = Vec::new();
     for (r, mut c) in children.into_iter().enumerate() {
         if !c.wait()?.success() {
-            eprintln!("rank {r} failed");
-            failed += 1;
+            failed.push(r.to_string());
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
-    if failed > 0 {
-        return Err(Error::InvalidArgument(format!("{failed} of {} ranks failed", args.ranks)));
+    if !failed.is_empty() {
+        return Err(Error::InvalidArgument(format!(
+            "{} of {} ranks failed (ranks {}; each said why above)",
+            failed.len(),
+            args.ranks,
+            failed.join(", ")
+        )));
     }
     println!(
         "all {} ranks exchanged {} shards of {} bytes, every one verified, in {:.1} ms",

@@ -206,10 +206,11 @@ fn check(bytes: &[u8]) -> bool {
 
 type Outcome = (bool, Option<(MemPath, f64)>);
 
-fn report_rx(len: usize, took: Duration) {
+fn report_rx(len: usize, took: Duration, on_gpu: bool) {
     println!(
-        "receiver: {} visible on the GPU {:.3} s after connecting = {:.3} GB/s",
+        "receiver: {} visible {} {:.3} s after connecting = {:.3} GB/s",
         format_bytes(len as u64),
+        if on_gpu { "on the GPU" } else { "in host memory (no GPU here)" },
         took.as_secs_f64(),
         len as f64 / took.as_secs_f64() / 1e9
     );
@@ -237,7 +238,7 @@ fn receive(
             // The completion includes making the data visible on the GPU
             // (a flush on a direct path, the copy in on the staged path).
             conn.recv_write(&target).wait()?;
-            report_rx(len, t0.elapsed());
+            report_rx(len, t0.elapsed(), true);
             let mut back = vec![0u8; len];
             target.cuda().copy_to_host(0, &mut back)?;
             check(&back)
@@ -248,7 +249,7 @@ fn receive(
             transport_line("receiver", &conn);
             let t0 = Instant::now();
             conn.recv_imm().wait()?;
-            report_rx(len, t0.elapsed());
+            report_rx(len, t0.elapsed(), false);
             let mut back = vec![0u8; len];
             target.read_at(0, &mut back)?;
             check(&back)

@@ -181,11 +181,30 @@ fn connect(
     opts: &ConnectOptions,
     timeout: Duration,
 ) -> gpu_rdma::Result<Connection> {
-    // The listener may still be starting: retry a refused connection until the timeout.
+    // The listener may still be starting: retry a refused connection until
+    // the timeout, saying so once.
     let deadline = Instant::now() + timeout;
+    let mut said = false;
     loop {
         match domain.connect(addr, opts) {
-            Err(Error::Io(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused && Instant::now() < deadline => {
+            Err(Error::Io(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                if Instant::now() >= deadline {
+                    return Err(Error::Io(std::io::Error::new(
+                        e.kind(),
+                        format!(
+                            "no server at {addr} after {} s: start one there first (transfer --listen {addr}), \
+                             or check the address, the port and any firewall",
+                            timeout.as_secs()
+                        ),
+                    )));
+                }
+                if !said {
+                    println!(
+                        "no server at {addr} yet; retrying for {} s (start the other side with --listen)",
+                        timeout.as_secs()
+                    );
+                    said = true;
+                }
                 std::thread::sleep(Duration::from_millis(100));
             }
             other => return other,
@@ -415,8 +434,10 @@ mod loopback {
         };
         println!("transfer: {} between two endpoints in this process, over loopback", format_bytes(len as u64));
         match gpu {
-            Ok(name) => ops::<gpu_rdma::cuda::CudaBuffer>(domain, len, &format!("GPU memory ({name})"), timeout),
-            Err(why) => ops::<HostMemory>(domain, len, &format!("host memory (no GPU: {why})"), timeout),
+            Ok(name) => {
+                ops::<gpu_rdma::cuda::CudaBuffer>(domain, len, (&format!("GPU memory ({name})"), None), timeout)
+            }
+            Err(why) => ops::<HostMemory>(domain, len, ("host memory", Some(&format!("no GPU: {why}"))), timeout),
         }
     }
 
@@ -486,7 +507,13 @@ mod loopback {
         Ok(())
     }
 
-    fn ops<M: Mem>(domain: &Domain, len: usize, memory: &str, timeout: Duration) -> gpu_rdma::Result<bool> {
+    /// `memory`: what it moves, and why not GPU memory where it is not.
+    fn ops<M: Mem>(
+        domain: &Domain,
+        len: usize,
+        memory: (&str, Option<&str>),
+        timeout: Duration,
+    ) -> gpu_rdma::Result<bool> {
         let opts = ConnectOptions::default().handshake_timeout(timeout).op_timeout(timeout);
         let target = domain.expose(M::alloc(domain, len)?, Access::REMOTE_WRITE | Access::REMOTE_READ, 1)?;
         let listener = domain.listen("127.0.0.1:0")?;
@@ -496,7 +523,15 @@ mod loopback {
         let client = domain.connect(addr, &opts)?;
         let server = accept.join().map_err(|_| gpu_rdma::Error::InvalidArgument("accept panicked".into()))??;
         let info = client.info();
-        println!("path: {} ({}); memory: {memory}", info.transport, info.transport_reason);
+        // One short line first; the reasons, which can be long, after it.
+        let (short, _) = info.transport_reason.split_once(':').unwrap_or((&info.transport_reason, ""));
+        println!("path: {} ({short}), {}", info.transport, memory.0);
+        if short.len() < info.transport_reason.len() {
+            println!("  why {}: {}", info.transport, info.transport_reason);
+        }
+        if let Some(why) = memory.1 {
+            println!("  why {}: {why}", memory.0);
+        }
         if info.transport == "verbs" {
             println!("      {}", domain.info());
         }

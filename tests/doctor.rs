@@ -270,7 +270,16 @@ fn no_nic_and_no_gpu_are_said_plainly() {
     let r = doctor(&inputs(&tree, Some("no-nic.txt")), LinkClass::Pxb, None);
     assert_eq!(r.exit_code, 1);
     assert!(r.verdicts.iter().all(|v| v.best_nic.is_none() && v.reasons[0].contains("no RDMA NIC")));
-    assert!(r.checks.iter().any(|c| c.name == "RDMA devices" && c.status == Status::Fail));
+    let rdma = r.checks.iter().find(|c| c.name == "RDMA devices" && c.status == Status::Fail).expect("the check");
+    assert!(!rdma.detail.contains("no RDMA support"), "the RDMA class exists: {rdma:?}");
+    assert!(rdma.fix.as_deref().is_some_and(|f| f.contains("rdma_rxe")));
+    // A kernel without its RDMA core (no class, no ib_core): said so, and
+    // what to do when modprobe finds nothing.
+    fs::remove_dir_all(tree.root.join("class/infiniband")).unwrap();
+    let r = doctor(&inputs(&tree, Some("no-nic.txt")), LinkClass::Pxb, None);
+    let rdma = r.checks.iter().find(|c| c.name == "RDMA devices").expect("the check");
+    assert!(rdma.detail.contains("no RDMA support"), "{rdma:?}");
+    assert!(rdma.fix.as_deref().is_some_and(|f| f.contains("built without InfiniBand")), "{rdma:?}");
 
     let tree = no_gpu();
     let r = doctor(&inputs(&tree, None), LinkClass::Pxb, None);

@@ -23,7 +23,8 @@ impl Domain {
     /// Connects to a listener at `addr`, with `opts`.
     ///
     /// # Errors
-    /// [`Error::Io`] when no TCP connection can be made, [`Error::Timeout`],
+    /// [`Error::Io`] when no TCP connection can be made (naming the
+    /// address; its kind, such as `ConnectionRefused`, kept), [`Error::Timeout`],
     /// [`Error::Bootstrap`] when the handshake fails, [`Error::ModifyQp`]
     /// when the queue pairs cannot be connected.
     pub fn connect(&self, addr: impl ToSocketAddrs, opts: &ConnectOptions) -> Result<Connection> {
@@ -36,14 +37,15 @@ impl Domain {
             }
             match TcpStream::connect_timeout(&a, remaining) {
                 Ok(stream) => return Connection::establish(self, stream, opts, false),
-                Err(e) => last = Some(e),
+                Err(e) => last = Some((a, e)),
             }
         }
         Err(match last {
-            Some(e) if e.kind() == std::io::ErrorKind::TimedOut => {
+            Some((_, e)) if e.kind() == std::io::ErrorKind::TimedOut => {
                 Error::Timeout { what: "the TCP connection to the peer", after: opts.handshake_timeout }
             }
-            Some(e) => Error::Io(e),
+            // The address it could not reach, in the message; the kind kept.
+            Some((a, e)) => Error::Io(std::io::Error::new(e.kind(), format!("connecting to {a}: {e}"))),
             None => Error::InvalidArgument("the address resolved to nothing".into()),
         })
     }

@@ -395,12 +395,24 @@ pub fn doctor(inputs: &Inputs, level: LinkClass, only: Option<usize>) -> Report 
     let pci_nics = pci::find_nics(&inputs.sysfs);
     let smi = inputs.nvidia_smi_topo.as_deref().and_then(smi::parse);
     if pci_nics.is_empty() && smi.as_ref().is_none_or(|s| s.nics.is_empty()) {
-        checks.push(check(
-            "RDMA devices",
-            Status::Fail,
-            "no RDMA devices",
-            Some("install an RDMA NIC and load its driver (mlx5_ib); rdma_rxe gives soft-RoCE for testing"),
-        ));
+        // Whether the kernel has its RDMA core at all: without it no driver,
+        // soft-RoCE's included, can register a device.
+        let rdma_core = inputs.sysfs.join("class/infiniband").exists()
+            || inputs.sysfs.join("module/ib_core").exists()
+            || inputs.proc_modules.lines().any(|l| l.starts_with("ib_core "));
+        let (detail, fix) = if rdma_core {
+            (
+                "no RDMA devices",
+                "install an RDMA NIC and load its driver (mlx5_ib); rdma_rxe gives soft-RoCE for testing",
+            )
+        } else {
+            (
+                "no RDMA devices, and this kernel has no RDMA support loaded (no ib_core)",
+                "load an RDMA driver (modprobe mlx5_ib, or rdma_rxe for soft-RoCE); if modprobe finds neither, \
+                 this kernel was built without InfiniBand: use one that has it (Debian's does)",
+            )
+        };
+        checks.push(check("RDMA devices", Status::Fail, detail, Some(fix)));
     } else {
         for n in &pci_nics {
             let ports: Vec<String> = n

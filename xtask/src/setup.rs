@@ -68,15 +68,30 @@ impl Kernel {
 }
 
 pub fn setup() -> Result<Kernel> {
-    ensure_packages(BUILD_PACKAGES)?;
-    ensure_packages(VM_PACKAGES)?;
+    ensure_packages(BUILD_PACKAGES, BUILD_WHY)?;
+    ensure_packages(VM_PACKAGES, VM_WHY)?;
     let kernel = ensure_kernel()?;
     println!("xtask: setup done: kernel {} in {}", kernel.release, kernel.root.display());
     Ok(kernel)
 }
 
-/// Installs those of `packages` that are missing.
-pub fn ensure_packages(packages: &[&str]) -> Result<()> {
+/// Why [`BUILD_PACKAGES`] are installed, as setup says before it does.
+pub const BUILD_WHY: &str = "to build gpu-rdma and run its tests here: a C toolchain, rdma-core's headers, \
+     clang for bindgen, protoc for the etcd client, etcd-server for the rendezvous tests (never left running)";
+
+/// Why [`VM_PACKAGES`] are installed.
+const VM_WHY: &str = "for the soft-RoCE test VM: qemu, busybox and module tools, perftest and UCX as the \
+     benchmarks' anchors";
+
+/// Services that packages here enable, and that setup leaves stopped and
+/// disabled (the tests start their own etcd on a port of their own).
+const SERVICES: &[(&str, &str)] = &[("etcd-server", "etcd.service")];
+
+/// Installs those of `packages` that are missing, saying first which and
+/// `why`, and what apt would upgrade with them. It never removes a package
+/// (`--no-remove`: apt stops instead, and this says what conflicts), and
+/// leaves no service of theirs enabled or running.
+pub fn ensure_packages(packages: &[&str], why: &str) -> Result<()> {
     let status = Command::new("dpkg-query")
         .args(["-W", "-f=${Package} ${db:Status-Status}\n"])
         .args(packages)
@@ -92,12 +107,88 @@ pub fn ensure_packages(packages: &[&str]) -> Result<()> {
     if missing.is_empty() {
         return Ok(());
     }
-    println!("xtask: installing {}", missing.join(" "));
+    println!("xtask: installing {} ({why})", missing.join(" "));
     run(privileged("apt-get").arg("update").arg("-q"))?;
-    run(privileged("apt-get")
-        .env("DEBIAN_FRONTEND", "noninteractive")
-        .args(["install", "-y", "-q", "--no-install-recommends"])
-        .args(&missing))
+    let install = |simulate: bool| {
+        let mut c = privileged("apt-get");
+        c.env("DEBIAN_FRONTEND", "noninteractive")
+            .args(["install", "-y", "-q", "--no-install-recommends", "--no-remove"])
+            .args(&missing);
+        if simulate {
+            c.arg("-s");
+        }
+        c
+    };
+    let plan = Plan::parse(&output(&mut install(true)).map_err(|e| {
+        format!(
+            "apt cannot install {} without removing packages you have, and xtask never removes one: {e}\n\
+             install them yourself, or remove what conflicts, then run this again",
+            missing.join(" ")
+        )
+    })?);
+    if !plan.remove.is_empty() {
+        return Err(format!(
+            "installing {} would remove {}; xtask never removes a package: resolve that yourself first",
+            missing.join(" "),
+            plan.remove.join(" ")
+        ));
+    }
+    println!(
+        "xtask: apt will install {} package(s){}",
+        plan.install.len(),
+        if plan.upgrade.is_empty() {
+            String::new()
+        } else {
+            format!(" and upgrade {} they need: {}", plan.upgrade.len(), plan.upgrade.join(" "))
+        }
+    );
+    // A policy that refuses to start services while apt runs (Debian's
+    // policy-rc.d), unless the machine has one of its own.
+    let policy = Path::new("/usr/sbin/policy-rc.d");
+    let ours = !policy.exists()
+        && run(privileged("sh").args([
+            "-c",
+            "printf '#!/bin/sh\\nexit 101\\n' > /usr/sbin/policy-rc.d && chmod 755 /usr/sbin/policy-rc.d",
+        ]))
+        .is_ok();
+    let installed = run(&mut install(false));
+    if ours {
+        let _ = run(privileged("rm").args(["-f", "/usr/sbin/policy-rc.d"]));
+    }
+    installed?;
+    for (package, service) in SERVICES {
+        if missing.contains(package) && Path::new("/run/systemd/system").exists() {
+            println!("xtask: {package} enabled {service}: disabling and stopping it (the tests start their own)");
+            let _ = run(privileged("systemctl").args(["disable", "--now", "--quiet", service]));
+        }
+    }
+    Ok(())
+}
+
+/// What `apt-get install -s` says it would do.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct Plan {
+    install: Vec<String>,
+    upgrade: Vec<String>,
+    remove: Vec<String>,
+}
+
+impl Plan {
+    /// Parses the simulation's `Inst name [old] (new ...)` (an upgrade when
+    /// an old version is named) and `Remv name [old]` lines.
+    fn parse(text: &str) -> Plan {
+        let mut plan = Plan::default();
+        for line in text.lines() {
+            let mut words = line.split_whitespace();
+            match (words.next(), words.next(), words.next()) {
+                (Some("Inst"), Some(name), Some(next)) if next.starts_with('[') => plan.upgrade.push(name.into()),
+                (Some("Inst"), Some(name), _) => plan.install.push(name.into()),
+                (Some("Remv"), Some(name), _) => plan.remove.push(name.into()),
+                _ => {}
+            }
+        }
+        plan
+    }
 }
 
 /// The package name of Debian's current kernel (`linux-image-6.1.0-57-amd64`).
@@ -259,4 +350,22 @@ fn output_bytes(cmd: &mut Command) -> Result<Vec<u8>> {
         return Err(format!("{cmd:?} failed: {}", out.status));
     }
     Ok(out.stdout)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Plan;
+
+    #[test]
+    fn a_simulation_says_what_is_installed_upgraded_and_removed() {
+        let text = "NOTE: This is only a simulation!\n\
+            Inst libsystemd0 [252.30-1~deb12u2] (252.33-1~deb12u1 Debian:12.9/stable [amd64])\n\
+            Inst etcd-server (3.4.23-4+b6 Debian:12.9/stable [amd64])\n\
+            Remv qemu-utils [1:7.2+dfsg-7+deb12u7]\n\
+            Conf etcd-server (3.4.23-4+b6 Debian:12.9/stable [amd64])\n";
+        let plan = Plan::parse(text);
+        assert_eq!(plan.install, ["etcd-server"]);
+        assert_eq!(plan.upgrade, ["libsystemd0"]);
+        assert_eq!(plan.remove, ["qemu-utils"]);
+    }
 }

@@ -625,9 +625,13 @@ pub fn run() -> Result<i32> {
 pub fn demo(args: &[String]) -> Result<i32> {
     match args {
         [] => {
-            setup::ensure_packages(setup::BUILD_PACKAGES)?;
+            setup::ensure_packages(setup::BUILD_PACKAGES, setup::BUILD_WHY)?;
+            println!(
+                "xtask: building and running the transfer example (release; a first build takes about 4 minutes on \
+                 2 cores, cargo shows its progress)"
+            );
             let status = cargo()
-                .args(["run", "--quiet", "--release", "--example", "transfer"])
+                .args(["run", "--release", "--example", "transfer"])
                 .status()
                 .map_err(|e| format!("cannot run cargo: {e}"))?;
             Ok(status.code().unwrap_or(1))

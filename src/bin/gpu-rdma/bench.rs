@@ -231,7 +231,20 @@ where
             }
             listener.accept_timeout(&opts, timeout)?
         }
-        Some(server) => domain.connect(server_addr(server, args.port)?, &opts)?,
+        Some(server) => {
+            let addr = server_addr(server, args.port)?;
+            domain.connect(addr, &opts).map_err(|e| match e {
+                // As perftest: the client fails at once; say what to do.
+                Error::Io(io) if io.kind() == std::io::ErrorKind::ConnectionRefused => Error::Io(std::io::Error::new(
+                    io.kind(),
+                    format!(
+                        "no bench server at {addr}: start `gpu-rdma bench {}` (no address) on that machine first",
+                        args.test.name()
+                    ),
+                )),
+                other => other,
+            })?
+        }
     };
     let banner = banner(args, params, domain, &conn, &setup);
     let mode = setup.mode;

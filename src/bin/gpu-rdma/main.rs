@@ -116,8 +116,12 @@ fn devices(only: Option<&str>) -> ExitCode {
     );
     let list = match DeviceList::new() {
         Ok(l) => l,
+        Err(gpu_rdma::Error::NoDevice { reason }) => {
+            println!("no RDMA devices: {reason}");
+            return ExitCode::from(1);
+        }
         Err(e) => {
-            println!("no RDMA devices: {e}");
+            println!("cannot list RDMA devices: {e}");
             return ExitCode::from(1);
         }
     };
