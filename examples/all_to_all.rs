@@ -95,7 +95,10 @@ fn launch(args: &Args) -> Result<()> {
         )));
         #[cfg(feature = "etcd")]
         store(args).map_err(|e| {
-            let first = e.to_string().lines().next().unwrap_or_default().chars().take(200).collect::<String>();
+            // The first line, without the client library's internals.
+            let text = e.to_string();
+            let first = text.lines().next().unwrap_or_default();
+            let first: String = first.split(", source:").next().unwrap_or(first).chars().take(200).collect();
             Error::InvalidArgument(format!(
                 "cannot meet through etcd at {endpoint}: {first}\n  start one first (Debian: apt install etcd-server, \
                  then `etcd --data-dir /tmp/etcd-data`), or leave out --etcd to meet through a directory"

@@ -286,13 +286,18 @@ fn client(domain: &Domain, addr: SocketAddr, args: &Args, len: usize, opts: Conn
         fill(&mut region);
     }
     let conn = connect(domain, addr, &opts, timeout)?;
-    println!(
-        "connected: queue pair {:#x} -> {:#x}, MTU {}, max message {}",
-        conn.info().local_qp_num,
-        conn.info().remote_qp_num,
-        conn.info().mtu,
-        format_bytes(conn.info().max_message_size)
-    );
+    let info = conn.info();
+    if info.transport == "verbs" {
+        println!(
+            "connected: queue pair {:#x} -> {:#x}, MTU {}, max message {}",
+            info.local_qp_num,
+            info.remote_qp_num,
+            info.mtu,
+            format_bytes(info.max_message_size)
+        );
+    } else {
+        println!("connected over {} to {addr}, max message {}", info.transport, format_bytes(info.max_message_size));
+    }
     let remote_for = |tag: u64| {
         let r = conn.remote_region(tag).ok_or_else(|| {
             Error::InvalidArgument(

@@ -586,3 +586,9 @@ pub use rails::{RailConnection, RailDescriptor, RailOptions, RailRegion, Rails};
 pub use world::{World, WorldOptions};
 #[cfg(feature = "cuda")]
 pub mod cuda;
+
+/// The README's Rust examples, compiled (not run) as doctests, so the
+/// README cannot drift from the API.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -157,9 +157,24 @@ pub fn ensure_packages(packages: &[&str], why: &str) -> Result<()> {
     }
     installed?;
     for (package, service) in SERVICES {
-        if missing.contains(package) && Path::new("/run/systemd/system").exists() {
-            println!("xtask: {package} enabled {service}: disabling and stopping it (the tests start their own)");
-            let _ = run(privileged("systemctl").args(["disable", "--now", "--quiet", service]));
+        if missing.contains(package) {
+            // Disabling only edits links: it works where systemd is not
+            // running (a container, a chroot) too; stopping needs systemd.
+            let running = Path::new("/run/systemd/system").exists();
+            println!(
+                "xtask: {package} enabled {service}: disabling{} it (the tests start their own etcd)",
+                if running { " and stopping" } else { "" }
+            );
+            let mut disable = privileged("systemctl");
+            disable.args(["disable", "--quiet", service]);
+            if running {
+                disable.arg("--now");
+            }
+            if let Err(e) = run(&mut disable) {
+                println!(
+                    "xtask: could not disable {service} ({e}); disable it with `systemctl disable --now {service}`"
+                );
+            }
         }
     }
     Ok(())

@@ -217,6 +217,65 @@ fn cuda_stub_dir() -> Result<PathBuf> {
     Ok(dir)
 }
 
+/// What the README's examples and tools say when something is missing: a
+/// client with no server (the transfer example, which waits, and bench's,
+/// which fails at once), an etcd that is not running, no GPU. Each message
+/// must say what is missing, where, and what to do, once; how many were
+/// right, or the first that was not.
+fn newcomer_messages() -> std::result::Result<usize, String> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(|e| format!("no free port for the newcomer checks: {e}"))?
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let example = |name: &str| Command::new(root().join("target/release/examples").join(name));
+    let mut checks: Vec<(&str, Command, Vec<String>, Vec<String>)> = Vec::new();
+    let mut c = example("transfer");
+    c.args(["--connect", &addr, "--timeout", "1"]);
+    checks.push((
+        "transfer --connect with no server",
+        c,
+        vec![format!("no server at {addr} yet; retrying for 1 s"), format!("no server at {addr} after 1 s: start one")],
+        vec![],
+    ));
+    let mut c = Command::new(root().join("target/release/gpu-rdma"));
+    c.args(["bench", "write-bw", "127.0.0.1", "-p", &port.to_string()]);
+    checks.push(("bench's client with no server", c, vec![format!("no bench server at {addr}: start")], vec![]));
+    let mut c = example("all_to_all");
+    c.args(["--ranks", "8", "--etcd", &format!("http://{addr}")]);
+    checks.push((
+        "all_to_all --etcd with no etcd",
+        c,
+        vec![format!("cannot meet through etcd at http://{addr}"), "start one first".into()],
+        vec!["rank 0".into(), "failed".into()],
+    ));
+    let mut c = example("gpu_to_gpu");
+    c.args(["--bytes", "1MiB"]);
+    let no_gpu = !Path::new("/dev/nvidiactl").exists();
+    if no_gpu {
+        checks.push((
+            "gpu_to_gpu with no GPU",
+            c,
+            vec!["in host memory (no GPU here)".into()],
+            vec!["visible on the GPU".into()],
+        ));
+    }
+    let mut right = 0;
+    for (what, mut cmd, want, forbid) in checks {
+        let (_, out) = run_tee(&mut cmd)?;
+        for w in &want {
+            if out.matches(w.as_str()).count() != 1 {
+                return Err(format!("{what}: `{w}` said {} times, not once", out.matches(w.as_str()).count()));
+            }
+        }
+        if let Some(f) = forbid.iter().find(|f| out.contains(f.as_str())) {
+            return Err(format!("{what}: says `{f}`"));
+        }
+        right += 1;
+    }
+    Ok(right)
+}
+
 /// The transfer example with no arguments, both ends in one process: how
 /// many of write, read and send it verified, and whether it said it runs on
 /// `transport`.
@@ -447,6 +506,11 @@ pub fn run() -> Result<i32> {
         }
     }
 
+    let newcomer = newcomer_messages();
+    if let Err(e) = &newcomer {
+        failures.push(e.clone());
+    }
+
     println!("\n== tier 2 (soft-RoCE guest, rxe0; rxe1 as a second rail): verbs tests and the transfer example");
     let exes = guest_test_executables()?;
     let mut script = format!(
@@ -571,6 +635,14 @@ pub fn run() -> Result<i32> {
         here.as_ref().copied().unwrap_or(0),
         if a2a_here.is_ok() { "verified over TCP" } else { "FAILED" },
         if a2a_etcd_here.is_ok() { "verified" } else { "FAILED" }
+    );
+    println!(
+        "tier 1c, what a newcomer reads when something is missing: {}",
+        match &newcomer {
+            Ok(n) =>
+                format!("{n} messages right (no server, no bench server, no etcd, and no GPU where there is none)"),
+            Err(e) => format!("WRONG: {e}"),
+        }
     );
     println!(
         "tier 2, rxe0 in the guest: {} passed, {} failed verbs tests; with no arguments {} of 3 verified over verbs; {verified} of 3 transfers of 256 MiB verified; GPU example {gpu_verified} of 2 verified; kv_pages {}; all_to_all of 4 ranks {} through the directory, {} through etcd; doctor {}",

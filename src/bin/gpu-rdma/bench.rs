@@ -31,9 +31,10 @@ pub struct BenchArgs {
     /// The server's listening address.
     #[arg(long, default_value = "0.0.0.0")]
     bind: String,
-    /// Message size.
-    #[arg(short = 's', long, default_value = "65536", value_parser = size_arg)]
-    size: usize,
+    /// Message size (default as perftest's: 2 bytes for the latency tests,
+    /// 65536 for the bandwidth tests).
+    #[arg(short = 's', long, value_parser = size_arg)]
+    size: Option<usize>,
     /// Every size from 2 bytes to 8 MiB (powers of two).
     #[arg(short = 'a', long)]
     all: bool,
@@ -87,7 +88,11 @@ impl BenchArgs {
     fn params(&self) -> Params {
         Params {
             test: self.test,
-            sizes: if self.all { bench::all_sizes() } else { vec![self.size] },
+            sizes: if self.all {
+                bench::all_sizes()
+            } else {
+                vec![self.size.unwrap_or(if self.test.is_bw() { 65536 } else { 2 })]
+            },
             iters: self.iters.unwrap_or(self.test.default_iters()),
             tx_depth: self.tx_depth,
             cq_mod: self.cq_mod,

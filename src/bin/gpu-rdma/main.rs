@@ -56,6 +56,9 @@ enum Cmd {
     Bench(bench::BenchArgs),
     /// Is GPUDirect RDMA really usable here? Checks, the GPU x NIC matrix,
     /// and a verdict per GPU with reasons and fixes.
+    ///
+    /// Exit code: 0 when every GPU asked about has a usable GPUDirect RDMA
+    /// path, 1 when some has not, 2 when there is no GPU to judge.
     Doctor {
         #[command(flatten)]
         sources: Sources,
@@ -65,6 +68,9 @@ enum Cmd {
         bytes: Option<u64>,
     },
     /// The GPU x NIC matrix (nvidia-smi's legend) and the best NIC per GPU.
+    ///
+    /// Exit code: 0 when every GPU asked about has a usable GPUDirect RDMA
+    /// path, 1 when some has not, 2 when there is no GPU to judge.
     Topo {
         #[command(flatten)]
         sources: Sources,
@@ -91,9 +97,12 @@ enum Cmd {
 }
 
 fn main() -> ExitCode {
+    use std::io::IsTerminal;
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_env("GPU_RDMA_LOG"))
         .with_writer(std::io::stderr)
+        // Colour only for a terminal: no escape codes in pipes and files.
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     let cli = Cli::parse();
     match cli.command {
