@@ -1141,6 +1141,27 @@ fn a_bad_notification_is_counted_and_a_record_that_breaks_the_ring_breaks_the_co
 
 // ---- 10. limits a peer announces ----
 
+/// What the victim's `listener` makes of a client whose hello announces
+/// `tcp` and exactly `regions` (no ring added), the client reading no
+/// reply.
+fn accept_hello(
+    victim: &Victim,
+    listener: &gpu_rdma::Listener,
+    tcp: TcpEndpoint,
+    regions: Vec<RemoteRegion>,
+) -> gpu_rdma::Result<Connection> {
+    let addr = listener.local_addr().unwrap();
+    let opts = victim.opts();
+    thread::scope(|sc| {
+        let server = sc.spawn(move || listener.accept_timeout(&opts, Duration::from_secs(10)));
+        let s = TcpStream::connect(addr).unwrap();
+        let deadline = Deadline::after(Duration::from_secs(10), "the victim");
+        let mine = Hello { caps: CAP_TCP, verbs: None, tcp: Some(tcp), regions, name: vec![] };
+        let _ = bootstrap::exchange_hello(&s, &mine, deadline, 1 << 20);
+        server.join().unwrap()
+    })
+}
+
 /// A peer announcing limits too small to work with (a largest message of
 /// one byte would split an 8 MiB list into eight million requests) or past
 /// what this side holds for it is refused at the handshake, naming the
@@ -1159,16 +1180,7 @@ fn announced_limits_outside_what_this_side_accepts_are_refused_at_the_handshake(
         ("TCP rnr_retry", TcpEndpoint { rnr_retry: 8, ..endpoint(0, 128) }),
     ];
     for (field, tcp) in bad {
-        let opts = victim.opts();
-        let l = &listener;
-        let accepted = thread::scope(|sc| {
-            let server = sc.spawn(move || l.accept_timeout(&opts, Duration::from_secs(10)));
-            let s = TcpStream::connect(addr).unwrap();
-            let deadline = Deadline::after(Duration::from_secs(10), "the victim");
-            let mine = Hello { caps: CAP_TCP, verbs: None, tcp: Some(tcp), regions: vec![], name: vec![] };
-            let _ = bootstrap::exchange_hello(&s, &mine, deadline, 1 << 20);
-            server.join().unwrap()
-        });
+        let accepted = accept_hello(&victim, &listener, tcp, vec![]);
         match accepted {
             Err(gpu_rdma::Error::Bootstrap(e @ gpu_rdma::BootstrapError::OutOfRange { field: f, .. })) => {
                 assert_eq!(f, field);
@@ -1194,7 +1206,6 @@ fn a_notification_ring_this_side_cannot_use_is_refused_at_the_handshake() {
     let _serial = serial();
     let victim = Victim::new();
     let listener = victim.domain.listen("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
     let ring = fake_ring();
     let with_len = |len: usize| RemoteRegion { len: len as u64, ..ring };
     let cases = [
@@ -1206,16 +1217,7 @@ fn a_notification_ring_this_side_cannot_use_is_refused_at_the_handshake() {
         (vec![RemoteRegion { access: Access::REMOTE_READ, ..ring }], "not writable"),
     ];
     for (regions, why) in cases {
-        let opts = victim.opts();
-        let l = &listener;
-        let accepted = thread::scope(|sc| {
-            let server = sc.spawn(move || l.accept_timeout(&opts, Duration::from_secs(10)));
-            let s = TcpStream::connect(addr).unwrap();
-            let deadline = Deadline::after(Duration::from_secs(10), "the victim");
-            let mine = Hello { caps: CAP_TCP, verbs: None, tcp: Some(endpoint(0, 128)), regions, name: vec![] };
-            let _ = bootstrap::exchange_hello(&s, &mine, deadline, 1 << 20);
-            server.join().unwrap()
-        });
+        let accepted = accept_hello(&victim, &listener, endpoint(0, 128), regions);
         match accepted {
             Err(e) => assert!(e.to_string().contains(why), "{why}: {e}"),
             Ok(_) => panic!("{why}: accepted"),

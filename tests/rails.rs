@@ -372,16 +372,7 @@ fn tcp_an_awaited_striped_transfer_and_inbox_move_off_a_cut_rail_without_blockin
     let mut inbox = s.inbox(1).unwrap();
     let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
     let (moved, notes, ticks) = rt.block_on(async {
-        let ticks = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let ticker = {
-            let ticks = ticks.clone();
-            tokio::spawn(async move {
-                loop {
-                    tokio::time::sleep(Duration::from_millis(1)).await;
-                    ticks.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                }
-            })
-        };
+        let (ticks, ticker) = common::ticker();
         // The sender and the receiving side, both awaited on this one thread.
         let (moved, notes) = tokio::join!(c.write_notify(&mine, 0, &d, 0, LEN, 7, b"all here"), inbox.wait_async(7, 1));
         ticker.abort();

@@ -408,16 +408,7 @@ fn an_awaited_inbox_gets_its_notes_without_blocking_its_runtime(t: Kind) {
     let mut inbox = s.inbox(1).unwrap();
     let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
     let (got, ticks) = rt.block_on(async {
-        let ticks = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let ticker = {
-            let ticks = ticks.clone();
-            tokio::spawn(async move {
-                loop {
-                    tokio::time::sleep(Duration::from_millis(1)).await;
-                    ticks.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                }
-            })
-        };
+        let (ticks, ticker) = common::ticker();
         let sender = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(50));
             for i in 0..4u8 {

@@ -202,3 +202,18 @@ macro_rules! both {
         }
     };
 }
+
+/// Counts the ticks of a 1 ms timer task on the current tokio runtime:
+/// how often the runtime ran something else while a future was awaited
+/// (abort the task when done).
+pub fn ticker() -> (std::sync::Arc<std::sync::atomic::AtomicU64>, tokio::task::JoinHandle<()>) {
+    let ticks = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let counted = ticks.clone();
+    let task = tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    });
+    (ticks, task)
+}
