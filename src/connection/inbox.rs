@@ -79,9 +79,7 @@ impl Inbox {
         // Whether the connection was lost before looking: then what the
         // ring holds now is all it will ever hold.
         let broken = shared.transport.broken();
-        let drained = shared.notes.drain(&shared.transport, &mut side, |notes, tag, msg| {
-            notes.file(tag, msg, |cover| make_visible(shared, cover))
-        });
+        let drained = shared.notes.drain(&shared.transport, &mut side, |cover| make_visible(shared, cover));
         match drained {
             Ok(n) => {
                 if let Some(reason) = broken {
@@ -137,7 +135,7 @@ impl Inbox {
             if now >= until {
                 return Err(Error::Timeout { what: "notifications", after: timeout });
             }
-            super::notes::look_again(now - start < self.shared.spin);
+            crate::deadline::look_again(now - start < self.shared.spin);
         }
     }
 

@@ -56,7 +56,7 @@ pub(crate) struct ConnShared {
     /// Registered buffers notifications are written into the peer's ring from.
     note_pool: std::sync::Mutex<Vec<crate::Region<crate::HostMemory>>>,
     /// Both notification rings: this side's (an [`Inbox`] reads it) and the peer's.
-    notes: notes::NoteRings<notes::Notes>,
+    notes: notes::NoteRings,
     /// Staged GPU operations in progress, moved along by every wait.
     #[cfg(feature = "cuda")]
     staged: crate::protocol::staged::StagedSet,
@@ -366,7 +366,7 @@ impl Connection {
                 crate::RING_TAG
             )));
         }
-        let ring = notes::NoteRings::<notes::Notes>::make(domain, opts.notify_ring)?;
+        let ring = notes::NoteRings::make(domain, opts.notify_ring)?;
         let mut with_ring = opts.clone();
         with_ring.advertise.push(ring.descriptor());
         let est = transport::establish(domain.mem(), stream, &with_ring, is_server)?;

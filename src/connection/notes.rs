@@ -9,7 +9,7 @@ use std::sync::{Mutex, MutexGuard};
 
 use bytes::Bytes;
 
-use crate::deadline::Deadline;
+use crate::deadline::{Deadline, look_again};
 use crate::error::{Error, Result};
 use crate::memory::peer_written::PeerWritten;
 use crate::memory::{Exposed, HostMemory, LocalParts, RemoteRegion, parts_of};
@@ -203,24 +203,24 @@ impl RingMemory for Ring<'_> {
 }
 
 /// What reads this side's ring: the protocol's reader, the credits last
-/// sent back, and whatever the inbox keeps (`S`).
-pub(crate) struct ReadSide<S> {
+/// sent back, and the notes taken.
+pub(crate) struct ReadSide {
     reader: RingReader,
     returned: u64,
     /// Scratch for one record's notification.
     msg: Vec<u8>,
-    pub state: S,
+    pub state: Notes,
 }
 
 /// Both rings of one connection.
-pub(crate) struct NoteRings<S> {
+pub(crate) struct NoteRings {
     mine: PeerWritten,
     peer: RemoteRegion,
     writer: Mutex<RingWriter>,
-    read: Mutex<ReadSide<S>>,
+    read: Mutex<ReadSide>,
 }
 
-impl<S: Default> NoteRings<S> {
+impl NoteRings {
     /// Makes this side's ring of `cap` bytes, exposed for the peer to write
     /// under [`mailbox::RING_TAG`]; the peer's ring is set once known.
     pub(crate) fn make(domain: &Domain, cap: usize) -> Result<Exposed<HostMemory>> {
@@ -251,13 +251,11 @@ impl<S: Default> NoteRings<S> {
                 reader: RingReader::new(mine_cap),
                 returned: 0,
                 msg: Vec::new(),
-                state: S::default(),
+                state: Notes::default(),
             }),
         }
     }
-}
 
-impl<S> NoteRings<S> {
     /// Posts `msg` as a notification with `tag` into the peer's ring, from
     /// `buf` (registered, at least [`OUT_BUFFER`] bytes, kept by the caller
     /// until the post completes), once the peer's credits leave room.
@@ -318,27 +316,28 @@ impl<S> NoteRings<S> {
     }
 
     /// The read side, locked.
-    pub(crate) fn read_side(&self) -> MutexGuard<'_, ReadSide<S>> {
+    pub(crate) fn read_side(&self) -> MutexGuard<'_, ReadSide> {
         self.read.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Takes every record that has landed, handing each (tag, notification)
-    /// to `file`, then gives the peer its credits back; how many.
+    /// Takes every record that has landed and files its notification
+    /// ([`Notes::file`], with `make_visible`), then gives the peer its
+    /// credits back; how many.
     ///
     /// # Errors
     /// The ring's format was broken by the peer: nothing more can be read.
     pub(crate) fn drain(
         &self,
         transport: &ConnTransport,
-        side: &mut ReadSide<S>,
-        mut file: impl FnMut(&mut S, u32, &[u8]),
+        side: &mut ReadSide,
+        mut make_visible: impl FnMut(&notify::Cover) -> Result<()>,
     ) -> std::result::Result<usize, String> {
         let mut n = 0;
         let ring = Ring(&self.mine);
         let result = loop {
             match side.reader.next(&ring, &mut side.msg) {
                 Ok(Some(tag)) => {
-                    file(&mut side.state, tag, &side.msg);
+                    side.state.file(tag, &side.msg, &mut make_visible);
                     n += 1;
                 }
                 Ok(None) => break Ok(n),
@@ -352,7 +351,7 @@ impl<S> NoteRings<S> {
     /// Tells the peer how much of this side's ring it may use again: one
     /// small write of the count taken, from this side's ring header. A full
     /// send queue leaves it for the next drain.
-    fn give_credits(&self, transport: &ConnTransport, side: &mut ReadSide<S>) {
+    fn give_credits(&self, transport: &ConnTransport, side: &mut ReadSide) {
         let taken = side.reader.taken();
         if taken == side.returned {
             return;
@@ -369,15 +368,5 @@ impl<S> NoteRings<S> {
             }
             Posted::Refused(_) => {}
         }
-    }
-}
-
-/// Between two looks at a ring: yields while `spinning`, else sleeps
-/// briefly (the peer's writes wake nobody).
-pub(crate) fn look_again(spinning: bool) {
-    if spinning {
-        std::thread::yield_now();
-    } else {
-        std::thread::sleep(std::time::Duration::from_micros(20));
     }
 }

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use super::{ConnShared, Failed};
 use crate::completion::Completion;
-use crate::deadline::Deadline;
+use crate::deadline::{Deadline, look_again};
 use crate::error::{Error, Result};
 use crate::ops::{OpId, OpOutcome, WaitError, Waited};
 use crate::protocol::order::Deferred;
@@ -437,7 +437,7 @@ impl<B: Send + 'static> Pending<B> {
     }
 
     /// One short sleep of a wait that also moves staged operations: none
-    /// while a copy is in flight before `spin_until` ([`look_again`]), else
+    /// while a copy is in flight before `spin_until` ([`look_again`](crate::deadline::look_again)), else
     /// on request `id` when there is one (returning whether it finished),
     /// else a moment. [`Error::Timeout`] once `due` has passed.
     pub(super) fn nap(
@@ -566,22 +566,6 @@ pub(super) const WHAT: &str = "an operation to complete";
 /// wake it when the copy ends), else up to a millisecond.
 pub(super) fn staged_slice(copying: bool) -> Duration {
     if copying { Duration::from_micros(20) } else { Duration::from_millis(1) }
-}
-
-/// The pause of a staged wait between two looks at its copies and its
-/// network steps. A copy between the GPU and staging ends unsignalled: no
-/// descriptor to sleep on. While `spinning` (a copy in flight, within the
-/// connection's [`spin`](crate::ConnectOptions::spin) window) the CPU is
-/// only yielded and the caller looks again at once: a 4 KiB copy ends
-/// about 8 us after it is queued on an H200, and the shortest sleep costs
-/// the timer's slack, 50 us or more (such sleeps were half of a staged
-/// 4 KiB message's latency there, 84 us against 42). Else a short sleep.
-pub(crate) fn look_again(spinning: bool) {
-    if spinning {
-        std::thread::yield_now();
-    } else {
-        std::thread::sleep(Duration::from_micros(20));
-    }
 }
 
 impl<B: Send + 'static> Drop for Pending<B> {

@@ -188,7 +188,7 @@ impl<B: Send + 'static> List<B> {
 
     /// Waits a moment for staged pieces: on a network step of one of them,
     /// else briefly (a copy finishes by itself:
-    /// [`look_again`](super::super::pending::look_again)). [`Error::Timeout`] after the
+    /// [`look_again`](crate::deadline::look_again)). [`Error::Timeout`] after the
     /// operation timeout without a piece starting or finishing.
     #[cfg(feature = "cuda")]
     pub(super) fn nap_staged(&mut self) -> Result<()> {
@@ -200,7 +200,7 @@ impl<B: Send + 'static> List<B> {
         if copying && st.progress.elapsed() < self.shared.spin {
             // Within the spin window after a piece last started or finished:
             // the caller looks at the copies and the network again at once.
-            super::super::pending::look_again(true);
+            crate::deadline::look_again(true);
             return Ok(());
         }
         match st.active.iter().find_map(crate::protocol::staged::ListPiece::waiting_on) {
@@ -212,7 +212,7 @@ impl<B: Send + 'static> List<B> {
                 }
             }
             None => {
-                super::super::pending::look_again(false);
+                crate::deadline::look_again(false);
                 Ok(())
             }
         }
