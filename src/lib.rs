@@ -192,8 +192,12 @@
 //!   With the `tokio` feature, futures awaited in a tokio runtime with IO
 //!   enabled are woken through its reactor (`AsyncFd` on the completion
 //!   channel) instead of through the engine's thread.
-//!   [`CompletionSet`] waits for any or all of many operations from one
-//!   thread; [`Pending::on_complete`] runs a callback on the engine.
+//!   [`CompletionSet`] waits for any or all of many operations, transfer
+//!   lists and striped transfers from one thread; [`Pending::on_complete`]
+//!   (and `Transfer`'s and `Striped`'s) runs a callback on the engine.
+//! - A striped transfer ([`rails::Striped`]) is driven by the engine from
+//!   the moment it is posted: a failed rail's stripes move and its
+//!   notification goes out whether or not anyone waits on its handle.
 //! - Dropping a future, a `Transfer` or a whole set mid-flight is safe: the
 //!   buffers stay with their connections until the device is done.
 //! - [`Connection::recv_persistent`] and [`Connection::send_persistent`]
@@ -568,7 +572,7 @@ pub use config::{Transport, TransportPolicy};
 pub use connection::{
     Batch, CompletionSet, ConnectOptions, Connection, ConnectionInfo, ConnectionStats, Failed, Finished, Inbox,
     InboxStats, Interrupt, Listener, Looking, MAX_CONCURRENT_HANDSHAKES, MAX_QUEUED_BYTES, MAX_QUEUED_NOTES,
-    NOTE_OVERHEAD, Note, Pending, Persistent, PersistentRecv, PersistentSend, Received, RecvRing, Transfer,
+    NOTE_OVERHEAD, Note, Pending, Persistent, PersistentRecv, PersistentSend, Received, RecvRing, SetMember, Transfer,
     Transferred,
 };
 #[cfg(feature = "cuda")]

@@ -134,6 +134,16 @@ fn notification_after_all_stripes(server: Rails, client: Rails) {
         assert_eq!(first_difference(&got, &data), None, "round {round}: every stripe landed before the notification");
         assert_eq!(sender.join().unwrap().unwrap().bytes, LEN);
     }
+    // Nobody waits: the handle is dropped at once, and the domains'
+    // engines still move every stripe, then send the note.
+    let data = pattern(LEN as usize, 3);
+    mine.write_at(0, &data).unwrap();
+    drop(c.write_notify(&mine, 0, &d, 0, LEN, 99, b"dropped"));
+    let notes = inbox.wait(99, 1).unwrap();
+    assert_eq!(&notes[0].payload[..], b"dropped");
+    let mut got = vec![0u8; LEN as usize];
+    theirs.read_at(0, &mut got).unwrap();
+    assert_eq!(first_difference(&got, &data), None, "a dropped handle's stripes all landed before its notification");
 }
 
 /// A rail transfer's source needs only local access: a region from
@@ -387,6 +397,71 @@ fn tcp_an_awaited_striped_transfer_and_inbox_move_off_a_cut_rail_without_blockin
     let mut got = vec![0u8; LEN as usize];
     theirs.read_at(0, &mut got).unwrap();
     assert_eq!(first_difference(&got, &data), None, "every stripe landed before the notification");
+    drop(proxy);
+}
+
+/// Nobody waits on a striped transfer: its handle is dropped at once, and
+/// the engine still moves the stripes of a rail cut mid-transfer and then
+/// sends the notification. Then striped transfers on the rail left go in a
+/// completion set and take a callback.
+#[test]
+fn tcp_a_striped_transfer_nobody_waits_on_moves_off_a_cut_rail_and_notifies() {
+    const LEN: u64 = 64 * MIB;
+    let (server, client) = (tcp_rails(2), tcp_rails(2));
+    let ropts = rail_opts(Duration::from_secs(10));
+    let mut proxy = None;
+    let (s, c) = connect(&server, &client, &ropts, |mut a| {
+        let p = Proxy::new(a[1], 8 * MIB);
+        a[1] = p.addr;
+        proxy = Some(p);
+        a
+    });
+    let theirs = server.alloc(LEN as usize, 1).unwrap();
+    let d = s.grant(&theirs).unwrap();
+    let mine = client.alloc(LEN as usize, 2).unwrap();
+    let data = pattern(LEN as usize, 33);
+    mine.write_at(0, &data).unwrap();
+    let mut inbox = s.inbox(1).unwrap();
+    drop(c.write_notify(&mine, 0, &d, 0, LEN, 7, b"nobody waited"));
+    let notes = inbox.wait_timeout(7, 1, Duration::from_secs(60)).expect("the notification, with nobody waiting");
+    assert_eq!(&notes[0].payload[..], b"nobody waited");
+    let mut got = vec![0u8; LEN as usize];
+    theirs.read_at(0, &mut got).unwrap();
+    assert_eq!(first_difference(&got, &data), None, "every stripe landed before the notification");
+    let stats = c.stats();
+    assert!(stats[1].failure.is_some() && stats[1].alive == 0, "rail 1 was dropped: {stats:?}");
+    assert_eq!(stats.iter().map(|r| r.bytes).sum::<u64>(), LEN, "the rails' counters add up: {stats:?}");
+
+    // In a set, beside another: each finishes as a whole, with its region.
+    let mut set = gpu_rdma::CompletionSet::new();
+    let first = set.insert(c.write(&mine, 0, &d, 0, 8 * MIB));
+    let second = set.insert(c.write(&mine, 8 * MIB, &d, 8 * MIB, 4 * MIB));
+    let mut seen = Vec::new();
+    while let Some(done) = set.wait_any(Duration::from_secs(60)).unwrap() {
+        let completion = done.result.expect("moved on the rail left");
+        let want = if done.key == first { 8 * MIB } else { 4 * MIB };
+        assert_eq!((completion.opcode, u64::from(completion.byte_len)), (gpu_rdma::Opcode::Write, want));
+        assert_eq!(done.buffer.len() as u64, LEN, "the local region comes back");
+        seen.push(done.key);
+    }
+    seen.sort_unstable();
+    assert_eq!(seen, {
+        let mut k = vec![first, second];
+        k.sort_unstable();
+        k
+    });
+    // A read with a callback, run once with the outcome.
+    let back = client.alloc(LEN as usize, 3).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    c.read(&back, 0, &d, 0, 16 * MIB).on_complete(move |r| {
+        let _ = tx.send(r);
+    });
+    let moved = rx.recv_timeout(Duration::from_secs(60)).expect("the callback").expect("read on the rail left");
+    assert_eq!(moved.bytes, 16 * MIB);
+    let mut got = vec![0u8; 16 * MIB as usize];
+    back.read_at(0, &mut got).unwrap();
+    assert_eq!(first_difference(&got, &data[..16 * MIB as usize]), None);
+    assert!(rx.recv_timeout(Duration::from_millis(100)).is_err(), "the callback ran once");
     drop(proxy);
 }
 

@@ -316,6 +316,69 @@ fn a_transfer_list_is_awaited(t: Kind) {
     assert_eq!(first_difference(&got, &expect), None);
 }
 
+/// Lists go in a completion set beside single operations, and take
+/// callbacks as operations do: each finishes as a whole, with its bytes,
+/// its opcode and its buffer, once every piece landed (checked at the peer
+/// when the set hands it out).
+fn lists_wait_in_a_set_beside_operations_and_take_callbacks(t: Kind) {
+    const LISTS: usize = 8;
+    let d = domain(t);
+    let (s, c) = deep_pair(&d);
+    let len = 1 << 20;
+    let target = d.expose(d.alloc(LISTS * len).unwrap(), Access::REMOTE_WRITE | Access::REMOTE_READ, 0).unwrap();
+    let remote = s.grant(&target).whole();
+    // Each list scatters 1 KiB pieces of its own data over its own 1 MiB.
+    let pieces = |k: usize| -> Vec<Piece> {
+        (0..(len / 1024) as u64)
+            .map(|i| Piece::new(i * 1024, (k * len) as u64 + ((i * 37) % 1024) * 1024, 1024))
+            .collect()
+    };
+    let mut set = CompletionSet::new();
+    let mut lists = std::collections::HashMap::new();
+    for k in 0..LISTS {
+        let key = set.insert(c.write_list(filled(&d, &pattern(len, k as u64)), &remote, pieces(k)));
+        lists.insert(key, k);
+    }
+    // Single operations in the same set: receives the peer fills.
+    let recvs: Vec<usize> = (0..4).map(|_| set.insert(c.recv(d.alloc(64).unwrap()))).collect();
+    for i in 0..4u8 {
+        s.send_inline(&[i; 8], None).wait().unwrap();
+    }
+    let mut seen_lists = 0;
+    let mut seen_recvs = 0;
+    while let Some(done) = set.wait_any(Duration::from_secs(60)).unwrap() {
+        let completion = done.result.expect("finished");
+        if let Some(&k) = lists.get(&done.key) {
+            assert_eq!((completion.opcode, completion.byte_len), (Opcode::Write, len as u32));
+            assert_eq!(&done.buffer[..], &pattern(len, k as u64)[..], "list {k}'s buffer came back");
+            let mut got = vec![0u8; len];
+            target.read_at(k * len, &mut got).unwrap();
+            let rel: Vec<Piece> =
+                pieces(k).iter().map(|p| Piece::new(p.local, p.remote - (k * len) as u64, p.len)).collect();
+            let expect = apply(&rel, &pattern(len, k as u64), len, true);
+            assert_eq!(first_difference(&got, &expect), None, "list {k} had landed whole when the set handed it out");
+            seen_lists += 1;
+        } else {
+            assert!(recvs.contains(&done.key));
+            assert_eq!((completion.opcode, completion.byte_len), (Opcode::Recv, 8));
+            seen_recvs += 1;
+        }
+    }
+    assert_eq!((seen_lists, seen_recvs), (LISTS, 4));
+    // A list read back with a callback: the outcome and the buffer, once.
+    let (tx, rx) = mpsc::channel();
+    let back: Vec<Piece> = (0..(len / 4096) as u64).map(|i| Piece::new(i * 4096, i * 4096, 4096)).collect();
+    c.read_list(d.alloc(len).unwrap(), &remote, back).on_complete(move |result, buffer| {
+        let _ = tx.send((result.map(|t| t.bytes), buffer));
+    });
+    let (bytes, buffer) = rx.recv_timeout(Duration::from_secs(60)).expect("the list's callback");
+    assert_eq!(bytes.unwrap(), len as u64);
+    let mut want = vec![0u8; len];
+    target.read_at(0, &mut want).unwrap();
+    assert_eq!(first_difference(&buffer.expect("the buffer")[..], &want), None);
+    assert!(rx.recv_timeout(Duration::from_millis(100)).is_err(), "the callback ran once");
+}
+
 /// Threads blocked on one connection reap each other's completions, and
 /// the engine's thread, for a future awaited beside them, takes the
 /// completion channel's events: each blocked thread must still be woken
@@ -378,6 +441,7 @@ both!(
     dropping_futures_mid_flight_keeps_buffers_until_the_device_is_done,
     an_awaited_receive_fails_promptly_when_the_peer_goes_away,
     a_transfer_list_is_awaited,
+    lists_wait_in_a_set_beside_operations_and_take_callbacks,
     a_receive_ring_is_awaited_in_order_bounded_and_cancel_safe,
     threads_waiting_on_one_connection_wake_for_each_others_completions,
 );

@@ -22,7 +22,8 @@ pub use persistent::{Persistent, PersistentRecv, PersistentSend};
 pub use ring::{Received, RecvRing};
 pub(crate) use transfer::Direction;
 pub use transfer::{Failed, Transfer, Transferred};
-pub use waiting::{CompletionSet, Finished};
+pub(crate) use waiting::member;
+pub use waiting::{CompletionSet, Finished, SetMember};
 
 use std::fmt;
 use std::net::TcpStream;
@@ -645,6 +646,11 @@ impl Connection {
 
     /// Breaks the connection for `reason`: tells the peer, and fails what
     /// is outstanding with [`Error::ConnectionLost`] saying why.
+    /// A handle to its domain's engine, to drive work built on it.
+    pub(crate) fn engine(&self) -> crate::transport::engine::EngineHandle {
+        self.shared.domain.engine().handle()
+    }
+
     pub(crate) fn shut(&self, reason: &str) {
         self.shared.transport.shutdown(reason);
     }

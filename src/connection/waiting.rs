@@ -180,8 +180,20 @@ impl<B: Send + 'static> Pending<B> {
     /// block on an operation.
     pub fn on_complete(self, f: impl FnOnce(Result<Completion>, Option<B>) + Send + 'static) {
         let engine = self.shared.domain.engine().handle();
-        let task = Arc::new(Callback { state: Mutex::new(Some((self, f))), engine });
-        Arc::clone(&task).wake();
+        callback(self, engine, f);
+    }
+}
+
+impl<B: Send + 'static> Settle for Pending<B> {
+    type Output = Result<Completion>;
+    type Buffer = B;
+
+    fn settle(&mut self, waker: &Waker) -> Poll<Result<Completion>> {
+        self.poll_waker(waker, true)
+    }
+
+    fn into_buf(self) -> Option<B> {
+        self.into_buffer().ok()
     }
 }
 
@@ -200,16 +212,39 @@ impl<B: Send + Unpin + 'static> Future for Pending<B> {
     }
 }
 
+/// What a completion callback waits on: a [`Pending`] or a transfer list.
+pub(crate) trait Settle: Send + 'static {
+    type Output: Send;
+    type Buffer: Send;
+
+    /// One look with the callback's `waker`, bounded by the operation
+    /// timeout.
+    fn settle(&mut self, waker: &Waker) -> Poll<Self::Output>;
+
+    /// The buffer, unless a timeout left it in flight.
+    fn into_buf(self) -> Option<Self::Buffer>;
+}
+
+/// Runs `f` on `engine`'s thread once `op` settled.
+pub(crate) fn callback<T, F>(op: T, engine: EngineHandle, f: F)
+where
+    T: Settle,
+    F: FnOnce(T::Output, Option<T::Buffer>) + Send + 'static,
+{
+    let task = Arc::new(Callback { state: Mutex::new(Some((op, f))), engine });
+    Arc::clone(&task).wake();
+}
+
 /// A completion callback, run on the engine.
-struct Callback<B: Send + 'static, F> {
-    state: Mutex<Option<(Pending<B>, F)>>,
+struct Callback<T, F> {
+    state: Mutex<Option<(T, F)>>,
     engine: EngineHandle,
 }
 
-impl<B, F> Wake for Callback<B, F>
+impl<T, F> Wake for Callback<T, F>
 where
-    B: Send + 'static,
-    F: FnOnce(Result<Completion>, Option<B>) + Send + 'static,
+    T: Settle,
+    F: FnOnce(T::Output, Option<T::Buffer>) + Send + 'static,
 {
     fn wake(self: Arc<Self>) {
         let engine = self.engine.clone();
@@ -217,20 +252,19 @@ where
     }
 }
 
-impl<B, F> Task for Callback<B, F>
+impl<T, F> Task for Callback<T, F>
 where
-    B: Send + 'static,
-    F: FnOnce(Result<Completion>, Option<B>) + Send + 'static,
+    T: Settle,
+    F: FnOnce(T::Output, Option<T::Buffer>) + Send + 'static,
 {
     fn run(self: Arc<Self>) {
         let waker = Waker::from(Arc::clone(&self));
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        let Some((pending, _)) = state.as_mut() else { return };
-        if let Poll::Ready(result) = pending.poll_waker(&waker, true) {
-            let Some((pending, f)) = state.take() else { return };
+        let Some((op, _)) = state.as_mut() else { return };
+        if let Poll::Ready(result) = op.settle(&waker) {
+            let Some((op, f)) = state.take() else { return };
             drop(state);
-            let buffer = pending.into_buffer().ok();
-            f(result, buffer);
+            f(result, op.into_buf());
         }
     }
 }
@@ -274,9 +308,60 @@ impl Wake for SlotWaker {
     }
 }
 
+/// What a [`CompletionSet`] takes: a [`Pending`] operation, a transfer list
+/// ([`Transfer`](crate::Transfer)) or a striped transfer
+/// ([`Striped`](crate::rails::Striped), in a set of
+/// [`RailRegion`](crate::RailRegion)s). Implemented by the crate only.
+pub trait SetMember<B>: member::Member<B> {}
+
+impl<B, T: member::Member<B>> SetMember<B> for T {}
+
+pub(crate) mod member {
+    use super::*;
+
+    /// The looks a set takes at what it holds (unnameable outside the
+    /// crate: the trait is sealed).
+    pub trait Member<B>: Send + 'static {
+        /// One look with the set's `waker`, never timing out: the set's
+        /// waits are bounded by their own timeouts. A list or striped
+        /// transfer reports a [`Completion`] of its whole: its opcode,
+        /// `byte_len` its bytes (at most `u32::MAX`), and no work request.
+        fn look(&mut self, waker: &Waker) -> Poll<Result<Completion>>;
+
+        /// The buffer, once [`look`](Self::look) was ready.
+        fn buffer(self: Box<Self>) -> Option<B>;
+    }
+
+    /// The completion that stands for a whole list or striped transfer.
+    pub(crate) fn whole(opcode: crate::Opcode, bytes: u64) -> Completion {
+        Completion {
+            wr_id: 0,
+            opcode,
+            status: crate::WcStatus::Success,
+            byte_len: u32::try_from(bytes).unwrap_or(u32::MAX),
+            imm: None,
+            qp_num: 0,
+            vendor_err: 0,
+        }
+    }
+}
+
+impl<B: Send + 'static> member::Member<B> for Pending<B> {
+    fn look(&mut self, waker: &Waker) -> Poll<Result<Completion>> {
+        self.poll_waker(waker, false)
+    }
+
+    fn buffer(self: Box<Self>) -> Option<B> {
+        self.into_buffer().ok()
+    }
+}
+
+/// What a set holds under one key, and the waker that names the key.
+type Held<B> = (Box<dyn member::Member<B>>, Waker);
+
 /// Many operations waited on from one thread: for any one of them to
 /// finish, or all. Operations on any connections of any domains may be
-/// mixed. Each is looked at only when it may have finished (it wakes the
+/// mixed, and transfer lists and striped transfers with them. Each is looked at only when it may have finished (it wakes the
 /// set), so waiting on thousands costs per completion, not per operation.
 ///
 /// Waits are bounded by the timeout given to them, not by the operations'
@@ -284,7 +369,7 @@ impl Wake for SlotWaker {
 /// [`Pending`]s does: buffers stay with their connections until the devices
 /// are done.
 pub struct CompletionSet<B: Send + 'static> {
-    slots: Vec<Option<(Pending<B>, Waker)>>,
+    slots: Vec<Option<Held<B>>>,
     free: Vec<usize>,
     ready: Arc<Ready>,
     len: usize,
@@ -302,15 +387,19 @@ impl<B: Send + 'static> CompletionSet<B> {
         Self::default()
     }
 
-    /// Adds an operation; its key comes back with it when it finishes
-    /// (keys of finished operations are reused).
-    pub fn insert(&mut self, pending: Pending<B>) -> usize {
+    /// Adds an operation, a transfer list or a striped transfer; its key
+    /// comes back with it when it finishes (keys of finished ones are
+    /// reused). A list or striped transfer finishes as a whole: its
+    /// [`Completion`] has its opcode (`Write` or `Read`), its bytes in
+    /// `byte_len` (at most `u32::MAX`; its own wait gives the full count)
+    /// and no work request id.
+    pub fn insert(&mut self, pending: impl SetMember<B>) -> usize {
         let key = self.free.pop().unwrap_or_else(|| {
             self.slots.push(None);
             self.slots.len() - 1
         });
         let waker = Waker::from(Arc::new(SlotWaker { key, ready: Arc::clone(&self.ready) }));
-        self.slots[key] = Some((pending, waker));
+        self.slots[key] = Some((Box::new(pending), waker));
         self.len += 1;
         // Looked at first by the next wait.
         self.ready.keys.lock().unwrap_or_else(|e| e.into_inner()).push_back(key);
@@ -329,13 +418,13 @@ impl<B: Send + 'static> CompletionSet<B> {
 
     /// Looks at the operation under `key`; its result if it finished.
     fn look(&mut self, key: usize) -> Option<Finished<B>> {
-        let (pending, waker) = self.slots.get_mut(key)?.as_mut()?;
-        let Poll::Ready(result) = pending.poll_waker(waker, false) else { return None };
-        let (pending, _) = self.slots[key].take()?;
+        let (member, waker) = self.slots.get_mut(key)?.as_mut()?;
+        let Poll::Ready(result) = member.look(waker) else { return None };
+        let (member, _) = self.slots[key].take()?;
         self.free.push(key);
         self.len -= 1;
-        // Unbounded polls never time out: the operation is done.
-        let buffer = pending.into_buffer().unwrap_or_else(|_| unreachable!("a finished operation keeps its buffer"));
+        // Unbounded looks never time out: what finished keeps its buffer.
+        let buffer = member.buffer().unwrap_or_else(|| unreachable!("a finished operation keeps its buffer"));
         Some(Finished { key, result, buffer })
     }
 

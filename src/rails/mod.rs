@@ -8,7 +8,11 @@
 //! into stripes of [`RailOptions::stripe`] bytes, dealt out over every
 //! queue pair of every rail, and posted as one transfer list per queue
 //! pair; [`Striped::wait`] returns once all of them have landed, and
-//! [`RailConnection::write_notify`] sends its notification only then.
+//! [`RailConnection::write_notify`] sends its notification only then. The
+//! domain's engine drives each striped transfer (the moving of a failed
+//! rail's stripes and the notification included), so nobody has to wait on
+//! it; its handle is a future, goes in a [`CompletionSet`](crate::CompletionSet)
+//! and takes a callback ([`Striped::on_complete`]).
 //!
 //! A rail that fails mid-transfer (its link goes down, its queue pairs
 //! error out, or stall past the operation timeout) is dropped: the stripes

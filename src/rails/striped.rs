@@ -4,17 +4,18 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::task::{Context, Poll};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll, Wake, Waker};
 
 use crate::access::Access;
 use crate::completion::Failure;
-use crate::connection::{Direction, Transfer, Transferred};
+use crate::connection::{Direction, Transfer};
 use crate::error::{Error, Result};
 use crate::memory::alias::Alias;
 use crate::memory::{LocalBuffer, Memory, Shared};
 use crate::protocol::list::Piece;
+use crate::transport::engine::{EngineHandle, Task};
 
 use super::*;
 
@@ -39,7 +40,28 @@ pub(super) struct Lane<M: Memory> {
 }
 
 /// A striped transfer in flight; see [`RailConnection::write`].
+///
+/// The domain's engine drives it from the moment it is posted: each queue
+/// pair's list, the moving of a failed rail's stripes to the rails left,
+/// the flush of a queue pair that timed out, then the notification. Nobody
+/// needs to wait for any of that to happen. The handle only collects the
+/// outcome: wait on it, await it (it is a future), hand it to a
+/// [`CompletionSet`](crate::CompletionSet), or give it a callback
+/// ([`on_complete`](Self::on_complete)). Dropping the handle does not stop
+/// the transfer: it still runs to its end (its notification included),
+/// and its outcome is dropped.
+#[must_use = "a striped transfer's outcome comes back through its handle"]
 pub struct Striped<M: Memory> {
+    run: Arc<Run<M>>,
+    /// The local region, handed back by a [`CompletionSet`](crate::CompletionSet).
+    local: RailRegion<M>,
+    len: u64,
+    /// What it does, for the completion a set reports.
+    opcode: crate::Opcode,
+}
+
+/// A striped transfer's state machine: what the engine's task steps.
+pub(super) struct Machine<M: Memory> {
     pub(super) shared: Arc<RailShared>,
     pub(super) local: RailRegion<M>,
     pub(super) remote: RailDescriptor,
@@ -51,7 +73,6 @@ pub struct Striped<M: Memory> {
     pub(super) refused: Option<Error>,
     pub(super) moved: Moved,
     pub(super) turn: usize,
-    pub(super) finished: bool,
     /// Lists of queue pairs that failed by timeout, until they are flushed.
     pub(super) draining: Vec<Transfer<Shared<Alias<M>>>>,
     /// The notification's list, on its queue pair, once everything landed.
@@ -62,7 +83,75 @@ pub struct Striped<M: Memory> {
 
 impl<M: Memory> std::fmt::Debug for Striped<M> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Striped").field("span", &self.span).field("lanes", &self.lanes.len()).finish()
+        let st = self.run.lock();
+        let lanes = st.machine.as_ref().map_or(0, |m| m.lanes.len());
+        f.debug_struct("Striped")
+            .field("len", &self.len)
+            .field("lanes", &lanes)
+            .field("done", &st.machine.is_none())
+            .finish()
+    }
+}
+
+/// The engine's task for one striped transfer, and where its outcome waits.
+struct Run<M: Memory> {
+    state: Mutex<RunState<M>>,
+    engine: EngineHandle,
+}
+
+/// A completion callback ([`Striped::on_complete`]).
+type Then = Box<dyn FnOnce(Result<Moved>) + Send>;
+
+struct RunState<M: Memory> {
+    /// `None` once it ended.
+    machine: Option<Machine<M>>,
+    /// Until it is taken.
+    outcome: Option<Result<Moved>>,
+    /// The outcome was taken.
+    reported: bool,
+    /// Woken when it ends.
+    awaiter: Option<Waker>,
+    then: Option<Then>,
+}
+
+impl<M: Memory> Run<M> {
+    fn lock(&self) -> MutexGuard<'_, RunState<M>> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl<M: Memory> Wake for Run<M> {
+    fn wake(self: Arc<Self>) {
+        let engine = self.engine.clone();
+        engine.spawn(self);
+    }
+}
+
+impl<M: Memory> Task for Run<M> {
+    /// One step of the machine, woken by its lists and timers; once it
+    /// ended, the outcome goes to the callback, or wakes the awaiter.
+    fn run(self: Arc<Self>) {
+        let mut st = self.lock();
+        if let Some(m) = st.machine.as_mut() {
+            let waker = Waker::from(Arc::clone(&self));
+            match m.step(&mut Context::from_waker(&waker)) {
+                Poll::Pending => return,
+                Poll::Ready(out) => {
+                    st.machine = None;
+                    st.outcome = Some(out);
+                }
+            }
+        }
+        if st.then.is_some() {
+            if let (Some(f), Some(out)) = (st.then.take(), st.outcome.take()) {
+                st.reported = true;
+                drop(st);
+                f(out);
+            }
+        } else if let Some(w) = st.awaiter.take() {
+            drop(st);
+            w.wake();
+        }
     }
 }
 
@@ -75,8 +164,132 @@ impl<M: Memory> Striped<M> {
         direction: Direction,
         note: Option<(u32, Vec<u8>)>,
     ) -> Self {
+        let opcode = match direction {
+            Direction::Write => crate::Opcode::Write,
+            Direction::Read => crate::Opcode::Read,
+        };
+        let machine = Machine::start(conn, local, remote, span, direction, note);
+        // Every link's connection shares the engine of its rail's domain;
+        // the first one drives the transfer (it may post on any rail).
+        let engine = conn.shared.links[0].conn.engine();
+        let state = RunState { machine: Some(machine), outcome: None, reported: false, awaiter: None, then: None };
+        let run = Arc::new(Run { state: Mutex::new(state), engine });
+        // The first step registers with every list posted.
+        Arc::clone(&run).wake();
+        Striped { run, local: local.clone(), len: span.len, opcode }
+    }
+
+    /// Waits until every stripe has landed (and the notification, if any,
+    /// is sent), moving the stripes of a failed rail to the others.
+    ///
+    /// The engine does the moving and the notification whether or not
+    /// anyone waits (see [`Striped`]); the wait only collects the outcome.
+    /// Each queue pair's list is bounded by the connection's operation
+    /// timeout without progress: past it, that queue pair counts as
+    /// failed, its stripes move, and what it still had in flight is
+    /// flushed before the transfer completes. So the wait ends.
+    ///
+    /// # Errors
+    /// What refused the transfer before anything moved
+    /// ([`Error::OutOfBounds`], [`Error::AccessDenied`],
+    /// [`Error::RailMismatch`], [`Error::NotifyPayloadTooLarge`]); an
+    /// operation's error that is not the rail's fault (a remote access
+    /// error, say); [`Error::NoRailLeft`] when every rail failed. Once it
+    /// returned its outcome, it returns [`Error::AlreadyReported`].
+    pub fn wait(&mut self) -> Result<Moved> {
+        block_on(self)
+    }
+
+    /// The outcome, without blocking: `None` while it runs.
+    ///
+    /// # Errors
+    /// As [`wait`](Self::wait).
+    pub fn poll(&mut self) -> Result<Option<Moved>> {
+        let mut st = self.run.lock();
+        match st.outcome.take() {
+            Some(out) => {
+                st.reported = true;
+                out.map(Some)
+            }
+            None if st.reported => Err(Error::AlreadyReported),
+            None => Ok(None),
+        }
+    }
+
+    /// Whether it ended (its outcome may still be taken).
+    pub fn is_done(&self) -> bool {
+        self.run.lock().machine.is_none()
+    }
+
+    /// Runs `f` with the outcome on the engine's thread once the transfer
+    /// ended (at once if it already had, and its outcome was not taken).
+    /// Keep `f` short, and never wait on an operation in it: it runs on
+    /// the thread that drives every transfer of the domain.
+    pub fn on_complete(self, f: impl FnOnce(Result<Moved>) + Send + 'static) {
+        let mut st = self.run.lock();
+        if st.reported {
+            drop(st);
+            f(Err(Error::AlreadyReported));
+            return;
+        }
+        st.then = Some(Box::new(f));
+        let ended = st.machine.is_none();
+        drop(st);
+        if ended {
+            Arc::clone(&self.run).wake();
+        }
+    }
+
+    /// Bytes the transfer moves.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether it moves nothing.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// A look for a waiter with `waker`: the outcome once it ended.
+    pub(crate) fn poll_waker(&mut self, waker: &Waker) -> Poll<Result<Moved>> {
+        let mut st = self.run.lock();
+        if let Some(out) = st.outcome.take() {
+            st.reported = true;
+            return Poll::Ready(out);
+        }
+        if st.reported {
+            return Poll::Ready(Err(Error::AlreadyReported));
+        }
+        match &st.awaiter {
+            Some(w) if w.will_wake(waker) => {}
+            _ => st.awaiter = Some(waker.clone()),
+        }
+        Poll::Pending
+    }
+}
+
+impl<M: Memory> crate::connection::member::Member<RailRegion<M>> for Striped<M> {
+    fn look(&mut self, waker: &Waker) -> Poll<Result<crate::Completion>> {
+        let opcode = self.opcode;
+        self.poll_waker(waker).map(|r| r.map(|moved| crate::connection::member::whole(opcode, moved.bytes)))
+    }
+
+    fn buffer(self: Box<Self>) -> Option<RailRegion<M>> {
+        Some(self.local.clone())
+    }
+}
+
+impl<M: Memory> Machine<M> {
+    fn start(
+        conn: &RailConnection,
+        local: &RailRegion<M>,
+        remote: &RailDescriptor,
+        span: Span,
+        direction: Direction,
+        note: Option<(u32, Vec<u8>)>,
+    ) -> Self {
         let shared = Arc::clone(&conn.shared);
-        let mut s = Striped {
+        let mut s = Machine {
             local: local.clone(),
             remote: remote.clone(),
             span,
@@ -86,7 +299,6 @@ impl<M: Memory> Striped<M> {
             refused: None,
             moved: Moved::default(),
             turn: 0,
-            finished: false,
             draining: Vec::new(),
             note_out: None,
             note_tries: 0,
@@ -171,33 +383,10 @@ impl<M: Memory> Striped<M> {
         })
     }
 
-    /// Waits until every stripe has landed (and the notification, if any,
-    /// is sent), moving the stripes of a failed rail to the others.
-    ///
-    /// The stripes move without it (the domains' engines keep each queue
-    /// pair's list going); what needs the wait, or an await (a striped
-    /// transfer is a future, driven by the same steps), is what comes after
-    /// a completion: moving a failed rail's stripes, and the notification,
-    /// which is posted once everything landed. Each queue pair's list is
-    /// bounded by the connection's operation timeout without progress:
-    /// past it, that queue pair counts as failed, and what it still had in
-    /// flight is flushed before the transfer completes.
-    ///
-    /// # Errors
-    /// What refused the transfer before anything moved
-    /// ([`Error::OutOfBounds`], [`Error::AccessDenied`],
-    /// [`Error::RailMismatch`]); an operation's error that is not the
-    /// rail's fault (a remote access error, say); [`Error::NoRailLeft`]
-    /// when every rail failed. Once it returned an error, it returns
-    /// [`Error::AlreadyReported`].
-    pub fn wait(&mut self) -> Result<Moved> {
-        block_on(self)
-    }
-
     /// One look at every queue pair's list (polled with `cx`'s waker when
     /// awaited, else without): takes what landed, moves a failed rail's
     /// stripes, then sends the notification. Ready with the outcome.
-    fn step(&mut self, mut cx: Option<&mut Context<'_>>) -> Poll<Result<Moved>> {
+    fn step(&mut self, cx: &mut Context<'_>) -> Poll<Result<Moved>> {
         if let Some(e) = self.refused.take() {
             return Poll::Ready(Err(e));
         }
@@ -210,7 +399,7 @@ impl<M: Memory> Striped<M> {
                 i += 1;
                 continue;
             };
-            match look(t, cx.as_deref_mut()) {
+            match Pin::new(t).poll(cx) {
                 Poll::Pending => {
                     pending = true;
                     i += 1;
@@ -246,7 +435,7 @@ impl<M: Memory> Striped<M> {
             }
         }
         // Lists of failed queue pairs, until their flush is seen (any outcome).
-        self.draining.retain_mut(|t| look(t, cx.as_deref_mut()).is_pending());
+        self.draining.retain_mut(|t| Pin::new(t).poll(cx).is_pending());
         if pending || !self.draining.is_empty() {
             return Poll::Pending;
         }
@@ -254,11 +443,11 @@ impl<M: Memory> Striped<M> {
     }
 
     /// Sends the notification on the first queue pair that takes it.
-    fn step_note(&mut self, mut cx: Option<&mut Context<'_>>) -> Poll<Result<Moved>> {
+    fn step_note(&mut self, cx: &mut Context<'_>) -> Poll<Result<Moved>> {
         let shared = Arc::clone(&self.shared);
         loop {
             if let Some((link, t)) = self.note_out.as_mut() {
-                match look(t, cx.as_deref_mut()) {
+                match Pin::new(t).poll(cx) {
                     Poll::Pending => return Poll::Pending,
                     Poll::Ready(Ok(_)) => {
                         self.note_out = None;
@@ -289,16 +478,6 @@ impl<M: Memory> Striped<M> {
             self.note_out = Some((link, l.conn.write_list_notify(local, &remote, [], *tag, payload)));
         }
     }
-
-    /// Bytes the transfer moves.
-    pub fn len(&self) -> u64 {
-        self.span.len
-    }
-
-    /// Whether it moves nothing.
-    pub fn is_empty(&self) -> bool {
-        self.span.len == 0
-    }
 }
 
 /// Whether an error is the rail's (its queue pair is unusable), so that
@@ -320,30 +499,10 @@ pub(super) fn rail_fault(e: &Error) -> bool {
 impl<M: Memory> Future for Striped<M> {
     type Output = Result<Moved>;
 
-    /// Awaiting a striped transfer is waiting on it ([`Striped::wait`]),
-    /// woken by the domains' engines as its lists move.
+    /// Awaits the outcome (see [`Striped::wait`]); woken by the engine
+    /// when the transfer ended.
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<Moved>> {
-        let this = self.get_mut();
-        if this.finished {
-            return Poll::Ready(Err(Error::AlreadyReported));
-        }
-        let out = this.step(Some(cx));
-        if out.is_ready() {
-            this.finished = true;
-        }
-        out
-    }
-}
-
-/// One look at a list: through its future with `cx`, else without a waker.
-fn look<B: Send + Unpin + 'static>(t: &mut Transfer<B>, cx: Option<&mut Context<'_>>) -> Poll<Result<Transferred>> {
-    match cx {
-        Some(cx) => Pin::new(t).poll(cx),
-        None => match t.poll() {
-            Ok(Some(done)) => Poll::Ready(Ok(done)),
-            Ok(None) => Poll::Pending,
-            Err(e) => Poll::Ready(Err(e)),
-        },
+        self.get_mut().poll_waker(cx.waker())
     }
 }
 

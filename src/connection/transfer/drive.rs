@@ -457,6 +457,11 @@ impl<B: Send + 'static> List<B> {
         if self.settled() { self.outcome().map(Some) } else { Ok(None) }
     }
 
+    /// The buffer of a settled list.
+    pub(super) fn take_buffer(&mut self) -> Option<B> {
+        if self.settled() { self.buf.take() } else { None }
+    }
+
     /// Waits, then hands out what moved and the buffer.
     pub(super) fn finish(&mut self) -> std::result::Result<(Transferred, B), Failed<B>> {
         match self.wait() {
@@ -526,7 +531,10 @@ impl<B: Send + 'static> List<B> {
     /// One look: posts what fits, takes what finished; when not done,
     /// `waker` is registered on the oldest post in flight and a timer armed
     /// at the deadline (the operation timeout without progress).
-    pub(super) fn poll_waker(&mut self, waker: &Waker) -> Poll<Result<Transferred>> {
+    /// One look for a waiter with `waker`; if `bounded`, a timer is armed at
+    /// the operation timeout without progress, past which it is ready with
+    /// [`Error::Timeout`] (still in flight).
+    pub(super) fn poll_waker(&mut self, waker: &Waker, bounded: bool) -> Poll<Result<Transferred>> {
         let posted = self.next;
         let before = self.in_flight.len();
         self.pump();
@@ -544,6 +552,9 @@ impl<B: Send + 'static> List<B> {
                 aw.disarm(self.shared.domain.engine());
             }
             return Poll::Ready(self.outcome());
+        }
+        if !bounded {
+            return Poll::Pending;
         }
         let timeout = self.shared.op_timeout;
         if self.next != posted || self.in_flight.len() != before {

@@ -321,6 +321,17 @@ impl<B: Send + 'static> Transfer<B> {
         self.lock().bytes == 0
     }
 
+    /// Runs `f` on the domain's engine thread once all of the list landed
+    /// (or failed), with the outcome and the buffer, as
+    /// [`Pending::on_complete`](crate::Pending::on_complete) does: the
+    /// buffer is `None` only when the list made no progress for the
+    /// operation timeout and is still in flight. Keep `f` short, and never
+    /// wait on an operation in it.
+    pub fn on_complete(self, f: impl FnOnce(Result<Transferred>, Option<B>) + Send + 'static) {
+        let engine = self.lock().shared.domain.engine().handle();
+        super::waiting::callback(self, engine, f);
+    }
+
     /// Waits, then returns what moved and the buffer, which comes back on
     /// error too.
     ///
@@ -402,7 +413,35 @@ impl<B: Send + Unpin + 'static> Future for Transfer<B> {
     /// [`finish`](Transfer::finish) (at once, once done). Await it by
     /// `&mut` to keep the `Transfer`.
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        self.get_mut().lock().poll_waker(cx.waker())
+        self.get_mut().lock().poll_waker(cx.waker(), true)
+    }
+}
+
+impl<B: Send + 'static> super::waiting::Settle for Transfer<B> {
+    type Output = Result<Transferred>;
+    type Buffer = B;
+
+    fn settle(&mut self, waker: &Waker) -> Poll<Result<Transferred>> {
+        self.lock().poll_waker(waker, true)
+    }
+
+    fn into_buf(self) -> Option<B> {
+        self.lock().take_buffer()
+    }
+}
+
+impl<B: Send + 'static> super::waiting::member::Member<B> for Transfer<B> {
+    fn look(&mut self, waker: &Waker) -> Poll<Result<crate::Completion>> {
+        let mut l = self.lock();
+        let opcode = match l.direction {
+            Direction::Write => crate::Opcode::Write,
+            Direction::Read => crate::Opcode::Read,
+        };
+        l.poll_waker(waker, false).map(|r| r.map(|done| super::waiting::member::whole(opcode, done.bytes)))
+    }
+
+    fn buffer(self: Box<Self>) -> Option<B> {
+        self.lock().take_buffer()
     }
 }
 
