@@ -357,7 +357,7 @@ impl<B: Send + 'static> member::Member<B> for Pending<B> {
 }
 
 /// What a set holds under one key, and the waker that names the key.
-type Held<B> = (Box<dyn member::Member<B>>, Waker);
+type SetSlot<B> = (Box<dyn member::Member<B>>, Waker);
 
 /// Many operations waited on from one thread: for any one of them to
 /// finish, or all. Operations on any connections of any domains may be
@@ -369,7 +369,7 @@ type Held<B> = (Box<dyn member::Member<B>>, Waker);
 /// [`Pending`]s does: buffers stay with their connections until the devices
 /// are done.
 pub struct CompletionSet<B: Send + 'static> {
-    slots: Vec<Option<Held<B>>>,
+    slots: Vec<Option<SetSlot<B>>>,
     free: Vec<usize>,
     ready: Arc<Ready>,
     len: usize,
