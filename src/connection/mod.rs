@@ -644,13 +644,13 @@ impl Connection {
         ConnectionStats { in_flight, orphaned }
     }
 
-    /// Breaks the connection for `reason`: tells the peer, and fails what
-    /// is outstanding with [`Error::ConnectionLost`] saying why.
     /// A handle to its domain's engine, to drive work built on it.
     pub(crate) fn engine(&self) -> crate::transport::engine::EngineHandle {
         self.shared.domain.engine().handle()
     }
 
+    /// Breaks the connection for `reason`: tells the peer, and fails what
+    /// is outstanding with [`Error::ConnectionLost`] saying why.
     pub(crate) fn shut(&self, reason: &str) {
         self.shared.transport.shutdown(reason);
     }
