@@ -479,8 +479,14 @@
 //!   after [`Connection::recv_write`] completes for the peer's "done" (a
 //!   write with immediate, or a zero-byte send): on a direct path it
 //!   flushes, on the staged path it copies the region's host mirror into
-//!   the GPU. A write that neither names reaches GPU memory on the staged
-//!   path only through [`Exposed::pull`].
+//!   the GPU. A write with immediate is visible once any receive takes its
+//!   immediate ([`Connection::recv_imm`], a receive with a buffer, a
+//!   receive ring): over TCP its range is copied in before the receive
+//!   completes, over verbs on a direct path the remote writes are flushed.
+//!   Over verbs into a staged region the immediate names no range: name
+//!   the region ([`Connection::recv_write_range`]). A write that nothing
+//!   names reaches GPU memory on the staged path only through
+//!   [`Exposed::pull`].
 //!   Before letting a peer read an exposed staged region, call
 //!   [`Exposed::publish`], which copies the GPU contents to the mirror.
 //! - **Posting order.** On one connection, sends, writes (with or without

@@ -477,6 +477,60 @@ gpu_tcp_test! {
 }
 
 gpu_tcp_test! {
+    /// A write with immediate into a staged GPU region, taken by a receive
+    /// that does not name the region (`recv_imm`, a receive into a host
+    /// buffer, a receive ring): when the receive completes, the bytes are
+    /// in GPU memory, and only they moved (the owner's newer data elsewhere
+    /// in the region survives).
+    fn a_write_with_immediate_is_visible_in_staged_gpu_memory_whatever_receive_takes_it() {
+        let d = tcp_domain();
+        let len = 4 << 20;
+        let old = pattern(len, 61);
+        let exposed = d.expose(gpu_region(&d, len, Some(&old)), Access::REMOTE_WRITE, 6).unwrap();
+        exposed.publish().unwrap();
+        let (s, c) = pair_on(&d, &d, opts().advertise(&exposed), opts());
+        let newer = pattern(4096, 62);
+        exposed.cuda().copy_from_host(0, &newer).unwrap();
+        let region = c.remote_region(6).unwrap();
+        let mut expect = old.clone();
+        expect[..4096].copy_from_slice(&newer);
+        for (round, at) in [(0u32, 1usize << 20), (1, 2 << 20), (2, 3 << 20 | 512)].into_iter() {
+            let n = 64 << 10;
+            let data = pattern(n, 100 + u64::from(round));
+            expect[at..at + n].copy_from_slice(&data);
+            let mut src = d.alloc(n).unwrap();
+            src.copy_from_slice(&data);
+            let remote = region.slice(at as u64..(at + n) as u64).unwrap();
+            let got_imm = match round {
+                0 => {
+                    let mut rx = s.recv_imm();
+                    c.write_with_imm(src, &remote, round).wait().unwrap();
+                    rx.wait().unwrap().imm
+                }
+                1 => {
+                    let mut rx = s.recv(d.alloc(64).unwrap());
+                    c.write_with_imm(src, &remote, round).wait().unwrap();
+                    rx.wait().unwrap().imm
+                }
+                _ => {
+                    // Receives are taken in posting order: the ring's come last.
+                    let mut ring = s.recv_ring(d.alloc(4 * 64).unwrap(), 64, 4);
+                    c.write_with_imm(src, &remote, round).wait().unwrap();
+                    ring.next().unwrap().imm()
+                }
+            };
+            assert_eq!(got_imm, Some(round));
+            let gpu = read_gpu(exposed.cuda(), len);
+            assert_eq!(
+                first_difference(&gpu, &expect),
+                None,
+                "round {round}: GPU memory when the immediate was seen (the write at {at}, the owner's data at 0)"
+            );
+        }
+    }
+}
+
+gpu_tcp_test! {
     fn a_staged_list_notifies_after_its_last_piece_and_dropping_one_mid_flight_is_safe() {
         use gpu_rdma::Piece;
         let d = tcp_domain();

@@ -271,6 +271,41 @@ gpu_test! {
 }
 
 gpu_test! {
+    /// A write with immediate into direct GPU memory, taken by a receive
+    /// that does not name the region: its completion flushes the remote
+    /// writes (an immediate names no range), and the bytes are there.
+    fn a_write_with_immediate_into_direct_gpu_memory_is_flushed_before_its_receive_completes() {
+        let (ds, dc) = (domain(), domain());
+        let len = 1 << 20;
+        let exposed = ds
+            .expose(gpu_region(&ds, len, None, PathPolicy::Force(MemPath::PeerMem)), Access::REMOTE_WRITE, 8)
+            .unwrap();
+        let (s, c) = pair_on(&ds, &dc, opts().advertise(&exposed), opts());
+        let remote = c.remote_region(8).unwrap().slice(4096..4096 + 8192).unwrap();
+        let data = pattern(8192, 81);
+        for round in 0..2u32 {
+            let mut src = dc.alloc(8192).unwrap();
+            src.copy_from_slice(&data);
+            let before = stub_flush_count();
+            let imm = if round == 0 {
+                let mut rx = s.recv_imm();
+                c.write_with_imm(src, &remote, round).wait().unwrap();
+                rx.wait().unwrap().imm
+            } else {
+                let mut rx = s.recv(ds.alloc(64).unwrap());
+                c.write_with_imm(src, &remote, round).wait().unwrap();
+                rx.wait().unwrap().imm
+            };
+            assert_eq!(imm, Some(round));
+            assert_eq!(first_difference(&read_gpu(exposed.cuda(), len)[4096..4096 + 8192], &data), None);
+            if let (Some(b), Some(a)) = (before, stub_flush_count()) {
+                assert!(a > b, "round {round}: the receive completed without a flush ({b} -> {a})");
+            }
+        }
+    }
+}
+
+gpu_test! {
     /// A receive ring in GPU memory on a direct path: each message lands in
     /// its slot, byte for byte, flushed before it is lent out; on the
     /// staged path each lands in host staging and is copied into its slot.

@@ -180,6 +180,33 @@ impl ConnShared {
         copying
     }
 
+    /// What makes the data of a peer's write with immediate visible to
+    /// CUDA work when its receive completes, where something is needed: on
+    /// verbs, a flush of the remote writes into this domain's GPU regions on
+    /// a direct path (an immediate names no range: each is flushed). TCP
+    /// makes the range visible itself before completing the receive.
+    pub(crate) fn imm_visibility(&self) -> Option<Box<dyn FnOnce() -> Result<()> + Send>> {
+        #[cfg(feature = "cuda")]
+        {
+            let visible = &self.domain.mem().visible;
+            if self.transport.is_tcp() || !visible.any() {
+                return None;
+            }
+            let visible = visible.clone();
+            Some(Box::new(move || visible.flush_direct()))
+        }
+        #[cfg(not(feature = "cuda"))]
+        None
+    }
+
+    /// [`imm_visibility`](Self::imm_visibility), done now.
+    pub(crate) fn make_imm_visible(&self) -> Result<()> {
+        match self.imm_visibility() {
+            Some(f) => f(),
+            None => Ok(()),
+        }
+    }
+
     fn pending<B: Send + 'static>(self: &Arc<Self>, buf: B, posted: Posted) -> Pending<B> {
         Pending::posted(self, buf, posted)
     }
@@ -579,6 +606,18 @@ impl Connection {
 
     /// Posts a receive with no buffer: for the peer's writes with immediate
     /// and zero-byte sends. Its completion carries the immediate.
+    ///
+    /// A write with immediate into this side's GPU memory is visible to CUDA
+    /// work when any receive takes its immediate (this one, a receive with
+    /// a buffer, a receive ring's slot): over TCP the written range is
+    /// copied from the staging mirror into GPU memory before the receive
+    /// completes; over verbs on a direct path the remote writes are flushed
+    /// where the device needs it. Over verbs into a region on the staged
+    /// path the immediate names no range, so nothing can be pulled: use
+    /// [`recv_write`](Self::recv_write) or
+    /// [`recv_write_range`](Self::recv_write_range) naming the region, or a
+    /// notified list ([`write_list_notify`](Self::write_list_notify)),
+    /// whose notification names its ranges.
     pub fn recv_imm(&self) -> Pending<()> {
         self.shared.pending((), self.shared.transport.post_recv(None))
     }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::{ConnShared, Failed};
-use crate::completion::Completion;
+use crate::completion::{Completion, Opcode};
 use crate::deadline::{Deadline, look_again};
 use crate::error::{Error, Result};
 use crate::ops::{OpId, OpOutcome, WaitError, Waited};
@@ -384,7 +384,7 @@ impl<B: Send + 'static> Pending<B> {
     #[inline]
     pub(super) fn settle(&mut self, outcome: OpOutcome) -> Result<Completion> {
         match outcome {
-            Ok(c) if self.after.is_none() => {
+            Ok(c) if self.after.is_none() && c.opcode != Opcode::RecvWriteWithImm => {
                 let before = std::mem::replace(&mut self.stage, Stage::Succeeded(c));
                 match before {
                     // Ids: nothing to drop (and no drop glue on the hot path).
@@ -414,6 +414,9 @@ impl<B: Send + 'static> Pending<B> {
     pub(super) fn settle_slow(&mut self, outcome: OpOutcome) -> Result<Completion> {
         match outcome {
             Ok(c) => {
+                if c.opcode == Opcode::RecvWriteWithImm && self.after.is_none() {
+                    self.after = self.shared.imm_visibility();
+                }
                 self.succeed(c);
                 self.report().unwrap_or(Ok(c))
             }

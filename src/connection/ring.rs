@@ -302,7 +302,13 @@ impl<B: LocalBuffer> RecvRing<B> {
     fn finish(&mut self, slot: u32, outcome: OpOutcome) -> Result<Completion> {
         self.posted.pop_front();
         match outcome {
-            Ok(completion) => self.landed(slot, completion.byte_len).map(|()| completion),
+            Ok(completion) => self.landed(slot, completion.byte_len).and_then(|()| {
+                if completion.opcode == crate::Opcode::RecvWriteWithImm {
+                    // What the peer's write with immediate wrote elsewhere.
+                    self.shared.make_imm_visible()?;
+                }
+                Ok(completion)
+            }),
             Err(e) => {
                 let _ = self.post(slot);
                 Err(*e)

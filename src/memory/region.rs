@@ -602,6 +602,14 @@ impl<M: Memory> crate::memory::visible::Visible for SharedInner<M> {
         }
         self.pull(off, end.saturating_sub(off))
     }
+
+    fn flush_direct(&self) -> Result<()> {
+        let Some(buf) = self.region.memory().cuda_buffer() else { return Ok(()) };
+        match self.remote.as_ref().and_then(|r| r.mirror()) {
+            Some(_) => Ok(()),
+            None => buf.device().flush_remote_writes(),
+        }
+    }
 }
 
 /// Why [`Exposed::withdraw`] did not give the region back.

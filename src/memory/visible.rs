@@ -7,6 +7,7 @@
 //! nothing, and is not listed.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock, Weak};
 
 use crate::error::Result;
@@ -16,12 +17,19 @@ pub(crate) trait Visible: Send + Sync {
     /// Makes the `len` bytes peers wrote at `addr` (an address of the
     /// region's descriptor) visible to CUDA work; waits for the copy.
     fn make_visible(&self, addr: u64, len: u64) -> Result<()>;
+
+    /// On a direct path, flushes the remote writes the NIC made into the
+    /// region (where the GPU needs that); nothing on the staged path, which
+    /// needs the range written ([`make_visible`](Self::make_visible)).
+    fn flush_direct(&self) -> Result<()>;
 }
 
 /// A domain's exposed GPU regions, by remote key. Cloning shares the table.
 #[derive(Clone, Default)]
 pub(crate) struct VisibleTable {
     map: Arc<RwLock<HashMap<u32, Weak<dyn Visible>>>>,
+    /// Set once a region was listed: until then every look is one load.
+    any: Arc<AtomicBool>,
 }
 
 impl VisibleTable {
@@ -30,15 +38,37 @@ impl VisibleTable {
         let mut map = self.map.write().unwrap_or_else(|e| e.into_inner());
         map.retain(|_, w| w.strong_count() > 0);
         map.insert(key, region);
+        self.any.store(true, Ordering::Release);
+    }
+
+    /// Whether a GPU region was ever exposed in the domain.
+    #[inline]
+    pub(crate) fn any(&self) -> bool {
+        self.any.load(Ordering::Acquire)
     }
 
     /// Makes what peers wrote at `addr..addr + len` under `key` visible;
     /// nothing for a key of host memory (or of a region gone since).
     pub(crate) fn make_visible(&self, key: u32, addr: u64, len: u64) -> Result<()> {
+        if !self.any() {
+            return Ok(());
+        }
         let region = self.map.read().unwrap_or_else(|e| e.into_inner()).get(&key).and_then(Weak::upgrade);
         match region {
             Some(r) => r.make_visible(addr, len),
             None => Ok(()),
         }
+    }
+
+    /// Flushes the remote writes into every exposed GPU region on a direct
+    /// path ([`Visible::flush_direct`]): for an immediate, which names no
+    /// range.
+    pub(crate) fn flush_direct(&self) -> Result<()> {
+        if !self.any() {
+            return Ok(());
+        }
+        let regions: Vec<Arc<dyn Visible>> =
+            self.map.read().unwrap_or_else(|e| e.into_inner()).values().filter_map(Weak::upgrade).collect();
+        regions.iter().try_for_each(|r| r.flush_direct())
     }
 }

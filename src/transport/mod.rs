@@ -173,8 +173,7 @@ pub(crate) fn establish(
         });
     }
     let theirs = peer.tcp.ok_or_else(|| Error::from(BootstrapError::Incompatible("the peer offers no TCP".into())))?;
-    let (conn, mut info) =
-        tcp::TcpConn::establish(&backend.keys, backend.id(), stream, &theirs, opts, deadline, choice.reason)?;
+    let (conn, mut info) = tcp::TcpConn::establish(backend, stream, &theirs, opts, deadline, choice.reason)?;
     info.peer_name = peer.name;
     Ok(Established { transport: ConnTransport::Tcp(conn), peer_regions: peer.regions, peer_ring, info })
 }

@@ -607,6 +607,10 @@ struct Inner {
     /// frame, so nothing more from the peer is carried out once broken.
     dead: AtomicBool,
     keys: KeyTable,
+    /// The domain's exposed GPU regions: what a write with immediate wrote
+    /// is made visible to CUDA work before its receive completes.
+    #[cfg(feature = "cuda")]
+    visible: crate::memory::visible::VisibleTable,
     /// The keys this connection's peer may use: those advertised on this
     /// connection (in the handshake, or granted since). Another
     /// connection's regions are not reachable through this one.
@@ -885,8 +889,7 @@ impl TcpConn {
     }
 
     pub(crate) fn establish(
-        keys: &KeyTable,
-        domain_id: u64,
+        mem: &crate::memory::MemoryDomain,
         stream: TcpStream,
         theirs: &TcpEndpoint,
         opts: &ConnectOptions,
@@ -902,7 +905,7 @@ impl TcpConn {
         let peer_addr = stream.peer_addr().ok();
         let max_message = u64::from(MAX_MESSAGE.min(theirs.max_message));
         let limits = Limits {
-            domain_id,
+            domain_id: mem.id(),
             send_depth: send_depth(opts),
             recv_depth: opts.recv_queue_depth.max(1),
             max_message,
@@ -937,7 +940,9 @@ impl TcpConn {
             fd: stream.as_raw_fd(),
             tx: AtomicU64::new(0),
             dead: AtomicBool::new(false),
-            keys: keys.clone(),
+            keys: mem.keys.clone(),
+            #[cfg(feature = "cuda")]
+            visible: mem.visible.clone(),
             granted: RwLock::new(opts.advertise.iter().map(|r| r.rkey).collect()),
             limits,
             peer_depth,
@@ -2029,6 +2034,14 @@ fn on_write(inner: &Inner, h: &FrameHeader, src: &mut Source<'_>, scratch: &mut 
         return refuse(inner, h.seq, WcStatus::RemoteAccess, "the region was withdrawn during a write".into());
     }
     if h.flags & IMM != 0 {
+        // The immediate announces the data: in GPU memory (copied from the
+        // staging mirror, the only memory this transport writes), it must be
+        // visible to CUDA work before the receive completes. A GPU that
+        // cannot take it breaks the connection, loudly.
+        #[cfg(feature = "cuda")]
+        if let Err(e) = inner.visible.make_visible(h.key, h.addr, total) {
+            return Err(format!("the data of a write with immediate could not be made visible in GPU memory: {e}"));
+        }
         return on_message(inner, h, Some(h.total), src, scratch, by);
     }
     if h.flags & ACK == 0 {
