@@ -8,9 +8,9 @@ pub use crate::config::{DomainConfig, DomainInfo};
 use crate::error::{Error, Result};
 pub use crate::memory::DomainStats;
 use crate::memory::path::PathPolicy;
-use crate::memory::{Access, Counter, Exposed, HostMemory, Live, Memory, MemoryDomain, MemoryKind, Region};
 #[cfg(feature = "cuda")]
-pub use crate::protocol::staged::StagingStats;
+pub use crate::memory::staging::StagingStats;
+use crate::memory::{Access, Counter, Exposed, HostMemory, Live, Memory, MemoryDomain, MemoryKind, Region};
 
 /// This process's endpoint on one RDMA device port: a protection domain,
 /// the port and GID it addresses peers with, and the memory registered in
@@ -25,7 +25,7 @@ pub(crate) struct DomainInner {
     pub(crate) mem: Arc<MemoryDomain>,
     /// Staging machinery per GPU (streams, pinned registered buffers).
     #[cfg(feature = "cuda")]
-    pub(crate) staging: crate::protocol::staged::StagingHome,
+    pub(crate) staging: crate::memory::staging::StagingHome,
     /// GPU registration's per-domain state (path reports logged, GPU-NIC links).
     #[cfg(feature = "cuda")]
     pub(crate) gpu_paths: crate::memory::gpu::GpuPaths,
@@ -41,7 +41,7 @@ impl Domain {
 
     /// The domain's staging machinery.
     #[cfg(feature = "cuda")]
-    pub(crate) fn staging(&self) -> &crate::protocol::staged::StagingHome {
+    pub(crate) fn staging(&self) -> &crate::memory::staging::StagingHome {
         &self.inner.staging
     }
 
@@ -74,7 +74,7 @@ impl Domain {
         let domain = Domain {
             inner: Arc::new(DomainInner {
                 #[cfg(feature = "cuda")]
-                staging: crate::protocol::staged::StagingHome::new(Arc::clone(&mem)),
+                staging: crate::memory::staging::StagingHome::new(Arc::clone(&mem)),
                 mem,
                 #[cfg(feature = "cuda")]
                 gpu_paths: Default::default(),

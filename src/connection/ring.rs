@@ -468,7 +468,7 @@ fn layout<B: LocalBuffer>(local: &LocalSlice<B>, slot_len: usize, slots: usize) 
 
 /// What staged GPU memory lands in first.
 #[cfg(feature = "cuda")]
-type Staging = crate::protocol::staged::RingStaging;
+type Staging = crate::memory::staging::RingStaging;
 /// No GPU memory without the `cuda` feature: never made.
 #[cfg(not(feature = "cuda"))]
 enum Staging {}

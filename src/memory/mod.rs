@@ -25,6 +25,8 @@ pub(crate) mod peer_written;
 mod region;
 mod registration;
 #[cfg(feature = "cuda")]
+pub(crate) mod staging;
+#[cfg(feature = "cuda")]
 pub(crate) mod visible;
 
 pub use crate::access::Access;

@@ -14,11 +14,11 @@
 
 use std::sync::Arc;
 
-use super::slots::{CopyEvent, Retired, Slot, Stager};
 use crate::cuda::{CudaDevice, CudaEvent, CudaStream, copy_dtoh_async, copy_htod_async};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::memory::RemoteSlice;
+use crate::memory::staging::{CopyEvent, Retired, Slot, Stager};
 use crate::ops::OpId;
 use crate::protocol::order::{Gate, Place};
 use crate::transport::{ConnTransport, Posted, RemoteOp, WorkItem};

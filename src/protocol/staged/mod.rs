@@ -35,11 +35,9 @@ use crate::protocol::order::{Gate, Place};
 use crate::transport::{ConnTransport, Posted, RemoteOp, WorkItem};
 
 mod gather;
-mod slots;
+pub(crate) use crate::memory::staging::StagingHome;
+use crate::memory::staging::{CopyEvent, MIN_SLOT, Retired, Slot, Stager};
 pub(crate) use gather::{Gather, GatherPiece};
-pub use slots::StagingStats;
-use slots::{CopyEvent, MIN_SLOT, Retired, Slot, Stager};
-pub(crate) use slots::{RingStaging, StagingHome};
 
 /// What a staged operation does: the operation as posted (`None`: a
 /// receive). The same [`RemoteOp`] the direct path posts, so the kind is

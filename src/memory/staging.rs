@@ -14,7 +14,7 @@ use crate::memory::{Access, LocalParts, Memory};
 use crate::memory::{MemoryDomain, Registration};
 
 /// Smallest slot: one GPU page.
-pub(super) const MIN_SLOT: usize = 64 * 1024;
+pub(crate) const MIN_SLOT: usize = 64 * 1024;
 /// Bytes of unreserved slots a GPU's cache keeps at least; it keeps up to
 /// the most that were ever on loan at once when that is more.
 pub(crate) const CACHE_BYTES: usize = 64 << 20;
@@ -56,7 +56,7 @@ pub struct StagingStats {
 /// The counts behind [`StagingStats`], shared by a domain's stagers and
 /// their slots.
 #[derive(Default)]
-pub(super) struct Counts {
+pub(crate) struct Counts {
     pinned: AtomicUsize,
     reserved: AtomicUsize,
     made: AtomicU64,
@@ -69,7 +69,7 @@ pub(crate) struct StagingHome {
     stagers: Mutex<Vec<Arc<Stager>>>,
     counts: Arc<Counts>,
     backend: Arc<MemoryDomain>,
-    pub(super) domain_id: u64,
+    pub(crate) domain_id: u64,
 }
 
 impl StagingHome {
@@ -166,7 +166,7 @@ pub(crate) struct Stager {
 
 /// A stager's slots not on loan, by size, and what it has lent.
 #[derive(Default)]
-pub(super) struct Pool {
+pub(crate) struct Pool {
     free: BTreeMap<usize, Vec<SlotMem>>,
     /// Bytes in `free`.
     cached: usize,
@@ -179,7 +179,7 @@ pub(super) struct Pool {
 
 impl Pool {
     /// The smallest free slot of at least `want` bytes.
-    pub(super) fn take(&mut self, want: usize) -> Option<SlotMem> {
+    pub(crate) fn take(&mut self, want: usize) -> Option<SlotMem> {
         let (&size, list) = self.free.range_mut(want..).next()?;
         let mem = list.pop()?;
         if list.is_empty() {
@@ -192,7 +192,7 @@ impl Pool {
         Some(mem)
     }
 
-    pub(super) fn put(&mut self, mem: SlotMem) {
+    pub(crate) fn put(&mut self, mem: SlotMem) {
         self.cached += mem.size();
         if !mem.reserved {
             self.spare += mem.size();
@@ -201,7 +201,7 @@ impl Pool {
     }
 
     /// Takes every free slot that is not reserved out of the pool.
-    pub(super) fn take_spare(&mut self) -> Vec<SlotMem> {
+    pub(crate) fn take_spare(&mut self) -> Vec<SlotMem> {
         let mut out = Vec::new();
         for list in self.free.values_mut() {
             let (keep, spare): (Vec<_>, Vec<_>) = list.drain(..).partition(|m| m.reserved);
@@ -216,7 +216,7 @@ impl Pool {
     }
 
     /// An unreserved slot of `size` bytes goes on loan.
-    pub(super) fn lend(&mut self, size: usize) {
+    pub(crate) fn lend(&mut self, size: usize) {
         self.lent += size;
         self.peak = self.peak.max(self.lent);
     }
@@ -225,13 +225,13 @@ impl Pool {
     /// the cache holds no more than the most that was ever on loan at once
     /// (at least [`CACHE_BYTES`]), so a workload's next burst at the same
     /// depth pins nothing.
-    pub(super) fn keeps(&self, size: usize) -> bool {
+    pub(crate) fn keeps(&self, size: usize) -> bool {
         self.spare + size <= self.peak.max(CACHE_BYTES)
     }
 }
 
 /// Pinned host memory and its registration; deregistered before it is freed.
-pub(super) struct SlotMem {
+pub(crate) struct SlotMem {
     reg: ManuallyDrop<Registration>,
     mem: ManuallyDrop<PinnedHost>,
     /// Pinned ahead ([`StagingHome::reserve`]): always goes back to the cache.
@@ -258,11 +258,11 @@ impl Drop for SlotMem {
 }
 
 impl SlotMem {
-    pub(super) fn addr(&self) -> u64 {
+    pub(crate) fn addr(&self) -> u64 {
         self.mem.as_ptr() as u64
     }
 
-    pub(super) fn size(&self) -> usize {
+    pub(crate) fn size(&self) -> usize {
         self.mem.len()
     }
 }
@@ -278,11 +278,11 @@ pub(crate) struct Slot {
 }
 
 impl Slot {
-    pub(super) fn addr(&self) -> u64 {
+    pub(crate) fn addr(&self) -> u64 {
         self.mem.as_ref().map_or(0, SlotMem::addr)
     }
 
-    pub(super) fn parts(&self, len: usize, domain: u64) -> LocalParts {
+    pub(crate) fn parts(&self, len: usize, domain: u64) -> LocalParts {
         let lkey = self.mem.as_ref().map_or(0, |m| m.reg.lkey());
         LocalParts { addr: self.addr(), len, lkey, domain, path: None }
     }
@@ -327,13 +327,13 @@ impl Stager {
         Ok(s)
     }
 
-    pub(super) fn pool(&self) -> std::sync::MutexGuard<'_, Pool> {
+    pub(crate) fn pool(&self) -> std::sync::MutexGuard<'_, Pool> {
         self.pool.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// A stream for one operation's copies (idle: nothing another
     /// operation queued is ahead of them).
-    pub(super) fn stream(&self) -> Result<CudaStream> {
+    pub(crate) fn stream(&self) -> Result<CudaStream> {
         self.reap();
         match self.streams.lock().unwrap_or_else(|e| e.into_inner()).pop() {
             Some(s) => Ok(s),
@@ -342,7 +342,7 @@ impl Stager {
     }
 
     /// An operation's stream back, idle (everything it queued is done).
-    pub(super) fn give_back(&self, stream: CudaStream) {
+    pub(crate) fn give_back(&self, stream: CudaStream) {
         let mut streams = self.streams.lock().unwrap_or_else(|e| e.into_inner());
         if streams.len() < STREAMS_KEPT {
             streams.push(stream);
@@ -350,13 +350,13 @@ impl Stager {
     }
 
     /// Keeps what a dropped operation's copies in flight touch until they end.
-    pub(super) fn retire(&self, r: Retired) {
+    pub(crate) fn retire(&self, r: Retired) {
         self.retired.lock().unwrap_or_else(|e| e.into_inner()).push(r);
     }
 
     /// Releases what retired copies held once they are done (a copy that
     /// failed is done too: its error was the dropped operation's).
-    pub(super) fn reap(&self) {
+    pub(crate) fn reap(&self) {
         let done: Vec<Retired> = {
             let mut retired = self.retired.lock().unwrap_or_else(|e| e.into_inner());
             if retired.is_empty() {
@@ -376,7 +376,7 @@ impl Stager {
 
     /// An event recorded at the current end of `stream` (one of this
     /// stager's), from the pool or new.
-    pub(super) fn record(self: &Arc<Self>, stream: &CudaStream) -> Result<CopyEvent> {
+    pub(crate) fn record(self: &Arc<Self>, stream: &CudaStream) -> Result<CopyEvent> {
         let pooled = self.events.lock().unwrap_or_else(|e| e.into_inner()).pop();
         let ev = match pooled {
             // Recorded again, it stands for this point only (its last
@@ -388,7 +388,7 @@ impl Stager {
     }
 
     /// Pins and registers `size` bytes of host memory.
-    pub(super) fn pin(&self, size: usize) -> Result<SlotMem> {
+    pub(crate) fn pin(&self, size: usize) -> Result<SlotMem> {
         let mem = PinnedHost::new(&self.device, size)?;
         // SAFETY: the registration and the memory travel together in
         // SlotMem, which deregisters before it frees.
@@ -407,7 +407,7 @@ impl Stager {
     /// A slot of at least `len` bytes (its size class), from the cache or
     /// newly pinned; cached again when returned only if no larger than
     /// `chunk` (or reserved).
-    pub(super) fn take(self: &Arc<Self>, len: usize, chunk: usize) -> Result<Slot> {
+    pub(crate) fn take(self: &Arc<Self>, len: usize, chunk: usize) -> Result<Slot> {
         self.reap();
         let want = slot_size(len);
         let cached = {
@@ -493,25 +493,25 @@ const EVENTS_KEPT: usize = 256;
 const STREAMS_KEPT: usize = 32;
 
 /// A dropped operation's copies still in flight, and what they touch.
-pub(super) struct Retired {
-    pub(super) events: Vec<CopyEvent>,
+pub(crate) struct Retired {
+    pub(crate) events: Vec<CopyEvent>,
     /// The slots the copies read or write (back to the cache after them).
-    pub(super) slots: Vec<Slot>,
+    pub(crate) slots: Vec<Slot>,
     /// The stream they run on (back to the stager's streams after them).
-    pub(super) stream: Option<CudaStream>,
+    pub(crate) stream: Option<CudaStream>,
     /// The operation's buffer, when a copy may still touch its GPU memory.
-    pub(super) _keep: Option<Box<dyn std::any::Any + Send>>,
+    pub(crate) _keep: Option<Box<dyn std::any::Any + Send>>,
 }
 
 /// The event marking a copy's end, lent by its stager: back in the pool
 /// when dropped.
-pub(super) struct CopyEvent {
+pub(crate) struct CopyEvent {
     ev: Option<CudaEvent>,
     home: Arc<Stager>,
 }
 
 impl CopyEvent {
-    pub(super) fn is_done(&self) -> Result<bool> {
+    pub(crate) fn is_done(&self) -> Result<bool> {
         self.ev.as_ref().map_or(Ok(true), CudaEvent::is_done)
     }
 }
