@@ -1,0 +1,119 @@
+//! Frames: the header every message and control frame starts with, and
+//! its flags.
+
+/// How carrying out a frame ended: done, or why the connection breaks.
+pub(super) type Handled = std::result::Result<(), String>;
+
+/// Bytes in a frame header.
+pub(super) const HEADER: usize = 32;
+/// Payload bytes per frame.
+pub(super) const SEGMENT: usize = 1 << 20;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub(super) enum FrameOp {
+    Send = 1,
+    Write = 2,
+    ReadReq = 3,
+    ReadResp = 4,
+    Ack = 5,
+    Bye = 6,
+}
+
+impl FrameOp {
+    pub(super) fn from_raw(b: u8) -> Option<FrameOp> {
+        Some(match b {
+            1 => FrameOp::Send,
+            2 => FrameOp::Write,
+            3 => FrameOp::ReadReq,
+            4 => FrameOp::ReadResp,
+            5 => FrameOp::Ack,
+            6 => FrameOp::Bye,
+            _ => return None,
+        })
+    }
+}
+
+pub(super) const FIRST: u8 = 1;
+pub(super) const LAST: u8 = 2;
+pub(super) const IMM: u8 = 4;
+/// Acknowledge this message: set on the final request of an operation.
+/// The others of a chain are acknowledged by that one (the receiver
+/// carries messages out in order), or fail it with an error
+/// acknowledgement of their own, as an unsignaled request does on verbs.
+/// An untracked inline send goes without it (see [`wants_ack`]).
+pub(super) const ACK: u8 = 8;
+
+/// A frame header: `op u8, flags u8, 2 reserved, seq u32, key u32, imm u32,
+/// addr u64, len u32, total u32`, little-endian. `addr` is the target
+/// address of a write segment or read request, the offset of a read
+/// response segment; `total` the whole message's length on its first
+/// segment, the status on an acknowledgement.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct FrameHeader {
+    pub(super) op: u8,
+    pub(super) flags: u8,
+    pub(super) seq: u32,
+    pub(super) key: u32,
+    pub(super) imm: u32,
+    pub(super) addr: u64,
+    pub(super) len: u32,
+    pub(super) total: u32,
+}
+
+impl FrameHeader {
+    pub(super) fn encode(&self) -> [u8; HEADER] {
+        let mut b = [0u8; HEADER];
+        b[0] = self.op;
+        b[1] = self.flags;
+        b[4..8].copy_from_slice(&self.seq.to_le_bytes());
+        b[8..12].copy_from_slice(&self.key.to_le_bytes());
+        b[12..16].copy_from_slice(&self.imm.to_le_bytes());
+        b[16..24].copy_from_slice(&self.addr.to_le_bytes());
+        b[24..28].copy_from_slice(&self.len.to_le_bytes());
+        b[28..32].copy_from_slice(&self.total.to_le_bytes());
+        b
+    }
+
+    /// Decodes a header from the peer and checks what needs no context:
+    /// known flag bits, a segment no longer than [`SEGMENT`].
+    pub(super) fn parse(b: &[u8; HEADER]) -> std::result::Result<FrameHeader, String> {
+        let h = FrameHeader::decode(b);
+        if h.flags & !(FIRST | LAST | IMM | ACK) != 0 {
+            return Err(format!("a garbled frame (flags {:#04x}): the stream is out of step", h.flags));
+        }
+        if h.len as usize > SEGMENT {
+            return Err(format!(
+                "a garbled frame (a segment of {} bytes, at most {SEGMENT}): the stream is out of step",
+                h.len
+            ));
+        }
+        Ok(h)
+    }
+
+    /// Checks that `self`, read inside a message, continues the message
+    /// `first` started (messages are never interleaved on the stream).
+    pub(super) fn continues(&self, first: &FrameHeader) -> Handled {
+        if self.op != first.op || self.seq != first.seq || self.flags & FIRST != 0 {
+            return Err(format!(
+                "a garbled frame (operation {} of request {} inside operation {} of request {}): the stream is out of step",
+                self.op, self.seq, first.op, first.seq
+            ));
+        }
+        Ok(())
+    }
+
+    pub(super) fn decode(b: &[u8; HEADER]) -> FrameHeader {
+        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        FrameHeader {
+            op: b[0],
+            flags: b[1],
+            seq: u32_at(4),
+            key: u32_at(8),
+            imm: u32_at(12),
+            addr: u64::from_le_bytes(b[16..24].try_into().unwrap_or_default()),
+            len: u32_at(24),
+            total: u32_at(28),
+        }
+    }
+}

@@ -1,0 +1,229 @@
+use super::receiver::*;
+use super::sender::*;
+use super::*;
+
+/// An inline message's frame, as the peer must read it.
+fn inline_out(seq: u32, data: &[u8]) -> (Out, Vec<u8>) {
+    let o = Out {
+        seq,
+        wr_id: 1,
+        kind: OutKind::Inline { data: data.to_vec(), imm: Some(7), unacked: false },
+        addr: 0,
+        len: data.len() as u64,
+        skip: 0,
+        first: seq,
+    };
+    let h = FrameHeader {
+        op: FrameOp::Send as u8,
+        flags: FIRST | LAST | IMM,
+        seq,
+        key: 0,
+        imm: 7,
+        addr: 0,
+        len: data.len() as u32,
+        total: data.len() as u32,
+    };
+    let mut frame = h.encode().to_vec();
+    frame.extend_from_slice(data);
+    (o, frame)
+}
+
+fn read_exactly(r: &mut std::os::unix::net::UnixStream, n: usize) -> Vec<u8> {
+    use std::io::Read;
+    let mut buf = vec![0u8; n];
+    r.read_exact(&mut buf).unwrap();
+    buf
+}
+
+#[test]
+fn a_frame_resumed_after_any_prefix_reaches_the_peer_whole() {
+    let (mut rx, tx) = std::os::unix::net::UnixStream::pair().unwrap();
+    let data: Vec<u8> = (0..200u8).collect();
+    let (mut o, frame) = inline_out(9, &data);
+    for skip in [0, 1, HEADER - 1, HEADER, HEADER + 1, HEADER + 150, frame.len()] {
+        o.skip = skip;
+        // The prefix goes out as a posting thread would have sent it.
+        {
+            use std::io::Write;
+            (&tx).write_all(&frame[..skip]).unwrap();
+        }
+        let progress = AtomicU64::new(0);
+        send_message(tx.as_raw_fd(), &o, false, &progress).unwrap();
+        assert_eq!(read_exactly(&mut rx, frame.len()), frame, "resumed after {skip} bytes");
+        // The writer said where it was: all of it handed, out of its call.
+        let whole = Progress { handed: frame.len() as u64, in_call: false };
+        assert_eq!(Progress::unpack(progress.load(Ordering::Acquire)), whole);
+        assert_eq!(o.wire_len(), frame.len() as u64);
+    }
+}
+
+#[test]
+fn a_direct_send_into_a_full_socket_is_finished_by_the_writer_and_stays_whole() {
+    let (mut rx, tx) = std::os::unix::net::UnixStream::pair().unwrap();
+    let small: libc::c_int = 4096;
+    // SAFETY: a valid socket and a c_int option value of the right size.
+    let rc = unsafe {
+        libc::setsockopt(
+            tx.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_SNDBUF,
+            (&small as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(rc, 0);
+    // Fill the socket until a direct attempt cannot send a whole frame.
+    let data = vec![0xabu8; 1000];
+    let mut frames = Vec::new();
+    let partial = loop {
+        let (mut o, frame) = inline_out(frames.len() as u32 + 1, &data);
+        let progress = AtomicU64::new(0);
+        let n = try_send_inline(tx.as_raw_fd(), &o, &progress).unwrap();
+        assert_eq!(Progress::unpack(progress.load(Ordering::Acquire)), Progress { handed: n as u64, in_call: false });
+        frames.push(frame);
+        if n < HEADER + data.len() {
+            o.skip = n;
+            break o;
+        }
+        assert!(frames.len() < 10_000, "the socket never filled");
+    };
+    // The sender thread's part: the rest, blocking until the peer reads.
+    let writer =
+        std::thread::spawn(move || send_message(tx.as_raw_fd(), &partial, false, &AtomicU64::new(0)).map(|()| tx));
+    for (i, frame) in frames.iter().enumerate() {
+        assert_eq!(&read_exactly(&mut rx, frame.len()), frame, "frame {i} of {}", frames.len());
+    }
+    drop(writer.join().unwrap().unwrap());
+}
+
+#[test]
+fn a_direct_acknowledgement_into_a_full_socket_is_finished_by_the_sender_and_stays_whole() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let tx = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+    let (mut rx, _) = listener.accept().unwrap();
+    // Acknowledgements sent directly until the socket takes one only in
+    // part, or not at all (as a reader's attempt meets a peer that does
+    // not read).
+    let mut sent = Vec::new();
+    let (rest, already) = loop {
+        let seq = sent.len() as u32 + 1;
+        let h = FrameHeader { op: FrameOp::Ack as u8, seq, ..FrameHeader::default() };
+        let n = send_now(tx.as_raw_fd(), &h.encode()).unwrap();
+        sent.push(h);
+        if n < HEADER {
+            break (h, n);
+        }
+        assert!(sent.len() < 1_000_000, "the socket never filled");
+    };
+    // The sender thread's part: the rest of that frame (all of it when
+    // none went), blocking until the peer reads.
+    let writer = std::thread::spawn(move || {
+        // SAFETY: no payload.
+        unsafe { send_frame(tx.as_raw_fd(), &rest, std::ptr::null(), 0, None, already, false, None) }.map(|_| tx)
+    });
+    for (i, h) in sent.iter().enumerate() {
+        let got: [u8; HEADER] = read_tcp(&mut rx, HEADER).try_into().unwrap();
+        assert_eq!(FrameHeader::parse(&got).unwrap(), *h, "acknowledgement {i} of {}", sent.len());
+    }
+    drop(writer.join().unwrap().unwrap());
+}
+
+fn read_tcp(r: &mut TcpStream, n: usize) -> Vec<u8> {
+    use std::io::Read;
+    let mut v = vec![0u8; n];
+    r.read_exact(&mut v).unwrap();
+    v
+}
+
+#[test]
+fn a_payload_read_with_its_header_is_carried_out_as_the_socket_would_carry_it() {
+    let bytes = [1u8, 2, 3, 4, 5, 6, 7];
+    let mut scratch = [0u8; 8];
+    let mut src = Source::Read(&bytes);
+    let mut out = [0u8; 4];
+    // SAFETY: `out` is this test's, 4 bytes, referenced by nothing during the call.
+    assert!(unsafe { src.fill(out.as_mut_ptr(), 4, None, &mut scratch) }.unwrap());
+    assert_eq!(out, [1, 2, 3, 4]);
+    // A withdrawn target: its bytes are dropped, not written.
+    let gone = RwLock::new(false);
+    let mut two = [9u8; 2];
+    // SAFETY: as above; the closed gate keeps it unwritten anyway.
+    assert!(unsafe { src.fill(two.as_mut_ptr(), 2, Some(&gone), &mut scratch) }.unwrap());
+    assert_eq!(two, [9, 9]);
+    // Never past the frame: asking for more than is left is an error.
+    // SAFETY: as above.
+    assert!(unsafe { src.fill(two.as_mut_ptr(), 2, None, &mut scratch) }.is_err());
+    assert_eq!(two, [9, 9]);
+    // A message of one segment drains its payload; there is no next segment.
+    let h = FrameHeader { op: FrameOp::Send as u8, flags: FIRST | LAST, len: 3, total: 3, ..FrameHeader::default() };
+    let mut src = Source::Read(&bytes[..3]);
+    src.drain(&h, &mut scratch).unwrap();
+    assert!(matches!(src, Source::Read(rest) if rest.is_empty()));
+    let first = FrameHeader { flags: FIRST, ..h };
+    assert!(Source::Read(&bytes).drain(&first, &mut scratch).is_err());
+    assert!(Source::Read(&bytes).next_segment(&first).is_err());
+}
+
+#[test]
+fn headers_round_trip() {
+    let h = FrameHeader {
+        op: 2,
+        flags: FIRST | LAST | IMM,
+        seq: 7,
+        key: 0xdead,
+        imm: 42,
+        addr: 0x7f00_1234_5678,
+        len: 4096,
+        total: 9000,
+    };
+    assert_eq!(FrameHeader::decode(&h.encode()), h);
+}
+
+#[test]
+fn a_million_hostile_headers_parse_or_are_refused_without_panicking() {
+    // The end-to-end test (tests/hostile.rs) sends hostile streams through
+    // a socket; this one covers the header checks a million times.
+    let mut x = 0x5eed_0005_u64;
+    let mut next = || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let first = FrameHeader { op: 1, flags: FIRST, seq: 1, len: 10, total: 20, ..FrameHeader::default() };
+    let (mut ok, mut refused, mut continuing) = (0, 0, 0);
+    for i in 0..1_000_000 {
+        let mut b = [0u8; HEADER];
+        for chunk in b.chunks_mut(8) {
+            chunk.copy_from_slice(&next().to_le_bytes());
+        }
+        if i % 2 == 0 {
+            // Plausible: a known operation, few flags, a segment-sized length.
+            b[0] %= 8;
+            b[1] &= 0x1f;
+            b[4..8].copy_from_slice(&(next() as u32 % 3).to_le_bytes());
+            b[24..28].copy_from_slice(&(next() as u32 % (2 * SEGMENT as u32)).to_le_bytes());
+        }
+        match FrameHeader::parse(&b) {
+            Ok(h) => {
+                ok += 1;
+                assert!(h.len as usize <= SEGMENT && h.flags & !(FIRST | LAST | IMM | ACK) == 0, "{h:?}");
+                assert_eq!(FrameHeader::decode(&h.encode()), h);
+                continuing += usize::from(h.continues(&first).is_ok());
+            }
+            Err(why) => {
+                refused += 1;
+                assert!(why.contains("garbled"), "{why}");
+            }
+        }
+    }
+    assert!(ok > 100_000 && refused > 100_000 && continuing > 0, "{ok} {refused} {continuing}");
+}
+
+#[test]
+fn rnr_timer_codes_follow_the_encoding() {
+    assert_eq!(rnr_timer(1), Duration::from_micros(10));
+    assert_eq!(rnr_timer(12), Duration::from_micros(640));
+    assert_eq!(rnr_timer(31), Duration::from_micros(491_520));
+    assert_eq!(rnr_timer(0), Duration::from_micros(655_360));
+}
