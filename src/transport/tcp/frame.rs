@@ -117,3 +117,60 @@ impl FrameHeader {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The codec under random input: what this side encodes the peer
+    //! decodes unchanged, and whatever bytes arrive, parsing never panics
+    //! and accepts only what the rules allow.
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn header() -> impl Strategy<Value = FrameHeader> {
+        (1u8..=6, 0u8..16, any::<u32>(), any::<u32>(), any::<u32>(), any::<u64>(), 0..=SEGMENT as u32, any::<u32>())
+            .prop_map(|(op, flags, seq, key, imm, addr, len, total)| FrameHeader {
+                op,
+                flags,
+                seq,
+                key,
+                imm,
+                addr,
+                len,
+                total,
+            })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+
+        #[test]
+        fn what_is_encoded_parses_to_the_same(h in header()) {
+            prop_assert_eq!(FrameHeader::parse(&h.encode()), Ok(h));
+            prop_assert!(FrameOp::from_raw(h.op).is_some());
+        }
+
+        #[test]
+        fn any_bytes_parse_or_are_refused_never_a_panic(b in any::<[u8; HEADER]>()) {
+            match FrameHeader::parse(&b) {
+                Ok(h) => {
+                    prop_assert_eq!(h.flags & !(FIRST | LAST | IMM | ACK), 0);
+                    prop_assert!(h.len as usize <= SEGMENT);
+                    prop_assert_eq!(&h.encode()[..4], &[b[0], b[1], 0, 0][..]);
+                    prop_assert_eq!(&h.encode()[4..], &b[4..]);
+                }
+                Err(why) => prop_assert!(why.contains("garbled"), "{}", why),
+            }
+        }
+
+        #[test]
+        fn a_segment_continues_only_its_own_message(first in header(), next in header()) {
+            let first = FrameHeader { flags: first.flags | FIRST, ..first };
+            let same = FrameHeader { op: first.op, seq: first.seq, flags: next.flags & !FIRST, ..next };
+            prop_assert!(same.continues(&first).is_ok());
+            let other = next.op != first.op || next.seq != first.seq || next.flags & FIRST != 0;
+            prop_assert_eq!(next.continues(&first).is_err(), other);
+        }
+    }
+}
