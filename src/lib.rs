@@ -453,7 +453,12 @@
 //!   the connection's order, until its fences are done (the posting call
 //!   returns at once, and an awaited operation stays asynchronous). Only a
 //!   receive into direct GPU memory waits for its fences when it is posted
-//!   (a receive kept back would let a later one take its message). Without
+//!   (a receive kept back would let a later one take its message). The
+//!   stream-ordered form fences one operation alone:
+//!   `conn.write(region.slice(..).after(&stream)?, &remote)`
+//!   ([`LocalSlice::after`], or [`LocalSlice::after_event`] with an event
+//!   of yours); other operations on the buffer do not wait for it, and it
+//!   works for host memory filled by GPU work as well. Without
 //!   it the contents are taken as settled (after a synchronous copy or your
 //!   own synchronize); the crate never synchronizes the whole context,
 //!   which would wait for unrelated work and is illegal under graph capture.

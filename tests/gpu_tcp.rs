@@ -755,6 +755,73 @@ gpu_tcp_test! {
 }
 
 gpu_tcp_test! {
+    /// The stream-ordered fence, given to one operation
+    /// (`LocalSlice::after`): that send alone waits for the producer queued
+    /// on the stream (its bytes are the producer's), its post returns at
+    /// once, and a send of the other half of the same buffer, posted right
+    /// after on another connection without it, does not wait. The buffer's
+    /// own fence set stays empty: the fence was the operation's.
+    fn a_fence_given_to_one_operation_is_waited_for_by_that_operation_alone() {
+        use common::gpu::{produce, produced};
+        use std::time::{Duration, Instant};
+        let d = tcp_domain();
+        let dev = CudaDevice::open(0).unwrap();
+        let (sa, ca) = pair_on(&d, &d, opts(), opts());
+        let (sb, cb) = pair_on(&d, &d, opts(), opts());
+        let stream = gpu_rdma::cuda::CudaStream::new(&dev).unwrap();
+        let len = 64 << 10;
+        let other = pattern(len, 71);
+        let mut init = vec![0u8; 2 * len];
+        init[len..].copy_from_slice(&other);
+        let buf: Shared<CudaBuffer> = gpu_region(&d, 2 * len, Some(&init)).share();
+        produce(&stream, buf.cuda(), 0, len, 72, 400_000);
+        let mut rxa = sa.recv(d.alloc(len).unwrap());
+        let mut rxb = sb.recv(d.alloc(len).unwrap());
+        let t0 = Instant::now();
+        let mut a = ca.send(buf.clone().slice(..len).after(&stream).unwrap());
+        let posted_in = t0.elapsed();
+        let mut b = cb.send(buf.clone().slice(len..));
+        b.wait_timeout(Duration::from_secs(10)).unwrap();
+        rxb.wait_timeout(Duration::from_secs(10)).unwrap();
+        let b_took = t0.elapsed();
+        a.wait_timeout(Duration::from_secs(10)).unwrap();
+        rxa.wait_timeout(Duration::from_secs(10)).unwrap();
+        let a_took = t0.elapsed();
+        println!("posted in {posted_in:?}; the other half went in {b_took:?}, the fenced half in {a_took:?}");
+        assert!(posted_in < Duration::from_millis(100), "the post blocked on its fence: {posted_in:?}");
+        assert!(a_took >= Duration::from_millis(350), "the send did not wait for its fence: {a_took:?}");
+        assert!(b_took < Duration::from_millis(250), "a send without the fence waited for it: {b_took:?}");
+        assert_eq!(first_difference(&rxa.into_buffer().unwrap()[..], &produced(72, len)), None, "stale data");
+        assert_eq!(first_difference(&rxb.into_buffer().unwrap()[..], &other), None);
+        // A host buffer filled by GPU work on the stream: the fence holds
+        // its write in place too, and what follows it on the connection
+        // stays behind it.
+        let target = d.expose(d.alloc(len).unwrap(), Access::REMOTE_WRITE, 0).unwrap();
+        let remote = sa.grant(&target).whole();
+        let host = d.alloc(len).unwrap();
+        let dev_src = gpu_region(&d, len, None);
+        produce(&stream, dev_src.memory(), 0, len, 73, 300_000);
+        let t0 = Instant::now();
+        // Stand-in for an asynchronous copy into host memory on the stream:
+        // the producer's bytes land in `dev_src` late; the host buffer's
+        // write waits for the stream, then the send behind it follows.
+        let mut w = ca.write(host.slice(..).after(&stream).unwrap(), &remote);
+        let mut rx = sa.recv(d.alloc(8).unwrap());
+        let mut tail = ca.send_inline(b"after it", None);
+        rx.wait_timeout(Duration::from_secs(10)).unwrap();
+        let tail_seen = t0.elapsed();
+        tail.wait_timeout(Duration::from_secs(10)).unwrap();
+        w.wait_timeout(Duration::from_secs(10)).unwrap();
+        println!("the send behind the fenced host write arrived after {tail_seen:?}");
+        assert!(
+            tail_seen >= Duration::from_millis(250),
+            "the send overtook a write kept for its stream: {tail_seen:?}"
+        );
+        stream.synchronize().unwrap();
+    }
+}
+
+gpu_tcp_test! {
     /// Staged operations of different connections never wait for each
     /// other's fences: connection A's send waits for a producer that lands
     /// 600 ms late; connection B's unfenced send on the same GPU goes at

@@ -623,15 +623,18 @@ gpu_test! {
         use common::gpu::{produce, produced};
         const LEN: usize = 64 << 10;
         let (ds, dc) = (domain(), domain());
-        let target = ds.expose(ds.alloc(3 * LEN).unwrap(), Access::REMOTE_WRITE, 3).unwrap();
+        let target = ds.expose(ds.alloc(5 * LEN).unwrap(), Access::REMOTE_WRITE, 3).unwrap();
         let (s, c) = pair_on(&ds, &dc, opts().advertise(&target), opts());
         let remote = c.remote_region(3).unwrap();
         let stream = gpu_rdma::cuda::CudaStream::new(&gpu()).unwrap();
-        for (round, kind) in ["write", "list", "batch"].into_iter().enumerate() {
+        // The last two take the fence as the operation's own (stream-ordered).
+        for (round, kind) in ["write", "list", "batch", "write after", "list after"].into_iter().enumerate() {
             let src = gpu_region(&dc, LEN, None, PathPolicy::Force(MemPath::PeerMem));
             let seed = 80 + round as u64;
             produce(&stream, src.memory(), 0, LEN, seed, 400_000);
-            src.memory().ready_after(&stream).unwrap();
+            if !kind.ends_with("after") {
+                src.memory().ready_after(&stream).unwrap();
+            }
             let dst = remote.slice((round * LEN) as u64..((round + 1) * LEN) as u64).unwrap();
             let mut rx = s.recv(ds.alloc(16).unwrap());
             let t0 = Instant::now();
@@ -639,6 +642,15 @@ gpu_test! {
                 "write" => {
                     let mut w = c.write(src, &dst);
                     Box::new(move || w.wait().map(drop))
+                }
+                "write after" => {
+                    let mut w = c.write(src.slice(..).after(&stream).unwrap(), &dst);
+                    Box::new(move || w.wait().map(drop))
+                }
+                "list after" => {
+                    let l = c.write_list(src.slice(..).after(&stream).unwrap(), &dst, [gpu_rdma::Piece::new(0, 0, LEN as u64)]);
+                    let mut l = Some(l);
+                    Box::new(move || l.take().map_or(Ok(()), |l| l.finish().map(drop).map_err(|f| f.error)))
                 }
                 "list" => {
                     let l = c.write_list(src, &dst, [gpu_rdma::Piece::new(0, 0, LEN as u64)]);

@@ -140,6 +140,52 @@ impl ConnShared {
         }
     }
 
+    /// Posts `item` once `ready` (the fences of its data) says so: at once
+    /// when there is nothing to wait for, else kept in its place at the
+    /// gate, nobody blocking on it, and posted by whoever finds it ready.
+    #[cfg(feature = "cuda")]
+    fn post_when_ready<B: Send + 'static>(
+        self: &Arc<Self>,
+        buf: B,
+        item: WorkItem,
+        ready: Option<crate::protocol::order::DataReady>,
+    ) -> Pending<B> {
+        match ready {
+            None => self.post_items(buf, Ok(&[item])),
+            Some(ready) => {
+                let kept = self.gate.keep_until(What::Send(vec![item]), Instant::now() + self.post_timeout, ready);
+                self.driver.ask(self);
+                Pending::with(self, buf, Stage::Deferred(kept))
+            }
+        }
+    }
+
+    /// An operation on host memory with fences of its own
+    /// ([`LocalSlice::after`]): a send, write or read is kept at the gate
+    /// until they are done; a receive waits for them when posted.
+    #[cfg(feature = "cuda")]
+    #[cold]
+    fn host_after<B: LocalBuffer>(
+        self: &Arc<Self>,
+        local: LocalSlice<B>,
+        parts: LocalParts,
+        op: Option<RemoteOp>,
+    ) -> Pending<B> {
+        match op {
+            Some(op) => {
+                let ready = fences_pending(local.fences());
+                self.post_when_ready(local.into_inner(), WorkItem { local: Some(parts), op }, ready)
+            }
+            None => {
+                if let Err(e) = local.wait_fences() {
+                    return Pending::failed(self, local.into_inner(), e);
+                }
+                let posted = self.transport.post_recv(Some(parts));
+                self.pending(local.into_inner(), posted)
+            }
+        }
+    }
+
     /// A post that must wait behind an operation still handing over its
     /// requests: kept at the gate, posted when its turn comes.
     #[cold]
@@ -216,6 +262,8 @@ impl ConnShared {
         match local.resolve() {
             #[cfg(feature = "cuda")]
             Ok(parts) if parts.path.is_some() => self.gpu(local, parts, None),
+            #[cfg(feature = "cuda")]
+            Ok(parts) if local.has_own_fences() => self.host_after(local, parts, None),
             Ok(parts) => {
                 let posted = self.transport.post_recv(Some(parts));
                 self.pending(local.into_inner(), posted)
@@ -233,6 +281,10 @@ impl ConnShared {
         #[cfg(feature = "cuda")]
         if parts.path.is_some() {
             return self.gpu(local, parts, Some(RemoteOp::Send));
+        }
+        #[cfg(feature = "cuda")]
+        if local.has_own_fences() {
+            return self.host_after(local, parts, Some(RemoteOp::Send));
         }
         let item = WorkItem { local: Some(parts), op: RemoteOp::Send };
         if !self.gate.is_open() {
@@ -288,7 +340,7 @@ impl ConnShared {
             // Outgoing: the copies out of the GPU wait for the producer fence.
             // Incoming: the copies into it wait for the consumer fence (work
             // still reading what they overwrite).
-            pipeline.after(cuda.fences());
+            pipeline.after(local.fences());
             if let Err(e) = pipeline.advance(&self.transport) {
                 // Whatever reached the device stays with the connection.
                 pipeline.abandon(&self.transport, None);
@@ -304,20 +356,14 @@ impl ConnShared {
         // gate: a receive kept would let later ones take its message).
         if let Some(op) = op {
             let item = WorkItem { local: Some(parts), op };
-            let mut p = match fences_pending(cuda) {
-                None => self.post_items(local.into_inner(), Ok(&[item])),
-                Some(ready) => {
-                    let kept = self.gate.keep_until(What::Send(vec![item]), Instant::now() + self.post_timeout, ready);
-                    self.driver.ask(self);
-                    Pending::with(self, local.into_inner(), Stage::Deferred(kept))
-                }
-            };
+            let ready = fences_pending(local.fences());
+            let mut p = self.post_when_ready(local.into_inner(), item, ready);
             if let RemoteOp::Read(_) = op {
                 p.after = Some(Box::new(move || device.flush_remote_writes()));
             }
             return p;
         }
-        if let Err(e) = cuda.wait_ready() {
+        if let Err(e) = local.wait_fences() {
             return Pending::failed(self, local.into_inner(), e);
         }
         match op {
@@ -332,11 +378,13 @@ impl ConnShared {
     }
 }
 
-/// `buf`'s fences still running, as a check a post kept at the gate asks
-/// (`None`: all done, post now).
+/// Which of `fences` (an operation's: see
+/// [`LocalSlice::fences`](crate::memory::LocalSlice)) still run, as a check
+/// a post kept at the gate asks (`None`: all done, post now).
 #[cfg(feature = "cuda")]
-pub(crate) fn fences_pending(buf: &crate::cuda::CudaBuffer) -> Option<crate::protocol::order::DataReady> {
-    let fences = buf.fences();
+pub(crate) fn fences_pending(
+    fences: Vec<std::sync::Arc<crate::cuda::CudaEvent>>,
+) -> Option<crate::protocol::order::DataReady> {
     if fences.iter().all(|f| matches!(f.is_done(), Ok(true))) {
         return None;
     }
@@ -456,6 +504,10 @@ impl Connection {
         #[cfg(feature = "cuda")]
         if parts.path.is_some() {
             return self.shared.gpu(local, parts, Some(op));
+        }
+        #[cfg(feature = "cuda")]
+        if local.has_own_fences() {
+            return self.shared.host_after(local, parts, Some(op));
         }
         self.shared.post_items(local.into_inner(), Ok(&[WorkItem { local: Some(parts), op }]))
     }
@@ -773,10 +825,12 @@ impl<B: LocalBuffer> Batch<'_, B> {
                             reason: "this GPU buffer is staged: post its operations one by one".into(),
                         });
                     }
-                    fenced.extend(fences_pending(cuda));
+                    fenced.extend(fences_pending(local.fences()));
                     if op.reads_remote() {
                         flush.push(cuda.device().clone());
                     }
+                } else if local.has_own_fences() {
+                    fenced.extend(fences_pending(local.fences()));
                 }
                 Ok(WorkItem { local: Some(l), op: *op })
             })

@@ -95,8 +95,10 @@ impl Connection {
 
     fn persistent<B: LocalBuffer>(&self, local: LocalSlice<B>, op: Repeated) -> Persistent<B> {
         let direct = local.resolve().ok().filter(|parts| {
+            // GPU memory, and a range with fences of its own, take the
+            // full path each round.
             #[cfg(feature = "cuda")]
-            return parts.path.is_none();
+            return parts.path.is_none() && !local.has_own_fences();
             #[cfg(not(feature = "cuda"))]
             {
                 let _ = parts;

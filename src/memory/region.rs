@@ -809,13 +809,18 @@ impl<M: Memory> LocalBuffer for Region<M> {
     }
 }
 
-/// A local buffer and the byte range of it an operation uses.
+/// A local buffer and the byte range of it an operation uses, and, for
+/// this operation alone, the GPU work it waits for ([`after`](Self::after)).
 #[derive(Debug, Clone)]
 pub struct LocalSlice<B> {
     buf: B,
     start: usize,
     end: Option<usize>,
     bad: bool,
+    /// Fences of this operation alone (stream-ordered), beside the
+    /// buffer's own ([`CudaBuffer::ready_after`](crate::cuda::CudaBuffer::ready_after)).
+    #[cfg(feature = "cuda")]
+    after: Vec<Arc<crate::cuda::CudaEvent>>,
 }
 
 impl<B: LocalBuffer> LocalSlice<B> {
@@ -838,7 +843,66 @@ impl<B: LocalBuffer> LocalSlice<B> {
             Bound::Excluded(&e) => Some(e),
             Bound::Unbounded => None,
         };
-        LocalSlice { buf, start, end, bad }
+        LocalSlice {
+            buf,
+            start,
+            end,
+            bad,
+            #[cfg(feature = "cuda")]
+            after: Vec::new(),
+        }
+    }
+
+    /// The operation on this slice, and it alone, waits for the work queued
+    /// on `stream` up to this call: a kernel producing what a send or write
+    /// reads, or still reading what a receive or read overwrites. The
+    /// stream-ordered form of a fence, as NCCL's operations take the
+    /// caller's stream: nothing is synchronized, and no other operation on
+    /// the buffer waits for it (a fence for every later operation is
+    /// [`CudaBuffer::ready_after`](crate::cuda::CudaBuffer::ready_after)).
+    /// Call it once per stream; the operation waits for every one. Posting
+    /// never blocks on it: a send, write, read or list is kept in its place
+    /// in the connection's order until the work is done (a receive, which
+    /// the receive queue cannot keep in order, waits when posted).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] when the event cannot be recorded.
+    #[cfg(feature = "cuda")]
+    pub fn after(self, stream: &crate::cuda::CudaStream) -> Result<Self> {
+        Ok(self.after_event(Arc::new(crate::cuda::CudaEvent::record(stream)?)))
+    }
+
+    /// [`after`](Self::after) for an event already recorded on the
+    /// producer's stream.
+    #[cfg(feature = "cuda")]
+    pub fn after_event(mut self, event: Arc<crate::cuda::CudaEvent>) -> Self {
+        self.after.push(event);
+        self
+    }
+
+    /// Whether this operation has fences of its own.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn has_own_fences(&self) -> bool {
+        !self.after.is_empty()
+    }
+
+    /// Every fence the operation on this slice waits for: the buffer's
+    /// (GPU memory) and its own.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn fences(&self) -> Vec<Arc<crate::cuda::CudaEvent>> {
+        let mut all = self.buf.cuda().map(|c| c.fences()).unwrap_or_default();
+        all.extend(self.after.iter().cloned());
+        all
+    }
+
+    /// Waits on the CPU for every fence: the buffer's (those leave its set)
+    /// and the slice's own. For a receive, which cannot be kept in order.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn wait_fences(&self) -> Result<()> {
+        if let Some(c) = self.buf.cuda() {
+            c.wait_ready()?;
+        }
+        self.after.iter().try_for_each(|f| f.synchronize())
     }
 
     /// The buffer back.
@@ -875,12 +939,27 @@ impl<B> LocalSlice<B> {
 
     /// The same range of `buf`, and this slice's buffer.
     pub(crate) fn rebind<C>(self, buf: C) -> (LocalSlice<C>, B) {
-        (LocalSlice { buf, start: self.start, end: self.end, bad: self.bad }, self.buf)
+        let slice = LocalSlice {
+            buf,
+            start: self.start,
+            end: self.end,
+            bad: self.bad,
+            #[cfg(feature = "cuda")]
+            after: self.after,
+        };
+        (slice, self.buf)
     }
 }
 
 impl<B: LocalBuffer> From<B> for LocalSlice<B> {
     fn from(buf: B) -> Self {
-        LocalSlice { buf, start: 0, end: None, bad: false }
+        LocalSlice {
+            buf,
+            start: 0,
+            end: None,
+            bad: false,
+            #[cfg(feature = "cuda")]
+            after: Vec::new(),
+        }
     }
 }

@@ -21,6 +21,11 @@ impl<B: LocalBuffer> List<B> {
     pub(super) fn prepare_gpu(&mut self, local: &LocalSlice<B>, parts: LocalParts) -> Result<()> {
         use crate::protocol::{Route, route};
         if parts.path.is_none() {
+            // Host memory: only fences the list was given itself
+            // (`LocalSlice::after`), looked at before the first post.
+            if local.has_own_fences() {
+                self.ready = super::super::fences_pending(local.fences());
+            }
             return Ok(());
         }
         let Some(cuda) = local.buffer().cuda() else {
@@ -37,11 +42,11 @@ impl<B: LocalBuffer> List<B> {
                 active: Vec::new(),
                 width,
                 progress: Instant::now(),
-                fences: cuda.fences(),
+                fences: local.fences(),
             });
             return Ok(());
         }
-        self.ready = super::super::fences_pending(cuda);
+        self.ready = super::super::fences_pending(local.fences());
         if self.direction == Direction::Read {
             let device = cuda.device().clone();
             self.after = Some(Box::new(move || device.flush_remote_writes()));
