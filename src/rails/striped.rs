@@ -143,7 +143,8 @@ impl<M: Memory> Task for Run<M> {
             }
         }
         if st.then.is_some() {
-            if let (Some(f), Some(out)) = (st.then.take(), st.outcome.take()) {
+            if st.outcome.is_some() {
+                let (Some(f), Some(out)) = (st.then.take(), st.outcome.take()) else { return };
                 st.reported = true;
                 drop(st);
                 f(out);
@@ -228,9 +229,8 @@ impl<M: Memory> Striped<M> {
     pub fn on_complete(self, f: impl FnOnce(Result<Moved>) + Send + 'static) {
         let mut st = self.run.lock();
         if st.reported {
-            drop(st);
-            f(Err(Error::AlreadyReported));
-            return;
+            // Taken already: the callback hears so, on the engine too.
+            st.outcome = Some(Err(Error::AlreadyReported));
         }
         st.then = Some(Box::new(f));
         let ended = st.machine.is_none();
