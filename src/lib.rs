@@ -451,9 +451,11 @@
 //!   on them: a staged operation's copies wait on the GPU, and a send,
 //!   write, read, batch or list on a direct path is kept, in its place in
 //!   the connection's order, until its fences are done (the posting call
-//!   returns at once, and an awaited operation stays asynchronous). Only a
-//!   receive into direct GPU memory waits for its fences when it is posted
-//!   (a receive kept back would let a later one take its message). The
+//!   returns at once, and an awaited operation stays asynchronous). A
+//!   receive into direct GPU memory whose fences still run goes through
+//!   host staging (a receive kept back would let a later one take its
+//!   message): the message lands in a host slot in its turn, and its copy
+//!   into the GPU waits for the fences on the GPU. The
 //!   stream-ordered form fences one operation alone:
 //!   `conn.write(region.slice(..).after(&stream)?, &remote)`
 //!   ([`LocalSlice::after`], or [`LocalSlice::after_event`] with an event

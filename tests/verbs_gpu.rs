@@ -614,6 +614,45 @@ gpu_test! {
 }
 
 gpu_test! {
+    /// A receive into direct GPU memory whose consumer runs late (GPU work
+    /// that writes the buffer 400 ms from now, fenced): posting it returns
+    /// at once, and the message lands after that work, not under it (it
+    /// goes through a host slot, its copy into the GPU behind the fence).
+    fn a_fenced_receive_into_direct_gpu_memory_never_blocks_its_poster() {
+        use common::gpu::produce;
+        const LEN: usize = 64 << 10;
+        let (ds, dc) = (domain(), domain());
+        let (s, c) = pair_on(&ds, &dc, opts(), opts());
+        let stream = gpu_rdma::cuda::CudaStream::new(&gpu()).unwrap();
+        for round in 0..2u64 {
+            let dst = gpu_region(&ds, LEN, None, PathPolicy::Force(MemPath::PeerMem));
+            produce(&stream, dst.memory(), 0, LEN, 91 + round, 400_000);
+            let t0 = Instant::now();
+            // The buffer's fence, then the operation's own.
+            let mut rx = if round == 0 {
+                dst.memory().ready_after(&stream).unwrap();
+                s.recv(dst)
+            } else {
+                s.recv(dst.slice(..).after(&stream).unwrap())
+            };
+            let posted_in = t0.elapsed();
+            let msg = pattern(LEN, 95 + round);
+            let mut src = dc.alloc(LEN).unwrap();
+            src.copy_from_slice(&msg);
+            c.send(src).wait().unwrap();
+            rx.wait_timeout(Duration::from_secs(20)).unwrap();
+            let took = t0.elapsed();
+            let got = rx.into_buffer().unwrap();
+            println!("round {round}: the receive posted in {posted_in:?}, done in {took:?}");
+            assert!(posted_in < Duration::from_millis(100), "round {round}: the poster waited for the fence: {posted_in:?}");
+            assert!(took >= Duration::from_millis(350), "round {round}: done before its fence: {took:?}");
+            assert_eq!(first_difference(&read_gpu(got.memory(), LEN), &msg), None, "round {round}: the late work overwrote the message");
+        }
+        stream.synchronize().unwrap();
+    }
+}
+
+gpu_test! {
     /// Posting a write, a list or a batch from GPU memory whose producer is
     /// still running returns at once (the fence is looked at, never waited
     /// on by the posting thread), the operation goes once the producer is

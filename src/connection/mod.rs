@@ -308,7 +308,7 @@ impl ConnShared {
         op: Option<RemoteOp>,
     ) -> Pending<B> {
         use crate::protocol::staged::Pipeline;
-        use crate::protocol::{Route, check_staged, route};
+        use crate::protocol::{Route, check_staged, route, route_receive};
         let Some(cuda) = local.buffer().cuda() else {
             return Pending::failed(
                 self,
@@ -319,7 +319,13 @@ impl ConnShared {
         let device = cuda.device().clone();
         // The TCP transport reaches only host memory: GPU memory goes through
         // the staging pipeline whatever path it is registered by.
-        if route(&parts, self.transport.is_tcp()) == Route::Staged {
+        // A receive whose consumers' fences still run is staged, so that
+        // nothing waits for them here (see `route_receive`).
+        let chosen = match op {
+            Some(_) => route(&parts, self.transport.is_tcp()),
+            None => route_receive(&parts, self.transport.is_tcp(), fences_pending(local.fences()).is_some()),
+        };
+        if chosen == Route::Staged {
             // The checks a direct post gets, before anything is copied.
             if let Err(e) = check_staged(op, parts.len as u64, self.info.max_message_size) {
                 return Pending::failed(self, local.into_inner(), e);
@@ -352,8 +358,9 @@ impl ConnShared {
         // so the fences (producers for outgoing data, consumers for incoming)
         // come first. An operation of the send queue is kept at the gate until
         // they are done, nobody waiting on them; what is posted after it waits
-        // behind it. A receive waits for them here (the receive queue has no
-        // gate: a receive kept would let later ones take its message).
+        // behind it. A receive with fences still running went the staged
+        // route above (the receive queue has no gate: a receive kept would
+        // let later ones take its message); here its fences are done.
         if let Some(op) = op {
             let item = WorkItem { local: Some(parts), op };
             let ready = fences_pending(local.fences());

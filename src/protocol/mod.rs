@@ -29,4 +29,4 @@ mod route;
 pub(crate) mod staged;
 
 #[cfg(feature = "cuda")]
-pub(crate) use route::{Route, check_staged, route};
+pub(crate) use route::{Route, check_staged, route, route_receive};

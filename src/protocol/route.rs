@@ -26,6 +26,20 @@ pub(crate) fn route(local: &LocalParts, cpu_only: bool) -> Route {
     }
 }
 
+/// The route for a receive into `local`, whose consumers' fences may
+/// still run (`fenced`): on a direct path the NIC would write the GPU
+/// memory as soon as a message arrives, and the receive queue cannot keep
+/// a receive back without letting a later one take its message. So a
+/// fenced receive goes through staging: the message lands in a host slot
+/// at once, in its place in the queue, and its copy into the GPU waits for
+/// the fences on the GPU. Nobody blocks.
+pub(crate) fn route_receive(local: &LocalParts, cpu_only: bool, fenced: bool) -> Route {
+    match route(local, cpu_only) {
+        Route::Direct if local.path.is_some() && fenced => Route::Staged,
+        other => other,
+    }
+}
+
 /// The checks a device makes on a staged operation before anything is
 /// copied: the right granted and the same length (one-sided operations),
 /// and one message's limit (sends; a staged write with immediate is
@@ -73,5 +87,9 @@ mod tests {
         assert_eq!(route(&gpu(MemPath::DmaBuf), false), Route::Direct);
         assert_eq!(route(&gpu(MemPath::PeerMem), true), Route::Staged, "TCP reaches only host memory");
         assert_eq!(route(&gpu(MemPath::Staged), false), Route::Staged);
+        // A receive whose consumers still run: staged, whatever the path.
+        assert_eq!(route_receive(&gpu(MemPath::PeerMem), false, true), Route::Staged);
+        assert_eq!(route_receive(&gpu(MemPath::PeerMem), false, false), Route::Direct);
+        assert_eq!(route_receive(&host, false, true), Route::Direct, "host memory has no route to change");
     }
 }
