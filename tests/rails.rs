@@ -322,25 +322,46 @@ impl Proxy {
     }
 }
 
+/// Two TCP rails each way, rail 1 through a proxy that cuts it after
+/// `cut_after` bytes; at the server a granted region of `len`, at the
+/// client a source of `len` holding `pattern(len, seed)`. Bind every
+/// part: a part left out of a pattern is dropped (a connection closed).
+struct CutRail {
+    /// Server's and client's (the connections keep their domains; these, their set).
+    rails: (Rails, Rails),
+    s: RailConnection,
+    c: RailConnection,
+    theirs: gpu_rdma::RailRegion<HostMemory>,
+    d: gpu_rdma::RailDescriptor,
+    mine: gpu_rdma::RailRegion<HostMemory>,
+    data: Vec<u8>,
+    proxy: Option<Proxy>,
+}
+
+fn cut_rail(len: u64, cut_after: u64, seed: u64) -> CutRail {
+    let (server, client) = (tcp_rails(2), tcp_rails(2));
+    let ropts = rail_opts(Duration::from_secs(10));
+    let mut proxy = None;
+    let (s, c) = connect(&server, &client, &ropts, |mut a| {
+        let p = Proxy::new(a[1], cut_after);
+        a[1] = p.addr;
+        proxy = Some(p);
+        a
+    });
+    let theirs = server.alloc(len as usize, 1).unwrap();
+    let d = s.grant(&theirs).unwrap();
+    let mine = client.alloc(len as usize, 2).unwrap();
+    let data = pattern(len as usize, seed);
+    mine.write_at(0, &data).unwrap();
+    CutRail { rails: (server, client), s, c, theirs, d, mine, data, proxy }
+}
+
 /// Rail 1 is cut after 16 MiB of a 96 MiB write: the write finishes on
 /// rail 0, verified, and the stats say what happened.
 #[test]
 fn tcp_a_rail_cut_mid_transfer_is_dropped_and_the_transfer_finishes() {
     const LEN: u64 = 96 * MIB;
-    let (server, client) = (tcp_rails(2), tcp_rails(2));
-    let ropts = rail_opts(Duration::from_secs(10));
-    let mut proxy = None;
-    let (s, c) = connect(&server, &client, &ropts, |mut a| {
-        let p = Proxy::new(a[1], 16 * MIB);
-        a[1] = p.addr;
-        proxy = Some(p);
-        a
-    });
-    let theirs = server.alloc(LEN as usize, 1).unwrap();
-    let d = s.grant(&theirs).unwrap();
-    let mine = client.alloc(LEN as usize, 2).unwrap();
-    let data = pattern(LEN as usize, 9);
-    mine.write_at(0, &data).unwrap();
+    let CutRail { s: _server, c, theirs, d, mine, data, proxy, rails: _rails } = cut_rail(LEN, 16 * MIB, 9);
     let moved = c.write(&mine, 0, &d, 0, LEN).wait().expect("finished on the rail left");
     assert_eq!(moved.bytes, LEN);
     assert!(moved.moved_again >= 1, "{moved:?}");
@@ -365,20 +386,7 @@ fn tcp_a_rail_cut_mid_transfer_is_dropped_and_the_transfer_finishes() {
 #[test]
 fn tcp_an_awaited_striped_transfer_and_inbox_move_off_a_cut_rail_without_blocking_their_runtime() {
     const LEN: u64 = 64 * MIB;
-    let (server, client) = (tcp_rails(2), tcp_rails(2));
-    let ropts = rail_opts(Duration::from_secs(10));
-    let mut proxy = None;
-    let (s, c) = connect(&server, &client, &ropts, |mut a| {
-        let p = Proxy::new(a[1], 8 * MIB);
-        a[1] = p.addr;
-        proxy = Some(p);
-        a
-    });
-    let theirs = server.alloc(LEN as usize, 1).unwrap();
-    let d = s.grant(&theirs).unwrap();
-    let mine = client.alloc(LEN as usize, 2).unwrap();
-    let data = pattern(LEN as usize, 21);
-    mine.write_at(0, &data).unwrap();
+    let CutRail { s, c, theirs, d, mine, data, proxy, rails: _rails } = cut_rail(LEN, 8 * MIB, 21);
     let mut inbox = s.inbox(1).unwrap();
     let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
     let (moved, notes, ticks) = rt.block_on(async {
@@ -407,20 +415,7 @@ fn tcp_an_awaited_striped_transfer_and_inbox_move_off_a_cut_rail_without_blockin
 #[test]
 fn tcp_a_striped_transfer_nobody_waits_on_moves_off_a_cut_rail_and_notifies() {
     const LEN: u64 = 64 * MIB;
-    let (server, client) = (tcp_rails(2), tcp_rails(2));
-    let ropts = rail_opts(Duration::from_secs(10));
-    let mut proxy = None;
-    let (s, c) = connect(&server, &client, &ropts, |mut a| {
-        let p = Proxy::new(a[1], 8 * MIB);
-        a[1] = p.addr;
-        proxy = Some(p);
-        a
-    });
-    let theirs = server.alloc(LEN as usize, 1).unwrap();
-    let d = s.grant(&theirs).unwrap();
-    let mine = client.alloc(LEN as usize, 2).unwrap();
-    let data = pattern(LEN as usize, 33);
-    mine.write_at(0, &data).unwrap();
+    let CutRail { s, c, theirs, d, mine, data, proxy, rails: (_server_rails, client) } = cut_rail(LEN, 8 * MIB, 33);
     let mut inbox = s.inbox(1).unwrap();
     drop(c.write_notify(&mine, 0, &d, 0, LEN, 7, b"nobody waited"));
     let notes = inbox.wait_timeout(7, 1, Duration::from_secs(60)).expect("the notification, with nobody waiting");
