@@ -14,6 +14,7 @@ use crate::error::{Error, Result};
 type Table = Arc<RwLock<HashMap<u32, Arc<KeyEntry>>>>;
 
 /// One exposed region, as a software transport serves it.
+#[derive(Debug)]
 pub(crate) struct KeyEntry {
     addr: u64,
     len: u64,

@@ -70,8 +70,8 @@ use crate::bootstrap::{self, MAX_TCP_QUEUE_DEPTH, TcpEndpoint};
 use crate::completion::{Opcode, WcStatus};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
+use crate::memory::LocalParts;
 use crate::memory::keys::{KeyEntry, KeyTable};
-use crate::memory::{Access, LocalParts};
 use crate::ops::{OpId, OpOutcome, RawCompletion, WaitError, Waited, is_final, op_of, waited};
 use crate::options::{ConnectOptions, ConnectionInfo, Transport};
 use replies::{OnAck, Progress, Replies, Reply, Request};
@@ -80,6 +80,7 @@ mod conn;
 mod frame;
 mod receiver;
 mod replies;
+mod responder;
 mod sender;
 mod socket;
 #[cfg(test)]

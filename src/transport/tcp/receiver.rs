@@ -350,40 +350,37 @@ pub(super) fn on_message(
     by: Reading,
 ) -> Handled {
     let total = u64::from(written.unwrap_or(h.total));
-    let Some(recv) = next_recv(inner)? else {
-        if written.is_none() {
+    let taken = next_recv(inner)?.map(|r| {
+        let len = r.len;
+        (r, len)
+    });
+    let recv = match responder::message(total, taken, written.is_some()) {
+        responder::Message::Land(recv) => recv,
+        responder::Message::TooLong(recv, r) => {
+            // Failed first (the bytes go to scratch, not to it), so that a
+            // stream that breaks while draining cannot leave it pending.
+            let mut st = inner.lock();
+            inner.complete(&mut st, &RawCompletion { byte_len: h.total, ..raw(recv.wr_id, WcStatus::LocalLength) });
+            drop(st);
             src.drain(h, scratch)?;
+            return refuse(inner, h.seq, r.status, r.why);
         }
-        return refuse(
-            inner,
-            h.seq,
-            WcStatus::RnrRetryExceeded,
-            "a peer's message found no posted receive in time".into(),
-        );
+        responder::Message::NoReceive(r) => {
+            if written.is_none() {
+                src.drain(h, scratch)?;
+            }
+            return refuse(inner, h.seq, r.status, r.why);
+        }
     };
-    if written.is_none() && total > recv.len {
-        // Failed first (the bytes go to scratch, not to it), so that a
-        // stream that breaks while draining cannot leave it pending.
-        let mut st = inner.lock();
-        inner.complete(&mut st, &RawCompletion { byte_len: h.total, ..raw(recv.wr_id, WcStatus::LocalLength) });
-        drop(st);
-        src.drain(h, scratch)?;
-        return refuse(
-            inner,
-            h.seq,
-            WcStatus::RemoteInvalidRequest,
-            format!("a message of {total} bytes arrived for a receive of {} bytes", recv.len),
-        );
-    }
     if written.is_none() {
         let mut cur = *h;
         let mut off = 0u64;
         loop {
             let n = u64::from(cur.len);
-            if off + n > recv.len {
+            if let Err(why) = responder::segment_fits(off, n, recv.len) {
                 let mut st = inner.lock();
                 inner.complete(&mut st, &raw(recv.wr_id, WcStatus::LocalLength));
-                return Err("a message grew past its announced length".into());
+                return Err(why);
             }
             // SAFETY: inside the receive's buffer (checked), which its operation owns
             // until this thread completes it.
@@ -411,12 +408,12 @@ pub(super) fn on_message(
                 }
             }
         }
-        if off != total {
+        if let Err(why) = responder::whole(total, off) {
             // Its last segment came early: the receive would report bytes
             // that never arrived.
             let mut st = inner.lock();
             inner.complete(&mut st, &raw(recv.wr_id, WcStatus::WrFlush));
-            return Err(short_message(total, off));
+            return Err(why);
         }
     }
     let mut st = inner.lock();
@@ -441,28 +438,20 @@ pub(super) fn on_write(
     by: Reading,
 ) -> Handled {
     let total = u64::from(h.total);
-    let entry = inner.lookup(h.key);
-    let admitted = entry.as_ref().is_some_and(|e| e.admits(h.addr, total, Access::REMOTE_WRITE));
-    if !admitted {
-        src.drain(h, scratch)?;
-        return refuse(
-            inner,
-            h.seq,
-            WcStatus::RemoteAccess,
-            format!(
-                "a peer's write to {:#x}+{total} with key {:#x} was refused (bad key, outside the region, or no write right)",
-                h.addr, h.key
-            ),
-        );
-    }
-    let entry = entry.expect("admitted");
+    let entry = match responder::write(inner.lookup(h.key), h.key, h.addr, total) {
+        Ok(entry) => entry,
+        Err(r) => {
+            src.drain(h, scratch)?;
+            return refuse(inner, h.seq, r.status, r.why);
+        }
+    };
     let mut cur = *h;
     let mut off = 0u64;
     loop {
         let n = u64::from(cur.len);
-        if !entry.admits(cur.addr, n, Access::REMOTE_WRITE) {
+        if let Err(r) = responder::write_segment(&entry, cur.addr, n) {
             src.drain(&cur, scratch)?;
-            return refuse(inner, h.seq, WcStatus::RemoteAccess, "a write segment left its region".into());
+            return refuse(inner, h.seq, r.status, r.why);
         }
         // SAFETY: inside the exposed region (checked); its memory stays valid while
         // the gate says alive, and revocation waits for the gate.
@@ -476,12 +465,11 @@ pub(super) fn on_write(
         }
         cur = src.next_segment(h)?;
     }
-    if off != total {
-        // A write with immediate would report bytes that never arrived.
-        return Err(short_message(total, off));
-    }
+    // A write with immediate would report bytes that never arrived.
+    responder::whole(total, off)?;
     if !*entry.alive.read().unwrap_or_else(|e| e.into_inner()) {
-        return refuse(inner, h.seq, WcStatus::RemoteAccess, "the region was withdrawn during a write".into());
+        let r = responder::withdrawn_during_write();
+        return refuse(inner, h.seq, r.status, r.why);
     }
     if h.flags & IMM != 0 {
         // The immediate announces the data: in GPU memory (copied from the
@@ -502,20 +490,12 @@ pub(super) fn on_write(
 
 pub(super) fn on_read_request(inner: &Inner, h: &FrameHeader) -> Handled {
     let total = u64::from(h.total);
-    match inner.lookup(h.key) {
-        Some(entry) if entry.admits(h.addr, total, Access::REMOTE_READ) => {
+    match responder::read(inner.lookup(h.key), h.key, h.addr, total) {
+        Ok(entry) => {
             let mut st = inner.lock();
             inner.reply(&mut st, Ctl::ReadResp { seq: h.seq, entry, addr: h.addr, len: total })
         }
-        _ => refuse(
-            inner,
-            h.seq,
-            WcStatus::RemoteAccess,
-            format!(
-                "a peer's read of {:#x}+{total} with key {:#x} was refused (bad key, outside the region, or no read right)",
-                h.addr, h.key
-            ),
-        ),
+        Err(r) => refuse(inner, h.seq, r.status, r.why),
     }
 }
 
@@ -554,12 +534,6 @@ pub(super) fn on_read_response(inner: &Inner, h: &FrameHeader, src: &mut Source<
         inner.complete(&mut st, &raw(seg.wr_id, WcStatus::Success));
     }
     Ok(())
-}
-
-/// Why a message whose segments fell short of its announced length broke
-/// the connection.
-pub(super) fn short_message(total: u64, arrived: u64) -> String {
-    format!("a garbled frame (a message of {total} bytes announced, {arrived} arrived): the stream is out of step")
 }
 
 /// The final request's work request id of the queued operation whose
