@@ -753,6 +753,19 @@ impl Connection {
         self.shared.transport.shutdown(reason);
     }
 
+    /// [`shut`](Self::shut) on a thread of its own: for a caller that must
+    /// not wait for it (the engine's thread, which a TCP shutdown could
+    /// hold for the moment the sender takes to say goodbye). What is
+    /// outstanding fails once it ran.
+    pub(crate) fn shut_soon(&self, reason: String) {
+        let shared = Arc::clone(&self.shared);
+        let shut = move || shared.transport.shutdown(&reason);
+        if let Err(e) = std::thread::Builder::new().name("gpu-rdma-shut".into()).spawn(shut) {
+            tracing::warn!("no thread to shut a connection on ({e}): shutting it here");
+            self.shared.transport.shutdown("a rail was dropped");
+        }
+    }
+
     /// Closes the connection: tells the peer, and fails what is outstanding
     /// (dropping it does the same). On verbs, a side that closes first keeps
     /// its queue pair up until the peer closes too, for at most 5 ms, so that

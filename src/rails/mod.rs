@@ -452,7 +452,8 @@ impl RailShared {
         if !l.dead.swap(true, Ordering::AcqRel) {
             let rail = &self.rails[l.rail];
             tracing::warn!("rail {} ({}): dropping a queue pair: {reason}", l.rail, rail.device);
-            l.conn.shut(&format!("rail {} dropped: {reason}", l.rail));
+            // Not waited for: this may run on a domain's engine thread.
+            l.conn.shut_soon(format!("rail {} dropped: {reason}", l.rail));
             rail.failure().get_or_insert_with(|| reason.to_owned());
         }
     }
