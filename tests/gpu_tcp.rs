@@ -817,6 +817,21 @@ gpu_tcp_test! {
             tail_seen >= Duration::from_millis(250),
             "the send overtook a write kept for its stream: {tail_seen:?}"
         );
+        // A receive ring given the fence: no slot is posted before the
+        // work on its memory is done, so that work cannot overwrite a
+        // message (the ring's first post waits for it).
+        let ring_buf = gpu_region(&d, 4 * 64, None);
+        produce(&stream, ring_buf.memory(), 0, 4 * 64, 74, 300_000);
+        let t0 = Instant::now();
+        let mut ring = sa.recv_ring(ring_buf.slice(..).after(&stream).unwrap(), 64, 4);
+        let made_in = t0.elapsed();
+        ca.send_inline(b"in the ring", None).wait_timeout(Duration::from_secs(10)).unwrap();
+        let got = ring.next_timeout(Duration::from_secs(10)).unwrap();
+        let mut landed = [0u8; 11];
+        got.buffer().memory().copy_to_host(got.slot() * 64, &mut landed).unwrap();
+        assert!(made_in >= Duration::from_millis(250), "the ring posted before its fence: {made_in:?}");
+        assert_eq!(&landed, b"in the ring");
+        drop(got);
         stream.synchronize().unwrap();
     }
 }

@@ -126,6 +126,13 @@ impl Connection {
 impl<B: LocalBuffer> RecvRing<B> {
     fn new(shared: &Arc<ConnShared>, local: LocalSlice<B>, slot_len: usize, slots: usize) -> Self {
         let laid = layout(&local, slot_len, slots).and_then(|(start, parts)| {
+            // Fences given to the ring itself (`LocalSlice::after`): the
+            // work still reading its memory, waited for before any slot is
+            // posted, as each repost waits for the buffer's own.
+            #[cfg(feature = "cuda")]
+            if local.has_own_fences() {
+                local.wait_fences()?;
+            }
             let staging = staging(shared, &local, &parts, slot_len * slots)?;
             let first = staging.as_ref().map_or(parts, |s| s.parts(slot_len));
             Ok((start, first, staging))

@@ -862,8 +862,10 @@ impl<B: LocalBuffer> LocalSlice<B> {
     /// [`CudaBuffer::ready_after`](crate::cuda::CudaBuffer::ready_after)).
     /// Call it once per stream; the operation waits for every one. Posting
     /// never blocks on it: a send, write, read or list is kept in its place
-    /// in the connection's order until the work is done (a receive, which
-    /// the receive queue cannot keep in order, waits when posted).
+    /// in the connection's order until the work is done, and a receive into
+    /// GPU memory lands in a host slot whose copy into the GPU waits for
+    /// it. Only a receive into host memory and a receive ring, which the
+    /// receive queue cannot keep in order, wait for it when posted.
     ///
     /// # Errors
     /// [`Error::Cuda`] when the event cannot be recorded.
