@@ -234,23 +234,29 @@ impl ConnShared {
     pub(crate) fn imm_visibility(&self) -> Option<Box<dyn FnOnce() -> Result<()> + Send>> {
         #[cfg(feature = "cuda")]
         {
-            let visible = &self.domain.mem().visible;
-            if self.transport.is_tcp() || !visible.any() {
-                return None;
-            }
-            let visible = visible.clone();
+            let visible = self.imm_flushes()?.clone();
             Some(Box::new(move || visible.flush_direct()))
         }
         #[cfg(not(feature = "cuda"))]
         None
     }
 
-    /// [`imm_visibility`](Self::imm_visibility), done now.
+    /// [`imm_visibility`](Self::imm_visibility), done now (nothing built
+    /// for it: a receive ring does this for every message).
     pub(crate) fn make_imm_visible(&self) -> Result<()> {
-        match self.imm_visibility() {
-            Some(f) => f(),
-            None => Ok(()),
+        #[cfg(feature = "cuda")]
+        if let Some(visible) = self.imm_flushes() {
+            return visible.flush_direct();
         }
+        Ok(())
+    }
+
+    /// The GPU regions a write with immediate's receive flushes: on verbs,
+    /// once the domain exposed GPU memory.
+    #[cfg(feature = "cuda")]
+    fn imm_flushes(&self) -> Option<&crate::memory::visible::VisibleTable> {
+        let visible = &self.domain.mem().visible;
+        (!self.transport.is_tcp() && visible.any()).then_some(visible)
     }
 
     fn pending<B: Send + 'static>(self: &Arc<Self>, buf: B, posted: Posted) -> Pending<B> {
@@ -321,9 +327,10 @@ impl ConnShared {
         // the staging pipeline whatever path it is registered by.
         // A receive whose consumers' fences still run is staged, so that
         // nothing waits for them here (see `route_receive`).
+        let fences = local.fences();
         let chosen = match op {
             Some(_) => route(&parts, self.transport.is_tcp()),
-            None => route_receive(&parts, self.transport.is_tcp(), fences_pending(local.fences()).is_some()),
+            None => route_receive(&parts, self.transport.is_tcp(), !all_done(&fences)),
         };
         if chosen == Route::Staged {
             // The checks a direct post gets, before anything is copied.
@@ -346,7 +353,7 @@ impl ConnShared {
             // Outgoing: the copies out of the GPU wait for the producer fence.
             // Incoming: the copies into it wait for the consumer fence (work
             // still reading what they overwrite).
-            pipeline.after(local.fences());
+            pipeline.after(fences);
             if let Err(e) = pipeline.advance(&self.transport) {
                 // Whatever reached the device stays with the connection.
                 pipeline.abandon(&self.transport, None);
@@ -363,8 +370,7 @@ impl ConnShared {
         // let later ones take its message); here its fences are done.
         if let Some(op) = op {
             let item = WorkItem { local: Some(parts), op };
-            let ready = fences_pending(local.fences());
-            let mut p = self.post_when_ready(local.into_inner(), item, ready);
+            let mut p = self.post_when_ready(local.into_inner(), item, fences_pending(fences));
             if let RemoteOp::Read(_) = op {
                 p.after = Some(Box::new(move || device.flush_remote_writes()));
             }
@@ -385,6 +391,13 @@ impl ConnShared {
     }
 }
 
+/// Whether the work of every one of `fences` is known done (a fence whose
+/// work failed is not: the operation that waits for it reports that).
+#[cfg(feature = "cuda")]
+fn all_done(fences: &[std::sync::Arc<crate::cuda::CudaEvent>]) -> bool {
+    fences.iter().all(|f| matches!(f.is_done(), Ok(true)))
+}
+
 /// Which of `fences` (an operation's: see
 /// [`LocalSlice::fences`](crate::memory::LocalSlice)) still run, as a check
 /// a post kept at the gate asks (`None`: all done, post now).
@@ -392,7 +405,7 @@ impl ConnShared {
 pub(crate) fn fences_pending(
     fences: Vec<std::sync::Arc<crate::cuda::CudaEvent>>,
 ) -> Option<crate::protocol::order::DataReady> {
-    if fences.iter().all(|f| matches!(f.is_done(), Ok(true))) {
+    if all_done(&fences) {
         return None;
     }
     let mut fences = fences;

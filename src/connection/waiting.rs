@@ -361,8 +361,9 @@ type SetSlot<B> = (Box<dyn member::Member<B>>, Waker);
 
 /// Many operations waited on from one thread: for any one of them to
 /// finish, or all. Operations on any connections of any domains may be
-/// mixed, and transfer lists and striped transfers with them. Each is looked at only when it may have finished (it wakes the
-/// set), so waiting on thousands costs per completion, not per operation.
+/// mixed, and transfer lists and striped transfers with them. Each is
+/// looked at only when it may have finished (it wakes the set), so
+/// waiting on thousands costs per completion, not per operation.
 ///
 /// Waits are bounded by the timeout given to them, not by the operations'
 /// own timeouts. Dropping the set drops its operations as dropping their

@@ -120,6 +120,18 @@ impl<M: Memory> Run<M> {
     }
 }
 
+impl<M: Memory> RunState<M> {
+    /// The outcome, handed out once ([`Error::AlreadyReported`] after);
+    /// `None` while the transfer runs.
+    fn take(&mut self) -> Option<Result<Moved>> {
+        if let Some(out) = self.outcome.take() {
+            self.reported = true;
+            return Some(out);
+        }
+        self.reported.then_some(Err(Error::AlreadyReported))
+    }
+}
+
 impl<M: Memory> Wake for Run<M> {
     fn wake(self: Arc<Self>) {
         let engine = self.engine.clone();
@@ -165,10 +177,7 @@ impl<M: Memory> Striped<M> {
         direction: Direction,
         note: Option<(u32, Vec<u8>)>,
     ) -> Self {
-        let opcode = match direction {
-            Direction::Write => crate::Opcode::Write,
-            Direction::Read => crate::Opcode::Read,
-        };
+        let opcode = direction.opcode();
         let machine = Machine::start(conn, local, remote, span, direction, note);
         // Every link's connection shares the engine of its rail's domain;
         // the first one drives the transfer (it may post on any rail).
@@ -206,15 +215,7 @@ impl<M: Memory> Striped<M> {
     /// # Errors
     /// As [`wait`](Self::wait).
     pub fn poll(&mut self) -> Result<Option<Moved>> {
-        let mut st = self.run.lock();
-        match st.outcome.take() {
-            Some(out) => {
-                st.reported = true;
-                out.map(Some)
-            }
-            None if st.reported => Err(Error::AlreadyReported),
-            None => Ok(None),
-        }
+        self.run.lock().take().transpose()
     }
 
     /// Whether it ended (its outcome may still be taken).
@@ -253,12 +254,8 @@ impl<M: Memory> Striped<M> {
     /// A look for a waiter with `waker`: the outcome once it ended.
     pub(crate) fn poll_waker(&mut self, waker: &Waker) -> Poll<Result<Moved>> {
         let mut st = self.run.lock();
-        if let Some(out) = st.outcome.take() {
-            st.reported = true;
+        if let Some(out) = st.take() {
             return Poll::Ready(out);
-        }
-        if st.reported {
-            return Poll::Ready(Err(Error::AlreadyReported));
         }
         match &st.awaiter {
             Some(w) if w.will_wake(waker) => {}

@@ -42,6 +42,16 @@ pub(crate) enum Direction {
     Read,
 }
 
+impl Direction {
+    /// The opcode a whole list or striped transfer reports (one going this way).
+    pub(crate) fn opcode(self) -> crate::Opcode {
+        match self {
+            Direction::Write => crate::Opcode::Write,
+            Direction::Read => crate::Opcode::Read,
+        }
+    }
+}
+
 /// What a finished transfer moved ([`Transfer::wait`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -433,10 +443,7 @@ impl<B: Send + 'static> super::waiting::Settle for Transfer<B> {
 impl<B: Send + 'static> super::waiting::member::Member<B> for Transfer<B> {
     fn look(&mut self, waker: &Waker) -> Poll<Result<crate::Completion>> {
         let mut l = self.lock();
-        let opcode = match l.direction {
-            Direction::Write => crate::Opcode::Write,
-            Direction::Read => crate::Opcode::Read,
-        };
+        let opcode = l.direction.opcode();
         l.poll_waker(waker, false).map(|r| r.map(|done| super::waiting::member::whole(opcode, done.bytes)))
     }
 
