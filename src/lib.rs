@@ -489,11 +489,13 @@
 //!   the GPU. A write with immediate is visible once any receive takes its
 //!   immediate ([`Connection::recv_imm`], a receive with a buffer, a
 //!   receive ring): over TCP its range is copied in before the receive
-//!   completes, over verbs on a direct path the remote writes are flushed.
-//!   Over verbs into a staged region the immediate names no range: name
-//!   the region ([`Connection::recv_write_range`]). A write that nothing
-//!   names reaches GPU memory on the staged path only through
-//!   [`Exposed::pull`].
+//!   completes, over verbs on a direct path the remote writes are flushed,
+//!   and over verbs into a staged region the writer first puts a 64-byte
+//!   cover naming the range in this side's notification ring (asked for in
+//!   the handshake where a CUDA driver is loaded:
+//!   [`ConnectOptions::imm_covers`]), which the receive copies in. A plain
+//!   write that nothing names reaches GPU memory on the staged path only
+//!   through [`Exposed::pull`].
 //!   Before letting a peer read an exposed staged region, call
 //!   [`Exposed::publish`], which copies the GPU contents to the mirror.
 //! - **Posting order.** On one connection, sends, writes (with or without

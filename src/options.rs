@@ -81,6 +81,15 @@ pub struct ConnectOptions {
     /// multiple of 64). A peer whose notes fill it waits for room, up to its
     /// operation timeout.
     pub notify_ring: usize,
+    /// Over verbs, asks the peer to cover each write with immediate into
+    /// this side: a 64-byte record naming the range it writes, put in this
+    /// side's notification ring just before it (default: yes where a CUDA
+    /// driver is loaded, else no). On the staged path that record is what
+    /// makes the written GPU memory visible when a receive takes the
+    /// immediate. A side that never exposes GPU memory on the staged path
+    /// for writes with immediate may turn it off and save the peer that
+    /// write.
+    pub imm_covers: bool,
 }
 
 impl Default for ConnectOptions {
@@ -107,6 +116,7 @@ impl Default for ConnectOptions {
             secret: secret_from_env(),
             post_timeout: None,
             notify_ring: crate::bootstrap::DEFAULT_RING,
+            imm_covers: true,
         }
     }
 }
@@ -144,6 +154,13 @@ impl ConnectOptions {
     /// ([`notify_ring`](Self::notify_ring)).
     pub fn notify_ring(mut self, bytes: usize) -> Self {
         self.notify_ring = bytes;
+        self
+    }
+
+    /// Sets whether the peer covers its writes with immediate into this
+    /// side ([`imm_covers`](Self#structfield.imm_covers)).
+    pub fn imm_covers(mut self, on: bool) -> Self {
+        self.imm_covers = on;
         self
     }
 

@@ -306,6 +306,119 @@ gpu_test! {
 }
 
 gpu_test! {
+    /// A write with immediate into a staged GPU region over verbs, taken
+    /// by a receive that does not name the region (`recv_imm`, a host
+    /// receive, a receive ring; several in flight at once; the last piece
+    /// of a staged source split into chunks; two in one batch): when the
+    /// receive completes the bytes are in GPU memory, and only they moved
+    /// (the owner's newer data elsewhere in the region survives). An inbox
+    /// on the same connection still gets its notes.
+    fn a_write_with_immediate_into_staged_gpu_memory_is_visible_whatever_receive_takes_it() {
+        let (ds, dc) = (domain(), domain());
+        let len = 8 << 20;
+        let old = pattern(len, 71);
+        let exposed = ds
+            .expose(gpu_region(&ds, len, Some(&old), PathPolicy::Force(MemPath::Staged)), Access::REMOTE_WRITE, 9)
+            .unwrap();
+        exposed.publish().unwrap();
+        let (s, c) = pair_on(&ds, &dc, opts().advertise(&exposed), staging_opts());
+        let newer = pattern(4096, 72);
+        exposed.cuda().copy_from_host(0, &newer).unwrap();
+        let mut expect = old.clone();
+        expect[..4096].copy_from_slice(&newer);
+        let region = c.remote_region(9).unwrap();
+        let host = |data: &[u8]| {
+            let mut r = dc.alloc(data.len()).unwrap();
+            r.copy_from_slice(data);
+            r
+        };
+        let check = |what: &str, expect: &[u8]| {
+            assert_eq!(first_difference(&read_gpu(exposed.cuda(), len), expect), None, "{what}: GPU memory when the immediate was seen");
+        };
+        // One at a time, by each kind of receive (a ring last: a dropped
+        // ring's receives stay posted, ahead of later ones).
+        for (round, at) in [(0u32, 1usize << 20), (1, 2 << 20)] {
+            let n = 64 << 10;
+            let data = pattern(n, 100 + u64::from(round));
+            expect[at..at + n].copy_from_slice(&data);
+            let remote = region.slice(at as u64..(at + n) as u64).unwrap();
+            let imm = match round {
+                0 => {
+                    let mut rx = s.recv_imm();
+                    c.write_with_imm(host(&data), &remote, round).wait().unwrap();
+                    rx.wait().unwrap().imm
+                }
+                _ => {
+                    let mut rx = s.recv(ds.alloc(64).unwrap());
+                    c.write_with_imm(host(&data), &remote, round).wait().unwrap();
+                    rx.wait().unwrap().imm
+                }
+            };
+            assert_eq!(imm, Some(round));
+            check(&format!("round {round}"), &expect);
+        }
+        // Eight in flight, then taken in order: each visible when taken.
+        let mut rxs: Vec<_> = (0..8).map(|_| s.recv_imm()).collect();
+        let mut txs = Vec::new();
+        let mut expects = Vec::new();
+        for k in 0..8usize {
+            let at = (4 << 20) + k * 8192;
+            let data = pattern(8192, 200 + k as u64);
+            expect[at..at + 8192].copy_from_slice(&data);
+            expects.push(expect.clone());
+            txs.push(c.write_with_imm(host(&data), &region.slice(at as u64..at as u64 + 8192).unwrap(), 10 + k as u32));
+        }
+        for (k, rx) in rxs.iter_mut().enumerate() {
+            assert_eq!(rx.wait().unwrap().imm, Some(10 + k as u32));
+            let gpu = read_gpu(exposed.cuda(), len);
+            let at = (4 << 20) + k * 8192;
+            assert_eq!(first_difference(&gpu[at..at + 8192], &expects[k][at..at + 8192]), None, "in flight: write {k}");
+        }
+        for t in txs {
+            t.finish().unwrap();
+        }
+        check("eight in flight", &expect);
+        // From staged GPU memory, 3 MiB in 1 MiB chunks: the cover names all of it.
+        let n = 3 << 20;
+        let data = pattern(n, 300);
+        let at = 5 << 20;
+        expect[at..at + n].copy_from_slice(&data);
+        let mut rx = s.recv_imm();
+        let src = gpu_region(&dc, n, Some(&data), PathPolicy::Force(MemPath::Staged));
+        c.write_with_imm(src, &region.slice(at as u64..(at + n) as u64).unwrap(), 30).wait().unwrap();
+        assert_eq!(rx.wait().unwrap().imm, Some(30));
+        check("a staged source in chunks", &expect);
+        // Two in one batch.
+        let (a, b) = (pattern(4096, 400), pattern(4096, 401));
+        expect[8192..12288].copy_from_slice(&a);
+        expect[16384..20480].copy_from_slice(&b);
+        let (mut r1, mut r2) = (s.recv_imm(), s.recv_imm());
+        c.batch()
+            .write_with_imm(host(&a), &region.slice(8192..12288).unwrap(), 40)
+            .write_with_imm(host(&b), &region.slice(16384..20480).unwrap(), 41)
+            .post()
+            .wait()
+            .unwrap();
+        assert_eq!((r1.wait().unwrap().imm, r2.wait().unwrap().imm), (Some(40), Some(41)));
+        check("a batch of two", &expect);
+        let at = 3 << 20 | 512;
+        let data = pattern(64 << 10, 102);
+        expect[at..at + data.len()].copy_from_slice(&data);
+        let mut ring = s.recv_ring(ds.alloc(4 * 64).unwrap(), 64, 4);
+        c.write_with_imm(host(&data), &region.slice(at as u64..(at + data.len()) as u64).unwrap(), 2).wait().unwrap();
+        assert_eq!(ring.next().unwrap().imm(), Some(2));
+        check("a receive ring", &expect);
+        // Notes still come through the ring the covers share.
+        let mut inbox = s.inbox(1).unwrap();
+        let target = ds.expose(ds.alloc(4096).unwrap(), Access::REMOTE_WRITE, 0).unwrap();
+        let t = c.write_list_notify(host(&[5; 4096]), &s.grant(&target).whole(), [gpu_rdma::Piece::new(0, 0, 4096)], 3, b"after");
+        assert_eq!(&inbox.wait(3, 1).unwrap()[0].payload[..], b"after");
+        t.finish().unwrap();
+        assert_eq!(inbox.stats().malformed, 0);
+    }
+}
+
+gpu_test! {
     /// A receive ring in GPU memory on a direct path: each message lands in
     /// its slot, byte for byte, flushed before it is lent out; on the
     /// staged path each lands in host staging and is copied into its slot.

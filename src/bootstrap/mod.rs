@@ -12,9 +12,9 @@ pub mod wire;
 
 pub use auth::{Secret, authenticate};
 pub use wire::{
-    CAP_TCP, CAP_VERBS, DEFAULT_MAX_PAYLOAD, FrameKind, HEADER_LEN, Hello, MAGIC, MAX_NAME, MAX_TCP_QUEUE_DEPTH,
-    MIN_MAX_MESSAGE, REGION_LEN, TcpEndpoint, VERSION, VerbsEndpoint, decode_frame, decode_region, encode_frame,
-    encode_region,
+    CAP_IMM_COVERS, CAP_TCP, CAP_VERBS, DEFAULT_MAX_PAYLOAD, FrameKind, HEADER_LEN, Hello, MAGIC, MAX_NAME,
+    MAX_TCP_QUEUE_DEPTH, MIN_MAX_MESSAGE, REGION_LEN, TcpEndpoint, VERSION, VerbsEndpoint, decode_frame, decode_region,
+    encode_frame, encode_region,
 };
 pub use wire::{DEFAULT_RING, MAX_RING, MIN_RING, RING_ALIGN, RING_HEADER, RING_TAG};
 pub(crate) use wire::{take_ring, valid_ring};

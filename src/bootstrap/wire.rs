@@ -20,6 +20,10 @@
 //! ```text
 //!  caps u64                              bit 0: a verbs endpoint follows
 //!                                        bit 1: a TCP endpoint follows
+//!                                        bit 2: a name follows the regions
+//!                                        bit 3: cover writes with immediate
+//!                                        (a record naming each one's range in
+//!                                        this side's notification ring first)
 //!  [verbs endpoint, 36 bytes, if caps bit 0]
 //!     qp_num u32, psn u32, max_msg_sz u32, lid u16, mtu u8 (ibv_mtu),
 //!     link_layer u8, responder_resources u8, 3 reserved bytes, gid [16]
@@ -127,6 +131,11 @@ pub const CAP_VERBS: u64 = 1;
 pub const CAP_TCP: u64 = 2;
 /// Hello capability bit: a name follows the regions.
 pub const CAP_NAME: u64 = 4;
+/// Hello capability bit: over verbs, put a cover record (the range it
+/// writes) in this side's notification ring ahead of each write with
+/// immediate. Set by a side that may hold GPU memory on the staged path,
+/// where an immediate alone names nothing to copy in.
+pub const CAP_IMM_COVERS: u64 = 8;
 
 /// What a frame carries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -12,7 +12,6 @@ use std::time::{Duration, Instant};
 use super::notes::{Entry, InboxStats, Note};
 use super::{ConnShared, Connection};
 use crate::error::{Error, Result};
-use crate::protocol::notify;
 
 /// Notifications arriving on one connection, counted by tag; see
 /// [`Connection::inbox`].
@@ -54,19 +53,6 @@ impl Connection {
     }
 }
 
-/// Makes the ranges a notification names visible to CUDA work where they
-/// are GPU memory of this side (copied in from the staged mirror, or
-/// flushed): the note is handed out only after that.
-fn make_visible(shared: &ConnShared, cover: &notify::Cover) -> Result<()> {
-    #[cfg(feature = "cuda")]
-    for &(addr, len) in &cover.ranges {
-        shared.domain.mem().visible.make_visible(cover.key, addr, len)?;
-    }
-    #[cfg(not(feature = "cuda"))]
-    let _ = (shared, cover);
-    Ok(())
-}
-
 impl Inbox {
     /// Takes in what has arrived, without blocking; how many notifications.
     ///
@@ -74,27 +60,8 @@ impl Inbox {
     /// Never for the connection's loss (that shows in the waits, after
     /// what arrived before it is taken).
     pub fn poll(&mut self) -> Result<usize> {
-        let shared = &*self.shared;
-        let mut side = shared.notes.read_side();
-        // Whether the connection was lost before looking: then what the
-        // ring holds now is all it will ever hold.
-        let broken = shared.transport.broken();
-        let drained = shared.notes.drain(&shared.transport, &mut side, |cover| make_visible(shared, cover));
-        match drained {
-            Ok(n) => {
-                if let Some(reason) = broken {
-                    side.state.lose(reason);
-                }
-                Ok(n)
-            }
-            Err(why) => {
-                let reason = format!("the peer broke the notification ring: {why}");
-                tracing::warn!("{reason}");
-                shared.transport.shutdown(&reason);
-                side.state.lose(reason);
-                Ok(0)
-            }
-        }
+        // A ring the peer broke shuts the connection down: the waits say so.
+        Ok(self.shared.take_notes().unwrap_or(0))
     }
 
     /// Takes `n` notifications with `tag` if they have arrived.

@@ -57,7 +57,7 @@ pub(crate) struct ConnShared {
     /// Registered buffers notifications are written into the peer's ring from.
     note_pool: std::sync::Mutex<Vec<crate::Region<crate::HostMemory>>>,
     /// Both notification rings: this side's (an [`Inbox`] reads it) and the peer's.
-    notes: notes::NoteRings,
+    notes: Arc<notes::NoteRings>,
     /// Staged GPU operations in progress, moved along by every wait.
     #[cfg(feature = "cuda")]
     staged: crate::protocol::staged::StagedSet,
@@ -226,37 +226,69 @@ impl ConnShared {
         copying
     }
 
-    /// What makes the data of a peer's write with immediate visible to
-    /// CUDA work when its receive completes, where something is needed: on
-    /// verbs, a flush of the remote writes into this domain's GPU regions on
-    /// a direct path (an immediate names no range: each is flushed). TCP
-    /// makes the range visible itself before completing the receive.
-    pub(crate) fn imm_visibility(&self) -> Option<Box<dyn FnOnce() -> Result<()> + Send>> {
-        #[cfg(feature = "cuda")]
-        {
-            let visible = self.imm_flushes()?.clone();
-            Some(Box::new(move || visible.flush_direct()))
-        }
-        #[cfg(not(feature = "cuda"))]
-        None
-    }
-
-    /// [`imm_visibility`](Self::imm_visibility), done now (nothing built
-    /// for it: a receive ring does this for every message).
+    /// Makes the data of the peer's writes with immediate received so far
+    /// visible to CUDA work: called before a receive that took one is
+    /// reported. Over verbs, the covers the peer put in the ring (where this
+    /// side asked for them: the staged path) are copied in from the mirror,
+    /// and the remote writes into this domain's GPU regions on a direct path
+    /// are flushed (an immediate names no range: each is flushed). TCP makes
+    /// the range visible itself before completing the receive.
+    ///
+    /// # Errors
+    /// A copy or flush failed; a failed cover or a peer that broke the ring
+    /// also breaks the connection, naming why.
     pub(crate) fn make_imm_visible(&self) -> Result<()> {
+        if self.transport.is_tcp() {
+            return Ok(());
+        }
+        if self.notes.covers_expected() {
+            self.take_notes()?;
+        }
         #[cfg(feature = "cuda")]
-        if let Some(visible) = self.imm_flushes() {
-            return visible.flush_direct();
+        if self.domain.mem().visible.any() {
+            return self.domain.mem().visible.flush_direct();
         }
         Ok(())
     }
 
-    /// The GPU regions a write with immediate's receive flushes: on verbs,
-    /// once the domain exposed GPU memory.
-    #[cfg(feature = "cuda")]
-    fn imm_flushes(&self) -> Option<&crate::memory::visible::VisibleTable> {
-        let visible = &self.domain.mem().visible;
-        (!self.transport.is_tcp() && visible.any()).then_some(visible)
+    /// Takes what has landed in this side's notification ring: notes are
+    /// kept for an [`Inbox`], covers made visible. How many notes.
+    ///
+    /// # Errors
+    /// [`Error::ConnectionLost`] when the ring or a cover broke the
+    /// connection (now shut down with the reason).
+    pub(crate) fn take_notes(&self) -> Result<usize> {
+        let mut side = self.notes.read_side();
+        // Whether the connection was lost before looking: then what the
+        // ring holds now is all it will ever hold.
+        let broken = self.transport.broken();
+        match self.notes.drain(&self.transport, &mut side, |cover| self.make_cover_visible(cover)) {
+            Ok(n) => {
+                if let Some(reason) = broken {
+                    side.state.lose(reason);
+                }
+                Ok(n)
+            }
+            Err(reason) => {
+                tracing::warn!("{reason}");
+                self.transport.shutdown(&reason);
+                side.state.lose(reason.clone());
+                Err(Error::ConnectionLost { reason })
+            }
+        }
+    }
+
+    /// Makes the ranges a notification or cover names visible to CUDA work
+    /// where they are GPU memory of this side (copied in from the staged
+    /// mirror, or flushed).
+    fn make_cover_visible(&self, cover: &crate::protocol::notify::Cover) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        for &(addr, len) in &cover.ranges {
+            self.domain.mem().visible.make_visible(cover.key, addr, len)?;
+        }
+        #[cfg(not(feature = "cuda"))]
+        let _ = cover;
+        Ok(())
     }
 
     fn pending<B: Send + 'static>(self: &Arc<Self>, buf: B, posted: Posted) -> Pending<B> {
@@ -466,6 +498,11 @@ impl Connection {
         let mut with_ring = opts.clone();
         with_ring.advertise.push(ring.descriptor());
         let est = transport::establish(domain.mem(), stream, &with_ring, is_server)?;
+        let notes = Arc::new(notes::NoteRings::new(ring, est.peer_ring, est.covers_in, est.info.recv_queue_depth));
+        if est.covers_out {
+            notes.cover_out(domain, est.info.send_queue_depth)?;
+            est.transport.cover_writes(Box::new(notes::RingCovers(Arc::clone(&notes))));
+        }
         Ok(Connection {
             shared: Arc::new(ConnShared {
                 transport: est.transport,
@@ -477,7 +514,7 @@ impl Connection {
                 spin: opts.spin,
                 domain: domain.clone(),
                 note_pool: std::sync::Mutex::new(Vec::new()),
-                notes: notes::NoteRings::new(ring, est.peer_ring),
+                notes,
                 #[cfg(feature = "cuda")]
                 staged: crate::protocol::staged::StagedSet::default(),
                 gate: Arc::new(Gate::default()),
@@ -684,12 +721,17 @@ impl Connection {
     /// a buffer, a receive ring's slot): over TCP the written range is
     /// copied from the staging mirror into GPU memory before the receive
     /// completes; over verbs on a direct path the remote writes are flushed
-    /// where the device needs it. Over verbs into a region on the staged
-    /// path the immediate names no range, so nothing can be pulled: use
-    /// [`recv_write`](Self::recv_write) or
-    /// [`recv_write_range`](Self::recv_write_range) naming the region, or a
-    /// notified list ([`write_list_notify`](Self::write_list_notify)),
-    /// whose notification names its ranges.
+    /// where the device needs it; over verbs into a region on the staged
+    /// path the range the writer named in a cover record, put in this
+    /// side's notification ring just before its write, is copied in (see
+    /// [`ConnectOptions::imm_covers`](crate::ConnectOptions#structfield.imm_covers);
+    /// with covers turned off, name the region with
+    /// [`recv_write_range`](Self::recv_write_range)).
+    ///
+    /// Each cover takes 64 bytes of this side's ring until a receive that
+    /// took a write with immediate (or an [`Inbox`]) looks at the ring: a
+    /// peer with more covered writes in flight than the ring holds waits for
+    /// room, within its post timeout.
     pub fn recv_imm(&self) -> Pending<()> {
         self.shared.pending((), self.shared.transport.post_recv(None))
     }

@@ -17,6 +17,7 @@ use crate::protocol::mailbox::{
     self, ALIGN, CREDITS_IN, CREDITS_OUT, HEADER, MAX_RECORD, RingMemory, RingReader, RingWriter,
 };
 use crate::protocol::notify::{self, NotifyStatus};
+use crate::transport::covers::{CoverPost, ImmCovers};
 use crate::transport::{ConnTransport, Posted, RemoteOp, WorkItem};
 use crate::{Domain, Region};
 
@@ -122,6 +123,8 @@ impl Notes {
                         Entry::Failed(Bytes::from(format!("the transfer's data could not be made visible here: {e}")))
                     }
                     (NotifyStatus::Failed, _) => Entry::Failed(Bytes::copy_from_slice(d.payload)),
+                    // Taken by the drain before filing (see `NoteRings::drain`).
+                    (NotifyStatus::Cover, _) => return,
                 };
                 self.queued += 1;
                 self.queued_bytes += entry.cost();
@@ -210,13 +213,63 @@ pub(crate) struct ReadSide {
     /// Scratch for one record's notification.
     msg: Vec<u8>,
     pub state: Notes,
+    /// The peer's covers of its writes with immediate (where this side
+    /// asked for them), taken from the ring and not yet made visible.
+    covers: CoversIn,
 }
+
+/// The covers this side takes from its ring: each names what one of the
+/// peer's writes with immediate wrote, in the order they were posted. One
+/// is made visible once that write's receive completion was polled (its
+/// ordinal at most the count of such completions), not before: its record
+/// lands before its data.
+struct CoversIn {
+    /// Whether this side asked for covers.
+    expected: bool,
+    /// Taken, not yet made visible: ordinal and cover.
+    queue: VecDeque<(u64, notify::Cover)>,
+    /// The last ordinal taken.
+    last: u64,
+    /// How many may wait at most: one per receive that can be posted, and
+    /// one whose write waits for a receive (more is a peer that lies).
+    bound: usize,
+}
+
+/// What this side writes into the peer's ring: notifications, and covers
+/// of its writes with immediate where the peer asked for them.
+struct WriteSide {
+    ring: RingWriter,
+    covers: Option<CoversOut>,
+}
+
+/// Where covers go out from: a registered buffer of `slots` slots, each a
+/// pad header and a cover record; the slot of the cover with ordinal `k` is
+/// `k % slots`. With as many slots as the send queue has requests, a slot is
+/// written again only once the request that read it has left the queue:
+/// between the two covers stand at least `slots` more covers and their
+/// writes, more than the queue holds.
+#[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+struct CoversOut {
+    buf: Region<HostMemory>,
+    slots: u64,
+    /// Covers posted so far (the last ordinal).
+    posted: u64,
+    /// Scratch for one cover's message.
+    msg: Vec<u8>,
+}
+
+/// Bytes of one cover slot: a pad header, then the record at [`ALIGN`].
+const COVER_SLOT: usize = 2 * ALIGN;
+
+const _: () = assert!(mailbox::record_size(notify::HEADER + 16 + notify::COVER_PAYLOAD) <= ALIGN);
 
 /// Both rings of one connection.
 pub(crate) struct NoteRings {
     mine: PeerWritten,
     peer: RemoteRegion,
-    writer: Mutex<RingWriter>,
+    /// This side asked the peer to cover its writes with immediate.
+    covers_in: bool,
+    writer: Mutex<WriteSide>,
     read: Mutex<ReadSide>,
 }
 
@@ -239,21 +292,46 @@ impl NoteRings {
     }
 
     /// Both rings: `mine` (from [`make`](Self::make)) and the peer's, as
-    /// the handshake announced it (checked there).
-    pub(crate) fn new(mine: Exposed<HostMemory>, peer: RemoteRegion) -> Self {
+    /// the handshake announced it (checked there). `covers_in`: this side
+    /// asked the peer to cover its writes with immediate, of which at most
+    /// `recv_depth` take receives at once.
+    pub(crate) fn new(mine: Exposed<HostMemory>, peer: RemoteRegion, covers_in: bool, recv_depth: u32) -> Self {
         let mine_cap = mine.len() - HEADER;
         let peer_cap = peer.len as usize - HEADER;
         NoteRings {
             mine: PeerWritten::new(mine),
             peer,
-            writer: Mutex::new(RingWriter::new(peer_cap)),
+            covers_in,
+            writer: Mutex::new(WriteSide { ring: RingWriter::new(peer_cap), covers: None }),
             read: Mutex::new(ReadSide {
                 reader: RingReader::new(mine_cap),
                 returned: 0,
                 msg: Vec::new(),
                 state: Notes::default(),
+                covers: CoversIn {
+                    expected: covers_in,
+                    queue: VecDeque::new(),
+                    last: 0,
+                    bound: recv_depth as usize * 2 + 16,
+                },
             }),
         }
+    }
+
+    /// Whether this side asked the peer to cover its writes with immediate.
+    pub(crate) fn covers_expected(&self) -> bool {
+        self.covers_in
+    }
+
+    /// Covers this side's writes with immediate from now on (the peer
+    /// asked for it), from `slots` slots of a buffer of `domain` (the send
+    /// queue's depth).
+    pub(crate) fn cover_out(&self, domain: &Domain, slots: u32) -> Result<()> {
+        let slots = slots.max(1);
+        let buf = domain.alloc(slots as usize * COVER_SLOT)?;
+        let mut w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+        w.covers = Some(CoversOut { buf, slots: u64::from(slots), posted: 0, msg: Vec::new() });
+        Ok(())
     }
 
     /// Posts `msg` as a notification with `tag` into the peer's ring, from
@@ -273,7 +351,8 @@ impl NoteRings {
     ) -> Posted {
         let mut spins = 0u32;
         loop {
-            let mut w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+            let mut guard = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+            let w = &mut guard.ring;
             if let Some(p) = w.place(msg.len(), self.mine.load(CREDITS_IN)) {
                 let whole = parts_of(&*buf);
                 let out = buf.as_mut_slice();
@@ -294,7 +373,7 @@ impl NoteRings {
                 }
                 return posted;
             }
-            drop(w);
+            drop(guard);
             if let Some(broken) = transport.broken() {
                 return Posted::refused(Error::ConnectionLost { reason: broken });
             }
@@ -320,12 +399,15 @@ impl NoteRings {
         self.read.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Takes every record that has landed and files its notification
-    /// ([`Notes::file`], with `make_visible`), then gives the peer its
-    /// credits back; how many.
+    /// Takes every record that has landed: files its notification
+    /// ([`Notes::file`], with `make_visible`), or keeps a cover; then makes
+    /// the covers of the writes with immediate received so far visible and
+    /// gives the peer its credits back. How many notifications.
     ///
     /// # Errors
-    /// The ring's format was broken by the peer: nothing more can be read.
+    /// Why nothing more can be trusted on this connection: the peer broke
+    /// the ring's format, or sent covers no writer sends, or a write with
+    /// immediate could not be made visible.
     pub(crate) fn drain(
         &self,
         transport: &ConnTransport,
@@ -336,14 +418,23 @@ impl NoteRings {
         let ring = Ring(&self.mine);
         let result = loop {
             match side.reader.next(&ring, &mut side.msg) {
-                Ok(Some(tag)) => {
-                    side.state.file(tag, &side.msg, &mut make_visible);
-                    n += 1;
-                }
+                Ok(Some(tag)) => match notify::decode(&side.msg) {
+                    Ok(d) if d.status == NotifyStatus::Cover => {
+                        if let Err(why) = side.covers.take(&d, &mut side.state.stats) {
+                            break Err(why);
+                        }
+                    }
+                    _ => {
+                        side.state.file(tag, &side.msg, &mut make_visible);
+                        n += 1;
+                    }
+                },
                 Ok(None) => break Ok(n),
-                Err(mailbox::Broken(why)) => break Err(why),
+                Err(mailbox::Broken(why)) => break Err(format!("the peer broke the notification ring: {why}")),
             }
         };
+        let result =
+            result.and_then(|n| side.covers.make_visible(transport.imm_writes_seen(), make_visible).map(|()| n));
         self.give_credits(transport, side);
         result
     }
@@ -368,5 +459,194 @@ impl NoteRings {
             }
             Posted::Refused(_) => {}
         }
+    }
+}
+
+impl CoversIn {
+    /// Keeps the cover `d` (decoded from the ring), in order.
+    fn take(&mut self, d: &notify::Decoded<'_>, stats: &mut InboxStats) -> std::result::Result<(), String> {
+        let ordinal = notify::cover_ordinal(d);
+        match ordinal {
+            _ if !self.expected => {
+                stats.malformed += 1;
+                tracing::warn!("a cover of a write with immediate, which this side did not ask for: dropped");
+                Ok(())
+            }
+            Some(k) if k == self.last + 1 && self.queue.len() < self.bound => {
+                self.queue.push_back((k, d.cover.clone()));
+                self.last = k;
+                Ok(())
+            }
+            Some(k) if k == self.last + 1 => Err(format!(
+                "the peer sent {} covers of writes with immediate not received yet; at most {} can be",
+                self.queue.len() + 1,
+                self.bound
+            )),
+            Some(k) => Err(format!("the peer sent cover {k} of a write with immediate after cover {}", self.last)),
+            None => Err("the peer sent a cover of a write with immediate without its ordinal".to_owned()),
+        }
+    }
+
+    /// Makes the covers of the first `seen` writes with immediate visible.
+    fn make_visible(
+        &mut self,
+        seen: u64,
+        mut make_visible: impl FnMut(&notify::Cover) -> Result<()>,
+    ) -> std::result::Result<(), String> {
+        while self.queue.front().is_some_and(|&(k, _)| k <= seen) {
+            let Some((_, cover)) = self.queue.pop_front() else { break };
+            make_visible(&cover).map_err(|e| format!("a write with immediate could not be made visible here: {e}"))?;
+        }
+        Ok(())
+    }
+}
+
+/// The connection's side of [`ImmCovers`]: the records go into the peer's
+/// ring, from this side's cover slots, placed under the ring writer's lock
+/// (which also orders the notifications).
+#[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+pub(crate) struct RingCovers(pub(crate) std::sync::Arc<NoteRings>);
+
+impl ImmCovers for RingCovers {
+    fn begin(&self) -> Box<dyn CoverPost + '_> {
+        let w = self.0.writer.lock().unwrap_or_else(|e| e.into_inner());
+        let ring = w.ring.clone();
+        Box::new(CoverBatch { rings: &self.0, w, ring, placed: 0 })
+    }
+}
+
+/// The covers of one post, placed on a copy of the ring writer until the
+/// post went out.
+#[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+struct CoverBatch<'a> {
+    rings: &'a NoteRings,
+    w: MutexGuard<'a, WriteSide>,
+    ring: RingWriter,
+    placed: u64,
+}
+
+impl CoverPost for CoverBatch<'_> {
+    fn place(
+        &mut self,
+        range: crate::remote::RemoteSlice,
+        due: &mut Deadline,
+        broken: &dyn Fn() -> Option<String>,
+        out: &mut Vec<WorkItem>,
+    ) -> Result<()> {
+        let Some(c) = self.w.covers.as_mut() else {
+            return Err(Error::InvalidArgument("covers asked of a connection without cover slots".into()));
+        };
+        let ordinal = c.posted + self.placed + 1;
+        notify::encode_cover(ordinal, range.rkey(), range.addr(), range.len(), &mut c.msg);
+        let mut spins = 0u32;
+        let p = loop {
+            if let Some(p) = self.ring.place(c.msg.len(), self.rings.mine.load(CREDITS_IN)) {
+                break p;
+            }
+            if let Some(reason) = broken() {
+                return Err(Error::ConnectionLost { reason });
+            }
+            if due.is_immediate() {
+                return Err(Error::QueueFull { queue: RING_QUEUE, depth: 0 });
+            }
+            due.at_from(std::time::Instant::now());
+            if due.remaining().is_none() {
+                return Err(due.for_(RING_ROOM).expired());
+            }
+            spins += 1;
+            look_again(spins < 64);
+        };
+        let base = (ordinal % c.slots) as usize * COVER_SLOT;
+        let whole = parts_of(&c.buf);
+        let slot = &mut c.buf.as_mut_slice()[base..base + COVER_SLOT];
+        if let Some((at, seq)) = p.pad {
+            let len = mailbox::encode_pad(seq, slot);
+            out.push(self.rings.write_item(&whole, base, len, at));
+        }
+        let len = mailbox::encode(p.seq, 0, &c.msg, &mut slot[ALIGN..]);
+        out.push(self.rings.write_item(&whole, base + ALIGN, len, p.at));
+        self.ring.commit(&p);
+        self.placed += 1;
+        Ok(())
+    }
+
+    fn commit(&mut self) {
+        self.w.ring = self.ring.clone();
+        if let Some(c) = self.w.covers.as_mut() {
+            c.posted += self.placed;
+        }
+        self.placed = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn covers(expected: bool) -> CoversIn {
+        CoversIn { expected, queue: VecDeque::new(), last: 0, bound: 4 }
+    }
+
+    fn cover_msg(ordinal: u64, addr: u64) -> Vec<u8> {
+        let mut msg = Vec::new();
+        notify::encode_cover(ordinal, 7, addr, 64, &mut msg);
+        msg
+    }
+
+    /// Takes the cover record `msg` as the drain does.
+    fn take(c: &mut CoversIn, msg: &[u8], stats: &mut InboxStats) -> std::result::Result<(), String> {
+        c.take(&notify::decode(msg).expect("a cover decodes"), stats)
+    }
+
+    #[test]
+    fn a_cover_is_made_visible_only_once_its_write_was_received() {
+        let mut c = covers(true);
+        let mut stats = InboxStats::default();
+        for k in 1..=3 {
+            take(&mut c, &cover_msg(k, k * 100), &mut stats).unwrap();
+        }
+        let mut seen = Vec::new();
+        // One write received: only its cover; the later ones landed ahead of their data.
+        c.make_visible(1, |cv| {
+            seen.push(cv.ranges[0].0);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(seen, [100]);
+        c.make_visible(3, |cv| {
+            seen.push(cv.ranges[0].0);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(seen, [100, 200, 300], "in order, each once");
+        c.make_visible(9, |_| panic!("nothing is left")).unwrap();
+        // A copy that fails says so (the connection then breaks).
+        take(&mut c, &cover_msg(4, 400), &mut stats).unwrap();
+        let err = c.make_visible(4, |_| Err(Error::InvalidArgument("no GPU".into()))).unwrap_err();
+        assert!(err.contains("could not be made visible") && err.contains("no GPU"), "{err}");
+    }
+
+    #[test]
+    fn a_peer_that_lies_about_covers_is_refused_and_one_nobody_asked_for_is_dropped() {
+        let mut stats = InboxStats::default();
+        // Not asked for: counted, dropped, nothing kept.
+        let mut c = covers(false);
+        take(&mut c, &cover_msg(1, 0), &mut stats).unwrap();
+        assert_eq!((stats.malformed, c.queue.len()), (1, 0));
+        // Out of order, repeated, or without an ordinal: refused.
+        let mut c = covers(true);
+        assert!(take(&mut c, &cover_msg(2, 0), &mut stats).unwrap_err().contains("cover 2"));
+        take(&mut c, &cover_msg(1, 0), &mut stats).unwrap();
+        assert!(take(&mut c, &cover_msg(1, 0), &mut stats).is_err(), "a repeat");
+        let mut no_ordinal = Vec::new();
+        notify::encode(NotifyStatus::Cover, &notify::Cover { key: 7, ranges: vec![(0, 64)] }, b"x", &mut no_ordinal);
+        assert!(take(&mut c, &no_ordinal, &mut stats).unwrap_err().contains("ordinal"));
+        // More than can be in flight: refused, the memory stays bounded.
+        for k in 2..=4 {
+            take(&mut c, &cover_msg(k, 0), &mut stats).unwrap();
+        }
+        let err = take(&mut c, &cover_msg(5, 0), &mut stats).unwrap_err();
+        assert!(err.contains("at most 4"), "{err}");
+        assert_eq!(c.queue.len(), 4);
     }
 }

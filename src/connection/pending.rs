@@ -167,11 +167,16 @@ impl<B: Send + 'static> Pending<B> {
         }
     }
 
-    /// Records a success, running the after-hook first.
+    /// Records a success, making what a write with immediate wrote
+    /// visible and running the after-hook first.
     pub(super) fn succeed(&mut self, c: Completion) {
-        self.stage = match self.after.take().map(|hook| hook()) {
-            Some(Err(e)) => Stage::Failed(Some(Box::new(e))),
-            _ => Stage::Succeeded(c),
+        let visible = match c.opcode {
+            Opcode::RecvWriteWithImm => self.shared.make_imm_visible(),
+            _ => Ok(()),
+        };
+        self.stage = match visible.and_then(|()| self.after.take().map_or(Ok(()), |hook| hook())) {
+            Err(e) => Stage::Failed(Some(Box::new(e))),
+            Ok(()) => Stage::Succeeded(c),
         };
     }
 
@@ -414,9 +419,6 @@ impl<B: Send + 'static> Pending<B> {
     pub(super) fn settle_slow(&mut self, outcome: OpOutcome) -> Result<Completion> {
         match outcome {
             Ok(c) => {
-                if c.opcode == Opcode::RecvWriteWithImm && self.after.is_none() {
-                    self.after = self.shared.imm_visibility();
-                }
                 self.succeed(c);
                 self.report().unwrap_or(Ok(c))
             }

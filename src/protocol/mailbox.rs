@@ -81,7 +81,7 @@ pub(crate) struct Placed {
 }
 
 /// The writing side of one ring (the peer's).
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct RingWriter {
     cap: u64,
     /// Ring bytes written, ever.

@@ -39,6 +39,30 @@ pub(crate) enum NotifyStatus {
     Done,
     /// The transfer failed; the payload is the reason, in UTF-8.
     Failed,
+    /// Not a notification: the cover of one write with immediate (see
+    /// [`CAP_IMM_COVERS`](crate::bootstrap::CAP_IMM_COVERS)), posted just
+    /// before it; the payload is its ordinal among the connection's writes
+    /// with immediate, from 1 ([`COVER_PAYLOAD`] bytes, big-endian).
+    Cover,
+}
+
+/// The payload of a [`NotifyStatus::Cover`] record: the write's ordinal.
+pub(crate) const COVER_PAYLOAD: usize = 8;
+
+/// The message of the cover record for the `ordinal`-th write with
+/// immediate, into `len` bytes at `addr` of the region with `key`.
+#[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+pub(crate) fn encode_cover(ordinal: u64, key: u32, addr: u64, len: u64, out: &mut Vec<u8>) {
+    let cover = Cover { key, ranges: vec![(addr, len)] };
+    encode(NotifyStatus::Cover, &cover, &ordinal.to_be_bytes(), out);
+}
+
+/// The ordinal a decoded cover record carries, if it is one.
+pub(crate) fn cover_ordinal(d: &Decoded<'_>) -> Option<u64> {
+    match (d.status, d.payload) {
+        (NotifyStatus::Cover, &[a, b, c, e, f, g, h, i]) => Some(u64::from_be_bytes([a, b, c, e, f, g, h, i])),
+        _ => None,
+    }
 }
 
 /// What a transfer wrote, as its notification names it: the region's
@@ -110,6 +134,7 @@ pub(crate) fn encode(status: NotifyStatus, cover: &Cover, payload: &[u8], out: &
     out.put_u8(match status {
         NotifyStatus::Done => 0,
         NotifyStatus::Failed => 1,
+        NotifyStatus::Cover => 2,
     });
     out.put_u32(len as u32);
     out.put_u32(cover.key);
@@ -150,6 +175,7 @@ pub(crate) fn decode(mut msg: &[u8]) -> Result<Decoded<'_>, Malformed> {
     let status = match msg.get_u8() {
         0 => NotifyStatus::Done,
         1 => NotifyStatus::Failed,
+        2 => NotifyStatus::Cover,
         other => return Err(Malformed(format!("unknown status {other}"))),
     };
     let len = msg.get_u32() as usize;
@@ -181,7 +207,7 @@ mod tests {
     fn what_is_encoded_decodes_to_the_same() {
         let mut buf = Vec::new();
         for payload in [&b""[..], b"x", &[7u8; MAX_NOTIFY_PAYLOAD]] {
-            for status in [NotifyStatus::Done, NotifyStatus::Failed] {
+            for status in [NotifyStatus::Done, NotifyStatus::Failed, NotifyStatus::Cover] {
                 for c in [Cover::default(), cover()] {
                     encode(status, &c, payload, &mut buf);
                     assert!(buf.len() <= MAX_MESSAGE);
@@ -189,6 +215,19 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_cover_carries_its_ordinal_and_names_one_range() {
+        let mut buf = Vec::new();
+        encode_cover(u64::MAX - 1, 9, 0x7000, 4096, &mut buf);
+        let d = decode(&buf).unwrap();
+        assert_eq!((d.status, cover_ordinal(&d)), (NotifyStatus::Cover, Some(u64::MAX - 1)));
+        assert_eq!(d.cover, Cover { key: 9, ranges: vec![(0x7000, 4096)] });
+        // Its record fits one ring slot of ALIGN bytes.
+        assert!(crate::protocol::mailbox::record_size(buf.len()) <= crate::protocol::mailbox::ALIGN);
+        encode(NotifyStatus::Done, &Cover::default(), &7u64.to_be_bytes(), &mut buf);
+        assert_eq!(cover_ordinal(&decode(&buf).unwrap()), None, "a note is no cover");
     }
 
     #[test]
@@ -222,7 +261,7 @@ mod tests {
                 // Only the status byte turned to the other known value, a
                 // key, or reserved bytes decode.
                 let ok = decode(&m).is_ok();
-                let harmless = (i == 3 && b == 1) || (8..12).contains(&i) || (13..16).contains(&i);
+                let harmless = (i == 3 && (b == 1 || b == 2)) || (8..12).contains(&i) || (13..16).contains(&i);
                 assert_eq!(ok, harmless, "byte {i} = {b}");
             }
         }

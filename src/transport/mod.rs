@@ -13,6 +13,7 @@ use crate::memory::{LocalParts, MemoryDomain, RemoteRegion};
 use crate::ops::{OpId, OpOutcome, Waited};
 use crate::options::{ConnectOptions, ConnectionInfo, TransportPolicy};
 
+pub(crate) mod covers;
 pub(crate) mod engine;
 mod queue;
 pub(crate) mod tcp;
@@ -35,6 +36,10 @@ pub(crate) struct Established {
     /// The peer's notification ring ([`crate::protocol::mailbox`]).
     pub peer_ring: RemoteRegion,
     pub info: ConnectionInfo,
+    /// Covers for writes with immediate (verbs only; see
+    /// [`covers`]): whether this side asked for them, and whether the peer did.
+    pub covers_in: bool,
+    pub covers_out: bool,
 }
 
 /// Which transport a connection uses, and why.
@@ -120,7 +125,7 @@ pub(crate) fn establish(
         _ => None,
     };
     let hello = Hello {
-        caps: 0,
+        caps: if wants_covers(opts) { bootstrap::CAP_IMM_COVERS } else { 0 },
         #[cfg(feature = "verbs")]
         verbs: prepared.as_ref().map(|p| p.endpoint()),
         #[cfg(not(feature = "verbs"))]
@@ -170,12 +175,36 @@ pub(crate) fn establish(
             peer_regions: peer.regions,
             peer_ring,
             info,
+            covers_in: hello.caps & bootstrap::CAP_IMM_COVERS != 0,
+            covers_out: peer.caps & bootstrap::CAP_IMM_COVERS != 0,
         });
     }
     let theirs = peer.tcp.ok_or_else(|| Error::from(BootstrapError::Incompatible("the peer offers no TCP".into())))?;
     let (conn, mut info) = tcp::TcpConn::establish(backend, stream, &theirs, opts, deadline, choice.reason)?;
     info.peer_name = peer.name;
-    Ok(Established { transport: ConnTransport::Tcp(conn), peer_regions: peer.regions, peer_ring, info })
+    // TCP makes the range of a write with immediate visible as it lands.
+    Ok(Established {
+        transport: ConnTransport::Tcp(conn),
+        peer_regions: peer.regions,
+        peer_ring,
+        info,
+        covers_in: false,
+        covers_out: false,
+    })
+}
+
+/// Whether this side asks the peer to cover its writes with immediate
+/// ([`bootstrap::CAP_IMM_COVERS`]): when it may hold GPU memory on the
+/// staged path, that is when a CUDA driver is there (and the options do not
+/// say it never exposes staged GPU memory).
+fn wants_covers(opts: &ConnectOptions) -> bool {
+    #[cfg(feature = "cuda")]
+    return opts.imm_covers && crate::cuda::driver().is_ok();
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = opts;
+        false
+    }
 }
 
 macro_rules! dispatch {
@@ -210,6 +239,46 @@ impl ConnTransport {
     #[inline]
     pub(crate) fn post_send(&self, items: &[WorkItem], due: Deadline) -> Posted {
         dispatch!(self, t => t.post_send(items, due))
+    }
+
+    /// [`post_send`](Self::post_send) of the last piece of a write with
+    /// immediate split into several (the staged path): its cover names
+    /// `whole`, the range of the whole operation.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn post_send_covering(
+        &self,
+        items: &[WorkItem],
+        due: Deadline,
+        whole: crate::remote::RemoteSlice,
+    ) -> Posted {
+        match self {
+            #[cfg(feature = "verbs")]
+            ConnTransport::Verbs(t) => t.post_covered(items, due, Some(whole)),
+            ConnTransport::Tcp(t) => {
+                let _ = whole;
+                t.post_send(items, due)
+            }
+        }
+    }
+
+    /// From now on, writes with immediate are covered by `covers` (verbs:
+    /// the peer asked for it). Set once, before any post.
+    pub(crate) fn cover_writes(&self, covers: Box<dyn covers::ImmCovers>) {
+        match self {
+            #[cfg(feature = "verbs")]
+            ConnTransport::Verbs(t) => t.cover_writes(covers),
+            ConnTransport::Tcp(_) => drop(covers),
+        }
+    }
+
+    /// Writes with immediate this side received, successfully, so far (in
+    /// the order they arrived; verbs: TCP makes each visible as it lands).
+    pub(crate) fn imm_writes_seen(&self) -> u64 {
+        match self {
+            #[cfg(feature = "verbs")]
+            ConnTransport::Verbs(t) => t.imm_writes_seen(),
+            ConnTransport::Tcp(_) => 0,
+        }
     }
 
     /// Posts a send of `local` that may go unsignaled, as

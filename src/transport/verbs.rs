@@ -109,6 +109,12 @@ pub(crate) struct VerbsConn {
     /// Tells a tokio task watching this connection that it is closing.
     #[cfg(feature = "tokio")]
     closing: std::sync::Arc<tokio::sync::Notify>,
+    /// What covers this side's writes with immediate, where the peer asked
+    /// for covers ([`super::covers`]).
+    covers: OnceLock<Box<dyn super::covers::ImmCovers>>,
+    /// Writes with immediate received successfully, in arrival order
+    /// (counted as their completions are polled, under the state's lock).
+    imm_writes: AtomicU64,
 }
 
 const PEER_GRACE: Duration = Duration::from_millis(50);
@@ -275,6 +281,8 @@ impl Prepared {
             bell: OnceLock::new(),
             #[cfg(feature = "tokio")]
             closing: Default::default(),
+            covers: OnceLock::new(),
+            imm_writes: AtomicU64::new(0),
         };
         Ok((conn, info))
     }
@@ -374,6 +382,9 @@ impl VerbsConn {
         let q = &mut st.q;
         let n = self.cq.poll_each(|wc| {
             let raw = raw_completion(&wc);
+            if raw.by_write_imm && wc.status.is_success() {
+                self.imm_writes.fetch_add(1, Ordering::Release);
+            }
             if let Some(id) = want.filter(|_| taken.is_none()) {
                 if let Some(c) = q.complete_taking(&raw, id) {
                     *taken = Some(c);
@@ -1018,9 +1029,9 @@ impl VerbsConn {
     }
 
     pub(crate) fn post_send(&self, items: &[WorkItem], mut due: Deadline) -> Posted {
-        let Some(last) = items.last() else {
-            return Posted::refused(Error::EmptyBatch);
-        };
+        if self.covers.get().is_some() && super::covers::any_imm_write(items) {
+            return self.post_covered(items, due, None);
+        }
         if let [item] = items {
             match self.post_single(item, &mut due, false) {
                 Some(PostedInline::Tracked(posted)) => return posted,
@@ -1029,6 +1040,63 @@ impl VerbsConn {
                 None => {}
             }
         }
+        self.post_chain(items, due, 0)
+    }
+
+    /// Covers this side's writes with immediate from now on (see
+    /// [`super::covers`]). Set once, before the connection is handed out.
+    pub(crate) fn cover_writes(&self, covers: Box<dyn super::covers::ImmCovers>) {
+        if self.covers.set(covers).is_err() {
+            tracing::warn!("a connection's covers were set twice: the first stays");
+        }
+    }
+
+    /// Writes with immediate received successfully so far.
+    pub(crate) fn imm_writes_seen(&self) -> u64 {
+        self.imm_writes.load(Ordering::Acquire)
+    }
+
+    /// Posts `items` with each write with immediate behind its cover record
+    /// (naming `whole`, when given, else its own range), all in one chain,
+    /// made while the covers keep their order. The records' bytes are not
+    /// counted in the operation's.
+    #[cold]
+    #[inline(never)]
+    pub(crate) fn post_covered(
+        &self,
+        items: &[WorkItem],
+        mut due: Deadline,
+        whole: Option<crate::remote::RemoteSlice>,
+    ) -> Posted {
+        let Some(covers) = self.covers.get().filter(|_| super::covers::any_imm_write(items)) else {
+            return self.post_send(items, due);
+        };
+        let mut post = covers.begin();
+        let mut chain = Vec::with_capacity(items.len() + 2);
+        let broken = || self.broken();
+        for item in items {
+            if let RemoteOp::WriteWithImm(range, _) = item.op {
+                if let Err(e) = post.place(whole.unwrap_or(range), &mut due, &broken, &mut chain) {
+                    return Posted::refused(e);
+                }
+            }
+            chain.push(*item);
+        }
+        let records: u64 = chain.iter().filter_map(|i| i.local.map(|l| l.len as u64)).sum::<u64>()
+            - items.iter().filter_map(|i| i.local.map(|l| l.len as u64)).sum::<u64>();
+        let posted = self.post_chain(&chain, due, records);
+        if matches!(posted, Posted::Ok(_) | Posted::Stuck(..)) {
+            post.commit();
+        }
+        posted
+    }
+
+    /// Posts `items` as one chain of requests, signaled at its end; the
+    /// operation moves their bytes less `uncounted` (cover records).
+    fn post_chain(&self, items: &[WorkItem], mut due: Deadline, uncounted: u64) -> Posted {
+        let Some(last) = items.last() else {
+            return Posted::refused(Error::EmptyBatch);
+        };
         let opcode = last.op.opcode();
         let mut st = self.lock();
         // Planned once, outside the wait for room: the plan depends only on
@@ -1046,7 +1114,7 @@ impl VerbsConn {
                 return Posted::refused(e);
             }
         };
-        let id = st.q.start_send(opcode, n, bytes);
+        let id = st.q.start_send(opcode, n, bytes - uncounted);
         let outcome = {
             let count = scratch.len();
             let wrs = scratch.iter().enumerate().map(|(i, &(op, sge, inline))| {

@@ -283,12 +283,15 @@ impl Pipeline {
         let last = off + n >= self.len;
         let op = self.remote_op(off, n, last);
         let parts = self.steps[step].slot.as_ref().map(|s| s.parts(n, self.domain_id));
-        let posted = match self.op {
-            None => t.post_recv(parts),
-            Some(_) => t.post_send(
-                &[WorkItem { local: parts, op }],
-                Deadline::lazy(self.post_timeout, "room in the send queue"),
-            ),
+        let due = Deadline::lazy(self.post_timeout, "room in the send queue");
+        let posted = match (self.op, op) {
+            (None, _) => t.post_recv(parts),
+            // The immediate goes with the last piece: its cover, where the
+            // peer asked for one, names the whole write.
+            (Some(RemoteOp::WriteWithImm(whole, _)), RemoteOp::WriteWithImm(..)) => {
+                t.post_send_covering(&[WorkItem { local: parts, op }], due, whole)
+            }
+            (Some(_), _) => t.post_send(&[WorkItem { local: parts, op }], due),
         };
         match posted {
             Posted::Ok(id) => self.steps[step].state = StepState::Net(id),
