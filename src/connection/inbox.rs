@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use super::notes::{Entry, InboxStats, Note};
 use super::{ConnShared, Connection};
 use crate::error::{Error, Result};
+use crate::transport::engine::{AwaitClock, NotYet};
 
 /// Notifications arriving on one connection, counted by tag; see
 /// [`Connection::inbox`].
@@ -150,13 +151,19 @@ pub struct Looking<F> {
     look: F,
     domain: crate::Domain,
     timeout: Duration,
-    until: Option<Instant>,
+    clock: AwaitClock,
     what: &'static str,
 }
 
 impl<F> Looking<F> {
     pub(crate) fn new(domain: crate::Domain, timeout: Duration, what: &'static str, look: F) -> Self {
-        Looking { look, domain, timeout, until: None, what }
+        Looking { look, domain, timeout, clock: AwaitClock::default(), what }
+    }
+}
+
+impl<F> Drop for Looking<F> {
+    fn drop(&mut self) {
+        self.clock.stop(self.domain.engine());
     }
 }
 
@@ -166,24 +173,28 @@ impl<T, F: FnMut() -> Result<Option<T>> + Unpin> std::future::Future for Looking
     fn poll(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<T>> {
         use std::task::Poll;
         let this = self.get_mut();
-        let now = Instant::now();
-        let until = *this.until.get_or_insert(now + this.timeout);
-        match (this.look)() {
-            Ok(Some(v)) => Poll::Ready(Ok(v)),
-            Err(e) => Poll::Ready(Err(e)),
-            Ok(None) if now >= until => Poll::Ready(Err(Error::Timeout { what: this.what, after: this.timeout })),
+        let engine = this.domain.engine();
+        // The ring is written by the peer: nothing wakes a waiter, so the
+        // engine has it look again soon.
+        let result = match (this.look)() {
             Ok(None) => {
-                let at = (now + crate::transport::engine::LOOK_AGAIN).min(until);
-                this.domain.engine().timer(at, cx.waker().clone());
-                Poll::Pending
+                let why = NotYet::LookAgain(crate::transport::engine::LOOK_AGAIN);
+                match this.clock.not_yet(engine, cx.waker(), why, Some(this.timeout), this.what) {
+                    Ok(()) => return Poll::Pending,
+                    Err(e) => Err(e),
+                }
             }
-        }
+            Ok(Some(v)) => Ok(v),
+            Err(e) => Err(e),
+        };
+        this.clock.stop(engine);
+        Poll::Ready(result)
     }
 }
 
 impl<F> fmt::Debug for Looking<F> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Looking").field("what", &self.what).field("until", &self.until).finish()
+        f.debug_struct("Looking").field("what", &self.what).field("timeout", &self.timeout).finish()
     }
 }
 

@@ -30,7 +30,7 @@ pub struct Pending<B: Send + 'static> {
     /// (flushing remote writes into GPU memory, copying a staged mirror in).
     pub(super) after: Option<Hook>,
     /// While awaited as a future: its deadline and timer.
-    pub(super) awaiting: Option<Box<crate::transport::engine::Awaiting>>,
+    pub(super) clock: crate::transport::engine::AwaitClock,
 }
 
 pub(super) type Hook = Box<dyn FnOnce() -> Result<()> + Send>;
@@ -57,7 +57,7 @@ pub(crate) enum Stage {
 
 impl<B: Send + 'static> Pending<B> {
     pub(super) fn with(shared: &Arc<ConnShared>, buf: B, stage: Stage) -> Self {
-        Pending { shared: Arc::clone(shared), buf: Some(buf), stage, after: None, awaiting: None }
+        Pending { shared: Arc::clone(shared), buf: Some(buf), stage, after: None, clock: Default::default() }
     }
 
     pub(super) fn new(shared: &Arc<ConnShared>, id: OpId, buf: B) -> Self {
@@ -150,9 +150,7 @@ impl<B: Send + 'static> Pending<B> {
     /// `posted` (`PostedInline::Quiet` for an unsignaled send).
     pub(super) fn restart(&mut self, posted: PostedInline) {
         debug_assert!(self.is_done());
-        if let Some(aw) = self.awaiting.take() {
-            aw.disarm(self.shared.domain.engine());
-        }
+        self.clock.stop(self.shared.domain.engine());
         let next = match posted {
             PostedInline::Tracked(Posted::Ok(id)) => Stage::InFlight(id),
             PostedInline::Tracked(Posted::Refused(e)) => Stage::Failed(Some(e)),
@@ -575,9 +573,7 @@ pub(super) fn staged_slice(copying: bool) -> Duration {
 
 impl<B: Send + 'static> Drop for Pending<B> {
     fn drop(&mut self) {
-        if let Some(aw) = self.awaiting.take() {
-            aw.disarm(self.shared.domain.engine());
-        }
+        self.clock.stop(self.shared.domain.engine());
         // Finished, or a quiet send with no flush of its own whose data
         // went inline: nothing is left with the connection.
         match self.stage {

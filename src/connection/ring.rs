@@ -6,7 +6,7 @@ use std::fmt;
 use std::ops::Range;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::{ConnShared, Connection};
 use crate::completion::Completion;
@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 use crate::memory::{HostMemory, LocalBuffer, LocalParts, LocalSlice, Region};
 use crate::ops::{OpId, OpOutcome, WaitError};
 use crate::transport::Posted;
-use crate::transport::engine::Awaiting;
+use crate::transport::engine::{AwaitClock, NotYet};
 
 /// What a ring's wait is for, in its timeout.
 const WHAT: &str = "a message for the receive ring";
@@ -100,7 +100,7 @@ pub struct RecvRing<B: LocalBuffer> {
     /// flight until it is torn down.
     stuck: Vec<OpId>,
     /// While awaited ([`recv`](Self::recv)): its deadline and timer.
-    awaiting: Option<Box<Awaiting>>,
+    clock: AwaitClock,
 }
 
 impl Connection {
@@ -152,7 +152,7 @@ impl<B: LocalBuffer> RecvRing<B> {
             idle: VecDeque::with_capacity(slots),
             refused,
             stuck: Vec::new(),
-            awaiting: None,
+            clock: Default::default(),
         };
         if ring.refused.is_none() {
             ring.idle.extend(0..slots as u32);
@@ -380,15 +380,12 @@ impl<B: LocalBuffer> RecvRing<B> {
                 self.ready(finished)
             }
             Ok(None) => {
-                let timeout = self.shared.op_timeout;
-                let aw = self.awaiting.get_or_insert_with(|| Awaiting::new(timeout));
-                if Instant::now() >= aw.deadline {
+                let timeout = Some(self.shared.op_timeout);
+                match self.clock.not_yet(engine, cx.waker(), NotYet::Told, timeout, WHAT) {
                     // Still posted: the next call waits for it again.
-                    return self.ready(Err(Error::Timeout { what: WHAT, after: timeout }));
+                    Err(e) => Poll::Ready(Err(e)),
+                    Ok(()) => Poll::Pending,
                 }
-                let at = aw.deadline;
-                aw.arm(engine, at, cx.waker());
-                Poll::Pending
             }
             Err(e) => self.ready(Err(e)),
         }
@@ -402,9 +399,7 @@ impl<B: LocalBuffer> RecvRing<B> {
 
     /// Cancels an awaited wait's timer, if one is armed.
     fn disarm(&mut self) {
-        if let Some(aw) = self.awaiting.take() {
-            aw.disarm(self.shared.domain.engine());
-        }
+        self.clock.stop(self.shared.domain.engine());
     }
 
     /// Posts the idle slots again (those whose messages were

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use super::{Pending, Stage};
 use crate::completion::Completion;
 use crate::error::{Error, Result};
-use crate::transport::engine::{Awaiting, EngineHandle, LOOK_AGAIN, LOOK_AGAIN_COPYING, Task};
+use crate::transport::engine::{EngineHandle, LOOK_AGAIN, LOOK_AGAIN_COPYING, NotYet, Task};
 
 impl<B: Send + 'static> Pending<B> {
     /// One look: done, or `waker` is registered for the completion
@@ -53,36 +53,26 @@ impl<B: Send + 'static> Pending<B> {
                 (outcome, false)
             }
         };
+        let engine = self.shared.domain.engine();
         if let Some(result) = outcome {
-            if let Some(aw) = self.awaiting.take() {
-                aw.disarm(self.shared.domain.engine());
-            }
+            self.clock.stop(engine);
             return Poll::Ready(result);
         }
         let told = told || self.await_staged_step(waker);
+        let engine = self.shared.domain.engine();
         // Not told: a staged operation, looked at again soon, sooner while
         // one of the connection's copies is in flight.
-        let again = if copying { LOOK_AGAIN_COPYING } else { LOOK_AGAIN };
-        let timeout = self.shared.op_timeout;
-        let aw = self.awaiting.get_or_insert_with(|| Awaiting::new(timeout));
-        let now = Instant::now();
-        if bounded && now >= aw.deadline {
-            if let Some(aw) = self.awaiting.take() {
-                aw.disarm(self.shared.domain.engine());
-            }
-            // Still in flight: it may be awaited again (with a new deadline).
-            return Poll::Ready(Err(Error::Timeout { what: WHAT, after: timeout }));
-        }
-        let at = match (told, bounded) {
-            (true, true) => Some(aw.deadline),
-            (true, false) => None,
-            (false, true) => Some(aw.deadline.min(now + again)),
-            (false, false) => Some(now + again),
+        let why = match (told, copying) {
+            (true, _) => NotYet::Told,
+            (false, true) => NotYet::LookAgain(LOOK_AGAIN_COPYING),
+            (false, false) => NotYet::LookAgain(LOOK_AGAIN),
         };
-        if let Some(at) = at {
-            aw.arm(self.shared.domain.engine(), at, waker);
+        let bounded = bounded.then_some(self.shared.op_timeout);
+        match self.clock.not_yet(engine, waker, why, bounded, WHAT) {
+            // Still in flight: it may be awaited again (with a new deadline).
+            Err(e) => Poll::Ready(Err(e)),
+            Ok(()) => Poll::Pending,
         }
-        Poll::Pending
     }
 
     /// Whether `waker` is left to completions: this operation's own (a

@@ -293,21 +293,92 @@ fn tokio_watch(conn: &Arc<VerbsConn>, channel: RawFd) {
     });
 }
 
-/// What an awaited operation keeps while it waits: its deadline and the
-/// timer that wakes it then (or sooner, to look again).
-pub(crate) struct Awaiting {
-    pub(crate) deadline: Instant,
+/// What an awaited operation keeps between two looks: its deadline and
+/// the engine's timer that wakes its waiter then, or sooner to look again.
+/// The one place where awaited operations (single operations, lists,
+/// receive rings, notification waits) arm and cancel the engine's timers:
+/// the same deadline rule for each. Empty (one word, no allocation) until
+/// the first look that does not finish.
+#[derive(Default)]
+pub(crate) struct AwaitClock(Option<Box<Awaiting>>);
+
+/// Why a look at an awaited operation did not finish it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum NotYet {
+    /// Its waker is registered where a completion will wake it: the timer
+    /// only bounds the wait.
+    Told,
+    /// Nothing will wake it (a copy in flight, a turn at the gate, a ring
+    /// written by the peer): look again after this long.
+    LookAgain(Duration),
+}
+
+impl AwaitClock {
+    /// A look did not finish the operation, for `why`. With `bounded`,
+    /// [`Error::Timeout`](crate::Error::Timeout) naming `what` once
+    /// `timeout` passed since the first such look (or the last
+    /// [`restart`](Self::restart)): the clock stops and the operation stays
+    /// in flight, to be awaited again. Else `waker` is woken by the
+    /// engine's timer at the deadline, or sooner to look again; unbounded
+    /// and told, by nothing but the completion.
+    pub(crate) fn not_yet(
+        &mut self,
+        engine: &Engine,
+        waker: &Waker,
+        why: NotYet,
+        bounded: Option<Duration>,
+        what: &'static str,
+    ) -> crate::error::Result<()> {
+        let now = Instant::now();
+        let aw = self.0.get_or_insert_with(|| Awaiting::new(now + bounded.unwrap_or_default()));
+        if let Some(timeout) = bounded {
+            if now >= aw.deadline {
+                self.stop(engine);
+                return Err(crate::error::Error::Timeout { what, after: timeout });
+            }
+        }
+        let at = match (why, bounded) {
+            (NotYet::Told, Some(_)) => Some(aw.deadline),
+            (NotYet::Told, None) => None,
+            (NotYet::LookAgain(d), Some(_)) => Some(aw.deadline.min(now + d)),
+            (NotYet::LookAgain(d), None) => Some(now + d),
+        };
+        if let Some(at) = at {
+            aw.arm(engine, at, waker);
+        }
+        Ok(())
+    }
+
+    /// The operation finished, or is no longer awaited: the timer is
+    /// cancelled and the deadline forgotten.
+    #[inline]
+    pub(crate) fn stop(&mut self, engine: &Engine) {
+        if let Some(aw) = self.0.take() {
+            aw.disarm(engine);
+        }
+    }
+
+    /// The operation made progress: its deadline starts again at the next
+    /// look that does not finish it.
+    pub(crate) fn restart(&mut self, engine: &Engine) {
+        self.stop(engine);
+    }
+}
+
+/// An [`AwaitClock`]'s deadline and timer.
+struct Awaiting {
+    deadline: Instant,
     timer: Option<(TimerKey, Waker)>,
 }
 
 impl Awaiting {
-    pub(crate) fn new(timeout: Duration) -> Box<Self> {
-        Box::new(Awaiting { deadline: Instant::now() + timeout, timer: None })
+    fn new(deadline: Instant) -> Box<Self> {
+        Box::new(Awaiting { deadline, timer: None })
     }
 
     /// Has `waker` woken at `at` (replacing the timer if it is for
     /// another time or waker).
-    pub(crate) fn arm(&mut self, engine: &Engine, at: Instant, waker: &Waker) {
+    fn arm(&mut self, engine: &Engine, at: Instant, waker: &Waker) {
         if let Some((key, w)) = &self.timer {
             if key.at() == at && w.will_wake(waker) {
                 return;
@@ -320,7 +391,7 @@ impl Awaiting {
     }
 
     /// Cancels the timer.
-    pub(crate) fn disarm(self, engine: &Engine) {
+    fn disarm(self, engine: &Engine) {
         if let Some((key, _)) = self.timer {
             engine.cancel(key);
         }

@@ -16,7 +16,7 @@ use crate::memory::{LocalBuffer, LocalParts, LocalSlice, RemoteSlice};
 use crate::ops::WaitError;
 use crate::protocol::list::{self, Cursor, ListPlan, Piece};
 use crate::protocol::notify::{self, NotifyStatus};
-use crate::transport::engine::{Awaiting, LOOK_AGAIN};
+use crate::transport::engine::{LOOK_AGAIN, NotYet};
 use crate::transport::{Posted, RemoteOp, WorkItem};
 
 use super::*;
@@ -53,7 +53,7 @@ impl<B: LocalBuffer> List<B> {
             bytes: 0,
             after: None,
             note,
-            awaiting: None,
+            clock: Default::default(),
             driver: None,
             awaiter: None,
             #[cfg(feature = "cuda")]
@@ -546,33 +546,26 @@ impl<B: Send + 'static> List<B> {
             _ => self.awaiter = Some(waker.clone()),
         }
         self.arm();
+        let engine = self.shared.domain.engine();
         if self.settled() {
             self.awaiter = None;
-            if let Some(aw) = self.awaiting.take() {
-                aw.disarm(self.shared.domain.engine());
-            }
+            self.clock.stop(engine);
             return Poll::Ready(self.outcome());
         }
         if !bounded {
             return Poll::Pending;
         }
-        let timeout = self.shared.op_timeout;
         if self.next != posted || self.in_flight.len() != before {
             // Progress: the deadline (no progress for the timeout) starts again.
-            if let Some(aw) = self.awaiting.take() {
-                aw.disarm(self.shared.domain.engine());
-            }
+            self.clock.restart(engine);
         }
-        let aw = self.awaiting.get_or_insert_with(|| Awaiting::new(timeout));
-        if Instant::now() >= aw.deadline {
-            if let Some(aw) = self.awaiting.take() {
-                aw.disarm(self.shared.domain.engine());
-            }
-            return Poll::Ready(Err(Error::Timeout { what: "a transfer list to complete", after: timeout }));
+        // The engine's waker on the oldest post wakes this future whenever
+        // the list moves: the timer only bounds a list that stopped moving.
+        let timeout = Some(self.shared.op_timeout);
+        match self.clock.not_yet(engine, waker, NotYet::Told, timeout, "a transfer list to complete") {
+            Err(e) => Poll::Ready(Err(e)),
+            Ok(()) => Poll::Pending,
         }
-        let at = aw.deadline;
-        aw.arm(self.shared.domain.engine(), at, waker);
-        Poll::Pending
     }
 }
 
@@ -585,9 +578,7 @@ impl<B: Send + 'static> List<B> {
     pub(super) fn let_go(&mut self) {
         self.failed = true;
         self.release_turn();
-        if let Some(aw) = self.awaiting.take() {
-            aw.disarm(self.shared.domain.engine());
-        }
+        self.clock.stop(self.shared.domain.engine());
         let note = self.note.as_mut().and_then(|n| n.region.take());
         #[cfg(feature = "cuda")]
         let copying = self.staged.as_ref().is_some_and(|st| !st.active.is_empty());

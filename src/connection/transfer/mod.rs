@@ -28,7 +28,7 @@ use crate::protocol::list::{Cursor, ListPlan, Piece};
 use crate::protocol::notify;
 use crate::protocol::order::Place;
 use crate::transport::WorkItem;
-use crate::transport::engine::Awaiting;
+use crate::transport::engine::AwaitClock;
 use crate::{HostMemory, Region};
 
 mod drive;
@@ -96,7 +96,7 @@ struct List<B: Send + 'static> {
     /// The notification to send after the last piece.
     note: Option<NoteOut>,
     /// While awaited as a future: its deadline and timer.
-    awaiting: Option<Box<Awaiting>>,
+    clock: AwaitClock,
     /// Wakes the engine's task for this list (registered on the oldest post
     /// in flight, or on a short timer while staged copies run).
     driver: Option<Waker>,
