@@ -6,7 +6,8 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::{ConnShared, Failed};
+use super::Failed;
+use super::shared::ConnShared;
 use crate::completion::{Completion, Opcode};
 use crate::deadline::{Deadline, look_again};
 use crate::error::{Error, Result};

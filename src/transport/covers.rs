@@ -19,7 +19,7 @@ use crate::deadline::Deadline;
 use crate::error::Result;
 use crate::remote::RemoteSlice;
 
-use super::WorkItem;
+use super::queue::WorkItem;
 
 /// What puts cover records in the peer's ring.
 pub(crate) trait ImmCovers: Send + Sync {
@@ -57,5 +57,5 @@ pub(crate) trait CoverPost {
 /// Whether `items` hold a write with immediate.
 #[inline]
 pub(crate) fn any_imm_write(items: &[WorkItem]) -> bool {
-    items.iter().any(|i| matches!(i.op, super::RemoteOp::WriteWithImm(..)))
+    items.iter().any(|i| matches!(i.op, super::queue::RemoteOp::WriteWithImm(..)))
 }
