@@ -328,7 +328,9 @@ impl NoteRings {
     /// queue's depth).
     pub(crate) fn cover_out(&self, domain: &Domain, slots: u32) -> Result<()> {
         let slots = slots.max(1);
-        let buf = domain.alloc(slots as usize * COVER_SLOT)?;
+        let mut buf = domain.alloc(slots as usize * COVER_SLOT)?;
+        // The connection's, not the user's: not in the domain's stats.
+        buf.count_as_internal();
         let mut w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
         w.covers = Some(CoversOut { buf, slots: u64::from(slots), posted: 0, msg: Vec::new() });
         Ok(())

@@ -22,6 +22,7 @@
 pub(crate) mod list;
 pub(crate) mod mailbox;
 pub(crate) mod notify;
+pub(crate) mod op;
 pub(crate) mod order;
 #[cfg(feature = "cuda")]
 mod route;

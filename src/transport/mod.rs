@@ -462,7 +462,6 @@ impl ConnTransport {
     /// Whether `id` is done, else has `waker` woken when it is, as
     /// [`poll_register`](Self::poll_register) does, but leaving the outcome
     /// to whoever owns the operation.
-    #[cfg(feature = "cuda")]
     pub(crate) fn done_or_register(&self, id: OpId, waker: &std::task::Waker, engine: &engine::Engine) -> Result<bool> {
         self.watched_by(engine);
         dispatch!(self, t => t.done_or_register(id, waker))

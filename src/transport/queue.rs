@@ -570,7 +570,6 @@ impl QueueCore {
     /// Whether `id` is done (or not in flight at all), else has `waker`
     /// woken when it is, leaving its outcome to be taken: for a waiter that
     /// does not own the operation (an awaited staged pipeline's network step).
-    #[cfg(feature = "cuda")]
     pub(crate) fn done_or_register(&mut self, id: OpId, waker: &std::task::Waker) -> bool {
         self.is_done(id) || !self.table.register(id, waker)
     }

@@ -13,10 +13,10 @@ use super::{ConnShared, Connection};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::memory::{LocalBuffer, LocalParts, LocalSlice, RemoteSlice};
-use crate::ops::WaitError;
 use crate::protocol::list::{self, Cursor, ListPlan, Piece};
 use crate::protocol::notify::{self, NotifyStatus};
-use crate::transport::engine::{LOOK_AGAIN, NotYet};
+use crate::protocol::op::{self, Bound, Look, Operation, Until};
+use crate::transport::engine::LOOK_AGAIN;
 use crate::transport::{Posted, RemoteOp, WorkItem};
 
 use super::*;
@@ -50,6 +50,7 @@ impl<B: LocalBuffer> List<B> {
             failed: false,
             reported: false,
             done: Transferred::default(),
+            moves: 0,
             bytes: 0,
             after: None,
             note,
@@ -200,6 +201,11 @@ impl<B: Send + 'static> List<B> {
             // The peer has not taken enough of its notes yet: wait for room
             // for up to the operation timeout, looked at again later.
             Posted::Refused(e) if super::super::notes::ring_full(&e) => {
+                if note.ring_wait.is_none() {
+                    // A move: the wait for room is bounded from here, by the
+                    // list itself (failing it, naming the ring).
+                    self.moves += 1;
+                }
                 let since = *note.ring_wait.get_or_insert_with(Instant::now);
                 let timeout = self.shared.op_timeout;
                 if since.elapsed() >= timeout {
@@ -265,6 +271,7 @@ impl<B: Send + 'static> List<B> {
         match self.shared.transport.post_send(&self.items, due) {
             Posted::Ok(id) => {
                 self.in_flight.push_back(id);
+                self.moves += 1;
                 self.done.posts += 1;
                 self.done.requests += self.items.len();
                 self.next = next;
@@ -291,6 +298,8 @@ impl<B: Send + 'static> List<B> {
             return;
         }
         self.failed = true;
+        // A move: what is in flight now only ends.
+        self.moves += 1;
         if let Some(note) = self.note.as_mut().filter(|n| !n.sent) {
             notify::encode(NotifyStatus::Failed, &notify::Cover::default(), e.to_string().as_bytes(), &mut note.msg);
             note.sent = true;
@@ -315,6 +324,7 @@ impl<B: Send + 'static> List<B> {
     /// Records a chain's outcome.
     pub(super) fn record(&mut self, outcome: crate::ops::OpOutcome) {
         let id = self.in_flight.pop_front();
+        self.moves += 1;
         if let Some(note) = self.note.as_mut().filter(|n| n.id.is_some() && n.id == id) {
             if let Some(region) = note.region.take() {
                 let mut pool = self.shared.note_pool.lock().unwrap_or_else(|e| e.into_inner());
@@ -369,92 +379,37 @@ impl<B: Send + 'static> List<B> {
         Ok(Transferred { bytes: self.bytes, ..self.done })
     }
 
-    /// [`Transfer::wait`].
+    /// [`Transfer::wait`]: bounded by the operation timeout without progress.
     pub(super) fn wait(&mut self) -> Result<Transferred> {
-        self.wait_inner(None)
+        let shared = Arc::clone(&self.shared);
+        op::wait(self, &shared.transport, self.bound(None))
     }
 
-    /// [`Transfer::wait_timeout`].
+    /// [`Transfer::wait_timeout`]: and by `timeout` in all.
     pub(super) fn wait_timeout(&mut self, timeout: Duration) -> Result<Transferred> {
-        self.wait_inner(Some(timeout))
+        let shared = Arc::clone(&self.shared);
+        op::wait(self, &shared.transport, self.bound(Some(timeout)))
     }
 
-    pub(super) fn wait_inner(&mut self, total: Option<Duration>) -> Result<Transferred> {
-        let started = Instant::now();
-        loop {
-            let left = match total {
-                Some(t) if started.elapsed() >= t => return Err(Error::Timeout { what: WHAT, after: t }),
-                Some(t) => Some(t - started.elapsed()),
-                None => None,
-            };
-            if let Some(done) = self.wait_step(left)? {
-                return Ok(done);
-            }
-        }
+    fn bound(&self, total: Option<Duration>) -> Bound {
+        Bound { total, idle: self.shared.op_timeout, spin: self.shared.spin, what: WHAT }
     }
 
-    /// Posts what fits, then waits for one post in flight to finish
-    /// (bounded as [`wait_timeout`](Self::wait_timeout) with `total`, or
-    /// the operation timeout): `Some` once all of it is done. For a caller
-    /// that keeps several lists going on one thread.
+    /// Posts what fits, then waits once for what it waits on (bounded as
+    /// [`wait_timeout`](Self::wait_timeout) with `total`): `Some` once all
+    /// of it is done. For a caller that keeps several lists going on one
+    /// thread.
     pub(crate) fn wait_step(&mut self, total: Option<Duration>) -> Result<Option<Transferred>> {
-        let started = total.map(|t| (Instant::now(), t));
-        let mut waited = false;
-        loop {
-            self.pump();
-            self.reap();
-            if self.settled() {
-                return self.outcome().map(Some);
-            }
-            if waited {
-                return Ok(None);
-            }
-            waited = true;
-            let slice = match started {
-                Some((at, t)) => {
-                    let left = t.saturating_sub(at.elapsed());
-                    if left.is_zero() {
-                        return Err(Error::Timeout { what: WHAT, after: t });
-                    }
-                    left.min(self.shared.op_timeout)
-                }
-                None => self.shared.op_timeout,
-            };
-            #[cfg(feature = "cuda")]
-            if self.staged_active() > 0 {
-                match self.nap_staged() {
-                    Err(e @ Error::Timeout { .. }) => return Err(e),
-                    Err(e) => self.fail(e),
-                    Ok(()) => {}
-                }
-                continue;
-            }
-            let Some(&id) = self.in_flight.front() else {
-                // Nothing of ours in flight, and the queue full of other
-                // operations: wait for room, as any post does.
-                let due = Deadline::lazy(slice, "room in the send queue");
-                if !self.plan.done(&self.next) {
-                    self.post_chain(due);
-                } else {
-                    self.post_note(due);
-                }
-                continue;
-            };
-            let mut due = Deadline::lazy(slice, WHAT);
-            match self.shared.transport.wait_take(id, &mut due) {
-                Ok(c) => self.record(Ok(c)),
-                Err(WaitError::Failed(e)) => self.record(Err(e)),
-                Err(WaitError::Unfinished(e)) if matches!(*e, Error::Timeout { .. }) => return Err(*e),
-                Err(WaitError::Unfinished(e)) => self.fail(*e),
-            }
-        }
+        let shared = Arc::clone(&self.shared);
+        op::wait_once(self, &shared.transport, self.bound(total))
     }
 
     /// [`Transfer::poll`].
     pub(super) fn poll(&mut self) -> Result<Option<Transferred>> {
-        self.pump();
-        self.reap();
-        if self.settled() { self.outcome().map(Some) } else { Ok(None) }
+        match self.step(None) {
+            Look::Done(outcome) => outcome.map(Some),
+            Look::Wait(_) => Ok(None),
+        }
     }
 
     /// The buffer of a settled list.
@@ -528,44 +483,65 @@ impl<B: Send + 'static> List<B> {
 }
 
 impl<B: Send + 'static> List<B> {
-    /// One look: posts what fits, takes what finished; when not done,
-    /// `waker` is registered on the oldest post in flight and a timer armed
-    /// at the deadline (the operation timeout without progress).
-    /// One look for a waiter with `waker`; if `bounded`, a timer is armed at
-    /// the operation timeout without progress, past which it is ready with
-    /// [`Error::Timeout`] (still in flight).
+    /// One look for a waiter with `waker` (see [`op::poll`]); if
+    /// `bounded`, ready with [`Error::Timeout`] once the operation timeout
+    /// passed without progress (still in flight).
     pub(super) fn poll_waker(&mut self, waker: &Waker, bounded: bool) -> Poll<Result<Transferred>> {
-        let posted = self.next;
-        let before = self.in_flight.len();
+        let shared = Arc::clone(&self.shared);
+        let mut clock = std::mem::take(&mut self.clock);
+        let bound = bounded.then_some(shared.op_timeout);
+        let engine = shared.domain.engine();
+        let polled = op::poll(self, &shared.transport, engine, &mut clock, waker, bound, "a transfer list to complete");
+        self.clock = clock;
+        polled
+    }
+}
+
+impl<B: Send + 'static> Operation for List<B> {
+    type Output = Transferred;
+
+    /// Posts what fits and takes what finished. Awaited, the engine's
+    /// waker goes on the oldest post and the awaiting future is woken
+    /// whenever the engine moved the list; waited on, the wait sleeps on
+    /// the oldest post, or looks again soon while staged pieces copy.
+    fn step(&mut self, waker: Option<&Waker>) -> Look<Transferred> {
         self.pump();
         self.reap();
-        // The engine's waker goes on the oldest post; this future is woken
-        // by the engine whenever it moved the list.
-        match &self.awaiter {
-            Some(w) if w.will_wake(waker) => {}
-            _ => self.awaiter = Some(waker.clone()),
+        if let Some(w) = waker {
+            match &self.awaiter {
+                Some(a) if a.will_wake(w) => {}
+                _ => self.awaiter = Some(w.clone()),
+            }
+            self.arm();
         }
-        self.arm();
-        let engine = self.shared.domain.engine();
         if self.settled() {
             self.awaiter = None;
-            self.clock.stop(engine);
-            return Poll::Ready(self.outcome());
+            return Look::Done(self.outcome());
         }
-        if !bounded {
-            return Poll::Pending;
+        if waker.is_some() {
+            return Look::Wait(Until::Woken);
         }
-        if self.next != posted || self.in_flight.len() != before {
-            // Progress: the deadline (no progress for the timeout) starts again.
-            self.clock.restart(engine);
+        #[cfg(feature = "cuda")]
+        if let Some(st) = self.staged.as_ref().filter(|st| !st.active.is_empty()) {
+            if st.progress.elapsed() > self.shared.op_timeout {
+                return Look::Done(Err(Error::Timeout { what: WHAT, after: self.shared.op_timeout }));
+            }
+            let copying = st.active.iter().any(crate::protocol::staged::ListPiece::copying);
+            return Look::Wait(match st.active.iter().find_map(crate::protocol::staged::ListPiece::waiting_on) {
+                Some(id) => Until::Request { id, briefly: Some(copying) },
+                None => Until::Soon { copying },
+            });
         }
-        // The engine's waker on the oldest post wakes this future whenever
-        // the list moves: the timer only bounds a list that stopped moving.
-        let timeout = Some(self.shared.op_timeout);
-        match self.clock.not_yet(engine, waker, NotYet::Told, timeout, "a transfer list to complete") {
-            Err(e) => Poll::Ready(Err(e)),
-            Ok(()) => Poll::Pending,
+        match self.in_flight.front() {
+            Some(&id) => Look::Wait(Until::Request { id, briefly: None }),
+            // Nothing of ours in flight, and the queue full of other
+            // operations: looked at again for room.
+            None => Look::Wait(Until::Soon { copying: false }),
         }
+    }
+
+    fn moved(&self) -> u64 {
+        self.moves
     }
 }
 

@@ -90,6 +90,9 @@ struct List<B: Send + 'static> {
     /// The error was handed out.
     reported: bool,
     done: Transferred,
+    /// Grows with every post and completion (and staged piece started or
+    /// finished): how far it moved ([`Operation::moved`](crate::protocol::op::Operation::moved)).
+    moves: u64,
     bytes: u64,
     /// Runs once everything succeeded (a GPU read's flush).
     after: Option<Box<dyn FnOnce() -> Result<()> + Send>>,

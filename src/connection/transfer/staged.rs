@@ -83,6 +83,7 @@ impl<B: Send + 'static> List<B> {
                 }
                 st.active.swap_remove(i);
                 st.progress = Instant::now();
+                self.moves += 1;
                 continue;
             }
             i += 1;
@@ -144,6 +145,7 @@ impl<B: Send + 'static> List<B> {
                 self.done.posts += 1;
                 self.done.requests += count;
                 st.progress = Instant::now();
+                self.moves += 1;
                 continue;
             }
             self.next = peek;
@@ -177,6 +179,7 @@ impl<B: Send + 'static> List<B> {
             self.done.posts += 1;
             self.done.requests += 1;
             st.progress = Instant::now();
+            self.moves += 1;
         }
         let idle = st.active.is_empty();
         self.staged = Some(st);
@@ -189,37 +192,5 @@ impl<B: Send + 'static> List<B> {
             self.post_note(Deadline::immediate("room in the send queue"));
         }
         self.release_turn_if_done();
-    }
-
-    /// Waits a moment for staged pieces: on a network step of one of them,
-    /// else briefly (a copy finishes by itself:
-    /// [`look_again`](crate::deadline::look_again)). [`Error::Timeout`] after the
-    /// operation timeout without a piece starting or finishing.
-    #[cfg(feature = "cuda")]
-    pub(super) fn nap_staged(&mut self) -> Result<()> {
-        let Some(st) = self.staged.as_ref() else { return Ok(()) };
-        if st.progress.elapsed() > self.shared.op_timeout {
-            return Err(Error::Timeout { what: WHAT, after: self.shared.op_timeout });
-        }
-        let copying = st.active.iter().any(crate::protocol::staged::ListPiece::copying);
-        if copying && st.progress.elapsed() < self.shared.spin {
-            // Within the spin window after a piece last started or finished:
-            // the caller looks at the copies and the network again at once.
-            crate::deadline::look_again(true);
-            return Ok(());
-        }
-        match st.active.iter().find_map(crate::protocol::staged::ListPiece::waiting_on) {
-            Some(id) => {
-                let slice = super::super::pending::staged_slice(copying);
-                match self.shared.transport.wait(id, &mut Deadline::lazy(slice, WHAT)) {
-                    Ok(()) | Err(Error::Timeout { .. }) => Ok(()),
-                    Err(e) => Err(e),
-                }
-            }
-            None => {
-                crate::deadline::look_again(false);
-                Ok(())
-            }
-        }
     }
 }

@@ -51,6 +51,12 @@ fn release<M>(reg: Registration, mem: M) {
 }
 
 impl<M: Memory> Region<M> {
+    /// The library's own region (a connection's cover slots): counted as
+    /// internal, not in the domain's user-facing stats.
+    pub(crate) fn count_as_internal(&mut self) {
+        self._live.recount(crate::memory::Counter::Internal);
+    }
+
     pub(crate) fn from_parts(
         reg: Registration,
         mem: M,

@@ -288,7 +288,6 @@ impl TcpConn {
     }
 
     /// [`QueueCore::done_or_register`](super::queue::QueueCore::done_or_register).
-    #[cfg(feature = "cuda")]
     pub(crate) fn done_or_register(&self, id: OpId, waker: &std::task::Waker) -> Result<bool> {
         Ok(self.inner.lock().q.done_or_register(id, waker))
     }

@@ -278,7 +278,6 @@ impl VerbsConn {
 
     /// [`QueueCore::done_or_register`](super::queue::QueueCore::done_or_register),
     /// after reaping what the completion queue holds.
-    #[cfg(feature = "cuda")]
     pub(crate) fn done_or_register(&self, id: OpId, waker: &std::task::Waker) -> Result<bool> {
         let mut st = self.lock();
         if st.q.is_done(id) {

@@ -1,0 +1,267 @@
+//! The one driver of an operation in flight. An [`Operation`] moves itself
+//! along without blocking and says what would wake a waiter ([`Until`]);
+//! [`wait`] blocks on that, with one spin and nap policy, and [`poll`]
+//! registers an awaiting waker for it (a completion through the engine, or
+//! the engine's timer through an [`AwaitClock`]). Transfer lists, single
+//! operations on their slow paths (kept at the gate, staged, or behind
+//! staged ones), receive rings' awaits and notification waits are handles
+//! over it: each says how it moves, none how it waits.
+
+#![forbid(unsafe_code)]
+
+use std::task::{Poll, Waker};
+use std::time::{Duration, Instant};
+
+use crate::deadline::{Deadline, look_again};
+use crate::error::{Error, Result};
+use crate::ops::OpId;
+use crate::transport::ConnTransport;
+use crate::transport::engine::{AwaitClock, Engine, LOOK_AGAIN, LOOK_AGAIN_COPYING, NotYet};
+
+/// What one look at an operation found.
+#[derive(Debug)]
+pub(crate) enum Look<T> {
+    /// It ended: its outcome.
+    Done(Result<T>),
+    /// Not yet; what would wake a waiter.
+    Wait(Until),
+}
+
+/// What wakes the waiter of an operation that has not ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Until {
+    /// A request of the connection's transport finishing. With `briefly`
+    /// (a copy in flight, `Some(true)`, or other work of the connection to
+    /// move, `Some(false)`), a blocking waiter sleeps on it only a slice
+    /// ([`staged_slice`]) before it looks again.
+    Request { id: OpId, briefly: Option<bool> },
+    /// Nothing that wakes anyone: a copy between the GPU and staging in
+    /// flight (`copying`), a turn at the gate, a ring the peer writes, room
+    /// in a queue. Looked at again soon.
+    Soon { copying: bool },
+    /// The operation has the awaiting waker woken itself (the engine
+    /// drives it); a blocking waiter looks again in a moment.
+    Woken,
+}
+
+/// An operation in flight, as the driver sees it.
+pub(crate) trait Operation {
+    type Output;
+
+    /// Moves the operation along without blocking (posts what fits, takes
+    /// outcomes, advances copies) and looks at it once. `waker` is an
+    /// awaited look's, which the operation may register itself
+    /// ([`Until::Woken`]).
+    fn step(&mut self, waker: Option<&Waker>) -> Look<Self::Output>;
+
+    /// How far it has moved: a count that grows whenever it makes
+    /// progress. A wait bounded by time without progress counts from the
+    /// last change.
+    fn moved(&self) -> u64 {
+        0
+    }
+}
+
+/// How long a blocking wait waits: in all (`total`), and without progress
+/// (`idle`: the connection's operation timeout); within `spin` of the
+/// last progress it looks again at once while a copy is in flight.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Bound {
+    pub total: Option<Duration>,
+    pub idle: Duration,
+    pub spin: Duration,
+    pub what: &'static str,
+}
+
+/// How long a wait sleeps on the network before it looks at the work that
+/// wakes nobody again: briefly while a copy is in flight (no completion
+/// will wake it when the copy ends), else up to a millisecond.
+pub(crate) fn staged_slice(copying: bool) -> Duration {
+    if copying { Duration::from_micros(20) } else { Duration::from_millis(1) }
+}
+
+/// What a blocking wait sleeps on: a request finishing.
+pub(crate) trait SleepOn {
+    /// Sleeps until request `id` finished or `due` passed.
+    fn sleep_on(&self, id: OpId, due: &mut Deadline) -> Result<()>;
+}
+
+impl SleepOn for ConnTransport {
+    fn sleep_on(&self, id: OpId, due: &mut Deadline) -> Result<()> {
+        self.wait(id, due)
+    }
+}
+
+/// Waits for `op`, sleeping on `transport`'s requests, within `bound`.
+///
+/// # Errors
+/// The operation's; [`Error::Timeout`] naming `bound.what` once the bound
+/// passed (the operation is still in flight, and may be waited for again).
+pub(crate) fn wait<O: Operation>(op: &mut O, transport: &impl SleepOn, bound: Bound) -> Result<O::Output> {
+    let start = Instant::now();
+    let mut last = (op.moved(), start);
+    loop {
+        let until = match op.step(None) {
+            Look::Done(outcome) => return outcome,
+            Look::Wait(until) => until,
+        };
+        let now = Instant::now();
+        let moved = op.moved();
+        if moved != last.0 {
+            last = (moved, now);
+        }
+        let idle_end = last.1 + bound.idle;
+        let deadline = bound.total.map_or(idle_end, |t| idle_end.min(start + t));
+        if now >= deadline {
+            let after = match bound.total {
+                Some(t) if start + t <= idle_end => t,
+                _ => bound.idle,
+            };
+            return Err(Error::Timeout { what: bound.what, after });
+        }
+        let spinning = now - last.1 < bound.spin;
+        match until {
+            Until::Request { briefly: Some(true), .. } | Until::Soon { copying: true } if spinning => {
+                look_again(true);
+            }
+            Until::Request { id, briefly } => {
+                let slice = briefly.map_or(deadline - now, |copying| staged_slice(copying).min(deadline - now));
+                match transport.sleep_on(id, &mut Deadline::lazy(slice, bound.what)) {
+                    // Done, or a slice over: the next look takes it.
+                    Ok(()) | Err(Error::Timeout { .. }) => {}
+                    // Failed or lost: the next look reports it; never a busy loop.
+                    Err(_) => look_again(false),
+                }
+            }
+            Until::Soon { .. } | Until::Woken => look_again(false),
+        }
+    }
+}
+
+/// One step of a wait, for a caller that keeps several operations going on
+/// one thread: a look, and if `op` has not ended, one sleep on what it waits
+/// for (a request at most until `bound`'s end) and a second look. `Some`
+/// once it ended.
+///
+/// # Errors
+/// As [`wait`].
+pub(crate) fn wait_once<O: Operation>(op: &mut O, transport: &impl SleepOn, bound: Bound) -> Result<Option<O::Output>> {
+    let until = match op.step(None) {
+        Look::Done(outcome) => return outcome.map(Some),
+        Look::Wait(until) => until,
+    };
+    let limit = bound.total.map_or(bound.idle, |t| t.min(bound.idle));
+    match until {
+        Until::Request { id, briefly } => {
+            let slice = briefly.map_or(limit, staged_slice);
+            match transport.sleep_on(id, &mut Deadline::lazy(slice, bound.what)) {
+                Err(Error::Timeout { .. }) if briefly.is_none() => {
+                    return Err(Error::Timeout { what: bound.what, after: limit });
+                }
+                Ok(()) | Err(_) => {}
+            }
+        }
+        Until::Soon { copying } => look_again(copying),
+        Until::Woken => look_again(false),
+    }
+    match op.step(None) {
+        Look::Done(outcome) => outcome.map(Some),
+        Look::Wait(_) => Ok(None),
+    }
+}
+
+/// One awaited look at `op`: its outcome, or `waker` registered where it
+/// will be woken, with `clock` bounding the await by `bound` without
+/// progress (none: unbounded).
+///
+/// # Errors
+/// As [`wait`], the timeout through `clock`.
+pub(crate) fn poll<O: Operation>(
+    op: &mut O,
+    transport: &ConnTransport,
+    engine: &Engine,
+    clock: &mut AwaitClock,
+    waker: &Waker,
+    bound: Option<Duration>,
+    what: &'static str,
+) -> Poll<Result<O::Output>> {
+    let before = op.moved();
+    let why = match op.step(Some(waker)) {
+        Look::Done(outcome) => {
+            clock.stop(engine);
+            return Poll::Ready(outcome);
+        }
+        Look::Wait(Until::Request { id, briefly }) => match transport.done_or_register(id, waker, engine) {
+            Ok(false) if briefly.is_none() => NotYet::Told,
+            Ok(false) => NotYet::LookAgain(if briefly == Some(true) { LOOK_AGAIN_COPYING } else { LOOK_AGAIN }),
+            // Finished meanwhile, or failed: looked at again at once.
+            Ok(true) | Err(_) => {
+                waker.wake_by_ref();
+                NotYet::Told
+            }
+        },
+        Look::Wait(Until::Soon { copying }) => NotYet::LookAgain(if copying { LOOK_AGAIN_COPYING } else { LOOK_AGAIN }),
+        Look::Wait(Until::Woken) => NotYet::Told,
+    };
+    if op.moved() != before {
+        clock.restart(engine);
+    }
+    match clock.not_yet(engine, waker, why, bound, what) {
+        Err(e) => Poll::Ready(Err(e)),
+        Ok(()) => Poll::Pending,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An operation that ends after `left` looks, moving every `every`-th.
+    struct Counting {
+        left: u32,
+        looks: u64,
+        every: u64,
+    }
+
+    impl Operation for Counting {
+        type Output = u64;
+        fn step(&mut self, _: Option<&Waker>) -> Look<u64> {
+            self.looks += 1;
+            if self.left == 0 {
+                return Look::Done(Ok(self.looks));
+            }
+            self.left -= 1;
+            Look::Wait(Until::Soon { copying: false })
+        }
+        fn moved(&self) -> u64 {
+            self.looks / self.every
+        }
+    }
+
+    /// No transport: these operations wait on no request.
+    struct NoRequests;
+
+    impl SleepOn for NoRequests {
+        fn sleep_on(&self, _: OpId, _: &mut Deadline) -> Result<()> {
+            unreachable!("no request was named")
+        }
+    }
+
+    #[test]
+    fn a_wait_ends_with_the_outcome_or_at_its_bound_counting_from_the_last_progress() {
+        let t = NoRequests;
+        let bound = |total, idle| Bound { total, idle, spin: Duration::ZERO, what: "x" };
+        let mut op = Counting { left: 5, looks: 0, every: 1 };
+        assert_eq!(wait(&mut op, &t, bound(None, Duration::from_secs(5))).unwrap(), 6);
+        // No progress: the idle bound ends it.
+        let mut stuck = Counting { left: u32::MAX, looks: 0, every: u64::MAX };
+        let t0 = Instant::now();
+        let e = wait(&mut stuck, &t, bound(None, Duration::from_millis(30))).unwrap_err();
+        assert!(matches!(e, Error::Timeout { after, .. } if after == Duration::from_millis(30)), "{e}");
+        assert!(t0.elapsed() >= Duration::from_millis(30));
+        // Progress on every look: only the total ends it.
+        let mut busy = Counting { left: u32::MAX, looks: 0, every: 1 };
+        let e = wait(&mut busy, &t, bound(Some(Duration::from_millis(40)), Duration::from_millis(10))).unwrap_err();
+        assert!(matches!(e, Error::Timeout { after, .. } if after == Duration::from_millis(40)), "{e}");
+    }
+}
