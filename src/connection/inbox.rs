@@ -7,12 +7,13 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::notes::{Entry, InboxStats, Note};
 use super::{ConnShared, Connection};
 use crate::error::{Error, Result};
-use crate::transport::engine::{AwaitClock, NotYet};
+use crate::protocol::op;
+use crate::transport::engine::AwaitClock;
 
 /// Notifications arriving on one connection, counted by tag; see
 /// [`Connection::inbox`].
@@ -93,18 +94,9 @@ impl Inbox {
     /// # Errors
     /// As [`wait`](Self::wait).
     pub fn wait_timeout(&mut self, tag: u32, n: usize, timeout: Duration) -> Result<Vec<Note>> {
-        let start = Instant::now();
-        let until = start + timeout;
-        loop {
-            if let Some(notes) = self.try_take(tag, n)? {
-                return Ok(notes);
-            }
-            let now = Instant::now();
-            if now >= until {
-                return Err(Error::Timeout { what: "notifications", after: timeout });
-            }
-            crate::deadline::look_again(now - start < self.shared.spin);
-        }
+        let spin = self.shared.spin;
+        let bound = op::Bound { total: Some(timeout), idle: timeout, spin, what: "notifications" };
+        op::wait(&mut Take(|| self.try_take(tag, n)), &op::NoRequests, bound)
     }
 
     /// [`wait`](Self::wait) as a future: it never blocks the thread; the
@@ -171,24 +163,29 @@ impl<T, F: FnMut() -> Result<Option<T>> + Unpin> std::future::Future for Looking
     type Output = Result<T>;
 
     fn poll(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<T>> {
-        use std::task::Poll;
         let this = self.get_mut();
         let engine = this.domain.engine();
-        // The ring is written by the peer: nothing wakes a waiter, so the
-        // engine has it look again soon.
-        let result = match (this.look)() {
-            Ok(None) => {
-                let why = NotYet::LookAgain(crate::transport::engine::LOOK_AGAIN);
-                match this.clock.not_yet(engine, cx.waker(), why, Some(this.timeout), this.what) {
-                    Ok(()) => return Poll::Pending,
-                    Err(e) => Err(e),
-                }
-            }
-            Ok(Some(v)) => Ok(v),
-            Err(e) => Err(e),
-        };
-        this.clock.stop(engine);
-        Poll::Ready(result)
+        let bound = Some(this.timeout);
+        op::poll(&mut Take(&mut this.look), &op::NoRequests, engine, &mut this.clock, cx.waker(), bound, this.what)
+    }
+}
+
+/// A look at something written by the peer, which wakes nobody: taken
+/// when `look` finds it, else looked at again soon (at once within the
+/// spin window of a blocking wait).
+struct Take<F>(F);
+
+impl<T, F: FnMut() -> Result<Option<T>>> op::Operation for Take<F> {
+    type Output = T;
+
+    fn step(&mut self, waker: Option<&std::task::Waker>) -> op::Look<T> {
+        match (self.0)() {
+            Ok(Some(v)) => op::Look::Done(Ok(v)),
+            Err(e) => op::Look::Done(Err(e)),
+            // Awaited: every 200 us on the engine's timer; waited on: at
+            // once within the spin window.
+            Ok(None) => op::Look::Wait(op::Until::Soon { copying: waker.is_none() }),
+        }
     }
 }
 

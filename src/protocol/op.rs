@@ -36,8 +36,10 @@ pub(crate) enum Until {
     /// ([`staged_slice`]) before it looks again.
     Request { id: OpId, briefly: Option<bool> },
     /// Nothing that wakes anyone: a copy between the GPU and staging in
-    /// flight (`copying`), a turn at the gate, a ring the peer writes, room
-    /// in a queue. Looked at again soon.
+    /// flight, a turn at the gate, a ring the peer writes, room in a queue.
+    /// Looked at again soon; with `copying` (a copy about to end, a ring
+    /// about to be written) at once within the spin window of a blocking
+    /// wait, and sooner by an awaited one.
     Soon { copying: bool },
     /// The operation has the awaiting waker woken itself (the engine
     /// drives it); a blocking waiter looks again in a moment.
@@ -80,15 +82,36 @@ pub(crate) fn staged_slice(copying: bool) -> Duration {
     if copying { Duration::from_micros(20) } else { Duration::from_millis(1) }
 }
 
-/// What a blocking wait sleeps on: a request finishing.
-pub(crate) trait SleepOn {
+/// Where the requests an operation waits on are: a blocking wait sleeps on
+/// one, an awaited look registers its waker on one.
+pub(crate) trait Requests {
     /// Sleeps until request `id` finished or `due` passed.
     fn sleep_on(&self, id: OpId, due: &mut Deadline) -> Result<()>;
+    /// Whether request `id` finished; else `waker` is woken when it does.
+    fn done_or_register(&self, id: OpId, waker: &Waker, engine: &Engine) -> Result<bool>;
 }
 
-impl SleepOn for ConnTransport {
+impl Requests for ConnTransport {
     fn sleep_on(&self, id: OpId, due: &mut Deadline) -> Result<()> {
         self.wait(id, due)
+    }
+
+    fn done_or_register(&self, id: OpId, waker: &Waker, engine: &Engine) -> Result<bool> {
+        ConnTransport::done_or_register(self, id, waker, engine)
+    }
+}
+
+/// For operations that never wait on a request of their own (a ring the
+/// peer writes, a transfer the engine drives).
+pub(crate) struct NoRequests;
+
+impl Requests for NoRequests {
+    fn sleep_on(&self, _: OpId, _: &mut Deadline) -> Result<()> {
+        Err(Error::InvalidArgument("an operation without requests named one".into()))
+    }
+
+    fn done_or_register(&self, _: OpId, _: &Waker, _: &Engine) -> Result<bool> {
+        Err(Error::InvalidArgument("an operation without requests named one".into()))
     }
 }
 
@@ -97,7 +120,7 @@ impl SleepOn for ConnTransport {
 /// # Errors
 /// The operation's; [`Error::Timeout`] naming `bound.what` once the bound
 /// passed (the operation is still in flight, and may be waited for again).
-pub(crate) fn wait<O: Operation>(op: &mut O, transport: &impl SleepOn, bound: Bound) -> Result<O::Output> {
+pub(crate) fn wait<O: Operation>(op: &mut O, transport: &impl Requests, bound: Bound) -> Result<O::Output> {
     let start = Instant::now();
     let mut last = (op.moved(), start);
     loop {
@@ -145,7 +168,7 @@ pub(crate) fn wait<O: Operation>(op: &mut O, transport: &impl SleepOn, bound: Bo
 ///
 /// # Errors
 /// As [`wait`].
-pub(crate) fn wait_once<O: Operation>(op: &mut O, transport: &impl SleepOn, bound: Bound) -> Result<Option<O::Output>> {
+pub(crate) fn wait_once<O: Operation>(op: &mut O, transport: &impl Requests, bound: Bound) -> Result<Option<O::Output>> {
     let until = match op.step(None) {
         Look::Done(outcome) => return outcome.map(Some),
         Look::Wait(until) => until,
@@ -178,7 +201,7 @@ pub(crate) fn wait_once<O: Operation>(op: &mut O, transport: &impl SleepOn, boun
 /// As [`wait`], the timeout through `clock`.
 pub(crate) fn poll<O: Operation>(
     op: &mut O,
-    transport: &ConnTransport,
+    transport: &impl Requests,
     engine: &Engine,
     clock: &mut AwaitClock,
     waker: &Waker,
@@ -235,15 +258,6 @@ mod tests {
         }
         fn moved(&self) -> u64 {
             self.looks / self.every
-        }
-    }
-
-    /// No transport: these operations wait on no request.
-    struct NoRequests;
-
-    impl SleepOn for NoRequests {
-        fn sleep_on(&self, _: OpId, _: &mut Deadline) -> Result<()> {
-            unreachable!("no request was named")
         }
     }
 
