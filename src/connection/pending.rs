@@ -4,16 +4,18 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::Failed;
 use super::shared::ConnShared;
 use crate::completion::{Completion, Opcode};
-use crate::deadline::{Deadline, look_again};
+use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::ops::{OpId, OpOutcome, WaitError, Waited};
+use crate::protocol::op::{self, Bound, Look, Operation, Until};
 use crate::protocol::order::Deferred;
 use crate::transport::{Posted, PostedInline, QuietSend};
+use std::task::Waker;
 
 /// An operation in flight. Holds its buffer until the device is done.
 ///
@@ -325,7 +327,12 @@ impl<B: Send + 'static> Pending<B> {
         }
         if let Some(id) = flush {
             if staged {
-                self.wait_moving_staged(id, &mut due, timeout)?;
+                // Staged operations move only while waiting on a request of one's own.
+                let shared = Arc::clone(&self.shared);
+                let left = due.remaining().unwrap_or_default();
+                let bound = Bound { total: Some(left), idle: left, spin: shared.spin, what: WHAT };
+                op::wait(&mut MovingStaged { pending: &*self, id }, &shared.transport, bound)
+                    .map_err(|e| Self::overall(e, timeout))?;
             } else {
                 self.shared.transport.wait(id, &mut due)?;
             }
@@ -337,49 +344,21 @@ impl<B: Send + 'static> Pending<B> {
         self.settle_waited(waited)
     }
 
-    /// [`wait_timeout`](Self::wait_timeout) for a staged operation, one
-    /// posted while staged ones are in progress, or one already finished.
+    /// [`wait_timeout`](Self::wait_timeout) for an operation kept at the
+    /// gate, a staged one, one posted while staged ones are in progress, or
+    /// one already finished: the operation driver's wait.
     #[inline(never)]
     pub(super) fn wait_slow(&mut self, timeout: Duration) -> Result<Completion> {
-        let mut due = Deadline::lazy(timeout, WHAT);
-        if let Stage::Deferred(_) = self.stage {
-            self.wait_turn(&mut due, timeout)?;
-        }
-        if let Stage::InFlight(id) = self.stage {
-            self.wait_moving_staged(id, &mut due, timeout)?;
-        }
-        #[cfg(feature = "cuda")]
-        let spin_until = Instant::now() + self.shared.spin;
-        #[cfg(feature = "cuda")]
-        while let Stage::Staged(p) = &self.stage {
-            let (waiting_on, copying) = {
-                let p = p.lock().unwrap_or_else(|e| e.into_inner());
-                (p.waiting_on(), p.copying())
-            };
-            let copying = self.progress_staged() | copying;
-            self.collect();
-            if !matches!(self.stage, Stage::Staged(_)) {
-                break;
-            }
-            // Sleep on the network step, briefly: copies finish meanwhile too.
-            self.nap(waiting_on, &mut due, timeout, copying, spin_until)?;
-        }
-        self.report().unwrap_or(Err(Error::Timeout { what: WHAT, after: timeout }))
+        let shared = Arc::clone(&self.shared);
+        let bound = Bound { total: Some(timeout), idle: timeout, spin: shared.spin, what: WHAT };
+        op::wait(self, &shared.transport, bound)
     }
 
-    /// Waits for a kept post's turn, moving what holds the gate along.
-    pub(super) fn wait_turn(&mut self, due: &mut Deadline, timeout: Duration) -> Result<()> {
-        let spin_until = Instant::now() + self.shared.spin;
-        loop {
-            let copying = self.move_deferred();
-            if !matches!(self.stage, Stage::Deferred(_)) {
-                return Ok(());
-            }
-            let now = Instant::now();
-            if now >= due.at_from(now) {
-                return Err(Error::Timeout { what: WHAT, after: timeout });
-            }
-            look_again(copying && now < spin_until);
+    /// A wait's timeout, named for the whole wait (`timeout`).
+    fn overall(e: Error, timeout: Duration) -> Error {
+        match e {
+            Error::Timeout { .. } => Error::Timeout { what: WHAT, after: timeout },
+            e => e,
         }
     }
 
@@ -425,52 +404,6 @@ impl<B: Send + 'static> Pending<B> {
                 self.stage = Stage::Failed(None);
                 Err(*e)
             }
-        }
-    }
-
-    /// Waits for a posted request in short slices, moving the connection's
-    /// staged operations along in between.
-    pub(super) fn wait_moving_staged(&self, id: OpId, due: &mut Deadline, timeout: Duration) -> Result<()> {
-        let spin_until = Instant::now() + self.shared.spin;
-        loop {
-            let copying = self.progress_staged();
-            if self.shared.transport.poll(id)? || self.nap(Some(id), due, timeout, copying, spin_until)? {
-                return Ok(());
-            }
-        }
-    }
-
-    /// One short sleep of a wait that also moves staged operations: none
-    /// while a copy is in flight before `spin_until` ([`look_again`](crate::deadline::look_again)), else
-    /// on request `id` when there is one (returning whether it finished),
-    /// else a moment. [`Error::Timeout`] once `due` has passed.
-    pub(super) fn nap(
-        &self,
-        id: Option<OpId>,
-        due: &mut Deadline,
-        timeout: Duration,
-        copying: bool,
-        spin_until: Instant,
-    ) -> Result<bool> {
-        let now = Instant::now();
-        let deadline = due.at_from(now);
-        if now >= deadline {
-            return Err(Error::Timeout { what: WHAT, after: timeout });
-        }
-        if copying && now < spin_until {
-            // The caller looks at the copies and at `id` again at once.
-            look_again(true);
-            return Ok(false);
-        }
-        let Some(id) = id else {
-            look_again(false);
-            return Ok(false);
-        };
-        let mut slice = Deadline::lazy(deadline.min(now + staged_slice(copying)) - now, WHAT);
-        match self.shared.transport.wait(id, &mut slice) {
-            Ok(()) => Ok(true),
-            Err(Error::Timeout { .. }) => Ok(false),
-            Err(e) => Err(e),
         }
     }
 
@@ -565,13 +498,6 @@ impl<B: Send + 'static> Pending<B> {
 /// What a wait on an operation is for, in its timeout error.
 pub(super) const WHAT: &str = "an operation to complete";
 
-/// How long a wait sleeps on the network before it looks at the staged
-/// operations again: briefly while a copy is in flight (no completion will
-/// wake it when the copy ends), else up to a millisecond.
-pub(super) fn staged_slice(copying: bool) -> Duration {
-    if copying { Duration::from_micros(20) } else { Duration::from_millis(1) }
-}
-
 impl<B: Send + 'static> Drop for Pending<B> {
     fn drop(&mut self) {
         self.clock.stop(self.shared.domain.engine());
@@ -647,5 +573,91 @@ impl<B: Send + 'static> fmt::Debug for Pending<B> {
             Stage::Failed(_) => "failed",
         };
         f.debug_struct("Pending").field("stage", &stage).finish()
+    }
+}
+
+impl<B: Send + 'static> Operation for Pending<B> {
+    type Output = Completion;
+
+    /// One pass over the connection's staged operations, then a look at
+    /// this one: kept at the gate (woken when its turn comes, and looked at
+    /// again soon: what holds the gate moves by being looked at), posted
+    /// (its request, slept on briefly while staged operations must move),
+    /// or staged (its network step, or its copies). Awaited, a staged
+    /// operation's waker waits on the network steps of every staged
+    /// operation of the connection where each waits on one.
+    fn step(&mut self, waker: Option<&Waker>) -> Look<Completion> {
+        let staged = self.staged_in_progress();
+        let mut copying = staged && self.progress_staged();
+        if let Stage::Deferred(_) = self.stage {
+            copying |= self.move_deferred();
+            if let Stage::Deferred(kept) = &self.stage {
+                if let Some(w) = waker {
+                    kept.wake_when_posted(w);
+                }
+                return Look::Wait(Until::Soon { copying });
+            }
+        }
+        if let Stage::InFlight(id) = self.stage {
+            return match self.shared.transport.poll_take(id) {
+                Ok(Some(outcome)) => Look::Done(self.settle(outcome)),
+                Ok(None) if waker.is_some_and(|w| self.await_staged_step(w)) => Look::Wait(Until::Woken),
+                Ok(None) => Look::Wait(Until::Request { id, briefly: staged.then_some(copying) }),
+                Err(e) => Look::Done(Err(e)),
+            };
+        }
+        if let Stage::Quiet(q, _) = self.stage {
+            return match self.shared.transport.poll_quiet(&q) {
+                Ok(Some(outcome)) => {
+                    self.release_flush();
+                    Look::Done(self.settle(outcome))
+                }
+                Ok(None) => Look::Wait(Until::Soon { copying }),
+                Err(e) => Look::Done(Err(e)),
+            };
+        }
+        #[cfg(feature = "cuda")]
+        if let Stage::Staged(p) = &self.stage {
+            let (waiting_on, busy) = {
+                let p = p.lock().unwrap_or_else(|e| e.into_inner());
+                (p.waiting_on(), p.copying())
+            };
+            self.collect();
+            if matches!(self.stage, Stage::Staged(_)) {
+                if waker.is_some_and(|w| self.await_staged_step(w)) {
+                    return Look::Wait(Until::Woken);
+                }
+                let copying = copying | busy;
+                return Look::Wait(match waiting_on {
+                    Some(id) => Until::Request { id, briefly: Some(copying) },
+                    None => Until::Soon { copying },
+                });
+            }
+        }
+        match self.report() {
+            Some(outcome) => Look::Done(outcome),
+            // Not finished after all (a stage above moved on): soon again.
+            None => Look::Wait(Until::Soon { copying }),
+        }
+    }
+}
+
+/// A request of `pending`'s own (a quiet send's flush), waited for while
+/// the connection's staged operations are moved along.
+struct MovingStaged<'a, B: Send + 'static> {
+    pending: &'a Pending<B>,
+    id: OpId,
+}
+
+impl<B: Send + 'static> Operation for MovingStaged<'_, B> {
+    type Output = ();
+
+    fn step(&mut self, _: Option<&Waker>) -> Look<()> {
+        let copying = self.pending.progress_staged();
+        match self.pending.shared.transport.poll(self.id) {
+            Ok(true) => Look::Done(Ok(())),
+            Ok(false) => Look::Wait(Until::Request { id: self.id, briefly: Some(copying) }),
+            Err(e) => Look::Done(Err(e)),
+        }
     }
 }

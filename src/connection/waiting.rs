@@ -22,7 +22,8 @@ use std::time::{Duration, Instant};
 use super::{Pending, Stage};
 use crate::completion::Completion;
 use crate::error::{Error, Result};
-use crate::transport::engine::{EngineHandle, LOOK_AGAIN, LOOK_AGAIN_COPYING, NotYet, Task};
+use crate::protocol::op;
+use crate::transport::engine::{EngineHandle, LOOK_AGAIN, NotYet, Task};
 
 impl<B: Send + 'static> Pending<B> {
     /// One look: done, or `waker` is registered for the completion
@@ -30,43 +31,28 @@ impl<B: Send + 'static> Pending<B> {
     /// operation's deadline.
     pub(crate) fn poll_waker(&mut self, waker: &Waker, bounded: bool) -> Poll<Result<Completion>> {
         let engine = self.shared.domain.engine();
-        let mut copying = false;
-        let (outcome, told) = match self.stage {
+        let (outcome, why) = match self.stage {
+            // The common cases, straight to the transport.
             Stage::InFlight(id) if !self.staged_in_progress() => {
                 match self.shared.transport.poll_register(id, waker, engine) {
-                    Ok(Some(outcome)) => (Some(self.settle(outcome)), true),
-                    Ok(None) => (None, true),
-                    Err(e) => (Some(Err(e)), true),
+                    Ok(Some(outcome)) => (Some(self.settle(outcome)), NotYet::Told),
+                    Ok(None) => (None, NotYet::Told),
+                    Err(e) => (Some(Err(e)), NotYet::Told),
                 }
             }
-            Stage::Quiet(q, flush) => self.poll_quiet_waker(q, flush, waker),
-            _ => {
-                // One pass over the connection's staged operations; a copy
-                // still in flight means looking again soon.
-                copying = self.staged_in_progress() && self.progress_staged();
-                let outcome = self.poll_moved().transpose();
-                if let Stage::Deferred(kept) = &self.stage {
-                    // Woken when its turn comes (and looked at again soon
-                    // anyway: what holds the gate moves by being looked at).
-                    kept.wake_when_posted(waker);
-                }
-                (outcome, false)
+            Stage::Quiet(q, flush) => {
+                let (outcome, told) = self.poll_quiet_waker(q, flush, waker);
+                (outcome, if told { NotYet::Told } else { NotYet::LookAgain(LOOK_AGAIN) })
             }
+            // Kept at the gate, staged, or behind staged operations: the
+            // operation driver's look.
+            _ => return self.poll_driven(waker, bounded),
         };
         let engine = self.shared.domain.engine();
         if let Some(result) = outcome {
             self.clock.stop(engine);
             return Poll::Ready(result);
         }
-        let told = told || self.await_staged_step(waker);
-        let engine = self.shared.domain.engine();
-        // Not told: a staged operation, looked at again soon, sooner while
-        // one of the connection's copies is in flight.
-        let why = match (told, copying) {
-            (true, _) => NotYet::Told,
-            (false, true) => NotYet::LookAgain(LOOK_AGAIN_COPYING),
-            (false, false) => NotYet::LookAgain(LOOK_AGAIN),
-        };
         let bounded = bounded.then_some(self.shared.op_timeout);
         match self.clock.not_yet(engine, waker, why, bounded, WHAT) {
             // Still in flight: it may be awaited again (with a new deadline).
@@ -75,13 +61,24 @@ impl<B: Send + 'static> Pending<B> {
         }
     }
 
+    /// [`poll_waker`](Self::poll_waker) through the operation driver.
+    #[inline(never)]
+    fn poll_driven(&mut self, waker: &Waker, bounded: bool) -> Poll<Result<Completion>> {
+        let shared = Arc::clone(&self.shared);
+        let mut clock = std::mem::take(&mut self.clock);
+        let bound = bounded.then_some(shared.op_timeout);
+        let polled = op::poll(self, &shared.transport, shared.domain.engine(), &mut clock, waker, bound, WHAT);
+        self.clock = clock;
+        polled
+    }
+
     /// Whether `waker` is left to completions: this operation's own (a
     /// request posted while staged ones are in progress) and the network
     /// steps of every staged operation of the connection, which must all
     /// move while this one is awaited. Only when each of those waits on
     /// its network step: a copy's end wakes nobody. Else the caller looks
     /// again on a timer.
-    fn await_staged_step(&self, waker: &Waker) -> bool {
+    pub(super) fn await_staged_step(&self, waker: &Waker) -> bool {
         #[cfg(feature = "cuda")]
         {
             let engine = self.shared.domain.engine();

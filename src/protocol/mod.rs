@@ -7,6 +7,13 @@
 //!   piece, and its codec.
 //! - Order ([`order`]): a connection's operations take effect at the peer
 //!   in posting order, whatever path each takes.
+//! - The operation driver ([`op`]): how any operation in flight is waited
+//!   for and awaited. Each says how it moves and what would wake a waiter;
+//!   one wait and spin policy and one registration with the engine serve
+//!   single operations off their fast paths, transfer lists and
+//!   notification waits.
+//! - Notification rings ([`mailbox`]): where notes and the covers of writes
+//!   with immediate land at the peer without taking a receive.
 //!
 //! For GPU memory, chosen once per operation (host memory is always direct):
 //! - Direct: the operation is posted as it is; the NIC reads or writes the

@@ -168,7 +168,11 @@ pub(crate) fn wait<O: Operation>(op: &mut O, transport: &impl Requests, bound: B
 ///
 /// # Errors
 /// As [`wait`].
-pub(crate) fn wait_once<O: Operation>(op: &mut O, transport: &impl Requests, bound: Bound) -> Result<Option<O::Output>> {
+pub(crate) fn wait_once<O: Operation>(
+    op: &mut O,
+    transport: &impl Requests,
+    bound: Bound,
+) -> Result<Option<O::Output>> {
     let until = match op.step(None) {
         Look::Done(outcome) => return outcome.map(Some),
         Look::Wait(until) => until,
