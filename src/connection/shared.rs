@@ -120,6 +120,9 @@ impl ConnShared {
         with_ring.advertise.push(ring.descriptor());
         let est = crate::transport::establish(domain.mem(), stream, &with_ring, is_server)?;
         let notes = Arc::new(notes::NoteRings::new(ring, est.peer_ring, est.covers_in, est.info.recv_queue_depth));
+        if est.covers_in {
+            est.transport.count_imm_writes();
+        }
         if est.covers_out {
             notes.cover_out(domain, est.info.send_queue_depth)?;
             est.transport.cover_writes(Box::new(notes::RingCovers(Arc::clone(&notes))));

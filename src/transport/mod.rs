@@ -271,6 +271,16 @@ impl ConnTransport {
         }
     }
 
+    /// Counts the writes with immediate this side receives from now on
+    /// (verbs, where it asked the peer for covers).
+    pub(crate) fn count_imm_writes(&self) {
+        match self {
+            #[cfg(feature = "verbs")]
+            ConnTransport::Verbs(t) => t.count_imm_writes(),
+            ConnTransport::Tcp(_) => {}
+        }
+    }
+
     /// Writes with immediate this side received, successfully, so far (in
     /// the order they arrived; verbs: TCP makes each visible as it lands).
     pub(crate) fn imm_writes_seen(&self) -> u64 {

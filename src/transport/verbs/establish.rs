@@ -142,6 +142,8 @@ impl Prepared {
                 q,
                 peer_gone: None,
                 sleepers: Sleepers::default(),
+                count_imm: false,
+                imm_writes: 0,
                 sges: Vec::with_capacity(64),
                 scratch: Vec::with_capacity(64),
             }),
@@ -157,7 +159,6 @@ impl Prepared {
             #[cfg(feature = "tokio")]
             closing: Default::default(),
             covers: OnceLock::new(),
-            imm_writes: AtomicU64::new(0),
         };
         Ok((conn, info))
     }

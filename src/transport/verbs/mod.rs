@@ -88,6 +88,11 @@ struct VerbsState {
     /// Threads asleep in a wait, woken by the bell when another thread
     /// changes the queue under them.
     sleepers: Sleepers,
+    /// Whether writes with immediate received are counted (this side asked
+    /// the peer for covers: [`super::covers`]), and how many were, in
+    /// arrival order.
+    count_imm: bool,
+    imm_writes: u64,
     sges: Vec<Sge>,
     scratch: Vec<(SendOp, usize, bool)>,
 }
@@ -118,9 +123,6 @@ pub(crate) struct VerbsConn {
     /// What covers this side's writes with immediate, where the peer asked
     /// for covers ([`super::covers`]).
     covers: OnceLock<Box<dyn crate::transport::covers::ImmCovers>>,
-    /// Writes with immediate received successfully, in arrival order
-    /// (counted as their completions are polled, under the state's lock).
-    imm_writes: AtomicU64,
 }
 
 const PEER_GRACE: Duration = Duration::from_millis(50);
@@ -225,11 +227,13 @@ impl VerbsConn {
     /// way from a poll to the next post.
     #[inline(always)]
     fn progress_for(&self, st: &mut VerbsState, want: Option<OpId>, taken: &mut Option<Completion>) -> Result<usize> {
+        let count_imm = st.count_imm;
+        let mut imm = 0;
         let q = &mut st.q;
         let n = self.cq.poll_each(|wc| {
             let raw = raw_completion(&wc);
-            if raw.by_write_imm && wc.status.is_success() {
-                self.imm_writes.fetch_add(1, Ordering::Release);
+            if count_imm && raw.by_write_imm && wc.status.is_success() {
+                imm += 1;
             }
             if let Some(id) = want.filter(|_| taken.is_none()) {
                 if let Some(c) = q.complete_taking(&raw, id) {
@@ -243,6 +247,9 @@ impl VerbsConn {
             // The device is done with an orphan's memory: its final request completed.
             drop(q.complete(&raw));
         })?;
+        if imm > 0 {
+            st.imm_writes += imm;
+        }
         self.check_grace(st);
         Ok(n)
     }

@@ -229,7 +229,13 @@ impl VerbsConn {
 
     /// Writes with immediate received successfully so far.
     pub(crate) fn imm_writes_seen(&self) -> u64 {
-        self.imm_writes.load(Ordering::Acquire)
+        self.lock().imm_writes
+    }
+
+    /// Counts the writes with immediate received from now on (this side
+    /// asked the peer for covers). Set before the connection is handed out.
+    pub(crate) fn count_imm_writes(&self) {
+        self.lock().count_imm = true;
     }
 
     /// Posts `items` with each write with immediate behind its cover record
