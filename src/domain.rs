@@ -335,6 +335,12 @@ impl Domain {
             Ok(reg) => reg,
             Err(error) => return Err(BufError { error, buffer: region }),
         };
+        #[cfg(feature = "cuda")]
+        if reg.mirror().is_some() && remote.contains(Access::REMOTE_WRITE) {
+            // Connections made from now on ask for covers of writes with
+            // immediate (see `ConnectOptions::imm_covers`).
+            self.inner.mem.visible.mark_staged_writable();
+        }
         // The TCP transport serves memory the CPU can reach: host memory, or a
         // staged region's host mirror (not GPU memory on a direct path).
         let cpu_view = match (gpu.is_some(), reg.mirror()) {

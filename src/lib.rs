@@ -492,7 +492,7 @@
 //!   completes, over verbs on a direct path the remote writes are flushed,
 //!   and over verbs into a staged region the writer first puts a 64-byte
 //!   cover naming the range in this side's notification ring (asked for in
-//!   the handshake where a CUDA driver is loaded:
+//!   the handshake where this side may hold staged GPU memory:
 //!   [`ConnectOptions::imm_covers`]), which the receive copies in. A plain
 //!   write that nothing names reaches GPU memory on the staged path only
 //!   through [`Exposed::pull`].

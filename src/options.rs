@@ -81,15 +81,20 @@ pub struct ConnectOptions {
     /// multiple of 64). A peer whose notes fill it waits for room, up to its
     /// operation timeout.
     pub notify_ring: usize,
-    /// Over verbs, asks the peer to cover each write with immediate into
+    /// Over verbs, whether the peer covers each write with immediate into
     /// this side: a 64-byte record naming the range it writes, put in this
-    /// side's notification ring just before it (default: yes where a CUDA
-    /// driver is loaded, else no). On the staged path that record is what
-    /// makes the written GPU memory visible when a receive takes the
-    /// immediate. A side that never exposes GPU memory on the staged path
-    /// for writes with immediate may turn it off and save the peer that
-    /// write.
-    pub imm_covers: bool,
+    /// side's notification ring just before it. On the staged path that
+    /// record is what makes the written GPU memory visible when a receive
+    /// takes the immediate; it costs the peer one more write per write with
+    /// immediate. `None` (the default, or `GPU_RDMA_IMM_COVERS=auto`): asked
+    /// for where a CUDA driver is loaded and either this domain already
+    /// exposes GPU memory on the staged path for remote writes or the
+    /// machine offers GPU memory no direct path (no nvidia-peermem, no
+    /// dma-buf). `Some(true)` (`=1`): always; `Some(false)` (`=0`): never.
+    /// Without covers, a write with immediate into staged GPU memory is made
+    /// visible by a receive that names its range
+    /// ([`Connection::recv_write_range`](crate::Connection::recv_write_range)).
+    pub imm_covers: Option<bool>,
 }
 
 impl Default for ConnectOptions {
@@ -116,8 +121,18 @@ impl Default for ConnectOptions {
             secret: secret_from_env(),
             post_timeout: None,
             notify_ring: crate::bootstrap::DEFAULT_RING,
-            imm_covers: true,
+            imm_covers: covers_from_env(),
         }
+    }
+}
+
+/// `GPU_RDMA_IMM_COVERS`: `1` always, `0` never, else (`auto`, unset) as
+/// needed ([`ConnectOptions::imm_covers`]).
+fn covers_from_env() -> Option<bool> {
+    match std::env::var("GPU_RDMA_IMM_COVERS").as_deref().map(str::trim) {
+        Ok("1") => Some(true),
+        Ok("0") => Some(false),
+        _ => None,
     }
 }
 
@@ -158,9 +173,10 @@ impl ConnectOptions {
     }
 
     /// Sets whether the peer covers its writes with immediate into this
-    /// side ([`imm_covers`](Self#structfield.imm_covers)).
-    pub fn imm_covers(mut self, on: bool) -> Self {
-        self.imm_covers = on;
+    /// side ([`imm_covers`](Self#structfield.imm_covers); `None`: as the
+    /// machine and the domain need).
+    pub fn imm_covers(mut self, covers: Option<bool>) -> Self {
+        self.imm_covers = covers;
         self
     }
 

@@ -210,6 +210,10 @@ impl RingMemory for Ring<'_> {
 pub(crate) struct ReadSide {
     reader: RingReader,
     returned: u64,
+    /// Bytes taken before credits go back: the peer always keeps room for
+    /// the largest notification (a pad and a record) once this side has
+    /// taken what it wrote, and one small write returns many records.
+    lazy: u64,
     /// Scratch for one record's notification.
     msg: Vec<u8>,
     pub state: Notes,
@@ -306,6 +310,7 @@ impl NoteRings {
             read: Mutex::new(ReadSide {
                 reader: RingReader::new(mine_cap),
                 returned: 0,
+                lazy: (mine_cap / 2).min(mine_cap.saturating_sub(2 * MAX_RECORD)) as u64,
                 msg: Vec::new(),
                 state: Notes::default(),
                 covers: CoversIn {
@@ -442,11 +447,12 @@ impl NoteRings {
     }
 
     /// Tells the peer how much of this side's ring it may use again: one
-    /// small write of the count taken, from this side's ring header. A full
-    /// send queue leaves it for the next drain.
+    /// small write of the count taken, from this side's ring header, once
+    /// [`ReadSide::lazy`] bytes were taken since the last. A full send queue
+    /// leaves it for the next drain.
     fn give_credits(&self, transport: &ConnTransport, side: &mut ReadSide) {
         let taken = side.reader.taken();
-        if taken == side.returned {
+        if taken - side.returned < side.lazy.max(1) {
             return;
         }
         self.mine.store(CREDITS_OUT, taken);

@@ -31,6 +31,20 @@ pub fn detect_caps(device: &crate::cuda::CudaDevice) -> PathCaps {
     }
 }
 
+/// Whether this machine may offer GPU memory a direct path at all: the
+/// nvidia-peermem module is loaded, or dma-buf is there end to end
+/// (rdma-core, kernel, driver). Device-independent, read once per process.
+pub(crate) fn direct_path_possible() -> bool {
+    static POSSIBLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *POSSIBLE.get_or_init(|| {
+        let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+        let dmabuf = cfg!(gpu_rdma_dmabuf_mr)
+            && kernel_at_least(release.trim(), 5, 12)
+            && driver().is_ok_and(|d| d.has_dmabuf_export);
+        peermem_marker(Path::new("/sys")).is_some() || dmabuf
+    })
+}
+
 /// Whether GPU registrations ask for PCIe relaxed ordering: yes, unless
 /// `GPU_RDMA_RELAXED_ORDERING=0` (the opt-out, for a platform where relaxed
 /// ordering misbehaves).

@@ -30,6 +30,10 @@ pub(crate) struct VisibleTable {
     map: Arc<RwLock<HashMap<u32, Weak<dyn Visible>>>>,
     /// Set once a region was listed: until then every look is one load.
     any: Arc<AtomicBool>,
+    /// Set once a region on the staged path was exposed for remote writes:
+    /// connections made since ask their peers to cover writes with
+    /// immediate ([`crate::bootstrap::CAP_IMM_COVERS`]).
+    staged_writable: Arc<AtomicBool>,
 }
 
 impl VisibleTable {
@@ -39,6 +43,17 @@ impl VisibleTable {
         map.retain(|_, w| w.strong_count() > 0);
         map.insert(key, region);
         self.any.store(true, Ordering::Release);
+    }
+
+    /// A region on the staged path was exposed for remote writes.
+    pub(crate) fn mark_staged_writable(&self) {
+        self.staged_writable.store(true, Ordering::Release);
+    }
+
+    /// Whether a region on the staged path was ever exposed for remote
+    /// writes in the domain.
+    pub(crate) fn staged_writable(&self) -> bool {
+        self.staged_writable.load(Ordering::Acquire)
     }
 
     /// Whether a GPU region was ever exposed in the domain.

@@ -124,12 +124,14 @@ pub(crate) fn establish(
         (Some(v), TransportPolicy::Auto | TransportPolicy::Verbs) => Some(verbs::Prepared::new(v, opts)?),
         _ => None,
     };
+    #[cfg(feature = "verbs")]
+    let verbs = prepared.as_ref().map(|p| p.endpoint());
+    #[cfg(not(feature = "verbs"))]
+    let verbs = None;
     let hello = Hello {
-        caps: if wants_covers(opts) { bootstrap::CAP_IMM_COVERS } else { 0 },
-        #[cfg(feature = "verbs")]
-        verbs: prepared.as_ref().map(|p| p.endpoint()),
-        #[cfg(not(feature = "verbs"))]
-        verbs: None,
+        // Covers matter over verbs only (TCP makes what it writes visible).
+        caps: if verbs.is_some() && wants_covers(opts, backend) { bootstrap::CAP_IMM_COVERS } else { 0 },
+        verbs,
         tcp: (policy != TransportPolicy::Verbs).then_some(bootstrap::TcpEndpoint {
             rnr_retry: opts.rnr_retry,
             min_rnr_timer: opts.min_rnr_timer,
@@ -194,15 +196,22 @@ pub(crate) fn establish(
 }
 
 /// Whether this side asks the peer to cover its writes with immediate
-/// ([`bootstrap::CAP_IMM_COVERS`]): when it may hold GPU memory on the
-/// staged path, that is when a CUDA driver is there (and the options do not
-/// say it never exposes staged GPU memory).
-fn wants_covers(opts: &ConnectOptions) -> bool {
+/// ([`bootstrap::CAP_IMM_COVERS`], [`ConnectOptions::imm_covers`]): as
+/// asked, or, by default, where a CUDA driver is loaded and this domain
+/// may hold GPU memory on the staged path for remote writes (it exposes
+/// such memory already, or the machine offers GPU memory no direct path).
+fn wants_covers(opts: &ConnectOptions, mem: &MemoryDomain) -> bool {
     #[cfg(feature = "cuda")]
-    return opts.imm_covers && crate::cuda::driver().is_ok();
+    return match opts.imm_covers {
+        Some(asked) => asked,
+        None => {
+            crate::cuda::driver().is_ok()
+                && (mem.visible.staged_writable() || !crate::memory::gpu::direct_path_possible())
+        }
+    };
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = opts;
+        let _ = (opts, mem);
         false
     }
 }
