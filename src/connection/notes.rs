@@ -185,6 +185,25 @@ pub(crate) const RING_ROOM: &str =
 /// The send queue a post refused for the ring's room names.
 const RING_QUEUE: &str = "peer's notification ring";
 
+/// One pause of a post waiting for room in the peer's ring (the peer
+/// returns credits as it takes what it holds), or why it waits no more:
+/// the connection broke, `due` is immediate (a try-post), or it passed.
+fn wait_for_room(due: &mut Deadline, spins: &mut u32, broken: &dyn Fn() -> Option<String>) -> Result<()> {
+    if let Some(reason) = broken() {
+        return Err(Error::ConnectionLost { reason });
+    }
+    if due.is_immediate() {
+        return Err(Error::QueueFull { queue: RING_QUEUE, depth: 0 });
+    }
+    due.at_from(std::time::Instant::now());
+    if due.remaining().is_none() {
+        return Err(due.for_(RING_ROOM).expired());
+    }
+    *spins += 1;
+    look_again(*spins < 64);
+    Ok(())
+}
+
 /// Whether `e` refused a notification for room in the peer's ring.
 pub(crate) fn ring_full(e: &Error) -> bool {
     matches!(e, Error::QueueFull { queue: RING_QUEUE, .. } | Error::Timeout { what: RING_ROOM, .. })
@@ -381,18 +400,9 @@ impl NoteRings {
                 return posted;
             }
             drop(guard);
-            if let Some(broken) = transport.broken() {
-                return Posted::refused(Error::ConnectionLost { reason: broken });
+            if let Err(e) = wait_for_room(&mut due, &mut spins, &|| transport.broken()) {
+                return Posted::refused(e);
             }
-            if due.is_immediate() {
-                return Posted::refused(Error::QueueFull { queue: RING_QUEUE, depth: 0 });
-            }
-            due.at_from(std::time::Instant::now());
-            if due.remaining().is_none() {
-                return Posted::refused(due.for_(RING_ROOM).expired());
-            }
-            spins += 1;
-            look_again(spins < 64);
         }
     }
 
@@ -551,18 +561,7 @@ impl CoverPost for CoverBatch<'_> {
             if let Some(p) = self.ring.place(c.msg.len(), self.rings.mine.load(CREDITS_IN)) {
                 break p;
             }
-            if let Some(reason) = broken() {
-                return Err(Error::ConnectionLost { reason });
-            }
-            if due.is_immediate() {
-                return Err(Error::QueueFull { queue: RING_QUEUE, depth: 0 });
-            }
-            due.at_from(std::time::Instant::now());
-            if due.remaining().is_none() {
-                return Err(due.for_(RING_ROOM).expired());
-            }
-            spins += 1;
-            look_again(spins < 64);
+            wait_for_room(due, &mut spins, broken)?;
         };
         let base = (ordinal % c.slots) as usize * COVER_SLOT;
         let whole = parts_of(&c.buf);
