@@ -11,52 +11,79 @@ pub(super) enum Work {
     Out(Out, bool),
 }
 
+/// What the sender thread does next, by the state alone.
+pub(super) enum Next {
+    /// Nothing to write now, or another thread writes: sleep until told.
+    Wait,
+    /// Write this (marked as the one being written).
+    Write(Work),
+    /// Broken or closing, and every queued reply went out (or failed):
+    /// hang up, so the peer sees the end at once.
+    HangUp,
+}
+
+/// The sender's rule, with no I/O: one writer at a time (a posting or
+/// reading thread may be writing directly); first what another thread
+/// began and the socket did not take whole (the rest of a control frame,
+/// then a message: the stream stays whole), then control frames (replies
+/// the peer's requests wait for, before this side's own messages), and
+/// once broken or closing, after the last control frame, hang up; else the
+/// next queued message. Marks the chosen work as being written; a message
+/// is started by the caller ([`Inner::start_write`]).
+pub(super) fn next(st: &mut TcpState) -> Next {
+    if st.writing {
+        return Next::Wait;
+    }
+    if let Some((h, sent)) = st.ctl_rest.take() {
+        st.writing = true;
+        return Next::Write(Work::Rest(h, sent));
+    }
+    if let Some(o) = st.resume.take() {
+        // Already started by the thread that began it.
+        st.writing = true;
+        return Next::Write(Work::Out(o, false));
+    }
+    if let Some(c) = st.control.pop_front() {
+        st.writing = true;
+        return Next::Write(Work::Ctl(c));
+    }
+    if st.stopping || st.q.lost().is_some() {
+        return Next::HangUp;
+    }
+    match st.queue.pop_front() {
+        Some(o) => {
+            let more = !st.queue.is_empty();
+            Next::Write(Work::Out(o, more))
+        }
+        None => Next::Wait,
+    }
+}
+
 pub(super) fn sender(inner: &Inner) {
     let fd = inner.fd;
     loop {
         let work = {
             let mut st = inner.lock();
             loop {
-                if st.writing {
-                    // A posting thread is sending its message directly.
-                    st = inner.work.wait(st).unwrap_or_else(|e| e.into_inner());
-                    continue;
-                }
-                if let Some((h, sent)) = st.ctl_rest.take() {
-                    // The rest of a control frame a reader began.
-                    st.writing = true;
-                    break Work::Rest(h, sent);
-                }
-                if let Some(o) = st.resume.take() {
-                    // The rest of a frame a posting thread began: first, so
-                    // the stream stays whole. It is already started.
-                    st.writing = true;
-                    break Work::Out(o, false);
-                }
-                if let Some(c) = st.control.pop_front() {
-                    if st.q.lost().is_some() {
-                        // Shutdown may be waiting for the control queue to drain.
+                match next(&mut st) {
+                    Next::Wait => st = inner.work.wait(st).unwrap_or_else(|e| e.into_inner()),
+                    Next::HangUp => {
+                        st.sender_done = true;
                         inner.wake(&st);
+                        drop(st);
+                        inner.hang_up();
+                        return;
                     }
-                    st.writing = true;
-                    break Work::Ctl(c);
+                    Next::Write(work) => {
+                        match &work {
+                            // Shutdown may be waiting for the control queue to drain.
+                            Work::Ctl(_) if st.q.lost().is_some() => inner.wake(&st),
+                            Work::Out(o, _) if !st.writing => inner.start_write(&mut st, o),
+                            _ => {}
+                        }
+                        break work;
+                    }
                 }
-                if st.stopping || st.q.lost().is_some() {
-                    // Broken or closing, and every queued reply went out (or
-                    // failed): hang up, so the peer sees the end at once and
-                    // the receiver stops reading.
-                    st.sender_done = true;
-                    inner.wake(&st);
-                    drop(st);
-                    inner.hang_up();
-                    return;
-                }
-                if let Some(o) = st.queue.pop_front() {
-                    inner.start_write(&mut st, &o);
-                    let more = !st.queue.is_empty();
-                    break Work::Out(o, more);
-                }
-                st = inner.work.wait(st).unwrap_or_else(|e| e.into_inner());
             }
         };
         let outcome = match work {

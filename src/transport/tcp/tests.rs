@@ -227,3 +227,90 @@ fn rnr_timer_codes_follow_the_encoding() {
     assert_eq!(rnr_timer(31), Duration::from_micros(491_520));
     assert_eq!(rnr_timer(0), Duration::from_micros(655_360));
 }
+
+/// A connection's state with no socket and no threads, for the rules that
+/// read it alone.
+fn bare_state() -> TcpState {
+    let limits = Limits { domain_id: 1, send_depth: 8, recv_depth: 8, max_message: 1 << 20, qp_num: 0 };
+    TcpState {
+        q: QueueCore::new(limits),
+        stopping: false,
+        next_seq: 1,
+        queue: VecDeque::new(),
+        control: VecDeque::new(),
+        replies: Replies::new(8, MAX_CALL),
+        sending: None,
+        sending_op: None,
+        writing: false,
+        resume: None,
+        ctl_rest: None,
+        recvs: VecDeque::new(),
+        sender_done: false,
+        sleepers: 0,
+    }
+}
+
+fn out(seq: u32) -> Out {
+    inline_out(seq, b"x").0
+}
+
+/// What [`next`] chose, in short: `rest`, `resume N`, `ack N`, `out N
+/// (more)`, `wait`, `hang up`.
+fn chose(st: &mut TcpState) -> String {
+    match next(st) {
+        Next::Wait => "wait".into(),
+        Next::HangUp => "hang up".into(),
+        Next::Write(Work::Rest(..)) => "rest".into(),
+        Next::Write(Work::Ctl(Ctl::Ack { seq, .. })) => format!("ack {seq}"),
+        Next::Write(Work::Ctl(_)) => "ctl".into(),
+        Next::Write(Work::Out(o, more)) if st.writing => format!("resume {}{}", o.seq, if more { " more" } else { "" }),
+        Next::Write(Work::Out(o, more)) => format!("out {}{}", o.seq, if more { " more" } else { "" }),
+    }
+}
+
+#[test]
+fn the_sender_writes_what_was_begun_then_replies_then_messages_one_writer_at_a_time() {
+    let mut st = bare_state();
+    assert_eq!(chose(&mut st), "wait", "nothing queued");
+    st.queue.extend([out(1), out(2)]);
+    st.control.push_back(Ctl::Ack { seq: 9, status: 0 });
+    st.resume = Some(out(7));
+    st.ctl_rest = Some((FrameHeader::default(), 3));
+    st.writing = true;
+    assert_eq!(chose(&mut st), "wait", "another thread writes");
+    st.writing = false;
+    // The rest of a control frame, then the rest of a message, each marked written.
+    assert_eq!(chose(&mut st), "rest");
+    assert!(st.writing);
+    assert_eq!(chose(&mut st), "wait", "one writer at a time");
+    st.writing = false;
+    assert_eq!(chose(&mut st), "resume 7");
+    st.writing = false;
+    // Replies before this side's own messages.
+    assert_eq!(chose(&mut st), "ack 9");
+    st.writing = false;
+    // Messages in order, saying whether more follow; started by the caller.
+    assert_eq!(chose(&mut st), "out 1 more");
+    assert!(!st.writing, "a queued message is started by the caller (start_write)");
+    assert_eq!(chose(&mut st), "out 2");
+    assert_eq!(chose(&mut st), "wait");
+}
+
+#[test]
+fn a_broken_sender_delivers_its_replies_before_it_hangs_up_and_sends_no_message() {
+    let mut st = bare_state();
+    st.queue.push_back(out(1));
+    st.control.extend([Ctl::Ack { seq: 3, status: 1 }, Ctl::Bye]);
+    st.q.lose(|| "refused".into());
+    assert_eq!(chose(&mut st), "ack 3", "the refusal goes out");
+    st.writing = false;
+    assert_eq!(chose(&mut st), "ctl");
+    st.writing = false;
+    assert_eq!(chose(&mut st), "hang up", "then the end; the queued message is never written");
+    assert_eq!(st.queue.len(), 1);
+    // Closing does the same.
+    let mut st = bare_state();
+    st.queue.push_back(out(1));
+    st.stopping = true;
+    assert_eq!(chose(&mut st), "hang up");
+}
