@@ -507,8 +507,8 @@
 //!   once (a staged one, whose chunks follow their copies; a list longer
 //!   than the send queue) holds back what is posted after it until it has
 //!   handed over its last request; the domain's engine moves it meanwhile,
-//!   whether or not anyone waits on it. Receives are a queue of their own
-//!   and never wait. As on RC, a read's data may still be on its way when a
+//!   whether or not anyone waits on it. Receives are a queue of their own,
+//!   held back only behind a receive kept for its fences. As on RC, a read's data may still be on its way when a
 //!   later operation takes effect; a list's failure notification goes out
 //!   at once (it carries no data).
 //! - Staged copies of different operations never wait on each other: each

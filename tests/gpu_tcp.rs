@@ -837,6 +837,61 @@ gpu_tcp_test! {
 }
 
 gpu_tcp_test! {
+    /// A receive into host memory given a fence (`LocalSlice::after`: GPU
+    /// work on a stream still reading that memory) is posted without its
+    /// poster waiting: it is kept at the receive queue's gate until the
+    /// work is done, and the receives posted after it wait behind it, so
+    /// each message still lands in the receive posted for it, and none
+    /// lands in the fenced memory while the work reads it.
+    fn a_fenced_host_receive_never_blocks_its_poster_and_keeps_its_place() {
+        use common::gpu::produce;
+        use std::time::{Duration, Instant};
+        let d = tcp_domain();
+        let dev = CudaDevice::open(0).unwrap();
+        let (s, c) = pair_on(&d, &d, opts(), opts());
+        let stream = gpu_rdma::cuda::CudaStream::new(&dev).unwrap();
+        // The GPU work the fence stands for: 400 ms on the stream.
+        let busy = gpu_region(&d, 4096, None);
+        produce(&stream, busy.memory(), 0, 4096, 81, 400_000);
+        let t0 = Instant::now();
+        let first = s.recv(d.alloc(4096).unwrap().slice(..).after(&stream).unwrap());
+        let second = s.recv(d.alloc(4096).unwrap());
+        let mut imm = s.recv_imm();
+        let posted_in = t0.elapsed();
+        let (m1, m2) = (pattern(4096, 82), pattern(4096, 83));
+        let mut a = d.alloc(4096).unwrap();
+        a.copy_from_slice(&m1);
+        let mut b = d.alloc(4096).unwrap();
+        b.copy_from_slice(&m2);
+        let tx1 = c.send(a);
+        let tx2 = c.send(b);
+        let tx3 = c.send_inline(&[], Some(9));
+        let (c1, r1) = first.finish().unwrap();
+        let landed_after = t0.elapsed();
+        let (_, r2) = second.finish().unwrap();
+        assert_eq!(imm.wait().unwrap().imm, Some(9));
+        for t in [tx1, tx2] {
+            t.finish().unwrap();
+        }
+        tx3.finish().unwrap();
+        println!("posted in {posted_in:?}; the fenced receive's message landed after {landed_after:?}");
+        assert!(posted_in < Duration::from_millis(150), "the posts waited for the fence: {posted_in:?}");
+        assert!(landed_after >= Duration::from_millis(350), "a message landed before the fence: {landed_after:?}");
+        assert_eq!(c1.byte_len, 4096);
+        assert_eq!(first_difference(&r1[..], &m1), None, "the first message, in the first receive");
+        assert_eq!(first_difference(&r2[..], &m2), None, "the second message, in the second receive");
+        // Dropping a receive still kept for its fence is safe and frees its place.
+        produce(&stream, busy.memory(), 0, 4096, 84, 300_000);
+        drop(s.recv(d.alloc(4096).unwrap().slice(..).after(&stream).unwrap()));
+        let next = s.recv(d.alloc(64).unwrap());
+        c.send_inline(b"after the drop", None).wait().unwrap();
+        let (done, got) = next.finish().unwrap();
+        assert_eq!(&got[..done.byte_len as usize], b"after the drop");
+        stream.synchronize().unwrap();
+    }
+}
+
+gpu_tcp_test! {
     /// Staged operations of different connections never wait for each
     /// other's fences: connection A's send waits for a producer that lands
     /// 600 ms late; connection B's unfenced send on the same GPU goes at

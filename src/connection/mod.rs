@@ -299,7 +299,7 @@ impl Connection {
     /// peer with more covered writes in flight than the ring holds waits for
     /// room, within its post timeout.
     pub fn recv_imm(&self) -> Pending<()> {
-        self.shared.pending((), self.shared.transport.post_recv(None))
+        self.shared.post_recv((), None)
     }
 
     /// Writes `local` into the peer's memory at `remote` (same length, else

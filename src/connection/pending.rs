@@ -519,7 +519,8 @@ impl<B: Send + 'static> Pending<B> {
         if let Stage::Deferred(kept) = &self.stage {
             // Never posted: the buffer goes with this value. Posted meanwhile:
             // left with the connection as any operation in flight.
-            match self.shared.gate.cancel(kept, &self.shared.transport) {
+            let gate = if kept.is_receive() { &self.shared.recv_gate } else { &self.shared.gate };
+            match gate.cancel(kept, &self.shared.transport) {
                 None | Some(Posted::Refused(_)) => return,
                 Some(Posted::Ok(id) | Posted::Stuck(id, _)) => self.stage = Stage::InFlight(id),
             }

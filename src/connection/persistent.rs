@@ -138,8 +138,13 @@ impl<B: LocalBuffer> Persistent<B> {
     fn post(&mut self) {
         let Some(parts) = self.direct else { return self.post_slow() };
         let shared = &self.pending.shared;
-        if !shared.gate.is_open() && matches!(self.op, Repeated::Send) {
-            // Behind an operation still handing over its requests.
+        let gate = match self.op {
+            Repeated::Send => &shared.gate,
+            Repeated::Recv => &shared.recv_gate,
+        };
+        if !gate.is_open() {
+            // Behind an operation still handing over its requests, or a
+            // receive kept for its fences.
             return self.post_slow();
         }
         let posted = match self.op {

@@ -166,6 +166,12 @@ impl<B: LocalBuffer> RecvRing<B> {
     /// refusal kept).
     #[inline]
     fn post(&mut self, slot: u32) -> bool {
+        if !self.shared.recv_gate.is_open() {
+            if let Err(e) = self.behind_kept_receive() {
+                self.post_failed(slot, Posted::refused(e));
+                return false;
+            }
+        }
         if self.is_gpu() {
             if let Err(e) = self.consumer_fence() {
                 self.post_failed(slot, Posted::refused(e));
@@ -183,6 +189,24 @@ impl<B: LocalBuffer> RecvRing<B> {
                 false
             }
         }
+    }
+
+    /// A receive of the connection is kept for its fences (GPU work still
+    /// reading its memory), and the ring's receives must go behind it: the
+    /// ring waits until it was posted (the connection moved along
+    /// meanwhile), up to the post timeout.
+    #[cold]
+    #[inline(never)]
+    fn behind_kept_receive(&self) -> Result<()> {
+        let start = std::time::Instant::now();
+        while !self.shared.recv_gate.is_open() {
+            self.shared.drive();
+            if start.elapsed() >= self.shared.post_timeout {
+                return Err(Error::Timeout { what: "a receive kept for its fences", after: self.shared.post_timeout });
+            }
+            crate::deadline::look_again(false);
+        }
+        Ok(())
     }
 
     /// GPU memory on a direct path: each post waits for the buffer's

@@ -41,6 +41,10 @@ pub(crate) struct ConnShared {
     pub(super) staged: crate::protocol::staged::StagedSet,
     /// The order of this connection's operations ([`crate::protocol::order`]).
     pub(crate) gate: Arc<Gate>,
+    /// The receive queue's own gate: a receive kept for its fences (GPU
+    /// work still reading its memory) holds the receives posted after it,
+    /// so that each message still lands in the receive posted for it.
+    pub(crate) recv_gate: Arc<Gate>,
     /// Moves the connection along from the engine while posts wait at the
     /// gate and nobody may be waiting on what holds it.
     pub(super) driver: Arc<ConnDriver>,
@@ -93,10 +97,11 @@ impl crate::transport::engine::Task for ConnDriver {
         let retiring = shared.domain.staging().reap();
         #[cfg(not(feature = "cuda"))]
         let retiring = false;
-        if shared.gate.is_open() && !retiring {
+        let open = |s: &ConnShared| s.gate.is_open() && s.recv_gate.is_open();
+        if open(&shared) && !retiring {
             self.busy.store(false, std::sync::atomic::Ordering::Release);
             // Held since the look above, which asked nothing (busy was set).
-            if shared.gate.is_open() || self.busy.swap(true, AcqRel) {
+            if open(&shared) || self.busy.swap(true, AcqRel) {
                 return;
             }
         }
@@ -141,6 +146,7 @@ impl ConnShared {
             #[cfg(feature = "cuda")]
             staged: crate::protocol::staged::StagedSet::default(),
             gate: Arc::new(Gate::default()),
+            recv_gate: Arc::new(Gate::default()),
             driver: Arc::new(ConnDriver::default()),
             _live: domain.live(crate::memory::Counter::Connections),
         }))
@@ -180,7 +186,7 @@ impl ConnShared {
 
     /// An operation on host memory with fences of its own
     /// ([`LocalSlice::after`]): a send, write or read is kept at the gate
-    /// until they are done; a receive waits for them when posted.
+    /// until they are done, a receive at the receive queue's gate.
     #[cfg(feature = "cuda")]
     #[cold]
     pub(super) fn host_after<B: LocalBuffer>(
@@ -194,13 +200,33 @@ impl ConnShared {
                 let ready = fences_pending(local.fences());
                 self.post_when_ready(local.into_inner(), WorkItem { local: Some(parts), op }, ready)
             }
-            None => {
-                if let Err(e) = local.wait_fences() {
-                    return Pending::failed(self, local.into_inner(), e);
+            None => match fences_pending(local.fences()) {
+                None => self.post_recv(local.into_inner(), Some(parts)),
+                Some(ready) => {
+                    // Kept in its place at the receive queue's gate: the
+                    // receives posted after it wait behind it, nobody waits
+                    // on the fences, and whoever finds them done posts it.
+                    let due = Instant::now() + self.post_timeout;
+                    let kept = self.recv_gate.keep_until(What::Recv(Some(parts)), due, ready);
+                    self.driver.ask(self);
+                    Pending::with(self, local.into_inner(), Stage::Deferred(kept))
                 }
-                let posted = self.transport.post_recv(Some(parts));
-                self.pending(local.into_inner(), posted)
-            }
+            },
+        }
+    }
+
+    /// Posts a receive into `parts` (none: a receive with no buffer), in
+    /// its place behind a receive kept for its fences, if there is one.
+    #[inline]
+    pub(super) fn post_recv<B: Send + 'static>(
+        self: &Arc<Self>,
+        buf: B,
+        parts: Option<crate::memory::LocalParts>,
+    ) -> Pending<B> {
+        if self.recv_gate.is_open() {
+            self.pending(buf, self.transport.post_recv(parts))
+        } else {
+            self.post_behind(buf, What::Recv(parts))
         }
     }
 
@@ -209,7 +235,8 @@ impl ConnShared {
     #[cold]
     #[inline(never)]
     pub(super) fn post_behind<B: Send + 'static>(self: &Arc<Self>, buf: B, what: What) -> Pending<B> {
-        match self.gate.keep(what, Instant::now() + self.post_timeout) {
+        let gate = if matches!(what, What::Recv(_)) { &self.recv_gate } else { &self.gate };
+        match gate.keep(what, Instant::now() + self.post_timeout) {
             Ok(kept) => {
                 self.driver.ask(self);
                 Pending::with(self, buf, Stage::Deferred(kept))
@@ -219,6 +246,7 @@ impl ConnShared {
             Err(What::Inline { data, imm }) => {
                 self.pending(buf, self.transport.post_inline(&data, imm, self.deadline()))
             }
+            Err(What::Recv(parts)) => self.pending(buf, self.transport.post_recv(parts)),
             Err(What::Untracked { .. }) => unreachable!("untracked sends are kept by send_inline_untracked"),
         }
     }
@@ -237,9 +265,10 @@ impl ConnShared {
         let copying = self.staged.progress(&self.transport);
         #[cfg(not(feature = "cuda"))]
         let copying = false;
-        if !self.gate.is_open() {
+        if !self.gate.is_open() || !self.recv_gate.is_open() {
             let _ = self.transport.progress();
             self.gate.pump(&self.transport);
+            self.recv_gate.pump(&self.transport);
         }
         copying
     }
@@ -320,10 +349,7 @@ impl ConnShared {
             Ok(parts) if parts.path.is_some() => self.gpu(local, parts, None),
             #[cfg(feature = "cuda")]
             Ok(parts) if local.has_own_fences() => self.host_after(local, parts, None),
-            Ok(parts) => {
-                let posted = self.transport.post_recv(Some(parts));
-                self.pending(local.into_inner(), posted)
-            }
+            Ok(parts) => self.post_recv(local.into_inner(), Some(parts)),
             Err(e) => Pending::failed(self, local.into_inner(), e),
         }
     }
@@ -393,7 +419,9 @@ impl ConnShared {
             // steps advance whenever the operation is waited on or polled.
             let mut pipeline =
                 match Pipeline::new(op, self.domain.staging(), &device, parts, chunk, depth, self.op_timeout) {
-                    Ok(p) => p.in_turn(&self.gate),
+                    // Sends, writes and reads in their turn at the send
+                    // queue's gate, a receive at the receive queue's.
+                    Ok(p) => p.in_turn(if op.is_some() { &self.gate } else { &self.recv_gate }),
                     Err(e) => return Pending::failed(self, local.into_inner(), e),
                 };
             if !self.gate.is_open() {
@@ -416,8 +444,8 @@ impl ConnShared {
         // come first. An operation of the send queue is kept at the gate until
         // they are done, nobody waiting on them; what is posted after it waits
         // behind it. A receive with fences still running went the staged
-        // route above (the receive queue has no gate: a receive kept would
-        // let later ones take its message); here its fences are done.
+        // route above (its copy into the GPU waits for them); here its
+        // fences are done.
         if let Some(op) = op {
             let item = WorkItem { local: Some(parts), op };
             let mut p = self.post_when_ready(local.into_inner(), item, fences_pending(fences));
@@ -432,8 +460,7 @@ impl ConnShared {
         match op {
             Some(_) => unreachable!("sends, writes and reads went above"),
             None => {
-                let posted = self.transport.post_recv(Some(parts));
-                let mut p = self.pending(local.into_inner(), posted);
+                let mut p = self.post_recv(local.into_inner(), Some(parts));
                 p.after = Some(Box::new(move || device.flush_remote_writes()));
                 p
             }

@@ -15,7 +15,10 @@
 //! whoever opens the gate to it. While the gate is open nothing is kept
 //! and a post goes straight to the transport: one atomic load.
 //!
-//! Receives are a queue of their own and never wait here. As on RC, the
+//! Receives are a queue of their own, with a gate of their own (a second
+//! [`Gate`]): a receive into host memory whose GPU consumers still run is
+//! kept there until they are done, and the receives posted after it wait
+//! behind it, so each message lands in the receive posted for it. As on RC, the
 //! data of a read may still be on its way back when a later operation
 //! takes effect.
 
@@ -42,12 +45,17 @@ pub(crate) enum What {
     /// An inline send nobody waits for: its outcome is left to the
     /// connection once posted.
     Untracked { data: Vec<u8>, imm: Option<u32> },
+    /// A receive, kept at the receive queue's own gate (its buffer stays
+    /// with the caller's handle, which cancels this before letting it go).
+    Recv(Option<crate::memory::LocalParts>),
 }
 
 /// Where a kept post's outcome lands.
 #[derive(Default)]
 pub(crate) struct Deferred {
     state: Mutex<PostState>,
+    /// Kept at a receive queue's gate (not the send queue's).
+    receive: bool,
 }
 
 #[derive(Default)]
@@ -77,6 +85,11 @@ impl Deferred {
     }
 
     /// Whether it is still kept (not posted, not cancelled).
+    /// Whether it was kept at a receive queue's gate.
+    pub(crate) fn is_receive(&self) -> bool {
+        self.receive
+    }
+
     pub(crate) fn is_kept(&self) -> bool {
         matches!(*self.lock(), PostState::Kept | PostState::KeptWaking(_))
     }
@@ -222,7 +235,7 @@ impl Gate {
         if q.entries.is_empty() {
             return Err(what);
         }
-        let out = Arc::new(Deferred::default());
+        let out = Arc::new(Deferred { receive: matches!(what, What::Recv(_)), ..Deferred::default() });
         q.entries.push_back(InLine::Kept { what, due, out: Arc::clone(&out), ready: None });
         self.waiting.fetch_add(1, Ordering::AcqRel);
         Ok(out)
@@ -234,7 +247,7 @@ impl Gate {
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn keep_until(&self, what: What, due: Instant, ready: DataReady) -> Arc<Deferred> {
         let mut q = self.lock();
-        let out = Arc::new(Deferred::default());
+        let out = Arc::new(Deferred { receive: matches!(what, What::Recv(_)), ..Deferred::default() });
         q.entries.push_back(InLine::Kept { what, due, out: Arc::clone(&out), ready: Some(ready) });
         self.waiting.fetch_add(1, Ordering::AcqRel);
         out
@@ -315,6 +328,7 @@ fn post(transport: &ConnTransport, what: &What) -> Option<Posted> {
     match what {
         What::Send(items) => Some(transport.post_send(items, now)),
         What::Inline { data, imm } => Some(transport.post_inline(data, *imm, now)),
+        What::Recv(parts) => Some(transport.post_recv(*parts)),
         What::Untracked { data, imm } => match transport.post_inline_quiet(data, *imm, now, true) {
             PostedInline::Quiet(_) => None,
             // Nobody waits: the connection keeps its slot until it completes.
@@ -362,6 +376,7 @@ mod tests {
             let tag = match what {
                 What::Inline { data, .. } | What::Untracked { data, .. } => data[0],
                 What::Send(_) => 0,
+                What::Recv(parts) => parts.map_or(0, |p| p.len as u8),
             };
             self.handed.lock().unwrap().push(tag);
             Some(Posted::Ok(OpId::for_tests(u32::from(tag))))
@@ -496,5 +511,33 @@ mod tests {
         assert_eq!(woken.0.load(Ordering::Acquire), 1);
         p.wake_when_posted(&Waker::from(Arc::clone(&woken)));
         assert_eq!(woken.0.load(Ordering::Acquire), 2, "already posted: woken at once");
+    }
+
+    #[test]
+    fn a_receive_kept_for_its_fences_holds_the_receives_behind_it_in_order() {
+        let gate = Gate::default();
+        let t = Recorder::default();
+        let recv =
+            |len: usize| What::Recv(Some(crate::memory::LocalParts { addr: 0, len, lkey: 0, domain: 0, path: None }));
+        let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let fence = Arc::clone(&done);
+        let first = gate.keep_until(recv(1), later(), Box::new(move || Ok(fence.load(Ordering::Acquire))));
+        assert!(first.is_receive() && !gate.is_open());
+        // Posted after it: kept behind it.
+        let second = gate.keep(recv(2), later()).expect("kept behind the fenced receive");
+        gate.pump(&t);
+        assert!(t.handed.lock().unwrap().is_empty(), "nothing goes before the fence is done");
+        done.store(true, Ordering::Release);
+        gate.pump(&t);
+        assert_eq!(*t.handed.lock().unwrap(), [1, 2], "in posting order");
+        assert!(gate.is_open() && first.take().is_some() && second.take().is_some());
+        // A kept receive dropped before its turn is never handed over.
+        let never = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let fence = Arc::clone(&never);
+        let third = gate.keep_until(recv(3), later(), Box::new(move || Ok(fence.load(Ordering::Acquire))));
+        let fourth = gate.keep(recv(4), later()).expect("kept behind");
+        assert!(gate.cancel(&third, &t).is_none(), "cancelled while kept: its buffer is free");
+        assert_eq!(*t.handed.lock().unwrap(), [1, 2, 4], "what was behind it went");
+        assert!(fourth.take().is_some());
     }
 }

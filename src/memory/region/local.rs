@@ -123,10 +123,12 @@ impl<B: LocalBuffer> LocalSlice<B> {
     /// [`CudaBuffer::ready_after`](crate::cuda::CudaBuffer::ready_after)).
     /// Call it once per stream; the operation waits for every one. Posting
     /// never blocks on it: a send, write, read or list is kept in its place
-    /// in the connection's order until the work is done, and a receive into
+    /// in the connection's order until the work is done, a receive into
     /// GPU memory lands in a host slot whose copy into the GPU waits for
-    /// it. Only a receive into host memory and a receive ring, which the
-    /// receive queue cannot keep in order, wait for it when posted.
+    /// it, and a receive into host memory is kept at the receive queue's
+    /// gate (the receives posted after it wait behind it, so each message
+    /// still lands in the receive posted for it). Only a receive ring given
+    /// the fence waits for it before it posts its slots.
     ///
     /// # Errors
     /// [`Error::Cuda`] when the event cannot be recorded.

@@ -160,9 +160,7 @@ impl Pipeline {
     /// (not a receive): its requests go to the transport only after every
     /// operation posted before it handed over its last one.
     pub(crate) fn in_turn(mut self, gate: &Arc<Gate>) -> Self {
-        if self.op.is_some() {
-            self.turn = Some(Turn { gate: Arc::clone(gate), ticket: gate.hold(None), owned: true });
-        }
+        self.turn = Some(Turn { gate: Arc::clone(gate), ticket: gate.hold(None), owned: true });
         self
     }
 
