@@ -38,24 +38,7 @@ impl TcpConn {
         };
         let peer_depth = theirs.send_depth.clamp(1, MAX_TCP_QUEUE_DEPTH) as usize;
         let inner = Arc::new(Inner {
-            state: Mutex::new(TcpState {
-                q: QueueCore::new(limits),
-                stopping: false,
-                next_seq: 1,
-                // Sized for the send queues, this side's and the peer's (whose
-                // messages are acknowledged): nothing allocates in steady state.
-                queue: VecDeque::with_capacity(limits.send_depth as usize),
-                control: VecDeque::with_capacity(peer_depth),
-                replies: Replies::new(limits.send_depth as usize, MAX_CALL),
-                sending: None,
-                sending_op: None,
-                writing: false,
-                resume: None,
-                ctl_rest: None,
-                recvs: VecDeque::new(),
-                sender_done: false,
-                sleepers: 0,
-            }),
+            state: Mutex::new(TcpState::new(limits, peer_depth)),
             reader: Mutex::new(Reader { scratch: vec![0u8; STEP] }),
             spinners: AtomicUsize::new(0),
             napping: AtomicBool::new(false),

@@ -258,6 +258,31 @@ struct TcpState {
     sleepers: usize,
 }
 
+impl TcpState {
+    /// A connection's state before anything was posted: its queues sized
+    /// for the send queues, this side's (`limits`) and the peer's
+    /// (`peer_depth`, whose messages are acknowledged), so nothing
+    /// allocates in steady state.
+    fn new(limits: Limits, peer_depth: usize) -> Self {
+        TcpState {
+            q: QueueCore::new(limits),
+            stopping: false,
+            next_seq: 1,
+            queue: VecDeque::with_capacity(limits.send_depth as usize),
+            control: VecDeque::with_capacity(peer_depth),
+            replies: Replies::new(limits.send_depth as usize, MAX_CALL),
+            sending: None,
+            sending_op: None,
+            writing: false,
+            resume: None,
+            ctl_rest: None,
+            recvs: VecDeque::new(),
+            sender_done: false,
+            sleepers: 0,
+        }
+    }
+}
+
 /// The right to read the socket: frames are read whole by one thread at a
 /// time, the receiver thread or a waiter that spins (which then carries out
 /// what arrived itself, without a hand-over between threads).

@@ -231,23 +231,7 @@ fn rnr_timer_codes_follow_the_encoding() {
 /// A connection's state with no socket and no threads, for the rules that
 /// read it alone.
 fn bare_state() -> TcpState {
-    let limits = Limits { domain_id: 1, send_depth: 8, recv_depth: 8, max_message: 1 << 20, qp_num: 0 };
-    TcpState {
-        q: QueueCore::new(limits),
-        stopping: false,
-        next_seq: 1,
-        queue: VecDeque::new(),
-        control: VecDeque::new(),
-        replies: Replies::new(8, MAX_CALL),
-        sending: None,
-        sending_op: None,
-        writing: false,
-        resume: None,
-        ctl_rest: None,
-        recvs: VecDeque::new(),
-        sender_done: false,
-        sleepers: 0,
-    }
+    TcpState::new(Limits { domain_id: 1, send_depth: 8, recv_depth: 8, max_message: 1 << 20, qp_num: 0 }, 8)
 }
 
 fn out(seq: u32) -> Out {
