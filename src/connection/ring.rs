@@ -14,8 +14,9 @@ use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::memory::{HostMemory, LocalBuffer, LocalParts, LocalSlice, Region};
 use crate::ops::{OpId, OpOutcome, WaitError};
+use crate::protocol::op::{self, Look, Operation, Until};
 use crate::transport::Posted;
-use crate::transport::engine::{AwaitClock, NotYet};
+use crate::transport::engine::AwaitClock;
 
 /// What a ring's wait is for, in its timeout.
 const WHAT: &str = "a message for the receive ring";
@@ -391,34 +392,17 @@ impl<B: LocalBuffer> RecvRing<B> {
     }
 
     /// The oldest receive's outcome if it is in (its slot and completion),
-    /// else the waker registered.
+    /// else the waker registered: the operation driver's look
+    /// ([`op::poll`]), bounded by the operation timeout.
     fn poll_take(&mut self, cx: &mut Context<'_>) -> Poll<Result<(u32, Completion)>> {
-        let (slot, id) = match self.oldest() {
-            Ok(oldest) => oldest,
-            Err(e) => return self.ready(Err(e)),
-        };
-        let engine = self.shared.domain.engine();
-        match self.shared.transport.poll_register(id, cx.waker(), engine) {
-            Ok(Some(outcome)) => {
-                let finished = self.finish(slot, outcome).map(|completion| (slot, completion));
-                self.ready(finished)
-            }
-            Ok(None) => {
-                let timeout = Some(self.shared.op_timeout);
-                match self.clock.not_yet(engine, cx.waker(), NotYet::Told, timeout, WHAT) {
-                    // Still posted: the next call waits for it again.
-                    Err(e) => Poll::Ready(Err(e)),
-                    Ok(()) => Poll::Pending,
-                }
-            }
-            Err(e) => self.ready(Err(e)),
-        }
-    }
-
-    /// An awaited wait's end: its timer cancelled.
-    fn ready<T>(&mut self, result: Result<T>) -> Poll<Result<T>> {
-        self.disarm();
-        Poll::Ready(result)
+        let shared = Arc::clone(&self.shared);
+        let mut clock = std::mem::take(&mut self.clock);
+        let bound = Some(shared.op_timeout);
+        let engine = shared.domain.engine();
+        // On a timeout the receive stays posted: the next call waits for it again.
+        let polled = op::poll(&mut Oldest(self), &shared.transport, engine, &mut clock, cx.waker(), bound, WHAT);
+        self.clock = clock;
+        polled
     }
 
     /// Cancels an awaited wait's timer, if one is armed.
@@ -649,5 +633,25 @@ impl std::ops::Deref for Received<'_, Region<HostMemory>> {
 impl<B: LocalBuffer> fmt::Debug for Received<'_, B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Received").field("slot", &self.slot).field("completion", &self.completion).finish()
+    }
+}
+
+/// A ring's oldest receive, as the operation driver sees it.
+struct Oldest<'a, B: LocalBuffer>(&'a mut RecvRing<B>);
+
+impl<B: LocalBuffer> Operation for Oldest<'_, B> {
+    type Output = (u32, Completion);
+
+    fn step(&mut self, _: Option<&std::task::Waker>) -> Look<(u32, Completion)> {
+        let ring = &mut *self.0;
+        let (slot, id) = match ring.oldest() {
+            Ok(oldest) => oldest,
+            Err(e) => return Look::Done(Err(e)),
+        };
+        match ring.shared.transport.poll_take(id) {
+            Ok(Some(outcome)) => Look::Done(ring.finish(slot, outcome).map(|c| (slot, c))),
+            Ok(None) => Look::Wait(Until::Request { id, briefly: None }),
+            Err(e) => Look::Done(Err(e)),
+        }
     }
 }

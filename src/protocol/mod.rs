@@ -10,8 +10,8 @@
 //! - The operation driver ([`op`]): how any operation in flight is waited
 //!   for and awaited. Each says how it moves and what would wake a waiter;
 //!   one wait and spin policy and one registration with the engine serve
-//!   single operations off their fast paths, transfer lists and
-//!   notification waits.
+//!   single operations off their fast paths, transfer lists, receive
+//!   rings' awaits and notification waits.
 //! - Notification rings ([`mailbox`]): where notes and the covers of writes
 //!   with immediate land at the peer without taking a receive.
 //!
