@@ -887,6 +887,19 @@ gpu_tcp_test! {
         c.send_inline(b"after the drop", None).wait().unwrap();
         let (done, got) = next.finish().unwrap();
         assert_eq!(&got[..done.byte_len as usize], b"after the drop");
+        // A receive ring posts behind a receive kept for its fences: its
+        // slots go once that one was posted, and take the messages after it.
+        produce(&stream, busy.memory(), 0, 4096, 85, 300_000);
+        let t0 = Instant::now();
+        let kept = s.recv(d.alloc(64).unwrap().slice(..).after(&stream).unwrap());
+        let mut ring = s.recv_ring(d.alloc(4 * 64).unwrap(), 64, 4);
+        let ring_made_in = t0.elapsed();
+        assert!(ring_made_in >= Duration::from_millis(250), "the ring went ahead of the kept receive: {ring_made_in:?}");
+        c.send_inline(b"first", None).wait().unwrap();
+        c.send_inline(b"second", None).wait().unwrap();
+        let (done, got) = kept.finish().unwrap();
+        assert_eq!(&got[..done.byte_len as usize], b"first");
+        assert_eq!(&ring.next().unwrap()[..], b"second");
         stream.synchronize().unwrap();
     }
 }

@@ -199,15 +199,11 @@ impl<B: LocalBuffer> RecvRing<B> {
     #[cold]
     #[inline(never)]
     fn behind_kept_receive(&self) -> Result<()> {
-        let start = std::time::Instant::now();
-        while !self.shared.recv_gate.is_open() {
-            self.shared.drive();
-            if start.elapsed() >= self.shared.post_timeout {
-                return Err(Error::Timeout { what: "a receive kept for its fences", after: self.shared.post_timeout });
-            }
-            crate::deadline::look_again(false);
-        }
-        Ok(())
+        let shared = &*self.shared;
+        let timeout = shared.post_timeout;
+        let bound =
+            op::Bound { total: Some(timeout), idle: timeout, spin: shared.spin, what: "a receive kept for its fences" };
+        op::wait(&mut GateOpen(shared), &op::NoRequests, bound)
     }
 
     /// GPU memory on a direct path: each post waits for the buffer's
@@ -653,5 +649,18 @@ impl<B: LocalBuffer> Operation for Oldest<'_, B> {
             Ok(None) => Look::Wait(Until::Request { id, briefly: None }),
             Err(e) => Look::Done(Err(e)),
         }
+    }
+}
+
+/// The receive queue's gate opening: the connection moved along at each
+/// look (what holds the gate wakes nobody when its fences are done).
+struct GateOpen<'a>(&'a ConnShared);
+
+impl Operation for GateOpen<'_> {
+    type Output = ();
+
+    fn step(&mut self, _: Option<&std::task::Waker>) -> Look<()> {
+        self.0.drive();
+        if self.0.recv_gate.is_open() { Look::Done(Ok(())) } else { Look::Wait(Until::Soon { copying: false }) }
     }
 }

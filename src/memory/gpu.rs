@@ -16,13 +16,13 @@ use crate::error::Result;
 /// What this machine offers `device` for each memory path.
 pub fn detect_caps(device: &crate::cuda::CudaDevice) -> PathCaps {
     let attrs = device.attrs();
-    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let machine = machine_caps();
     PathCaps {
-        rdma_core_dmabuf: cfg!(gpu_rdma_dmabuf_mr),
-        kernel_dmabuf: kernel_at_least(release.trim(), 5, 12),
-        driver_dmabuf: driver().map(|d| d.has_dmabuf_export).unwrap_or(false),
+        rdma_core_dmabuf: machine.rdma_core_dmabuf,
+        kernel_dmabuf: machine.kernel_dmabuf,
+        driver_dmabuf: machine.driver_dmabuf,
         device_dmabuf: attrs.dma_buf_supported,
-        peermem_loaded: peermem_marker(Path::new("/sys")).is_some(),
+        peermem_loaded: machine.peermem_loaded,
         device_gdr: attrs.gpu_direct_rdma_supported,
         rdma: true,
         buffer_not_gdr_capable: false,
@@ -37,12 +37,27 @@ pub fn detect_caps(device: &crate::cuda::CudaDevice) -> PathCaps {
 pub(crate) fn direct_path_possible() -> bool {
     static POSSIBLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *POSSIBLE.get_or_init(|| {
-        let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
-        let dmabuf = cfg!(gpu_rdma_dmabuf_mr)
-            && kernel_at_least(release.trim(), 5, 12)
-            && driver().is_ok_and(|d| d.has_dmabuf_export);
-        peermem_marker(Path::new("/sys")).is_some() || dmabuf
+        let m = machine_caps();
+        m.peermem_loaded || (m.rdma_core_dmabuf && m.kernel_dmabuf && m.driver_dmabuf)
     })
+}
+
+/// What a direct path needs of the machine, whatever the GPU: read now.
+struct MachineCaps {
+    rdma_core_dmabuf: bool,
+    kernel_dmabuf: bool,
+    driver_dmabuf: bool,
+    peermem_loaded: bool,
+}
+
+fn machine_caps() -> MachineCaps {
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    MachineCaps {
+        rdma_core_dmabuf: cfg!(gpu_rdma_dmabuf_mr),
+        kernel_dmabuf: kernel_at_least(release.trim(), 5, 12),
+        driver_dmabuf: driver().is_ok_and(|d| d.has_dmabuf_export),
+        peermem_loaded: peermem_marker(Path::new("/sys")).is_some(),
+    }
 }
 
 /// Whether GPU registrations ask for PCIe relaxed ordering: yes, unless

@@ -142,23 +142,33 @@ pub(crate) fn wait<O: Operation>(op: &mut O, transport: &impl Requests, bound: B
             };
             return Err(Error::Timeout { what: bound.what, after });
         }
-        let spinning = now - last.1 < bound.spin;
-        match until {
-            Until::Request { briefly: Some(true), .. } | Until::Soon { copying: true } if spinning => {
-                look_again(true);
-            }
-            Until::Request { id, briefly } => {
-                let slice = briefly.map_or(deadline - now, |copying| staged_slice(copying).min(deadline - now));
-                match transport.sleep_on(id, &mut Deadline::lazy(slice, bound.what)) {
-                    // Done, or a slice over: the next look takes it.
-                    Ok(()) | Err(Error::Timeout { .. }) => {}
-                    // Failed or lost: the next look reports it; never a busy loop.
-                    Err(_) => look_again(false),
-                }
-            }
-            Until::Soon { .. } | Until::Woken => look_again(false),
-        }
+        nap(transport, until, deadline - now, now - last.1 < bound.spin, bound.what);
     }
+}
+
+/// One pause of a blocking wait on what `until` names, at most `left`:
+/// with `spinning` (within the spin window, on a copy about to end) the
+/// CPU is only yielded; a request is slept on (a slice of it where other
+/// work must move meanwhile); else a moment. Whether it slept on a request
+/// for all of `left` without it finishing.
+fn nap(transport: &impl Requests, until: Until, left: Duration, spinning: bool, what: &'static str) -> bool {
+    match until {
+        Until::Request { briefly: Some(true), .. } | Until::Soon { copying: true } if spinning => {
+            look_again(true);
+        }
+        Until::Request { id, briefly } => {
+            let slice = briefly.map_or(left, |copying| staged_slice(copying).min(left));
+            match transport.sleep_on(id, &mut Deadline::lazy(slice, what)) {
+                // Done, or a slice over: the next look takes it.
+                Ok(()) => {}
+                Err(Error::Timeout { .. }) => return briefly.is_none(),
+                // Failed or lost: the next look reports it; never a busy loop.
+                Err(_) => look_again(false),
+            }
+        }
+        Until::Soon { .. } | Until::Woken => look_again(false),
+    }
+    false
 }
 
 /// One step of a wait, for a caller that keeps several operations going on
@@ -178,18 +188,10 @@ pub(crate) fn wait_once<O: Operation>(
         Look::Wait(until) => until,
     };
     let limit = bound.total.map_or(bound.idle, |t| t.min(bound.idle));
-    match until {
-        Until::Request { id, briefly } => {
-            let slice = briefly.map_or(limit, staged_slice);
-            match transport.sleep_on(id, &mut Deadline::lazy(slice, bound.what)) {
-                Err(Error::Timeout { .. }) if briefly.is_none() => {
-                    return Err(Error::Timeout { what: bound.what, after: limit });
-                }
-                Ok(()) | Err(_) => {}
-            }
-        }
-        Until::Soon { copying } => look_again(copying),
-        Until::Woken => look_again(false),
+    // Yields only on a copy about to end: a request is slept on.
+    let spinning = matches!(until, Until::Soon { copying: true });
+    if nap(transport, until, limit, spinning, bound.what) {
+        return Err(Error::Timeout { what: bound.what, after: limit });
     }
     match op.step(None) {
         Look::Done(outcome) => outcome.map(Some),

@@ -250,22 +250,25 @@ impl VerbsConn {
         mut due: Deadline,
         whole: Option<crate::remote::RemoteSlice>,
     ) -> Posted {
-        let Some(covers) = self.covers.get().filter(|_| crate::transport::covers::any_imm_write(items)) else {
+        // Callers post a write with immediate (`post_send` looked; the
+        // staged path's last piece is one).
+        let Some(covers) = self.covers.get() else {
             return self.post_send(items, due);
         };
         let mut post = covers.begin();
         let mut chain = Vec::with_capacity(items.len() + 2);
+        let mut records = 0u64;
         let broken = || self.broken();
         for item in items {
             if let RemoteOp::WriteWithImm(range, _) = item.op {
+                let before = chain.len();
                 if let Err(e) = post.place(whole.unwrap_or(range), &mut due, &broken, &mut chain) {
                     return Posted::refused(e);
                 }
+                records += chain[before..].iter().filter_map(|i| i.local.map(|l| l.len as u64)).sum::<u64>();
             }
             chain.push(*item);
         }
-        let records: u64 = chain.iter().filter_map(|i| i.local.map(|l| l.len as u64)).sum::<u64>()
-            - items.iter().filter_map(|i| i.local.map(|l| l.len as u64)).sum::<u64>();
         let posted = self.post_chain(&chain, due, records);
         if matches!(posted, Posted::Ok(_) | Posted::Stuck(..)) {
             post.commit();
