@@ -359,8 +359,10 @@ impl Domain {
         let on_gpu = gpu.is_some();
         let exposed = Exposed::from_parts(reg, region, remote, tag, self.live(Counter::Exposed), tcp);
         #[cfg(feature = "cuda")]
-        if on_gpu {
+        if on_gpu && remote.contains(Access::REMOTE_WRITE) {
             // A notification naming it makes what peers wrote visible first.
+            // Only where peers may write: a note naming a region they may
+            // only read must not bring its mirror back over the GPU's data.
             self.inner.mem.visible.add(exposed.rkey(), exposed.visible());
         }
         Ok(exposed)

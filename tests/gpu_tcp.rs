@@ -755,6 +755,61 @@ gpu_tcp_test! {
 }
 
 gpu_tcp_test! {
+    /// A note names the region its transfer wrote by key, and the receiver
+    /// copies the named range in from the staged mirror before it hands the
+    /// note out: only where peers may write that region. A hostile peer
+    /// writing raw ring records that names a region exposed for reading
+    /// alone brings nothing of its mirror back over the owner's newer GPU
+    /// data; the same record naming a writable region does pull its range
+    /// (so the check is not vacuous).
+    fn a_note_naming_a_region_peers_may_not_write_pulls_nothing_into_it() {
+        use common::raw;
+        use std::io::Write;
+        let d = tcp_domain();
+        let len = 64 << 10;
+        let published = pattern(len, 71);
+        let read_only = d.expose(gpu_region(&d, len, Some(&published)), Access::REMOTE_READ, 1).unwrap();
+        let writable = d.expose(gpu_region(&d, len, Some(&published)), Access::REMOTE_WRITE, 2).unwrap();
+        let newer = pattern(len, 72);
+        for e in [&read_only, &writable] {
+            e.publish().unwrap();
+            e.cuda().copy_from_host(0, &newer).unwrap();
+        }
+        let listener = d.listen("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let o = opts().advertise(&read_only).advertise(&writable);
+        let server = std::thread::spawn(move || listener.accept_timeout(&o, std::time::Duration::from_secs(10)));
+        let (mut sock, theirs) = raw::hostile_client(addr, raw::endpoint(7, 64), vec![]);
+        let victim = server.join().unwrap().expect("the victim accepts");
+        let ring = raw::ring_of(&theirs);
+        let (mut out, mut msg, mut at) = (Vec::new(), Vec::new(), 0);
+        for tag in [1u32, 2] {
+            let r = theirs.regions.iter().find(|r| r.tag == u64::from(tag)).copied().expect("advertised");
+            raw::note_covering(false, r.rkey, &[(r.addr, len as u64)], b"", &mut msg);
+            let rec = raw::ring_record(u64::from(tag), tag, &msg);
+            raw::ring_write(&ring, tag, at, &rec, &mut out);
+            at += rec.len() as u64;
+        }
+        sock.write_all(&out).unwrap();
+        let mut inbox = victim.inbox(4).unwrap();
+        assert_eq!(inbox.wait(1, 1).unwrap().len(), 1);
+        assert_eq!(
+            first_difference(&read_gpu(read_only.cuda(), len), &newer),
+            None,
+            "a read-only region's GPU memory after a note that names it"
+        );
+        assert_eq!(inbox.wait(2, 1).unwrap().len(), 1);
+        assert_eq!(
+            first_difference(&read_gpu(writable.cuda(), len), &published),
+            None,
+            "a writable region's GPU memory after a note that names it: its mirror pulled in"
+        );
+        assert!(victim.broken().is_none());
+        drop((victim, sock));
+    }
+}
+
+gpu_tcp_test! {
     /// The stream-ordered fence, given to one operation
     /// (`LocalSlice::after`): that send alone waits for the producer queued
     /// on the stream (its bytes are the producer's), its post returns at

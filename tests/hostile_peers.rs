@@ -36,7 +36,7 @@
 mod common;
 
 use std::io::{ErrorKind, Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread;
@@ -44,6 +44,8 @@ use std::time::{Duration, Instant};
 
 use gpu_rdma::bootstrap::{self, CAP_TCP, Deadline, Hello, Secret, TcpEndpoint};
 use gpu_rdma::{Access, ConnectOptions, Connection, Domain, DomainConfig, Exposed, RemoteRegion, TransportPolicy};
+
+use common::raw::*;
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
@@ -91,73 +93,6 @@ fn within(limit: Duration, mut f: impl FnMut() -> bool) -> Option<Duration> {
             return None;
         }
         thread::sleep(Duration::from_millis(2));
-    }
-}
-
-// ---- the hostile peer's tools ----
-
-const SEND: u8 = 1;
-const WRITE: u8 = 2;
-const READ_REQ: u8 = 3;
-const READ_RESP: u8 = 4;
-const ACK: u8 = 5;
-const FIRST: u8 = 1;
-const LAST: u8 = 2;
-const IMM: u8 = 4;
-/// The flag by which a frame asks for an acknowledgement.
-const WANTS_ACK: u8 = 8;
-const HEADER: usize = 32;
-
-/// The transport's frame header, as documented in `transport/tcp.rs`:
-/// `op u8, flags u8, 2 reserved, seq u32, key u32, imm u32, addr u64,
-/// len u32, total u32`, little-endian; then `len` payload bytes.
-#[allow(clippy::too_many_arguments)]
-fn frame(op: u8, flags: u8, seq: u32, key: u32, addr: u64, len: u32, total: u32, out: &mut Vec<u8>) {
-    out.extend_from_slice(&[op, flags, 0, 0]);
-    out.extend_from_slice(&seq.to_le_bytes());
-    out.extend_from_slice(&key.to_le_bytes());
-    out.extend_from_slice(&7u32.to_le_bytes());
-    out.extend_from_slice(&addr.to_le_bytes());
-    out.extend_from_slice(&len.to_le_bytes());
-    out.extend_from_slice(&total.to_le_bytes());
-}
-
-/// The little-endian `u32` at byte `at` of a frame header (seq at 4, len
-/// at 24, total at 28; see [`frame`]).
-fn u32_at(h: &[u8], at: usize) -> u32 {
-    u32::from_le_bytes([h[at], h[at + 1], h[at + 2], h[at + 3]])
-}
-
-fn endpoint(rnr_retry: u8, send_depth: u32) -> TcpEndpoint {
-    TcpEndpoint { rnr_retry, min_rnr_timer: 1, max_message: 1 << 30, send_depth }
-}
-
-/// Connects to `addr` and plays the handshake as a TCP-only client that
-/// advertises `regions`. Returns the socket and the victim's hello.
-fn hostile_client(addr: SocketAddr, tcp: TcpEndpoint, mut regions: Vec<RemoteRegion>) -> (TcpStream, Hello) {
-    if !regions.iter().any(|r| r.tag == gpu_rdma::RING_TAG) {
-        regions.push(fake_ring());
-    }
-    let s = TcpStream::connect(addr).expect("connect to the victim");
-    let deadline = Deadline::after(Duration::from_secs(10), "the victim");
-    let mine = Hello { caps: CAP_TCP, verbs: None, tcp: Some(tcp), regions, name: vec![] };
-    let theirs = bootstrap::exchange_hello(&s, &mine, deadline, 1 << 20).expect("the victim's hello");
-    bootstrap::exchange_ready(&s, deadline).expect("the victim's ready");
-    (s, theirs)
-}
-
-/// The key of the notification ring the hostile client announces: it holds
-/// no memory; the victim's writes to it (its credits) are read off the
-/// socket.
-const FAKE_RING_KEY: u32 = 0x5151;
-
-fn fake_ring() -> RemoteRegion {
-    RemoteRegion {
-        tag: gpu_rdma::RING_TAG,
-        addr: 0x7000_0000,
-        len: 64 + gpu_rdma::DEFAULT_RING as u64,
-        rkey: FAKE_RING_KEY,
-        access: Access::REMOTE_WRITE,
     }
 }
 
@@ -779,12 +714,6 @@ fn broken_within(conn: &Connection, limit: Duration) -> Option<String> {
     within(limit, || conn.broken().is_some()).and_then(|_| conn.broken())
 }
 
-fn ack_frame(seq: u32, status: u32) -> Vec<u8> {
-    let mut out = Vec::new();
-    frame(ACK, 0, seq, 0, 0, 0, status, &mut out);
-    out
-}
-
 /// A peer that reads only the first frame header of a 32 MiB write or send
 /// and acknowledges it at once: the operation must not complete (its
 /// buffer would come back while the transport still reads it to send the
@@ -887,18 +816,6 @@ fn duplicate_unknown_and_out_of_order_replies_break_the_connection() {
 
 // ---- 9. an inbox's bound is in bytes ----
 
-/// A notification message as the crate encodes it (`magic "gN", version 2,
-/// status, payload length, key, range count, 3 reserved`, big-endian; then
-/// the ranges (none here) and the payload).
-fn note_msg(failed: bool, payload: &[u8], msg: &mut Vec<u8>) {
-    msg.clear();
-    msg.extend_from_slice(&[0x67, 0x4e, 2, u8::from(failed)]);
-    msg.extend_from_slice(&(payload.len() as u32).to_be_bytes());
-    // No ranges written: key 0, a count of 0, 3 reserved bytes.
-    msg.extend_from_slice(&[0; 8]);
-    msg.extend_from_slice(payload);
-}
-
 /// Writes `n` notifications (`note(i, msg)` fills the i-th and returns its
 /// tag) into the victim's notification `ring`, as the crate's ring format
 /// says (`protocol/mailbox.rs`: records of `seq u64, len u32, tag u32,
@@ -946,17 +863,7 @@ fn feed_notes(
         let (mut head, mut rseq, mut fseq) = (0u64, 1u64, 1u32);
         let (mut out, mut msg) = (Vec::with_capacity(1 << 20), Vec::new());
         let mut put = |out: &mut Vec<u8>, at: u64, bytes: &[u8]| {
-            frame(
-                WRITE,
-                FIRST | LAST,
-                fseq,
-                ring.rkey,
-                ring.addr + 64 + at,
-                bytes.len() as u32,
-                bytes.len() as u32,
-                out,
-            );
-            out.extend_from_slice(bytes);
+            ring_write(&ring, fseq, at, bytes, out);
             fseq += 1;
         };
         let flush = |out: &mut Vec<u8>| {
@@ -984,12 +891,7 @@ fn feed_notes(
                 rseq += 1;
                 at = 0;
             }
-            let mut rec = vec![0u8; size as usize];
-            rec[..8].copy_from_slice(&rseq.to_le_bytes());
-            rec[8..12].copy_from_slice(&(msg.len() as u32).to_le_bytes());
-            rec[12..16].copy_from_slice(&tag.to_le_bytes());
-            rec[16..16 + msg.len()].copy_from_slice(&msg);
-            rec[size as usize - 8..].copy_from_slice(&rseq.to_le_bytes());
+            let rec = ring_record(rseq, tag, &msg);
             put(&mut out, at, &rec);
             rseq += 1;
             head += need;
@@ -999,11 +901,6 @@ fn feed_notes(
         }
         s
     })
-}
-
-/// The victim's notification ring, as its hello announced it.
-fn ring_of(theirs: &Hello) -> RemoteRegion {
-    theirs.regions.iter().find(|r| r.tag == gpu_rdma::RING_TAG).copied().expect("the victim announced its ring")
 }
 
 /// The worst payload for an inbox: 70,000 failure notes of 4 KiB of bytes

@@ -9,6 +9,7 @@ use std::time::Duration;
 pub mod etcd;
 #[cfg(feature = "cuda")]
 pub mod gpu;
+pub mod raw;
 
 use gpu_rdma::{ConnectOptions, Connection, Domain, DomainConfig, TransportPolicy};
 
