@@ -10,7 +10,8 @@ pub use crate::memory::DomainStats;
 use crate::memory::path::PathPolicy;
 #[cfg(feature = "cuda")]
 pub use crate::memory::staging::StagingStats;
-use crate::memory::{Access, Counter, Exposed, HostMemory, Live, Memory, MemoryDomain, MemoryKind, Region};
+use crate::memory::{Access, Counter, Exposed, HostMemory, Live, Memory, MemoryKind, Region};
+use crate::protocol::context::OpContext;
 
 /// This process's endpoint on one RDMA device port: a protection domain,
 /// the port and GID it addresses peers with, and the memory registered in
@@ -21,33 +22,29 @@ pub struct Domain {
 }
 
 pub(crate) struct DomainInner {
-    /// Registration, the key table, live counts.
-    pub(crate) mem: Arc<MemoryDomain>,
-    /// Staging machinery per GPU (streams, pinned registered buffers).
-    #[cfg(feature = "cuda")]
-    pub(crate) staging: crate::memory::staging::StagingHome,
+    /// What operations need of the domain (registration, staging, the
+    /// engine), shared with its connections.
+    pub(crate) ctx: Arc<OpContext>,
     /// GPU registration's per-domain state (path reports logged, GPU-NIC links).
     #[cfg(feature = "cuda")]
     pub(crate) gpu_paths: crate::memory::gpu::GpuPaths,
-    /// Wakes what awaits operations (futures, completion sets, callbacks).
-    pub(crate) engine: crate::transport::engine::Engine,
 }
 
 impl Domain {
-    /// The domain's progress engine.
-    pub(crate) fn engine(&self) -> &crate::transport::engine::Engine {
-        &self.inner.engine
+    /// What a connection of this domain holds of it.
+    pub(crate) fn context(&self) -> &Arc<OpContext> {
+        &self.inner.ctx
     }
 
     /// The domain's staging machinery.
     #[cfg(feature = "cuda")]
     pub(crate) fn staging(&self) -> &crate::memory::staging::StagingHome {
-        &self.inner.staging
+        self.inner.ctx.staging()
     }
 
     /// Registration, the key table and the domain's other memory state.
     pub(crate) fn mem(&self) -> &Arc<crate::memory::MemoryDomain> {
-        &self.inner.mem
+        self.inner.ctx.mem()
     }
 
     /// Opens the device named by the environment (see [`DomainConfig::from_env`]),
@@ -73,12 +70,9 @@ impl Domain {
         let mem = Arc::new(crate::memory::domain::open(config)?);
         let domain = Domain {
             inner: Arc::new(DomainInner {
-                #[cfg(feature = "cuda")]
-                staging: crate::memory::staging::StagingHome::new(Arc::clone(&mem)),
-                mem,
+                ctx: Arc::new(OpContext::new(mem)?),
                 #[cfg(feature = "cuda")]
                 gpu_paths: Default::default(),
-                engine: crate::transport::engine::Engine::new()?,
             }),
         };
         tracing::info!("gpu-rdma domain: {}", domain.info());
@@ -109,21 +103,21 @@ impl Domain {
     /// This domain's identity, unique in the process (what
     /// [`Region::domain_id`] reports).
     pub fn id(&self) -> u64 {
-        self.inner.mem.id()
+        self.mem().id()
     }
 
     pub(crate) fn live(&self, which: Counter) -> Live {
-        self.inner.mem.live(which)
+        self.mem().live(which)
     }
 
     /// The device, port and GID in use, and why.
     pub fn info(&self) -> DomainInfo {
-        self.inner.mem.info()
+        self.mem().info()
     }
 
     /// Live resources.
     pub fn stats(&self) -> DomainStats {
-        self.inner.mem.stats()
+        self.mem().stats()
     }
 
     /// Bytes of pinned host memory this domain holds for staging GPU
@@ -137,7 +131,7 @@ impl Domain {
     /// 64 MiB), so a workload's next burst at the same depth pins nothing.
     #[cfg(feature = "cuda")]
     pub fn staging_bytes(&self) -> usize {
-        self.inner.staging.pinned_bytes()
+        self.staging().pinned_bytes()
     }
 
     /// What this domain's staging holds (pinned, cached, reserved bytes)
@@ -146,7 +140,7 @@ impl Domain {
     /// the staging is pinning on the hot path: see [`Domain::reserve_staging`].
     #[cfg(feature = "cuda")]
     pub fn staging_stats(&self) -> StagingStats {
-        self.inner.staging.stats()
+        self.staging().stats()
     }
 
     /// Frees the staging slots cached for reuse that were not reserved
@@ -156,7 +150,7 @@ impl Domain {
     /// pinned memory the cache kept for it.
     #[cfg(feature = "cuda")]
     pub fn trim_staging(&self) -> usize {
-        self.inner.staging.trim()
+        self.staging().trim()
     }
 
     /// Pins `count` staging slots for messages (or chunks of writes and
@@ -199,7 +193,7 @@ impl Domain {
     /// stay reserved.
     #[cfg(feature = "cuda")]
     pub fn reserve_staging(&self, gpu: &crate::cuda::CudaDevice, len: usize, count: usize) -> Result<()> {
-        self.inner.staging.reserve(gpu, len, count)
+        self.staging().reserve(gpu, len, count)
     }
 
     /// Allocates `len` zeroed bytes of page-aligned host memory and registers
@@ -247,7 +241,7 @@ impl Domain {
         }
         #[cfg(feature = "cuda")]
         if let Some(buf) = mem.cuda_buffer() {
-            return match crate::memory::gpu::register(&self.inner.mem, &self.inner.gpu_paths, buf, access, policy) {
+            return match crate::memory::gpu::register(self.mem(), &self.inner.gpu_paths, buf, access, policy) {
                 Ok((reg, report)) => {
                     Ok(Region::from_parts(reg, mem, access, Some(report), self.id(), self.live(Counter::Regions)))
                 }
@@ -266,7 +260,7 @@ impl Domain {
         // SAFETY: `mem` is moved into the Region with the registration, and the
         // Region deregisters before it frees (or leaks) the memory; `Memory`'s
         // contract keeps the address range valid and fixed until then.
-        match unsafe { self.inner.mem.register(mem.as_ptr(), mem.len(), access) } {
+        match unsafe { self.mem().register(mem.as_ptr(), mem.len(), access) } {
             Ok(reg) => Ok(Region::from_parts(reg, mem, access, None, self.id(), self.live(Counter::Regions))),
             Err(error) => Err(BufError { error, buffer: mem }),
         }
@@ -324,12 +318,12 @@ impl Domain {
         let gpu: Option<((), ())> = None;
         let reg = match gpu {
             #[cfg(feature = "cuda")]
-            Some((buf, path)) => crate::memory::gpu::register_remote(&self.inner.mem, buf, mr_access, path),
+            Some((buf, path)) => crate::memory::gpu::register_remote(self.mem(), buf, mr_access, path),
             #[cfg(not(feature = "cuda"))]
             Some(_) => unreachable!(),
             // SAFETY: the Exposed value owns `region` (and so its memory) and drops
             // this second registration before the region; see `Exposed`'s Drop.
-            None => unsafe { self.inner.mem.register(region.memory().as_ptr(), region.len(), mr_access) },
+            None => unsafe { self.mem().register(region.memory().as_ptr(), region.len(), mr_access) },
         };
         let reg = match reg {
             Ok(reg) => reg,
@@ -339,7 +333,7 @@ impl Domain {
         if reg.mirror().is_some() && remote.contains(Access::REMOTE_WRITE) {
             // Connections made from now on ask for covers of writes with
             // immediate (see `ConnectOptions::imm_covers`).
-            self.inner.mem.visible.mark_staged_writable();
+            self.mem().visible.mark_staged_writable();
         }
         // The TCP transport serves memory the CPU can reach: host memory, or a
         // staged region's host mirror (not GPU memory on a direct path).
@@ -350,7 +344,7 @@ impl Domain {
         };
         // SAFETY: the exposure handle is dropped (revoked, waiting for transfers
         // in progress) before the registration and the region it serves.
-        let tcp = cpu_view.map(|(addr, len)| unsafe { self.inner.mem.keys.expose(addr, len, remote, reg.rkey()) });
+        let tcp = cpu_view.map(|(addr, len)| unsafe { self.mem().keys.expose(addr, len, remote, reg.rkey()) });
         let tcp = match tcp.transpose() {
             Ok(tcp) => tcp,
             Err(error) => return Err(BufError { error, buffer: region }),
@@ -363,7 +357,7 @@ impl Domain {
             // A notification naming it makes what peers wrote visible first.
             // Only where peers may write: a note naming a region they may
             // only read must not bring its mirror back over the GPU's data.
-            self.inner.mem.visible.add(exposed.rkey(), exposed.visible());
+            self.mem().visible.add(exposed.rkey(), exposed.visible());
         }
         Ok(exposed)
     }

@@ -12,6 +12,7 @@ use std::time::Duration;
 use super::notes::{Entry, InboxStats, Note};
 use super::{ConnShared, Connection};
 use crate::error::{Error, Result};
+use crate::protocol::context::OpContext;
 use crate::protocol::op;
 use crate::transport::engine::AwaitClock;
 
@@ -106,8 +107,8 @@ impl Inbox {
     /// # Errors
     /// As [`wait`](Self::wait).
     pub fn wait_async(&mut self, tag: u32, n: usize) -> Looking<impl FnMut() -> Result<Option<Vec<Note>>> + '_> {
-        let (domain, timeout) = (self.shared.domain.clone(), self.shared.op_timeout);
-        Looking::new(domain, timeout, "notifications", move || self.try_take(tag, n))
+        let (ctx, timeout) = (Arc::clone(&self.shared.ctx), self.shared.op_timeout);
+        Looking::new(ctx, timeout, "notifications", move || self.try_take(tag, n))
     }
 
     /// Notifications with `tag` that arrived and are not taken (as of the
@@ -122,9 +123,10 @@ impl Inbox {
         self.shared.notes.read_side().state.lost.is_some()
     }
 
-    /// The connection's domain (whose engine times async waits).
-    pub(crate) fn domain(&self) -> crate::Domain {
-        self.shared.domain.clone()
+    /// What the connection holds of its domain (whose engine times async
+    /// waits).
+    pub(crate) fn context(&self) -> Arc<OpContext> {
+        Arc::clone(&self.shared.ctx)
     }
 
     /// What the inbox has seen.
@@ -141,21 +143,21 @@ impl Inbox {
 #[must_use = "a future does nothing unless awaited"]
 pub struct Looking<F> {
     look: F,
-    domain: crate::Domain,
+    ctx: Arc<OpContext>,
     timeout: Duration,
     clock: AwaitClock,
     what: &'static str,
 }
 
 impl<F> Looking<F> {
-    pub(crate) fn new(domain: crate::Domain, timeout: Duration, what: &'static str, look: F) -> Self {
-        Looking { look, domain, timeout, clock: AwaitClock::default(), what }
+    pub(crate) fn new(ctx: Arc<OpContext>, timeout: Duration, what: &'static str, look: F) -> Self {
+        Looking { look, ctx, timeout, clock: AwaitClock::default(), what }
     }
 }
 
 impl<F> Drop for Looking<F> {
     fn drop(&mut self) {
-        self.clock.stop(self.domain.engine());
+        self.clock.stop(self.ctx.engine());
     }
 }
 
@@ -164,7 +166,7 @@ impl<T, F: FnMut() -> Result<Option<T>> + Unpin> std::future::Future for Looking
 
     fn poll(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<T>> {
         let this = self.get_mut();
-        let engine = this.domain.engine();
+        let engine = this.ctx.engine();
         let bound = Some(this.timeout);
         op::poll(&mut Take(&mut this.look), &op::NoRequests, engine, &mut this.clock, cx.waker(), bound, this.what)
     }

@@ -365,7 +365,7 @@ impl Connection {
 
     /// A handle to its domain's engine, to drive work built on it.
     pub(crate) fn engine(&self) -> crate::transport::engine::EngineHandle {
-        self.shared.domain.engine().handle()
+        self.shared.ctx.engine().handle()
     }
 
     /// Breaks the connection for `reason`: tells the peer, and fails what

@@ -13,6 +13,7 @@ use crate::deadline::{Deadline, look_again};
 use crate::error::{Error, Result};
 use crate::memory::peer_written::PeerWritten;
 use crate::memory::{Exposed, HostMemory, LocalParts, RemoteRegion, parts_of};
+use crate::protocol::context::OpContext;
 use crate::protocol::mailbox::{
     self, ALIGN, CREDITS_IN, CREDITS_OUT, HEADER, MAX_RECORD, RingMemory, RingReader, RingWriter,
 };
@@ -348,11 +349,11 @@ impl NoteRings {
     }
 
     /// Covers this side's writes with immediate from now on (the peer
-    /// asked for it), from `slots` slots of a buffer of `domain` (the send
-    /// queue's depth).
-    pub(crate) fn cover_out(&self, domain: &Domain, slots: u32) -> Result<()> {
+    /// asked for it), from `slots` slots of a buffer registered in `ctx`
+    /// (the send queue's depth).
+    pub(crate) fn cover_out(&self, ctx: &OpContext, slots: u32) -> Result<()> {
         let slots = slots.max(1);
-        let mut buf = domain.alloc(slots as usize * COVER_SLOT)?;
+        let mut buf = ctx.alloc(slots as usize * COVER_SLOT)?;
         // The connection's, not the user's: not in the domain's stats.
         buf.count_as_internal();
         let mut w = self.writer.lock().unwrap_or_else(|e| e.into_inner());

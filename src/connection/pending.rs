@@ -153,7 +153,7 @@ impl<B: Send + 'static> Pending<B> {
     /// `posted` (`PostedInline::Quiet` for an unsignaled send).
     pub(super) fn restart(&mut self, posted: PostedInline) {
         debug_assert!(self.is_done());
-        self.clock.stop(self.shared.domain.engine());
+        self.clock.stop(self.shared.ctx.engine());
         let next = match posted {
             PostedInline::Tracked(Posted::Ok(id)) => Stage::InFlight(id),
             PostedInline::Tracked(Posted::Refused(e)) => Stage::Failed(Some(e)),
@@ -500,7 +500,7 @@ pub(super) const WHAT: &str = "an operation to complete";
 
 impl<B: Send + 'static> Drop for Pending<B> {
     fn drop(&mut self) {
-        self.clock.stop(self.shared.domain.engine());
+        self.clock.stop(self.shared.ctx.engine());
         // Finished, or a quiet send with no flush of its own whose data
         // went inline: nothing is left with the connection.
         match self.stage {

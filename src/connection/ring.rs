@@ -394,7 +394,7 @@ impl<B: LocalBuffer> RecvRing<B> {
         let shared = Arc::clone(&self.shared);
         let mut clock = std::mem::take(&mut self.clock);
         let bound = Some(shared.op_timeout);
-        let engine = shared.domain.engine();
+        let engine = shared.ctx.engine();
         // On a timeout the receive stays posted: the next call waits for it again.
         let polled = op::poll(&mut Oldest(self), &shared.transport, engine, &mut clock, cx.waker(), bound, WHAT);
         self.clock = clock;
@@ -403,7 +403,7 @@ impl<B: LocalBuffer> RecvRing<B> {
 
     /// Cancels an awaited wait's timer, if one is armed.
     fn disarm(&mut self) {
-        self.clock.stop(self.shared.domain.engine());
+        self.clock.stop(self.shared.ctx.engine());
     }
 
     /// Posts the idle slots again (those whose messages were
@@ -508,7 +508,7 @@ fn staging<B: LocalBuffer>(
         if route(parts, shared.transport.is_tcp()) == Route::Direct {
             return Ok(None);
         }
-        let home = &shared.domain.staging();
+        let home = &shared.ctx.staging();
         Ok(Some(Box::new(Staging::new(home, cuda.device(), len, shared.staging.0)?)))
     }
     #[cfg(not(feature = "cuda"))]

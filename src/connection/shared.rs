@@ -15,6 +15,7 @@ use crate::error::{Error, Result};
 use crate::memory::LocalParts;
 use crate::memory::{Live, LocalBuffer, LocalSlice, RemoteRegion};
 use crate::options::ConnectionInfo;
+use crate::protocol::context::OpContext;
 use crate::protocol::order::{Gate, What};
 use crate::transport::{ConnTransport, Posted, PostedInline, RemoteOp, WorkItem};
 
@@ -31,7 +32,8 @@ pub(crate) struct ConnShared {
     /// ([`ConnectOptions::spin`](crate::ConnectOptions::spin)).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(super) spin: Duration,
-    pub(super) domain: Domain,
+    /// What operations need of the domain: registration, staging, the engine.
+    pub(super) ctx: Arc<OpContext>,
     /// Registered buffers notifications are written into the peer's ring from.
     pub(super) note_pool: std::sync::Mutex<Vec<crate::Region<crate::HostMemory>>>,
     /// Both notification rings: this side's (an [`Inbox`] reads it) and the peer's.
@@ -71,7 +73,7 @@ impl ConnDriver {
     pub(super) fn ask(self: &Arc<Self>, shared: &Arc<ConnShared>) {
         use std::sync::atomic::Ordering::AcqRel;
         let _ = self.shared.set(Arc::downgrade(shared));
-        let engine = self.engine.get_or_init(|| shared.domain.engine().handle());
+        let engine = self.engine.get_or_init(|| shared.ctx.engine().handle());
         if !self.busy.swap(true, AcqRel) {
             engine.spawn(Arc::clone(self) as Arc<dyn crate::transport::engine::Task>);
         }
@@ -94,7 +96,7 @@ impl crate::transport::engine::Task for ConnDriver {
         let copying = shared.drive();
         // Copies of dropped staged operations: what they hold goes once they end.
         #[cfg(feature = "cuda")]
-        let retiring = shared.domain.staging().reap();
+        let retiring = shared.ctx.staging().reap();
         #[cfg(not(feature = "cuda"))]
         let retiring = false;
         let open = |s: &ConnShared| s.gate.is_open() && s.recv_gate.is_open();
@@ -106,7 +108,7 @@ impl crate::transport::engine::Task for ConnDriver {
             }
         }
         let again = if copying { LOOK_AGAIN_COPYING } else { LOOK_AGAIN };
-        shared.domain.engine().timer(Instant::now() + again, std::task::Waker::from(self));
+        shared.ctx.engine().timer(Instant::now() + again, std::task::Waker::from(self));
     }
 }
 
@@ -129,7 +131,7 @@ impl ConnShared {
             est.transport.count_imm_writes();
         }
         if est.covers_out {
-            notes.cover_out(domain, est.info.send_queue_depth)?;
+            notes.cover_out(domain.context(), est.info.send_queue_depth)?;
             est.transport.cover_writes(Box::new(notes::RingCovers(Arc::clone(&notes))));
         }
         Ok(Arc::new(ConnShared {
@@ -140,7 +142,7 @@ impl ConnShared {
             post_timeout: opts.post_timeout.unwrap_or(opts.op_timeout),
             staging: (opts.staging_chunk, opts.staging_depth),
             spin: opts.spin,
-            domain: domain.clone(),
+            ctx: Arc::clone(domain.context()),
             note_pool: std::sync::Mutex::new(Vec::new()),
             notes,
             #[cfg(feature = "cuda")]
@@ -148,7 +150,7 @@ impl ConnShared {
             gate: Arc::new(Gate::default()),
             recv_gate: Arc::new(Gate::default()),
             driver: Arc::new(ConnDriver::default()),
-            _live: domain.live(crate::memory::Counter::Connections),
+            _live: domain.context().live(crate::memory::Counter::Connections),
         }))
     }
 
@@ -292,8 +294,8 @@ impl ConnShared {
             self.take_notes()?;
         }
         #[cfg(feature = "cuda")]
-        if self.domain.mem().visible.any() {
-            return self.domain.mem().visible.flush_direct();
+        if self.ctx.mem().visible.any() {
+            return self.ctx.mem().visible.flush_direct();
         }
         Ok(())
     }
@@ -331,7 +333,7 @@ impl ConnShared {
     fn make_cover_visible(&self, cover: &crate::protocol::notify::Cover) -> Result<()> {
         #[cfg(feature = "cuda")]
         for &(addr, len) in &cover.ranges {
-            self.domain.mem().visible.make_visible(cover.key, addr, len)?;
+            self.ctx.mem().visible.make_visible(cover.key, addr, len)?;
         }
         #[cfg(not(feature = "cuda"))]
         let _ = cover;
@@ -418,7 +420,7 @@ impl ConnShared {
             // and copies should run while the caller does other work. Later
             // steps advance whenever the operation is waited on or polled.
             let mut pipeline =
-                match Pipeline::new(op, self.domain.staging(), &device, parts, chunk, depth, self.op_timeout) {
+                match Pipeline::new(op, self.ctx.staging(), &device, parts, chunk, depth, self.op_timeout) {
                     // Sends, writes and reads in their turn at the send
                     // queue's gate, a receive at the receive queue's.
                     Ok(p) => p.in_turn(if op.is_some() { &self.gate } else { &self.recv_gate }),

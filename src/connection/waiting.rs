@@ -30,7 +30,7 @@ impl<B: Send + 'static> Pending<B> {
     /// (with the engine watching) and, if `bounded`, a timer armed at the
     /// operation's deadline.
     pub(crate) fn poll_waker(&mut self, waker: &Waker, bounded: bool) -> Poll<Result<Completion>> {
-        let engine = self.shared.domain.engine();
+        let engine = self.shared.ctx.engine();
         let (outcome, why) = match self.stage {
             // The common cases, straight to the transport.
             Stage::InFlight(id) if !self.staged_in_progress() => {
@@ -48,7 +48,7 @@ impl<B: Send + 'static> Pending<B> {
             // operation driver's look.
             _ => return self.poll_driven(waker, bounded),
         };
-        let engine = self.shared.domain.engine();
+        let engine = self.shared.ctx.engine();
         if let Some(result) = outcome {
             self.clock.stop(engine);
             return Poll::Ready(result);
@@ -67,7 +67,7 @@ impl<B: Send + 'static> Pending<B> {
         let shared = Arc::clone(&self.shared);
         let mut clock = std::mem::take(&mut self.clock);
         let bound = bounded.then_some(shared.op_timeout);
-        let polled = op::poll(self, &shared.transport, shared.domain.engine(), &mut clock, waker, bound, WHAT);
+        let polled = op::poll(self, &shared.transport, shared.ctx.engine(), &mut clock, waker, bound, WHAT);
         self.clock = clock;
         polled
     }
@@ -81,7 +81,7 @@ impl<B: Send + 'static> Pending<B> {
     pub(super) fn await_staged_step(&self, waker: &Waker) -> bool {
         #[cfg(feature = "cuda")]
         {
-            let engine = self.shared.domain.engine();
+            let engine = self.shared.ctx.engine();
             match self.stage {
                 Stage::Staged(_) => {}
                 Stage::InFlight(id) => match self.shared.transport.done_or_register(id, waker, engine) {
@@ -144,7 +144,7 @@ impl<B: Send + 'static> Pending<B> {
                 }
             }
         };
-        match transport.poll_register(flush, waker, self.shared.domain.engine()) {
+        match transport.poll_register(flush, waker, self.shared.ctx.engine()) {
             Ok(Some(_)) => {
                 // The flush is done (and its slot freed): so is every request before it.
                 self.stage = Stage::Quiet(q, None);
@@ -166,7 +166,7 @@ impl<B: Send + 'static> Pending<B> {
     /// thread that wakes every other waiter of the domain, and must not
     /// block on an operation.
     pub fn on_complete(self, f: impl FnOnce(Result<Completion>, Option<B>) + Send + 'static) {
-        let engine = self.shared.domain.engine().handle();
+        let engine = self.shared.ctx.engine().handle();
         callback(self, engine, f);
     }
 }

@@ -26,6 +26,7 @@
 //! Both post the same `RemoteOp`s through the same transport, so the
 //! checks a device makes are made once, in `route`, for both.
 
+pub(crate) mod context;
 pub(crate) mod list;
 pub(crate) mod mailbox;
 pub(crate) mod notify;

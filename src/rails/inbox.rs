@@ -83,7 +83,7 @@ impl RailInbox {
     /// # Errors
     /// As [`wait`](Self::wait).
     pub fn wait_async(&mut self, tag: u32, n: usize) -> Looking<impl FnMut() -> Result<Option<Vec<Note>>> + '_> {
-        let domain = self.inboxes[0].domain();
-        Looking::new(domain, self.timeout, "notifications on a rail connection", move || self.try_take(tag, n))
+        let ctx = self.inboxes[0].context();
+        Looking::new(ctx, self.timeout, "notifications on a rail connection", move || self.try_take(tag, n))
     }
 }

@@ -236,7 +236,7 @@ impl<B: Send + 'static> List<B> {
             Some(r) => Ok(r),
             None => {
                 let pooled = shared.note_pool.lock().unwrap_or_else(|e| e.into_inner()).pop();
-                pooled.map_or_else(|| shared.domain.alloc(super::super::notes::OUT_BUFFER), Ok)
+                pooled.map_or_else(|| shared.ctx.alloc(super::super::notes::OUT_BUFFER), Ok)
             }
         };
         let mut region = match region {
@@ -435,7 +435,7 @@ impl<B: Send + 'static> List<B> {
     pub(super) fn arm(&mut self) {
         let Some(driver) = self.driver.clone() else { return };
         let shared = Arc::clone(&self.shared);
-        let engine = shared.domain.engine();
+        let engine = shared.ctx.engine();
         // Where the device finishes requests as fast as they are posted
         // (soft-RoCE), taking outcomes and posting more could go on for the
         // whole list: after a queue's worth, the engine takes over.
@@ -490,7 +490,7 @@ impl<B: Send + 'static> List<B> {
         let shared = Arc::clone(&self.shared);
         let mut clock = std::mem::take(&mut self.clock);
         let bound = bounded.then_some(shared.op_timeout);
-        let engine = shared.domain.engine();
+        let engine = shared.ctx.engine();
         let polled = op::poll(self, &shared.transport, engine, &mut clock, waker, bound, "a transfer list to complete");
         self.clock = clock;
         polled
@@ -554,7 +554,7 @@ impl<B: Send + 'static> List<B> {
     pub(super) fn let_go(&mut self) {
         self.failed = true;
         self.release_turn();
-        self.clock.stop(self.shared.domain.engine());
+        self.clock.stop(self.shared.ctx.engine());
         let note = self.note.as_mut().and_then(|n| n.region.take());
         #[cfg(feature = "cuda")]
         let copying = self.staged.as_ref().is_some_and(|st| !st.active.is_empty());

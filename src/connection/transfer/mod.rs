@@ -251,7 +251,7 @@ impl<B: Send + 'static> Drop for HeldBuffers<'_, B> {
 
 impl<B: Send + 'static> Transfer<B> {
     fn new(list: List<B>) -> Self {
-        let engine = list.shared.domain.engine().handle();
+        let engine = list.shared.ctx.engine().handle();
         let list = Arc::new(Mutex::new(list));
         let driver = Arc::new(Driver { list: Arc::downgrade(&list), engine, asked: Default::default() });
         let t = Transfer { list, driver: Arc::clone(&driver) };
@@ -341,7 +341,7 @@ impl<B: Send + 'static> Transfer<B> {
     /// operation timeout and is still in flight. Keep `f` short, and never
     /// wait on an operation in it.
     pub fn on_complete(self, f: impl FnOnce(Result<Transferred>, Option<B>) + Send + 'static) {
-        let engine = self.lock().shared.domain.engine().handle();
+        let engine = self.lock().shared.ctx.engine().handle();
         super::waiting::callback(self, engine, f);
     }
 

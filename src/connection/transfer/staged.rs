@@ -115,7 +115,7 @@ impl<B: Send + 'static> List<B> {
                     }
                 }
                 let write = self.direction == Direction::Write;
-                let home = self.shared.domain.staging();
+                let home = self.shared.ctx.staging();
                 let timeout = self.shared.op_timeout;
                 let count = group.len();
                 let made = Gather::new(
@@ -155,7 +155,7 @@ impl<B: Send + 'static> List<B> {
                 Direction::Write => RemoteOp::Write(remote),
                 Direction::Read => RemoteOp::Read(remote),
             };
-            let home = self.shared.domain.staging();
+            let home = self.shared.ctx.staging();
             let made = Pipeline::new(Some(op), home, &st.device, parts, chunk, depth, self.shared.op_timeout);
             match made.map(|mut p| {
                 p.after(st.fences.clone());
