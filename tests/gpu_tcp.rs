@@ -872,19 +872,23 @@ gpu_tcp_test! {
             tail_seen >= Duration::from_millis(250),
             "the send overtook a write kept for its stream: {tail_seen:?}"
         );
-        // A receive ring given the fence: no slot is posted before the
-        // work on its memory is done, so that work cannot overwrite a
-        // message (the ring's first post waits for it).
+        // A receive ring given the fence: made at once, its slots kept at
+        // the gate until the work on its memory is done, so that work
+        // cannot overwrite a message.
         let ring_buf = gpu_region(&d, 4 * 64, None);
         produce(&stream, ring_buf.memory(), 0, 4 * 64, 74, 300_000);
         let t0 = Instant::now();
         let mut ring = sa.recv_ring(ring_buf.slice(..).after(&stream).unwrap(), 64, 4);
         let made_in = t0.elapsed();
+        assert_eq!(ring.posted(), 4, "kept slots count as posted");
         ca.send_inline(b"in the ring", None).wait_timeout(Duration::from_secs(10)).unwrap();
         let got = ring.next_timeout(Duration::from_secs(10)).unwrap();
+        let landed_after = t0.elapsed();
         let mut landed = [0u8; 11];
         got.buffer().memory().copy_to_host(got.slot() * 64, &mut landed).unwrap();
-        assert!(made_in >= Duration::from_millis(250), "the ring posted before its fence: {made_in:?}");
+        println!("the fenced ring was made in {made_in:?}; its first message was lent out after {landed_after:?}");
+        assert!(made_in < Duration::from_millis(150), "the ring waited for its fence: {made_in:?}");
+        assert!(landed_after >= Duration::from_millis(250), "a message landed before the ring's fence: {landed_after:?}");
         assert_eq!(&landed, b"in the ring");
         drop(got);
         stream.synchronize().unwrap();
@@ -942,14 +946,16 @@ gpu_tcp_test! {
         c.send_inline(b"after the drop", None).wait().unwrap();
         let (done, got) = next.finish().unwrap();
         assert_eq!(&got[..done.byte_len as usize], b"after the drop");
-        // A receive ring posts behind a receive kept for its fences: its
-        // slots go once that one was posted, and take the messages after it.
+        // A receive ring made behind a receive kept for its fences is made
+        // at once: its slots are kept behind that one, go once it was
+        // posted, and take the messages after its.
         produce(&stream, busy.memory(), 0, 4096, 85, 300_000);
         let t0 = Instant::now();
         let kept = s.recv(d.alloc(64).unwrap().slice(..).after(&stream).unwrap());
         let mut ring = s.recv_ring(d.alloc(4 * 64).unwrap(), 64, 4);
         let ring_made_in = t0.elapsed();
-        assert!(ring_made_in >= Duration::from_millis(250), "the ring went ahead of the kept receive: {ring_made_in:?}");
+        assert!(ring_made_in < Duration::from_millis(150), "the ring waited for the kept receive: {ring_made_in:?}");
+        assert_eq!(ring.posted(), 4);
         c.send_inline(b"first", None).wait().unwrap();
         c.send_inline(b"second", None).wait().unwrap();
         let (done, got) = kept.finish().unwrap();

@@ -766,6 +766,50 @@ gpu_test! {
 }
 
 gpu_test! {
+    /// A receive ring in GPU memory on a direct path whose buffer has a
+    /// consumer fence (GPU work still reading the slot a message was lent
+    /// from): ending the loan returns at once, the slot is kept at the gate
+    /// until that work is done, and the next message lands in it only then
+    /// (the late work does not overwrite it). Before, ending the loan
+    /// waited for the work.
+    fn a_direct_gpu_ring_gives_a_slot_back_behind_its_consumer_fence_without_blocking() {
+        use common::gpu::produce;
+        let (ds, dc) = (domain(), domain());
+        let (s, c) = pair_on(&ds, &dc, opts(), opts());
+        let stream = gpu_rdma::cuda::CudaStream::new(&gpu()).unwrap();
+        let mut ring = s.recv_ring(gpu_region(&ds, 64, None, PathPolicy::Force(MemPath::PeerMem)), 64, 1);
+        assert_eq!(ring.posted(), 1);
+        for round in 0..3u64 {
+            c.send_inline(format!("first {round}").as_bytes(), None).wait().unwrap();
+            let got = ring.next_timeout(Duration::from_secs(20)).unwrap();
+            let mut landed = vec![0u8; got.len()];
+            got.buffer().memory().copy_to_host(got.range().start, &mut landed).unwrap();
+            assert_eq!(landed, format!("first {round}").as_bytes(), "round {round}");
+            // The consumer's work on the slot: 300 ms on the stream.
+            produce(&stream, got.buffer().memory(), 0, 64, 97 + round, 300_000);
+            got.buffer().memory().ready_after(&stream).unwrap();
+            let t0 = Instant::now();
+            drop(got);
+            let given_back_in = t0.elapsed();
+            assert_eq!(ring.posted(), 1, "round {round}: a kept slot counts as posted");
+            let mut tx = c.send_inline(format!("second {round}").as_bytes(), None);
+            let got = ring.next_timeout(Duration::from_secs(20)).unwrap();
+            let lent_after = t0.elapsed();
+            tx.wait().unwrap();
+            let mut landed = vec![0u8; got.len()];
+            got.buffer().memory().copy_to_host(got.range().start, &mut landed).unwrap();
+            println!("round {round}: the slot given back in {given_back_in:?}, the next message lent after {lent_after:?}");
+            assert!(given_back_in < Duration::from_millis(100), "round {round}: ending the loan waited: {given_back_in:?}");
+            assert!(lent_after >= Duration::from_millis(250), "round {round}: a message landed before the fence: {lent_after:?}");
+            assert_eq!(landed, format!("second {round}").as_bytes(), "round {round}: the late work overwrote it");
+            got.retire();
+            assert_eq!(ring.post_idle(), 1);
+        }
+        stream.synchronize().unwrap();
+    }
+}
+
+gpu_test! {
     /// Posting a write, a list or a batch from GPU memory whose producer is
     /// still running returns at once (the fence is looked at, never waited
     /// on by the posting thread), the operation goes once the producer is

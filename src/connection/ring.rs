@@ -6,7 +6,7 @@ use std::fmt;
 use std::ops::Range;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::{ConnShared, Connection};
 use crate::completion::Completion;
@@ -15,6 +15,7 @@ use crate::error::{Error, Result};
 use crate::memory::{HostMemory, LocalBuffer, LocalParts, LocalSlice, Region};
 use crate::ops::{OpId, OpOutcome, WaitError};
 use crate::protocol::op::{self, Look, Operation, Until};
+use crate::protocol::order::{DataReady, Deferred, What};
 use crate::transport::Posted;
 use crate::transport::engine::AwaitClock;
 
@@ -56,9 +57,16 @@ const WHAT: &str = "a message for the receive ring";
 ///
 /// [`recv`](Self::recv) awaits the next message instead, as a
 /// [`Pending`](crate::Pending) is awaited: no thread blocks waiting for a
-/// message. (In GPU memory, what makes a slot safe to overwrite, the
-/// consumer fence, and a staged message's copy into the GPU are waited for
-/// in place, as a GPU operation's fence is when it is posted.)
+/// message. (In GPU memory, a staged message's copy into the GPU is waited
+/// for in place.)
+///
+/// No post of the ring blocks its poster: a slot whose memory GPU work
+/// still reads (the ring's own fences, or the buffer's consumer fence on a
+/// direct path) is kept at the receive queue's gate until that work is
+/// done, and so is a slot posted behind another receive kept there. The
+/// receives posted after a kept one wait behind it, so each message still
+/// lands in the receive posted for it; [`posted`](Self::posted) counts kept
+/// slots.
 ///
 /// The buffer stays with the connection while any slot is posted, also when
 /// the ring is dropped: it is freed once the device is done with every
@@ -70,8 +78,9 @@ const WHAT: &str = "a message for the receive ring";
 /// ([`CudaBuffer::ready_after`](crate::cuda::CudaBuffer::ready_after): the
 /// work still reading an earlier message in it). How, by path:
 /// - GPU memory the NIC reaches directly (dma-buf or nvidia-peermem, on a
-///   verbs connection): each post first waits for the fence, and each
-///   message is flushed where the device needs that before it is lent out;
+///   verbs connection): a slot is posted only once the fence is done
+///   (kept until then, without blocking), and each message is flushed
+///   where the device needs that before it is lent out;
 /// - GPU memory reached only through host staging (no GPUDirect path, or a
 ///   TCP connection): the receives land in pinned host slots the ring holds
 ///   (one per slot, taken once), and each message is copied into its GPU
@@ -93,6 +102,13 @@ pub struct RecvRing<B: LocalBuffer> {
     /// The receives in flight, oldest first: the order the connection
     /// fills them in.
     posted: VecDeque<(u32, OpId)>,
+    /// Slots kept at the receive queue's gate (for GPU work still reading
+    /// their memory, or behind another receive kept there), oldest first;
+    /// each was posted after every one in `posted`.
+    kept: VecDeque<(u32, Arc<Deferred>)>,
+    /// The ring's own fences (`LocalSlice::after`), until its first post:
+    /// that slot is kept until they are done, and the rest go behind it.
+    own_fences: Option<DataReady>,
     /// Slots not posted: retired by [`Received::retire`], or refused.
     idle: VecDeque<u32>,
     /// Why a post was refused, reported once nothing older is in flight.
@@ -126,14 +142,13 @@ impl Connection {
 
 impl<B: LocalBuffer> RecvRing<B> {
     fn new(shared: &Arc<ConnShared>, local: LocalSlice<B>, slot_len: usize, slots: usize) -> Self {
+        // Fences given to the ring itself (`LocalSlice::after`): the work
+        // still reading its memory, which no slot is posted before.
+        #[cfg(feature = "cuda")]
+        let own_fences = if local.has_own_fences() { super::shared::fences_pending(local.fences()) } else { None };
+        #[cfg(not(feature = "cuda"))]
+        let own_fences = None;
         let laid = layout(&local, slot_len, slots).and_then(|(start, parts)| {
-            // Fences given to the ring itself (`LocalSlice::after`): the
-            // work still reading its memory, waited for before any slot is
-            // posted, as each repost waits for the buffer's own.
-            #[cfg(feature = "cuda")]
-            if local.has_own_fences() {
-                local.wait_fences()?;
-            }
             let staging = staging(shared, &local, &parts, slot_len * slots)?;
             let first = staging.as_ref().map_or(parts, |s| s.parts(slot_len));
             Ok((start, first, staging))
@@ -150,6 +165,8 @@ impl<B: LocalBuffer> RecvRing<B> {
             start,
             slot_len,
             posted: VecDeque::with_capacity(slots),
+            kept: VecDeque::new(),
+            own_fences,
             idle: VecDeque::with_capacity(slots),
             refused,
             stuck: Vec::new(),
@@ -163,23 +180,19 @@ impl<B: LocalBuffer> RecvRing<B> {
     }
 
     /// Posts `slot`, at the end of the order the connection fills its
-    /// receives in: whether it was posted (if not, the slot is idle and the
-    /// refusal kept).
+    /// receives in: whether it was posted or kept at the receive queue's
+    /// gate (if neither, the slot is idle and the refusal kept).
     #[inline]
     fn post(&mut self, slot: u32) -> bool {
-        if !self.shared.recv_gate.is_open() {
-            if let Err(e) = self.behind_kept_receive() {
-                self.post_failed(slot, Posted::refused(e));
-                return false;
-            }
-        }
-        if self.is_gpu() {
-            if let Err(e) = self.consumer_fence() {
-                self.post_failed(slot, Posted::refused(e));
-                return false;
-            }
-        }
         let parts = LocalParts { addr: self.first.addr + u64::from(slot) * self.slot_len as u64, ..self.first };
+        if !self.shared.recv_gate.is_open() || self.is_gpu() || self.own_fences.is_some() {
+            return self.post_or_keep(slot, parts);
+        }
+        self.post_now(slot, parts)
+    }
+
+    #[inline]
+    fn post_now(&mut self, slot: u32, parts: LocalParts) -> bool {
         match self.shared.transport.post_recv(Some(parts)) {
             Posted::Ok(id) => {
                 self.posted.push_back((slot, id));
@@ -192,18 +205,54 @@ impl<B: LocalBuffer> RecvRing<B> {
         }
     }
 
-    /// A receive of the connection is kept for its fences (GPU work still
-    /// reading its memory), and the ring's receives must go behind it: the
-    /// ring waits until it was posted (the connection moved along
-    /// meanwhile), up to the post timeout.
+    /// A slot that may have to wait: for GPU work still reading its memory
+    /// (the ring's own fences, the buffer's consumer fence), or behind a
+    /// receive kept at the gate. It is kept there, in its place, and the
+    /// connection's driver posts it once that work is done; nobody waits.
     #[cold]
     #[inline(never)]
-    fn behind_kept_receive(&self) -> Result<()> {
-        let shared = &*self.shared;
-        let timeout = shared.post_timeout;
-        let bound =
-            op::Bound { total: Some(timeout), idle: timeout, spin: shared.spin, what: "a receive kept for its fences" };
-        op::wait(&mut GateOpen(shared), &op::NoRequests, bound)
+    fn post_or_keep(&mut self, slot: u32, parts: LocalParts) -> bool {
+        self.promote();
+        let ready = self.own_fences.take().or_else(|| self.consumer_fence());
+        let (gate, due) = (&self.shared.recv_gate, Instant::now() + self.shared.post_timeout);
+        let kept = match ready {
+            Some(ready) => gate.keep_until(What::Recv(Some(parts)), due, ready),
+            None => match gate.keep(What::Recv(Some(parts)), due) {
+                Ok(kept) => kept,
+                // Nothing is kept in front of it (any more).
+                Err(_) => return self.post_now(slot, parts),
+            },
+        };
+        self.kept.push_back((slot, kept));
+        self.shared.drive_soon();
+        true
+    }
+
+    /// Moves the kept slots the connection's driver posted since into
+    /// `posted`, in order (a kept slot whose post failed goes idle, its
+    /// refusal kept).
+    fn promote(&mut self) {
+        while let Some((_, kept)) = self.kept.front() {
+            let Some(posted) = kept.take() else { return };
+            let (slot, _) = self.kept.pop_front().expect("looked at");
+            match posted {
+                Posted::Ok(id) => self.posted.push_back((slot, id)),
+                other => self.post_failed(slot, other),
+            }
+        }
+    }
+
+    /// Takes the slots still kept at the gate back (never to be posted);
+    /// those posted meanwhile are in flight.
+    fn cancel_kept(&mut self) {
+        // The newest first: none goes to the transport between two cancels.
+        while let Some((slot, kept)) = self.kept.pop_back() {
+            match self.shared.recv_gate.cancel(&kept, &self.shared.transport) {
+                Some(Posted::Ok(id)) => self.posted.push_back((slot, id)),
+                Some(Posted::Stuck(id, _)) => self.stuck.push(id),
+                Some(Posted::Refused(_)) | None => {}
+            }
+        }
     }
 
     /// GPU memory on a direct path: each post waits for the buffer's
@@ -214,17 +263,18 @@ impl<B: LocalBuffer> RecvRing<B> {
         self.first.path.is_some()
     }
 
-    /// GPU memory: waits for the work still reading the buffer (its
-    /// consumer fence, [`CudaBuffer::ready_after`](crate::cuda::CudaBuffer::ready_after))
-    /// before the NIC may overwrite a slot.
-    #[cold]
-    #[inline(never)]
-    fn consumer_fence(&self) -> Result<()> {
+    /// GPU memory on a direct path: the work still reading the buffer (its
+    /// consumer fence, [`CudaBuffer::ready_after`](crate::cuda::CudaBuffer::ready_after)),
+    /// which must be done before the NIC may overwrite a slot; `None` when
+    /// there is none left.
+    fn consumer_fence(&self) -> Option<DataReady> {
         #[cfg(feature = "cuda")]
-        if let Some(cuda) = self.buf.as_ref().and_then(|b| b.cuda()) {
-            return cuda.wait_ready();
+        if self.is_gpu() {
+            if let Some(cuda) = self.buf.as_ref().and_then(|b| b.cuda()) {
+                return super::shared::fences_pending(cuda.fences());
+            }
         }
-        Ok(())
+        None
     }
 
     /// A message of `len` bytes landed in `slot`: in GPU memory it is
@@ -299,8 +349,11 @@ impl<B: LocalBuffer> RecvRing<B> {
     /// - Why a post was refused, once nothing older is in flight; and
     ///   the layout's error, for a ring that posted nothing.
     pub fn next_timeout(&mut self, timeout: Duration) -> Result<Received<'_, B>> {
-        let (slot, id) = self.oldest()?;
         let mut due = Deadline::lazy(timeout, WHAT);
+        let (slot, id) = match self.oldest()? {
+            Some(oldest) => oldest,
+            None => self.wait_posted(&mut due)?,
+        };
         let outcome = match self.shared.transport.wait_take(id, &mut due) {
             Ok(completion) => Ok(completion),
             Err(WaitError::Unfinished(e)) => return Err(*e),
@@ -311,16 +364,28 @@ impl<B: LocalBuffer> RecvRing<B> {
     }
 
     /// The oldest receive in flight (its slot and id), the idle slots
-    /// posted first when none is.
+    /// posted first when none is; `None` while the oldest is still kept at
+    /// the gate.
     #[inline]
-    fn oldest(&mut self) -> Result<(u32, OpId)> {
+    fn oldest(&mut self) -> Result<Option<(u32, OpId)>> {
         if self.posted.is_empty() {
             self.refill()?;
         }
         match self.posted.front() {
-            Some(&oldest) => Ok(oldest),
+            Some(&oldest) => Ok(Some(oldest)),
+            None if !self.kept.is_empty() => Ok(None),
             None => Err(Error::RingRefused { reason: "none of its slots can be posted" }),
         }
+    }
+
+    /// Waits, within `due`, until the oldest slot kept at the gate was
+    /// posted (the connection moved along meanwhile): its slot and id.
+    #[cold]
+    #[inline(never)]
+    fn wait_posted(&mut self, due: &mut Deadline) -> Result<(u32, OpId)> {
+        let total = due.remaining().unwrap_or(self.shared.op_timeout);
+        let bound = op::Bound { total: Some(total), idle: total, spin: self.shared.spin, what: WHAT };
+        op::wait(&mut Posting(self), &op::NoRequests, bound)
     }
 
     /// The oldest receive finished as `outcome`: its completion, once the
@@ -349,11 +414,15 @@ impl<B: LocalBuffer> RecvRing<B> {
     #[cold]
     #[inline(never)]
     fn refill(&mut self) -> Result<()> {
+        self.promote();
+        if !self.posted.is_empty() || !self.kept.is_empty() {
+            return Ok(());
+        }
         if let Some(e) = self.refused.take() {
             return Err(*e);
         }
         self.post_idle();
-        if self.posted.is_empty() {
+        if self.posted.is_empty() && self.kept.is_empty() {
             if let Some(e) = self.refused.take() {
                 return Err(*e);
             }
@@ -408,23 +477,27 @@ impl<B: LocalBuffer> RecvRing<B> {
 
     /// Posts the idle slots again (those whose messages were
     /// [retired](Received::retire)), behind the receives in flight; how
-    /// many it posted. A post that is refused leaves its slot idle and is
-    /// reported by [`next`](Self::next) once nothing older is in flight.
+    /// many it posted (or kept at the gate, to be posted once GPU work
+    /// reading their memory is done). A post that is refused leaves its
+    /// slot idle and is reported by [`next`](Self::next) once nothing
+    /// older is in flight.
     #[inline]
     pub fn post_idle(&mut self) -> usize {
-        let before = self.posted.len();
+        let mut n = 0;
         // Oldest first; after a refusal the rest stay idle too.
         while let Some(slot) = self.idle.pop_front() {
             if !self.post(slot) {
                 break;
             }
+            n += 1;
         }
-        self.posted.len() - before
+        n
     }
 
-    /// How many receives are posted.
+    /// How many receives are posted, counting those kept at the receive
+    /// queue's gate until GPU work reading their memory is done.
     pub fn posted(&self) -> usize {
-        self.posted.len() + self.stuck.len()
+        self.posted.len() + self.kept.len() + self.stuck.len()
     }
 
     /// The length of each slot.
@@ -438,6 +511,7 @@ impl<B: LocalBuffer> RecvRing<B> {
     /// # Errors
     /// `Err(self)` while a receive is posted: the device may still write.
     pub fn into_buffer(mut self) -> std::result::Result<B, Box<Self>> {
+        self.cancel_kept();
         if self.posted() == 0 {
             Ok(self.buf.take().expect("the buffer is present until taken"))
         } else {
@@ -521,6 +595,7 @@ fn staging<B: LocalBuffer>(
 impl<B: LocalBuffer> Drop for RecvRing<B> {
     fn drop(&mut self) {
         self.disarm();
+        self.cancel_kept();
         let Some(buf) = self.buf.take() else { return };
         if self.posted() == 0 {
             return;
@@ -641,7 +716,8 @@ impl<B: LocalBuffer> Operation for Oldest<'_, B> {
     fn step(&mut self, _: Option<&std::task::Waker>) -> Look<(u32, Completion)> {
         let ring = &mut *self.0;
         let (slot, id) = match ring.oldest() {
-            Ok(oldest) => oldest,
+            Ok(Some(oldest)) => oldest,
+            Ok(None) => return ring.kept_look(),
             Err(e) => return Look::Done(Err(e)),
         };
         match ring.shared.transport.poll_take(id) {
@@ -652,15 +728,28 @@ impl<B: LocalBuffer> Operation for Oldest<'_, B> {
     }
 }
 
-/// The receive queue's gate opening: the connection moved along at each
-/// look (what holds the gate wakes nobody when its fences are done).
-struct GateOpen<'a>(&'a ConnShared);
+/// The oldest slot kept at the gate being posted: the connection moved
+/// along at each look (what keeps it wakes nobody when its fences are
+/// done).
+struct Posting<'a, B: LocalBuffer>(&'a mut RecvRing<B>);
 
-impl Operation for GateOpen<'_> {
-    type Output = ();
+impl<B: LocalBuffer> Operation for Posting<'_, B> {
+    type Output = (u32, OpId);
 
-    fn step(&mut self, _: Option<&std::task::Waker>) -> Look<()> {
-        self.0.drive();
-        if self.0.recv_gate.is_open() { Look::Done(Ok(())) } else { Look::Wait(Until::Soon { copying: false }) }
+    fn step(&mut self, _: Option<&std::task::Waker>) -> Look<(u32, OpId)> {
+        match self.0.oldest() {
+            Ok(Some(oldest)) => Look::Done(Ok(oldest)),
+            Ok(None) => self.0.kept_look(),
+            Err(e) => Look::Done(Err(e)),
+        }
+    }
+}
+
+impl<B: LocalBuffer> RecvRing<B> {
+    /// The oldest slot is still kept at the gate: the connection moves
+    /// along, and a look comes again soon.
+    fn kept_look<T>(&self) -> Look<T> {
+        self.shared.drive();
+        Look::Wait(Until::Soon { copying: false })
     }
 }
