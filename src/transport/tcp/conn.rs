@@ -38,7 +38,7 @@ impl TcpConn {
         };
         let peer_depth = theirs.send_depth.clamp(1, MAX_TCP_QUEUE_DEPTH) as usize;
         let inner = Arc::new(Inner {
-            state: Mutex::new(TcpState::new(limits, peer_depth)),
+            state: Mutex::new(Core::new(limits, peer_depth)),
             reader: Mutex::new(Reader { scratch: vec![0u8; STEP] }),
             spinners: AtomicUsize::new(0),
             napping: AtomicBool::new(false),
@@ -169,7 +169,7 @@ impl TcpConn {
     /// free: no hand-off to the sender thread, a wake-up saved on the
     /// latency path. Never blocks: what the socket does not take at once,
     /// the sender thread finishes before anything else.
-    fn send_direct(&self, mut st: MutexGuard<'_, TcpState>, mut o: Out, id: OpId) -> Posted {
+    fn send_direct(&self, mut st: MutexGuard<'_, Core>, mut o: Out, id: OpId) -> Posted {
         self.inner.start_write(&mut st, &o);
         drop(st);
         let written = try_send_inline(self.inner.fd, &o, &self.inner.tx);
@@ -294,12 +294,7 @@ impl TcpConn {
     /// side's receiver thread, among others), before sleeping: a reply often
     /// lands within microseconds, and waking from a condition variable costs
     /// more than that.
-    fn wait_for<T>(
-        &self,
-        due: &mut Deadline,
-        spin: bool,
-        mut ready: impl FnMut(&mut TcpState) -> Option<T>,
-    ) -> Result<T> {
+    fn wait_for<T>(&self, due: &mut Deadline, spin: bool, mut ready: impl FnMut(&mut Core) -> Option<T>) -> Result<T> {
         let mut st = self.inner.lock();
         if let Some(v) = ready(&mut st) {
             return Ok(v);

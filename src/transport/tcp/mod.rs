@@ -56,7 +56,6 @@
 //! `sender` and `receiver` the two threads (the rules a reliable
 //! connection keeps are carried out in `receiver`), `conn` the operations.
 
-use std::collections::VecDeque;
 use std::io;
 use std::net::TcpStream;
 use std::os::fd::{AsRawFd, RawFd};
@@ -72,11 +71,12 @@ use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::memory::LocalParts;
 use crate::memory::keys::{KeyEntry, KeyTable};
-use crate::ops::{OpId, OpOutcome, RawCompletion, WaitError, Waited, is_final, op_of, waited};
+use crate::ops::{OpId, OpOutcome, RawCompletion, WaitError, Waited, waited};
 use crate::options::{ConnectOptions, ConnectionInfo, Transport};
-use replies::{OnAck, Progress, Replies, Reply, Request};
+use replies::Progress;
 
 mod conn;
+mod core;
 mod frame;
 mod receiver;
 mod replies;
@@ -86,6 +86,7 @@ mod socket;
 #[cfg(test)]
 mod tests;
 
+use self::core::*;
 use frame::*;
 use socket::*;
 
@@ -129,160 +130,6 @@ pub(crate) fn memory_bound(peer_depth: u32, send_depth: u32, recv_depth: u32) ->
 
 // ---- the connection ----
 
-enum OutKind {
-    Send {
-        imm: Option<u32>,
-    },
-    Write {
-        raddr: u64,
-        key: u32,
-        imm: Option<u32>,
-    },
-    ReadReq {
-        raddr: u64,
-        key: u32,
-    },
-    /// `unacked`: the peer sends no acknowledgement, and the send is done
-    /// once the socket has its frame (see [`TcpConn::post_inline`]).
-    Inline {
-        data: Vec<u8>,
-        imm: Option<u32>,
-        unacked: bool,
-    },
-}
-
-/// A message of this side's send queue.
-struct Out {
-    seq: u32,
-    wr_id: u64,
-    kind: OutKind,
-    addr: u64,
-    len: u64,
-    /// Bytes of its first frame already on the wire: a posting thread sent
-    /// them and the socket took no more (see [`TcpConn::send_direct`]).
-    skip: usize,
-    /// The sequence number of the first message of its operation (its own
-    /// for a single message): the chain an error acknowledgement falls in.
-    first: u32,
-}
-
-impl Out {
-    /// An inline send the peer does not acknowledge.
-    fn unacked(&self) -> bool {
-        matches!(self.kind, OutKind::Inline { unacked: true, .. })
-    }
-
-    /// Its bytes on the wire: a frame per segment of payload (one for none).
-    fn wire_len(&self) -> u64 {
-        let len = match &self.kind {
-            OutKind::ReadReq { .. } => 0,
-            OutKind::Inline { data, .. } => data.len() as u64,
-            _ => self.len,
-        };
-        len + HEADER as u64 * len.div_ceil(SEGMENT as u64).max(1)
-    }
-}
-
-/// Message `o` as its writer starts it: what it waits for, its size.
-/// Which thread carries a frame out.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Reading {
-    /// The receiver thread: its replies go through the sender thread,
-    /// which sends them while this one reads on.
-    Receiver,
-    /// A spinning waiter: it acknowledges what it read itself.
-    Waiter,
-}
-
-/// Whether the peer acknowledges `o`: the last message of an operation,
-/// unless it is an unacknowledged inline send.
-fn wants_ack(o: &Out) -> bool {
-    is_final(o.wr_id) && !o.unacked()
-}
-
-fn request(o: &Out) -> Request {
-    let reply = match o.kind {
-        OutKind::ReadReq { .. } => Reply::Read { addr: o.addr, len: o.len },
-        _ if wants_ack(o) => Reply::Ack,
-        _ => Reply::None,
-    };
-    Request { seq: o.seq, first: o.first, wr_id: o.wr_id, reply, wire: o.wire_len() }
-}
-
-/// A frame the receiver asks the sender to send.
-enum Ctl {
-    Ack { seq: u32, status: u32 },
-    ReadResp { seq: u32, entry: Arc<KeyEntry>, addr: u64, len: u64 },
-    Bye,
-}
-
-struct Recv {
-    wr_id: u64,
-    addr: u64,
-    len: u64,
-}
-
-struct TcpState {
-    /// Operations, credits, the lost state.
-    q: QueueCore,
-    stopping: bool,
-    next_seq: u32,
-    queue: VecDeque<Out>,
-    control: VecDeque<Ctl>,
-    /// The replies this side waits for, in request order, and who may
-    /// complete each request (see [`replies`]). A request enters when its
-    /// writer starts it, since a reply may arrive before the writer has
-    /// returned from its last call.
-    replies: Replies,
-    /// The message being written now (by the sender thread, or by a posting
-    /// thread sending directly, or begun by one and not yet finished by the
-    /// other): its memory is in use, so only its writer may fail it.
-    sending: Option<u32>,
-    /// The operation of the message being written: none of its requests is
-    /// failed by anyone but the writer (completing its final request would
-    /// hand its buffer back while the writer still reads it).
-    sending_op: Option<u64>,
-    /// A thread is writing to the socket: frames never interleave.
-    writing: bool,
-    /// A message whose first bytes a posting thread wrote before the socket
-    /// filled up: the sender thread finishes it before anything else.
-    resume: Option<Out>,
-    /// A control frame whose first bytes a reader sent directly before the
-    /// socket filled up (the header, and how many of its bytes went): the
-    /// sender thread finishes it before anything else.
-    ctl_rest: Option<(FrameHeader, usize)>,
-    recvs: VecDeque<Recv>,
-    /// The sender thread has ended (after the connection broke or stopped).
-    sender_done: bool,
-    /// Threads asleep on `events`: waking nobody costs no system call.
-    sleepers: usize,
-}
-
-impl TcpState {
-    /// A connection's state before anything was posted: its queues sized
-    /// for the send queues, this side's (`limits`) and the peer's
-    /// (`peer_depth`, whose messages are acknowledged), so nothing
-    /// allocates in steady state.
-    fn new(limits: Limits, peer_depth: usize) -> Self {
-        TcpState {
-            q: QueueCore::new(limits),
-            stopping: false,
-            next_seq: 1,
-            queue: VecDeque::with_capacity(limits.send_depth as usize),
-            control: VecDeque::with_capacity(peer_depth),
-            replies: Replies::new(limits.send_depth as usize, MAX_CALL),
-            sending: None,
-            sending_op: None,
-            writing: false,
-            resume: None,
-            ctl_rest: None,
-            recvs: VecDeque::new(),
-            sender_done: false,
-            sleepers: 0,
-        }
-    }
-}
-
 /// The right to read the socket: frames are read whole by one thread at a
 /// time, the receiver thread or a waiter that spins (which then carries out
 /// what arrived itself, without a hand-over between threads).
@@ -292,7 +139,7 @@ struct Reader {
 }
 
 struct Inner {
-    state: Mutex<TcpState>,
+    state: Mutex<Core>,
     /// Taken before `state`, never while holding it.
     reader: Mutex<Reader>,
     /// Waiters spinning now: while there are any, the receiver thread naps
@@ -359,33 +206,8 @@ fn rnr_timer(code: u8) -> Duration {
     Duration::from_micros(u64::from(US[usize::from(code.min(31))]))
 }
 
-fn raw(wr_id: u64, status: WcStatus) -> RawCompletion {
-    RawCompletion { wr_id, status, byte_len: 0, imm: None, qp_num: 0, vendor_err: 0, by_write_imm: false }
-}
-
-impl TcpState {
-    /// Whether a new frame could go to the socket now, ahead of nothing:
-    /// no thread writes, no frame is half sent, no control frame waits and
-    /// the connection is not closing (the operation queue is the caller's
-    /// to judge).
-    fn socket_idle(&self) -> bool {
-        !self.writing && self.resume.is_none() && self.ctl_rest.is_none() && self.control.is_empty() && !self.stopping
-    }
-
-    /// Whether the sender thread has something to do: a frame to finish or
-    /// to send, or a broken or closing connection to hang up.
-    fn has_work(&self) -> bool {
-        self.resume.is_some()
-            || self.ctl_rest.is_some()
-            || !self.control.is_empty()
-            || !self.queue.is_empty()
-            || self.stopping
-            || self.q.lost().is_some()
-    }
-}
-
 impl Inner {
-    fn lock(&self) -> MutexGuard<'_, TcpState> {
+    fn lock(&self) -> MutexGuard<'_, Core> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -397,60 +219,15 @@ impl Inner {
         self.keys.lookup(key)
     }
 
-    /// The writer of `o` is done with the socket: frees it for the others.
-    /// If the write failed, or the connection broke meanwhile (and its flush
-    /// skipped this message, which was in use), the writer owned the message,
-    /// so it fails it, unless the acknowledgement already completed it.
-    /// Written whole, an unacknowledged inline send is done here.
-    fn end_write(&self, st: &mut TcpState, o: &Out, write_failed: bool) {
-        st.sending = None;
-        st.sending_op = None;
-        st.writing = false;
-        let lost = st.q.lost().is_some();
-        match st.replies.finish(o.seq, !write_failed) {
-            // An acknowledgement that came while this writer was in its last
-            // call: the operation is done now that nothing reads its buffer.
-            Some((wr_id, true)) => self.complete(st, &raw(wr_id, WcStatus::Success)),
-            Some((wr_id, false)) => self.fail_request(st, wr_id),
-            None => {}
-        }
-        if o.unacked() {
-            // The socket has the whole frame, and no acknowledgement will
-            // come: done. (A refusal still may: it breaks the connection.)
-            if !write_failed && !lost {
-                self.complete(st, &raw(o.wr_id, WcStatus::Success));
-            } else {
-                self.fail_request(st, o.wr_id);
-            }
-        }
-        if lost {
-            // What a break left alone while this message was in use.
-            let reason = st.q.lost().unwrap_or_default().to_owned();
-            self.break_with(st, reason);
-        }
+    /// [`Core::end_write`].
+    fn end_write(&self, st: &mut Core, o: &Out, write_failed: bool) {
+        st.end_write(o, write_failed, self);
     }
 
-    /// Marks `o` as being written, from its first byte or from where a
-    /// posting thread that began it left off (`o.skip`).
-    fn start_write(&self, st: &mut TcpState, o: &Out) {
-        st.writing = true;
-        st.sending = Some(o.seq);
-        st.sending_op = Some(op_of(o.wr_id));
-        st.replies.start(&request(o));
-        self.tx.store(Progress { handed: o.skip as u64, in_call: false }.pack(), Ordering::Release);
-    }
-
-    /// Fails request `wr_id` (flushed) for a writer or a break. The final
-    /// request of an operation with a read whose response the reader may
-    /// be landing is parked instead: the reader completes it when it lets
-    /// go of the read, so the operation's buffer never comes back while
-    /// the reader fills it.
-    fn fail_request(&self, st: &mut TcpState, wr_id: u64) {
-        if is_final(wr_id) && st.replies.reader_holds(op_of(wr_id)) {
-            st.replies.park(wr_id);
-        } else {
-            self.complete(st, &raw(wr_id, WcStatus::WrFlush));
-        }
+    /// [`Core::start_write`], publishing the writer's progress.
+    fn start_write(&self, st: &mut Core, o: &Out) {
+        let progress = st.start_write(o);
+        self.tx.store(progress.pack(), Ordering::Release);
     }
 
     /// Returns an inline message's copy to the pool (at most the send-queue
@@ -465,7 +242,7 @@ impl Inner {
     }
 
     /// Sleeps on `events` for at most `d` (counted among the sleepers).
-    fn sleep<'a>(&self, mut st: MutexGuard<'a, TcpState>, d: Duration) -> MutexGuard<'a, TcpState> {
+    fn sleep<'a>(&self, mut st: MutexGuard<'a, Core>, d: Duration) -> MutexGuard<'a, Core> {
         // What this thread waits for now comes only through the receiver thread.
         self.end_nap();
         st.sleepers += 1;
@@ -481,65 +258,40 @@ impl Inner {
         }
     }
 
-    /// Wakes the threads asleep on `events`, if any (`st` is their state,
-    /// locked: none can be between its check and its sleep).
-    fn wake(&self, st: &TcpState) {
-        if st.sleepers > 0 {
-            self.events.notify_all();
-        }
+    /// Wakes the threads asleep on `events`, if any.
+    fn wake(&self, st: &Core) {
+        st.wake(self);
     }
 
-    /// Records a completion; frees the queue room it held. Wakes waiters.
-    fn complete(&self, st: &mut TcpState, c: &RawCompletion) {
-        drop(st.q.complete(c));
-        self.wake(st);
+    /// [`Core::complete`].
+    fn complete(&self, st: &mut Core, c: &RawCompletion) {
+        st.complete(c, self);
     }
 
-    /// The connection broke: say why, and fail what no thread is touching.
-    fn break_with(&self, st: &mut TcpState, reason: String) {
-        if st.q.lose(|| reason.clone()) {
-            tracing::info!("TCP connection lost: {reason}");
-        }
+    /// [`Core::break_with`].
+    fn break_with(&self, st: &mut Core, reason: String) {
+        st.break_with(reason, self);
+    }
+}
+
+impl Signals for Inner {
+    fn wake_waiters(&self) {
+        self.events.notify_all();
+    }
+
+    fn wake_sender(&self) {
+        self.work.notify_one();
+    }
+
+    fn broken(&self) {
         self.dead.store(true, Ordering::Release);
-        // The operation being written keeps its requests until its writer
-        // is done (end_write fails them then).
-        let in_use = st.sending_op;
-        let queued: Vec<Out> = st.queue.drain(..).collect();
-        for o in queued {
-            if in_use == Some(op_of(o.wr_id)) {
-                st.queue.push_back(o);
-                continue;
-            }
-            self.fail_request(st, o.wr_id);
-        }
-        // Messages sent whole: no code touches their buffers any more.
-        // Requests being written stay their writer's, reads the reader's.
-        for w in st.replies.take_sent_messages() {
-            self.fail_request(st, w);
-        }
-        self.work.notify_all();
-        self.wake(st);
     }
 }
 
 impl Inner {
-    /// Queues a reply to one of the peer's requests for the sender. A peer
-    /// keeps at most its send-queue depth of requests outstanding, so more
-    /// queued replies than that means it ignores its depth or does not read
-    /// what it is sent: the connection breaks rather than buffering more.
-    fn reply(&self, st: &mut TcpState, ctl: Ctl) -> Handled {
-        if st.control.len() >= self.peer_depth {
-            let why = format!(
-                "the peer has more than {} requests awaiting replies (its send-queue depth): \
-                 it does not read its acknowledgements, or ignores its depth",
-                self.peer_depth
-            );
-            self.break_with(st, why.clone());
-            return Err(why);
-        }
-        st.control.push_back(ctl);
-        self.work.notify_one();
-        Ok(())
+    /// [`Core::reply`].
+    fn reply(&self, st: &mut Core, ctl: Ctl) -> Handled {
+        st.reply(ctl, self)
     }
 
     /// Acknowledges the peer's message `seq`. A spinning waiter that read
@@ -549,7 +301,7 @@ impl Inner {
     /// waits on a peer that does not read); what the socket does not take,
     /// the sender thread sends. The receiver thread hands it over: the
     /// sender sends it while the receiver reads on.
-    fn acknowledge(&self, mut st: MutexGuard<'_, TcpState>, seq: u32, by: Reading) -> Handled {
+    fn acknowledge(&self, mut st: MutexGuard<'_, Core>, seq: u32, by: Reading) -> Handled {
         let socket_free = st.socket_idle() && st.queue.is_empty() && st.q.lost().is_none();
         if by == Reading::Receiver || !socket_free {
             return self.reply(&mut st, Ctl::Ack { seq, status: 0 });

@@ -190,13 +190,7 @@ pub(super) fn receiver(inner: &Inner) {
     let mut st = inner.lock();
     inner.break_with(&mut st, why);
     // This thread owns receives and reads: fail them.
-    let recvs: Vec<Recv> = st.recvs.drain(..).collect();
-    for r in recvs {
-        inner.complete(&mut st, &raw(r.wr_id, WcStatus::WrFlush));
-    }
-    for w in st.replies.take_reads() {
-        inner.complete(&mut st, &raw(w, WcStatus::WrFlush));
-    }
+    st.receiver_stopped(inner);
     drop(st);
     drop(reader);
     let mut st = inner.lock();
@@ -304,11 +298,7 @@ impl Source<'_> {
 /// responder in the error state does, and the receiver stops: nothing the
 /// peer sent after the refused request is carried out.
 pub(super) fn refuse(inner: &Inner, seq: u32, status: WcStatus, why: String) -> Handled {
-    let mut st = inner.lock();
-    st.control.push_back(Ctl::Ack { seq, status: status.to_raw() });
-    inner.work.notify_one();
-    inner.break_with(&mut st, why.clone());
-    Err(why)
+    inner.lock().refuse(seq, status, why, inner)
 }
 
 /// Takes the next posted receive, waiting up to the receiver-not-ready
@@ -536,54 +526,9 @@ pub(super) fn on_read_response(inner: &Inner, h: &FrameHeader, src: &mut Source<
     Ok(())
 }
 
-/// The final request's work request id of the queued operation whose
-/// requests include `seq` (a request of it was sent and refused, its final
-/// request is still queued).
-#[cold]
-pub(super) fn queued_chain_of(st: &TcpState, seq: u32) -> Option<u64> {
-    let within = |first: u32, last: u32| seq.wrapping_sub(first) <= last.wrapping_sub(first);
-    st.queue.iter().find(|o| is_final(o.wr_id) && within(o.first, o.seq)).map(|o| o.wr_id)
-}
-
-/// An acknowledgement: completes the oldest request waiting for one, if it
-/// answers it (see [`replies`]); a refusal fails the operation it names
-/// and breaks the connection; any other acknowledgement breaks it too.
+/// An acknowledgement: [`Core::on_ack`].
 pub(super) fn on_ack(inner: &Inner, h: &FrameHeader) -> Handled {
-    let status = WcStatus::from_raw(h.total);
     let mut st = inner.lock();
     let progress = Progress::unpack(inner.tx.load(Ordering::Acquire));
-    let why = match st.replies.on_ack(h.seq, status.is_success(), progress) {
-        OnAck::Complete(wr_id) => {
-            inner.complete(&mut st, &raw(wr_id, WcStatus::Success));
-            return Ok(());
-        }
-        OnAck::Deferred => return Ok(()),
-        OnAck::Violation(why) => why,
-        OnAck::Refused(chain) => {
-            // The operation: one waiting for a reply, one whose final
-            // request is queued, or the one being written (an untracked
-            // send refused while its writer is at it).
-            let op = chain
-                .or_else(|| queued_chain_of(&st, h.seq))
-                .map(op_of)
-                .or_else(|| st.sending_op.filter(|_| st.sending == Some(h.seq)));
-            match op {
-                Some(op) => {
-                    st.q.lose(|| {
-                        format!("the connection went to the error state after a request failed with {status}")
-                    });
-                    // Recorded as the operation's failure; whoever owns its
-                    // final request (a writer, the reader, the break below)
-                    // completes it once nothing touches its buffer.
-                    inner.complete(&mut st, &raw(op, status));
-                    st.q.lost().unwrap_or_default().to_owned()
-                }
-                None => format!("the peer refused a request with {status}"),
-            }
-        }
-    };
-    // The peer broke the connection, or the rules: nothing more from it
-    // is carried out.
-    inner.break_with(&mut st, why.clone());
-    Err(why)
+    st.on_ack(h.seq, WcStatus::from_raw(h.total), progress, inner)
 }

@@ -3,62 +3,6 @@
 
 use super::*;
 
-pub(super) enum Work {
-    Ctl(Ctl),
-    /// The rest of a control frame a reader began: its header and the bytes sent.
-    Rest(FrameHeader, usize),
-    /// A message, and whether more are queued behind it.
-    Out(Out, bool),
-}
-
-/// What the sender thread does next, by the state alone.
-pub(super) enum Next {
-    /// Nothing to write now, or another thread writes: sleep until told.
-    Wait,
-    /// Write this (marked as the one being written).
-    Write(Work),
-    /// Broken or closing, and every queued reply went out (or failed):
-    /// hang up, so the peer sees the end at once.
-    HangUp,
-}
-
-/// The sender's rule, with no I/O: one writer at a time (a posting or
-/// reading thread may be writing directly); first what another thread
-/// began and the socket did not take whole (the rest of a control frame,
-/// then a message: the stream stays whole), then control frames (replies
-/// the peer's requests wait for, before this side's own messages), and
-/// once broken or closing, after the last control frame, hang up; else the
-/// next queued message. Marks the chosen work as being written; a message
-/// is started by the caller ([`Inner::start_write`]).
-pub(super) fn next(st: &mut TcpState) -> Next {
-    if st.writing {
-        return Next::Wait;
-    }
-    if let Some((h, sent)) = st.ctl_rest.take() {
-        st.writing = true;
-        return Next::Write(Work::Rest(h, sent));
-    }
-    if let Some(o) = st.resume.take() {
-        // Already started by the thread that began it.
-        st.writing = true;
-        return Next::Write(Work::Out(o, false));
-    }
-    if let Some(c) = st.control.pop_front() {
-        st.writing = true;
-        return Next::Write(Work::Ctl(c));
-    }
-    if st.stopping || st.q.lost().is_some() {
-        return Next::HangUp;
-    }
-    match st.queue.pop_front() {
-        Some(o) => {
-            let more = !st.queue.is_empty();
-            Next::Write(Work::Out(o, more))
-        }
-        None => Next::Wait,
-    }
-}
-
 pub(super) fn sender(inner: &Inner) {
     let fd = inner.fd;
     loop {

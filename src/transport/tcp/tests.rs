@@ -230,8 +230,8 @@ fn rnr_timer_codes_follow_the_encoding() {
 
 /// A connection's state with no socket and no threads, for the rules that
 /// read it alone.
-fn bare_state() -> TcpState {
-    TcpState::new(Limits { domain_id: 1, send_depth: 8, recv_depth: 8, max_message: 1 << 20, qp_num: 0 }, 8)
+fn bare_state() -> Core {
+    Core::new(Limits { domain_id: 1, send_depth: 8, recv_depth: 8, max_message: 1 << 20, qp_num: 0 }, 8)
 }
 
 fn out(seq: u32) -> Out {
@@ -240,7 +240,7 @@ fn out(seq: u32) -> Out {
 
 /// What [`next`] chose, in short: `rest`, `resume N`, `ack N`, `out N
 /// (more)`, `wait`, `hang up`.
-fn chose(st: &mut TcpState) -> String {
+fn chose(st: &mut Core) -> String {
     match next(st) {
         Next::Wait => "wait".into(),
         Next::HangUp => "hang up".into(),
