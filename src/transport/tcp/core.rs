@@ -125,6 +125,7 @@ pub(super) enum Ctl {
     Bye,
 }
 
+#[derive(Debug)]
 pub(super) struct Recv {
     pub(super) wr_id: u64,
     pub(super) addr: u64,
@@ -168,6 +169,9 @@ pub(super) struct Core {
     /// The peer's send-queue depth: the most replies (acknowledgements, read
     /// responses) its outstanding requests can need.
     pub(super) peer_depth: usize,
+    /// The peer's message being carried out, between the reader's steps
+    /// ([`inbound`](super::inbound)).
+    pub(super) rx: super::inbound::Rx,
 }
 
 impl Core {
@@ -192,6 +196,7 @@ impl Core {
             sender_done: false,
             sleepers: 0,
             peer_depth,
+            rx: Default::default(),
         }
     }
 }

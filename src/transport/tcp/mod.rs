@@ -78,6 +78,7 @@ use replies::Progress;
 mod conn;
 mod core;
 mod frame;
+mod inbound;
 mod receiver;
 mod replies;
 mod responder;
@@ -88,6 +89,7 @@ mod tests;
 
 use self::core::*;
 use frame::*;
+use inbound::*;
 use socket::*;
 
 /// The largest message (send, or write with immediate) this side accepts.
@@ -211,14 +213,6 @@ impl Inner {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The exposed region under `key`, if this connection's peer may use it.
-    fn lookup(&self, key: u32) -> Option<Arc<KeyEntry>> {
-        if !self.granted.read().unwrap_or_else(|e| e.into_inner()).contains(&key) {
-            return None;
-        }
-        self.keys.lookup(key)
-    }
-
     /// [`Core::end_write`].
     fn end_write(&self, st: &mut Core, o: &Out, write_failed: bool) {
         st.end_write(o, write_failed, self);
@@ -271,6 +265,32 @@ impl Inner {
     /// [`Core::break_with`].
     fn break_with(&self, st: &mut Core, reason: String) {
         st.break_with(reason, self);
+    }
+}
+
+impl Env for Inner {
+    /// The exposed region under `key`, if this connection's peer may use it.
+    fn lookup(&self, key: u32) -> Option<Arc<KeyEntry>> {
+        if !self.granted.read().unwrap_or_else(|e| e.into_inner()).contains(&key) {
+            return None;
+        }
+        self.keys.lookup(key)
+    }
+}
+
+impl Inner {
+    /// Makes what a write with immediate wrote at `addr..addr + len` under
+    /// `key` visible to CUDA work: in GPU memory on the staged path (the
+    /// only GPU memory this transport writes, through its host mirror), a
+    /// copy in from the mirror.
+    fn make_visible(&self, key: u32, addr: u64, len: u64) -> std::result::Result<(), String> {
+        #[cfg(feature = "cuda")]
+        return self.visible.make_visible(key, addr, len).map_err(|e| e.to_string());
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (key, addr, len);
+            Ok(())
+        }
     }
 }
 

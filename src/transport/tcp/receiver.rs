@@ -5,6 +5,9 @@ use super::*;
 
 pub(super) const CLOSED: &str = "the peer closed the connection (its process exited or dropped the connection)";
 
+/// The stream ended inside a frame.
+const CLOSED_MID: &str = "the peer closed the connection";
+
 /// The longest the receiver thread naps while waiters spin.
 pub(super) const NAP: Duration = Duration::from_millis(1);
 
@@ -35,7 +38,8 @@ pub(super) const LOOK: usize = HEADER + MAX_INLINE as usize + 1;
 // The look lands in the reader's scratch buffer.
 const _: () = assert!(LOOK <= STEP);
 
-/// Carries out one frame whose header was read.
+/// Carries out one frame whose header was read: does what the core says
+/// ([`Core::on_header`] and the steps after it), reporting each step back.
 pub(super) fn on_frame(
     inner: &Inner,
     h: &FrameHeader,
@@ -43,17 +47,66 @@ pub(super) fn on_frame(
     scratch: &mut [u8],
     by: Reading,
 ) -> Handled {
-    match FrameOp::from_raw(h.op) {
-        Some(FrameOp::Send | FrameOp::Write) if h.flags & FIRST == 0 => {
-            Err(format!("a garbled frame (operation {} without its first segment): the stream is out of step", h.op))
-        }
-        Some(FrameOp::Send) => on_message(inner, h, None, src, scratch, by),
-        Some(FrameOp::Write) => on_write(inner, h, src, scratch, by),
-        Some(FrameOp::ReadReq) => on_read_request(inner, h),
-        Some(FrameOp::ReadResp) => on_read_response(inner, h, src, scratch),
-        Some(FrameOp::Ack) => on_ack(inner, h),
-        Some(FrameOp::Bye) => Err("the peer closed the connection (it said bye)".to_owned()),
-        None => Err(format!("a garbled frame (operation {}): the stream is out of step", h.op)),
+    let progress = Progress::unpack(inner.tx.load(Ordering::Acquire));
+    let mut st = inner.lock();
+    let mut stepped = st.on_header(*h, progress, inner);
+    loop {
+        stepped = match stepped? {
+            Step::Done => return Ok(()),
+            Step::Ack(seq) => return inner.acknowledge(st, seq, by),
+            Step::Fill { addr, len, gate } => {
+                drop(st);
+                // SAFETY: the core checked `addr..addr + len`: inside a posted
+                // receive's buffer (owned by its operation until the core
+                // completes it), inside this side's read's destination (the
+                // same), or inside an exposed region, whose memory stays valid
+                // while its gate says alive (revocation waits for the gate).
+                let got = unsafe { src.fill(addr as *mut u8, len, gate.as_deref().map(|e| &e.alive), scratch) };
+                st = inner.lock();
+                match got {
+                    Ok(true) => st.filled(inner),
+                    Ok(false) => Err(st.abort(CLOSED_MID.to_owned(), inner)),
+                    Err(e) => Err(st.abort(io_err(e), inner)),
+                }
+            }
+            Step::Drop { len } => {
+                drop(st);
+                let got = src.skip(len, scratch);
+                st = inner.lock();
+                match got {
+                    Ok(true) => st.dropped(inner),
+                    Ok(false) => Err(st.abort(CLOSED_MID.to_owned(), inner)),
+                    Err(e) => Err(st.abort(io_err(e), inner)),
+                }
+            }
+            Step::NextSegment => {
+                drop(st);
+                let next = src.next_header();
+                st = inner.lock();
+                match next {
+                    Ok(next) => st.on_segment(next, inner),
+                    Err(why) => Err(st.abort(why, inner)),
+                }
+            }
+            Step::NeedRecv => match await_receive(inner, st) {
+                Ok((mut s, posted)) => {
+                    let stepped = s.on_receive(posted, inner);
+                    st = s;
+                    stepped
+                }
+                Err((mut s, why)) => {
+                    let why = s.abort(why, inner);
+                    st = s;
+                    Err(why)
+                }
+            },
+            Step::MakeVisible { key, addr, len } => {
+                drop(st);
+                let made = inner.make_visible(key, addr, len);
+                st = inner.lock();
+                st.visible(made, inner)
+            }
+        };
     }
 }
 
@@ -258,277 +311,62 @@ impl Source<'_> {
         }
     }
 
-    /// Reads the rest of the message the header `h` starts, dropping it.
-    pub(super) fn drain(&mut self, h: &FrameHeader, scratch: &mut [u8]) -> Handled {
-        let mut cur = *h;
-        loop {
-            match self {
-                Source::Socket(fd) => {
-                    if !discard(*fd, cur.len as usize, scratch).map_err(io_err)? {
-                        return Err("the peer closed the connection".into());
-                    }
-                }
-                Source::Read(bytes) => *bytes = bytes.get(cur.len as usize..).unwrap_or_default(),
+    /// Reads the payload's next `len` bytes and drops them (`Ok(false)` on
+    /// EOF).
+    pub(super) fn skip(&mut self, len: usize, scratch: &mut [u8]) -> io::Result<bool> {
+        match self {
+            Source::Socket(fd) => discard(*fd, len, scratch),
+            Source::Read(bytes) => {
+                let Some(rest) = bytes.get(len..) else {
+                    return Err(io::Error::new(io::ErrorKind::InvalidData, "a payload shorter than its header says"));
+                };
+                *bytes = rest;
+                Ok(true)
             }
-            if cur.flags & LAST != 0 {
-                return Ok(());
-            }
-            cur = self.next_segment(h)?;
         }
     }
 
-    /// Reads the header of the next segment of the message `first` started.
-    pub(super) fn next_segment(&mut self, first: &FrameHeader) -> std::result::Result<FrameHeader, String> {
+    /// Reads the header of a message's next segment.
+    pub(super) fn next_header(&mut self) -> std::result::Result<FrameHeader, String> {
         let Source::Socket(fd) = self else {
             // A waiter carries out messages of one segment only.
             return Err("a garbled frame (a segment after the last): the stream is out of step".into());
         };
         let mut head = [0u8; HEADER];
         if !recv_buf(*fd, &mut head).map_err(io_err)? {
-            return Err("the peer closed the connection".into());
+            return Err(CLOSED_MID.into());
         }
-        let next = FrameHeader::parse(&head)?;
-        next.continues(first)?;
-        Ok(next)
+        FrameHeader::parse(&head)
     }
 }
 
-/// Fails the connection after a request the peer made was refused: the
-/// peer gets `status` (the last reply it gets), this side breaks too, as a
-/// responder in the error state does, and the receiver stops: nothing the
-/// peer sent after the refused request is carried out.
-pub(super) fn refuse(inner: &Inner, seq: u32, status: WcStatus, why: String) -> Handled {
-    inner.lock().refuse(seq, status, why, inner)
-}
-
-/// Takes the next posted receive, waiting up to the receiver-not-ready
-/// budget (forever when it is "infinite"). Meanwhile the socket is watched
-/// every [`WATCH`]: a peer that closed or died ends the wait, as does this
-/// side closing.
-pub(super) fn next_recv(inner: &Inner) -> std::result::Result<Option<Recv>, String> {
+/// Waits for a posted receive, up to the receiver-not-ready budget
+/// (forever when it is "infinite"): the state, and whether one is there.
+/// Meanwhile the socket is watched every [`WATCH`]: a peer that closed or
+/// died ends the wait, as does this side closing.
+#[allow(clippy::type_complexity)]
+fn await_receive<'a>(
+    inner: &'a Inner,
+    mut st: MutexGuard<'a, Core>,
+) -> std::result::Result<(MutexGuard<'a, Core>, bool), (MutexGuard<'a, Core>, String)> {
     let deadline = inner.rnr_budget.map(|b| Instant::now() + b);
-    let mut st = inner.lock();
     loop {
         if st.stopping || st.q.lost().is_some() {
-            return Err(st.q.lost().map_or_else(|| "the connection is closing".into(), str::to_owned));
+            let why = st.q.lost().map_or_else(|| "the connection is closing".into(), str::to_owned);
+            return Err((st, why));
         }
-        if let Some(r) = st.recvs.pop_front() {
-            return Ok(Some(r));
+        if !st.recvs.is_empty() {
+            return Ok((st, true));
         }
         let now = Instant::now();
         let slice = match deadline {
-            Some(d) if now >= d => return Ok(None),
+            Some(d) if now >= d => return Ok((st, false)),
             Some(d) => (d - now).min(WATCH),
             None => WATCH,
         };
         st = inner.sleep(st, slice);
         if st.recvs.is_empty() && inner.peer_gone() {
-            return Err("the peer closed the connection while its message waited for a receive".into());
+            return Err((st, "the peer closed the connection while its message waited for a receive".into()));
         }
     }
-}
-
-/// A send (or the receive a write with immediate consumes): lands in the
-/// next posted receive. `written` is the byte count of a write with
-/// immediate whose data already went to its target.
-pub(super) fn on_message(
-    inner: &Inner,
-    h: &FrameHeader,
-    written: Option<u32>,
-    src: &mut Source<'_>,
-    scratch: &mut [u8],
-    by: Reading,
-) -> Handled {
-    let total = u64::from(written.unwrap_or(h.total));
-    let taken = next_recv(inner)?.map(|r| {
-        let len = r.len;
-        (r, len)
-    });
-    let recv = match responder::message(total, taken, written.is_some()) {
-        responder::Message::Land(recv) => recv,
-        responder::Message::TooLong(recv, r) => {
-            // Failed first (the bytes go to scratch, not to it), so that a
-            // stream that breaks while draining cannot leave it pending.
-            let mut st = inner.lock();
-            inner.complete(&mut st, &RawCompletion { byte_len: h.total, ..raw(recv.wr_id, WcStatus::LocalLength) });
-            drop(st);
-            src.drain(h, scratch)?;
-            return refuse(inner, h.seq, r.status, r.why);
-        }
-        responder::Message::NoReceive(r) => {
-            if written.is_none() {
-                src.drain(h, scratch)?;
-            }
-            return refuse(inner, h.seq, r.status, r.why);
-        }
-    };
-    if written.is_none() {
-        let mut cur = *h;
-        let mut off = 0u64;
-        loop {
-            let n = u64::from(cur.len);
-            if let Err(why) = responder::segment_fits(off, n, recv.len) {
-                let mut st = inner.lock();
-                inner.complete(&mut st, &raw(recv.wr_id, WcStatus::LocalLength));
-                return Err(why);
-            }
-            // SAFETY: inside the receive's buffer (checked), which its operation owns
-            // until this thread completes it.
-            let ok = unsafe { src.fill((recv.addr + off) as *mut u8, n as usize, None, scratch) };
-            if let Err(why) = ok
-                .map_err(io_err)
-                .and_then(|ok| ok.then_some(()).ok_or_else(|| "the peer closed the connection".into()))
-            {
-                // The receive was taken off the queue: this thread fails it.
-                let mut st = inner.lock();
-                inner.complete(&mut st, &raw(recv.wr_id, WcStatus::WrFlush));
-                return Err(why);
-            }
-            off += n;
-            if cur.flags & LAST != 0 {
-                break;
-            }
-            match src.next_segment(h) {
-                Ok(next) => cur = next,
-                Err(why) => {
-                    // The receive was taken off the queue: this thread fails it.
-                    let mut st = inner.lock();
-                    inner.complete(&mut st, &raw(recv.wr_id, WcStatus::WrFlush));
-                    return Err(why);
-                }
-            }
-        }
-        if let Err(why) = responder::whole(total, off) {
-            // Its last segment came early: the receive would report bytes
-            // that never arrived.
-            let mut st = inner.lock();
-            inner.complete(&mut st, &raw(recv.wr_id, WcStatus::WrFlush));
-            return Err(why);
-        }
-    }
-    let mut st = inner.lock();
-    let c = RawCompletion {
-        byte_len: total as u32,
-        imm: (h.flags & IMM != 0).then_some(h.imm),
-        by_write_imm: written.is_some(),
-        ..raw(recv.wr_id, WcStatus::Success)
-    };
-    inner.complete(&mut st, &c);
-    if h.flags & ACK == 0 {
-        return Ok(());
-    }
-    inner.acknowledge(st, h.seq, by)
-}
-
-pub(super) fn on_write(
-    inner: &Inner,
-    h: &FrameHeader,
-    src: &mut Source<'_>,
-    scratch: &mut [u8],
-    by: Reading,
-) -> Handled {
-    let total = u64::from(h.total);
-    let entry = match responder::write(inner.lookup(h.key), h.key, h.addr, total) {
-        Ok(entry) => entry,
-        Err(r) => {
-            src.drain(h, scratch)?;
-            return refuse(inner, h.seq, r.status, r.why);
-        }
-    };
-    let mut cur = *h;
-    let mut off = 0u64;
-    loop {
-        let n = u64::from(cur.len);
-        if let Err(r) = responder::write_segment(&entry, cur.addr, n) {
-            src.drain(&cur, scratch)?;
-            return refuse(inner, h.seq, r.status, r.why);
-        }
-        // SAFETY: inside the exposed region (checked); its memory stays valid while
-        // the gate says alive, and revocation waits for the gate.
-        let ok = unsafe { src.fill(cur.addr as *mut u8, n as usize, Some(&entry.alive), scratch) };
-        if !ok.map_err(io_err)? {
-            return Err("the peer closed the connection".into());
-        }
-        off += n;
-        if cur.flags & LAST != 0 {
-            break;
-        }
-        cur = src.next_segment(h)?;
-    }
-    // A write with immediate would report bytes that never arrived.
-    responder::whole(total, off)?;
-    if !*entry.alive.read().unwrap_or_else(|e| e.into_inner()) {
-        let r = responder::withdrawn_during_write();
-        return refuse(inner, h.seq, r.status, r.why);
-    }
-    if h.flags & IMM != 0 {
-        // The immediate announces the data: in GPU memory (copied from the
-        // staging mirror, the only memory this transport writes), it must be
-        // visible to CUDA work before the receive completes. A GPU that
-        // cannot take it breaks the connection, loudly.
-        #[cfg(feature = "cuda")]
-        if let Err(e) = inner.visible.make_visible(h.key, h.addr, total) {
-            return Err(format!("the data of a write with immediate could not be made visible in GPU memory: {e}"));
-        }
-        return on_message(inner, h, Some(h.total), src, scratch, by);
-    }
-    if h.flags & ACK == 0 {
-        return Ok(());
-    }
-    inner.acknowledge(inner.lock(), h.seq, by)
-}
-
-pub(super) fn on_read_request(inner: &Inner, h: &FrameHeader) -> Handled {
-    let total = u64::from(h.total);
-    match responder::read(inner.lookup(h.key), h.key, h.addr, total) {
-        Ok(entry) => {
-            let mut st = inner.lock();
-            inner.reply(&mut st, Ctl::ReadResp { seq: h.seq, entry, addr: h.addr, len: total })
-        }
-        Err(r) => refuse(inner, h.seq, r.status, r.why),
-    }
-}
-
-pub(super) fn on_read_response(inner: &Inner, h: &FrameHeader, src: &mut Source<'_>, scratch: &mut [u8]) -> Handled {
-    let n = u64::from(h.len);
-    // It must answer the oldest request waiting for a reply, a read that
-    // reached the peer whole, and land next in order inside its buffer
-    // (the peer sends a read's response in order, from its start).
-    let segment = {
-        let mut st = inner.lock();
-        let progress = Progress::unpack(inner.tx.load(Ordering::Acquire));
-        st.replies.on_read_segment(h.seq, h.addr, n, progress)
-    };
-    let seg = match segment {
-        Ok(seg) => seg,
-        Err(why) => {
-            src.drain(h, scratch)?;
-            return Err(why);
-        }
-    };
-    // SAFETY: inside the read's destination (checked), owned by its operation
-    // until this thread, the reader, lets go of the read (`read_done`, or
-    // `take_reads` when it stops): nobody else completes the operation.
-    let ok = unsafe { src.fill((seg.addr + h.addr) as *mut u8, n as usize, None, scratch) };
-    if !ok.map_err(io_err)? {
-        return Err("the peer closed the connection".into());
-    }
-    if h.flags & LAST != 0 {
-        let mut st = inner.lock();
-        let whole = st.replies.read_done().is_some_and(|(_, whole)| whole);
-        if !whole {
-            // Part of the read's buffer would hold what was there before.
-            inner.complete(&mut st, &raw(seg.wr_id, WcStatus::BadResponse));
-            return Err(format!("a read response of {} bytes for a read of {}", h.addr + n, seg.len));
-        }
-        inner.complete(&mut st, &raw(seg.wr_id, WcStatus::Success));
-    }
-    Ok(())
-}
-
-/// An acknowledgement: [`Core::on_ack`].
-pub(super) fn on_ack(inner: &Inner, h: &FrameHeader) -> Handled {
-    let mut st = inner.lock();
-    let progress = Progress::unpack(inner.tx.load(Ordering::Acquire));
-    st.on_ack(h.seq, WcStatus::from_raw(h.total), progress, inner)
 }
