@@ -147,15 +147,7 @@ impl TcpConn {
             }
             st = self.inner.sleep(st, deadline - now);
         }
-        let id = st.q.start_send(opcode, n, bytes);
-        let first = st.next_seq;
-        for i in 0..count {
-            let (kind, addr, len) = next(i);
-            let seq = st.next_seq;
-            st.next_seq = st.next_seq.wrapping_add(1).max(1);
-            let wr_id = id.wr_id(i + 1 == count);
-            st.queue.push_back(Out { seq, wr_id, kind, addr, len, skip: 0, first });
-        }
+        let id = st.push(opcode, count, bytes, &mut next);
         if count == 1 && st.socket_idle() && st.queue.len() == 1 && matches!(st.queue[0].kind, OutKind::Inline { .. }) {
             if let Some(o) = st.queue.pop_front() {
                 return self.send_direct(st, o, id);
@@ -255,13 +247,10 @@ impl TcpConn {
             }
             None => (0, 0),
         };
-        let id = match st.q.start_recv() {
-            Ok(id) => id,
-            Err(e) => return Posted::refused(e),
-        };
-        st.recvs.push_back(Recv { wr_id: id.wr_id(true), addr, len });
-        self.inner.wake(&st);
-        Posted::Ok(id)
+        match st.post_recv(addr, len, &*self.inner) {
+            Ok(id) => Posted::Ok(id),
+            Err(e) => Posted::refused(e),
+        }
     }
 
     /// Takes `id`'s outcome if it is done, else registers `waker`: the
@@ -401,15 +390,7 @@ impl TcpConn {
             }
         }
         // Both threads are gone: fail whatever they left.
-        let mut st = self.inner.lock();
-        let recvs: Vec<Recv> = st.recvs.drain(..).collect();
-        for r in recvs {
-            self.inner.complete(&mut st, &raw(r.wr_id, WcStatus::WrFlush));
-        }
-        for w in st.replies.take_all() {
-            self.inner.complete(&mut st, &raw(w, WcStatus::WrFlush));
-        }
-        self.inner.break_with(&mut st, reason.to_owned());
+        self.inner.lock().stopped(reason.to_owned(), &*self.inner);
     }
 }
 

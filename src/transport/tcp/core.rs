@@ -20,11 +20,11 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use super::MAX_CALL;
-use super::frame::{FrameHeader, HEADER, Handled, SEGMENT};
+use super::frame::{ACK, FIRST, FrameHeader, FrameOp, HEADER, Handled, IMM, LAST, SEGMENT};
 use super::replies::{OnAck, Progress, Replies, Reply, Request};
-use crate::completion::WcStatus;
+use crate::completion::{Opcode, WcStatus};
 use crate::memory::keys::KeyEntry;
-use crate::ops::{RawCompletion, is_final, op_of};
+use crate::ops::{OpId, RawCompletion, is_final, op_of};
 use crate::transport::queue::{Limits, QueueCore};
 
 /// What the state's owner must do when the rules change it.
@@ -225,6 +225,39 @@ impl Core {
             || self.q.lost().is_some()
     }
 
+    /// Queues `count` messages (`next(i)` makes the i-th: its kind, source
+    /// address and length) as one operation of `opcode` carrying `bytes`,
+    /// in sequence order; room in the send queue was checked
+    /// ([`QueueCore::send_room`]). Allocates nothing once the queues have
+    /// grown to their steady size.
+    pub(super) fn push(
+        &mut self,
+        opcode: Opcode,
+        count: usize,
+        bytes: u64,
+        mut next: impl FnMut(usize) -> (OutKind, u64, u64),
+    ) -> OpId {
+        let id = self.q.start_send(opcode, count as u32, bytes);
+        let first = self.next_seq;
+        for i in 0..count {
+            let (kind, addr, len) = next(i);
+            let seq = self.next_seq;
+            self.next_seq = self.next_seq.wrapping_add(1).max(1);
+            let wr_id = id.wr_id(i + 1 == count);
+            self.queue.push_back(Out { seq, wr_id, kind, addr, len, skip: 0, first });
+        }
+        id
+    }
+
+    /// Posts a receive of `len` bytes at `addr` (checked by the caller),
+    /// behind those posted before it.
+    pub(super) fn post_recv(&mut self, addr: u64, len: u64, sig: &impl Signals) -> crate::error::Result<OpId> {
+        let id = self.q.start_recv()?;
+        self.recvs.push_back(Recv { wr_id: id.wr_id(true), addr, len });
+        self.wake(sig);
+        Ok(id)
+    }
+
     /// Wakes the threads asleep on this state, if any.
     pub(super) fn wake(&self, sig: &impl Signals) {
         if self.sleepers > 0 {
@@ -401,6 +434,19 @@ impl Core {
         Err(why)
     }
 
+    /// This side closed and its threads are gone: whatever they left fails,
+    /// and the connection is lost for `reason` if it was not already.
+    pub(super) fn stopped(&mut self, reason: String, sig: &impl Signals) {
+        let recvs: Vec<Recv> = self.recvs.drain(..).collect();
+        for r in recvs {
+            self.complete(&raw(r.wr_id, WcStatus::WrFlush), sig);
+        }
+        for w in self.replies.take_all() {
+            self.complete(&raw(w, WcStatus::WrFlush), sig);
+        }
+        self.break_with(reason, sig);
+    }
+
     /// The receiving side stopped (the peer is gone, or broke the rules):
     /// receives and reads, which only it fills, fail.
     pub(super) fn receiver_stopped(&mut self, sig: &impl Signals) {
@@ -468,4 +514,90 @@ pub(super) fn next(st: &mut Core) -> Next {
         }
         None => Next::Wait,
     }
+}
+
+/// One frame of a message as its writer sends it: the header, then `len`
+/// bytes of payload from `src`. `wire`: the message's bytes on the wire
+/// before this frame (how far its writer is when it starts it).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct OutFrame {
+    pub(super) h: FrameHeader,
+    pub(super) src: u64,
+    pub(super) len: usize,
+    pub(super) wire: u64,
+}
+
+impl OutFrame {
+    pub(super) fn is_first(&self) -> bool {
+        self.wire == 0
+    }
+
+    pub(super) fn is_last(&self) -> bool {
+        self.h.flags & LAST != 0
+    }
+}
+
+/// The frames of message `o`: a frame per segment of at most [`SEGMENT`]
+/// bytes of payload (one for none), from its source (a registered buffer,
+/// or its inline copy).
+pub(super) fn message_frames(o: &Out) -> impl Iterator<Item = OutFrame> + '_ {
+    let (op, key, raddr, imm) = match &o.kind {
+        OutKind::Send { imm } | OutKind::Inline { imm, .. } => (FrameOp::Send, 0, 0, *imm),
+        OutKind::Write { raddr, key, imm } => (FrameOp::Write, *key, *raddr, *imm),
+        OutKind::ReadReq { raddr, key } => (FrameOp::ReadReq, *key, *raddr, None),
+    };
+    let (src, len) = match &o.kind {
+        OutKind::Inline { data, .. } => (data.as_ptr() as u64, data.len() as u64),
+        OutKind::ReadReq { .. } => (0, 0),
+        _ => (o.addr, o.len),
+    };
+    let total = u32::try_from(o.len).unwrap_or(u32::MAX);
+    let flags = if imm.is_some() { IMM } else { 0 } | if wants_ack(o) { ACK } else { 0 };
+    let frames = len.div_ceil(SEGMENT as u64).max(1);
+    (0..frames).map(move |i| {
+        let off = i * SEGMENT as u64;
+        let n = (len - off).min(SEGMENT as u64);
+        let mut f = flags;
+        if i == 0 {
+            f |= FIRST;
+        }
+        if i + 1 == frames {
+            f |= LAST;
+        }
+        let h = FrameHeader {
+            op: op as u8,
+            flags: f,
+            seq: o.seq,
+            key,
+            imm: imm.unwrap_or(0),
+            addr: raddr + off,
+            len: n as u32,
+            total,
+        };
+        OutFrame { h, src: src + off, len: n as usize, wire: off + i * HEADER as u64 }
+    })
+}
+
+/// The frames of the response to the peer's read `seq` of `len` bytes at
+/// `addr`: `h.addr` is each segment's offset in the read.
+pub(super) fn read_response_frames(seq: u32, addr: u64, len: u64) -> impl Iterator<Item = OutFrame> {
+    let frames = len.div_ceil(SEGMENT as u64).max(1);
+    (0..frames).map(move |i| {
+        let off = i * SEGMENT as u64;
+        let n = (len - off).min(SEGMENT as u64);
+        let flags = if i + 1 == frames { LAST } else { 0 } | if i == 0 { FIRST } else { 0 };
+        let h =
+            FrameHeader { op: FrameOp::ReadResp as u8, flags, seq, addr: off, len: n as u32, ..FrameHeader::default() };
+        OutFrame { h, src: addr + off, len: n as usize, wire: off + i * HEADER as u64 }
+    })
+}
+
+/// The header of an acknowledgement of the peer's request `seq` (`status`
+/// 0: done), or of this side's goodbye.
+pub(super) fn ack_header(seq: u32, status: u32) -> FrameHeader {
+    FrameHeader { op: FrameOp::Ack as u8, seq, total: status, ..FrameHeader::default() }
+}
+
+pub(super) fn bye_header() -> FrameHeader {
+    FrameHeader { op: FrameOp::Bye as u8, ..FrameHeader::default() }
 }

@@ -89,6 +89,12 @@ impl Core {
     /// Carries out a frame whose header `h` was read (`progress`: how far
     /// this side's writer is, for a reply that may come early).
     pub(super) fn on_header(&mut self, h: FrameHeader, progress: Progress, env: &impl Env) -> Stepped {
+        if let Some(lost) = self.q.lost() {
+            // Broken (a refusal either way, a lost peer, this side closing):
+            // nothing more from the peer is carried out.
+            let why = lost.to_owned();
+            return self.ended(Err(why));
+        }
         if !matches!(self.rx, Rx::Idle) {
             return self.ended(Err("a frame began inside another (the reader lost its place)".into()));
         }
@@ -108,8 +114,15 @@ impl Core {
         self.ended(stepped)
     }
 
-    /// The payload of the last [`Step::Fill`] is in memory.
+    /// The payload of the last [`Step::Fill`] is in memory. (Once the
+    /// connection broke, the frame goes no further: what the peer sent is
+    /// carried out no more, segment by segment.)
     pub(super) fn filled(&mut self, env: &impl Env) -> Stepped {
+        if let Some(lost) = self.q.lost() {
+            let why = lost.to_owned();
+            let why = self.abort(why, env);
+            return self.ended(Err(why));
+        }
         let stepped = match &mut self.rx {
             Rx::Message { cur, off, .. } => {
                 *off += u64::from(cur.len);
@@ -150,6 +163,11 @@ impl Core {
 
     /// The header of the current message's next segment was read.
     pub(super) fn on_segment(&mut self, h: FrameHeader, env: &impl Env) -> Stepped {
+        if let Some(lost) = self.q.lost() {
+            let why = lost.to_owned();
+            let why = self.abort(why, env);
+            return self.ended(Err(why));
+        }
         let first = match &self.rx {
             Rx::Message { first, .. } | Rx::Write { first, .. } | Rx::Draining { first, .. } => *first,
             _ => {

@@ -66,17 +66,19 @@ use std::time::{Duration, Instant};
 
 use super::queue::{Limits, Posted, QueueCore, RemoteOp, WorkItem};
 use crate::bootstrap::{self, MAX_TCP_QUEUE_DEPTH, TcpEndpoint};
-use crate::completion::{Opcode, WcStatus};
+use crate::completion::Opcode;
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::memory::LocalParts;
 use crate::memory::keys::{KeyEntry, KeyTable};
-use crate::ops::{OpId, OpOutcome, RawCompletion, WaitError, Waited, waited};
+use crate::ops::{OpId, OpOutcome, WaitError, Waited, waited};
 use crate::options::{ConnectOptions, ConnectionInfo, Transport};
 use replies::Progress;
 
 mod conn;
 mod core;
+#[cfg(test)]
+mod core_tests;
 mod frame;
 mod inbound;
 mod receiver;
@@ -257,11 +259,6 @@ impl Inner {
         st.wake(self);
     }
 
-    /// [`Core::complete`].
-    fn complete(&self, st: &mut Core, c: &RawCompletion) {
-        st.complete(c, self);
-    }
-
     /// [`Core::break_with`].
     fn break_with(&self, st: &mut Core, reason: String) {
         st.break_with(reason, self);
@@ -328,7 +325,7 @@ impl Inner {
         }
         st.writing = true;
         drop(st);
-        let h = FrameHeader { op: FrameOp::Ack as u8, seq, ..FrameHeader::default() };
+        let h = ack_header(seq, 0);
         let sent = send_now(self.fd, &h.encode());
         let mut st = self.lock();
         st.writing = false;
