@@ -91,8 +91,14 @@ impl EngineShared {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Wakes the thread, unless this is the thread: it looks at its tasks
+    /// and timers again before it sleeps (see [`run`]), and ringing its own
+    /// bell would cost it three system calls (the ring, a poll that returns
+    /// at once, the drain).
     fn notify(&self) {
-        self.wake.ring();
+        if !ON_ENGINE.with(std::cell::Cell::get) {
+            self.wake.ring();
+        }
     }
 
     fn drain(&self) {
@@ -412,8 +418,14 @@ fn fine_timers() {
     }
 }
 
+thread_local! {
+    /// Set on an engine's thread (see [`EngineShared::notify`]).
+    static ON_ENGINE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 /// The engine's thread.
 fn run(shared: &EngineShared) {
+    ON_ENGINE.with(|on| on.set(true));
     let mut last_sweep = Instant::now();
     loop {
         let now = Instant::now();
@@ -451,15 +463,16 @@ fn run(shared: &EngineShared) {
             }
             (tasks, fds, timeout)
         };
+        // Wakers and tasks may queue timers or more tasks (without ringing
+        // the bell: this is the engine's thread): look again before sleeping.
+        let ran = !due.is_empty() || !tasks.is_empty();
         for w in due {
             w.wake();
         }
-        let ran = !tasks.is_empty();
         for t in tasks {
             t.run();
         }
         if ran {
-            // Tasks may have queued timers or more tasks: look again first.
             continue;
         }
         if crate::poll::wait_fds(&mut fds, timeout.min(Duration::from_secs(1))).is_err() {

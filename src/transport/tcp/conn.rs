@@ -39,7 +39,7 @@ impl TcpConn {
         let peer_depth = theirs.send_depth.clamp(1, MAX_TCP_QUEUE_DEPTH) as usize;
         let inner = Arc::new(Inner {
             state: Mutex::new(Core::new(limits, peer_depth)),
-            reader: Mutex::new(Reader { scratch: vec![0u8; STEP] }),
+            reader: Mutex::new(Reader { scratch: vec![0u8; STEP], ahead: Ahead::default() }),
             spinners: AtomicUsize::new(0),
             napping: AtomicBool::new(false),
             rx_wake: Condvar::new(),

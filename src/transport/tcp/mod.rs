@@ -140,6 +140,10 @@ pub(crate) fn memory_bound(peer_depth: u32, send_depth: u32, recv_depth: u32) ->
 struct Reader {
     /// Where refused or withdrawn bytes are read to and dropped.
     scratch: Vec<u8>,
+    /// The start of the next frame, read with the end of the last one's
+    /// payload (by the receiver thread; a waiter leaves the socket to it
+    /// while this holds bytes).
+    ahead: Ahead,
 }
 
 struct Inner {

@@ -121,6 +121,10 @@ impl Inner {
     /// calls and watches for the receiver-not-ready budget. Never blocks.
     pub(super) fn read_ready(&self) {
         let Ok(mut reader) = self.reader.try_lock() else { return };
+        if !reader.ahead.is_empty() {
+            // The receiver thread read the start of the next frame: it is its.
+            return self.end_nap();
+        }
         let fd = self.fd;
         let (look, scratch) = reader.scratch.split_at_mut(LOOK);
         // A few frames a turn: a peer that keeps sending cannot hold a
@@ -197,7 +201,10 @@ pub(super) fn receiver(inner: &Inner) {
             break inner.lock().q.lost().unwrap_or_default().to_owned();
         }
         let mut head = [0u8; HEADER];
-        let got = match recv_now(fd, &mut head, false) {
+        // What the last payload's read took of this header, then the rest.
+        let had = reader.ahead.take_into(&mut head);
+        let read = if had > 0 { Ok(had) } else { recv_now(fd, &mut head, false) };
+        let got = match read {
             Ok(0) => break CLOSED.to_owned(),
             Ok(n) => n,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
@@ -234,7 +241,8 @@ pub(super) fn receiver(inner: &Inner) {
             Ok(h) => h,
             Err(why) => break why,
         };
-        if let Err(why) = on_frame(inner, &h, &mut Source::Socket(fd), &mut reader.scratch, Reading::Receiver) {
+        let Reader { scratch, ahead } = &mut *reader;
+        if let Err(why) = on_frame(inner, &h, &mut Source::Socket(fd, ahead), scratch, Reading::Receiver) {
             break why;
         }
     };
@@ -269,8 +277,9 @@ pub(super) fn io_err(e: io::Error) -> String {
 
 /// Where a frame's payload is read from.
 pub(super) enum Source<'a> {
-    /// The socket, as the payload arrives (the receiver thread).
-    Socket(RawFd),
+    /// The socket, as the payload arrives (the receiver thread), and where
+    /// the start of the header after a payload goes when it came with it.
+    Socket(RawFd, &'a mut Ahead),
     /// What a spinning waiter read with the header: the payload of a
     /// frame of one segment, whole.
     Read(&'a [u8]),
@@ -292,7 +301,7 @@ impl Source<'_> {
     ) -> io::Result<bool> {
         match self {
             // SAFETY: the caller's promise, passed on.
-            Source::Socket(fd) => unsafe { recv_into(*fd, ptr, len, gate, scratch) },
+            Source::Socket(fd, ahead) => unsafe { recv_into(*fd, ptr, len, gate, scratch, Some(&mut **ahead)) },
             Source::Read(bytes) => {
                 let Some((now, rest)) = bytes.split_at_checked(len) else {
                     return Err(io::Error::new(io::ErrorKind::InvalidData, "a payload shorter than its header says"));
@@ -315,7 +324,11 @@ impl Source<'_> {
     /// EOF).
     pub(super) fn skip(&mut self, len: usize, scratch: &mut [u8]) -> io::Result<bool> {
         match self {
-            Source::Socket(fd) => discard(*fd, len, scratch),
+            Source::Socket(fd, ahead) => {
+                // Only a header follows a payload: none is read ahead of one.
+                debug_assert!(ahead.is_empty(), "payload dropped with a header read ahead");
+                discard(*fd, len, scratch)
+            }
             Source::Read(bytes) => {
                 let Some(rest) = bytes.get(len..) else {
                     return Err(io::Error::new(io::ErrorKind::InvalidData, "a payload shorter than its header says"));
@@ -328,12 +341,13 @@ impl Source<'_> {
 
     /// Reads the header of a message's next segment.
     pub(super) fn next_header(&mut self) -> std::result::Result<FrameHeader, String> {
-        let Source::Socket(fd) = self else {
+        let Source::Socket(fd, ahead) = self else {
             // A waiter carries out messages of one segment only.
             return Err("a garbled frame (a segment after the last): the stream is out of step".into());
         };
         let mut head = [0u8; HEADER];
-        if !recv_buf(*fd, &mut head).map_err(io_err)? {
+        let had = ahead.take_into(&mut head);
+        if had < HEADER && !recv_buf(*fd, &mut head[had..]).map_err(io_err)? {
             return Err(CLOSED_MID.into());
         }
         FrameHeader::parse(&head)

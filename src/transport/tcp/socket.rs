@@ -68,20 +68,29 @@ pub(super) unsafe fn recv_some(fd: RawFd, ptr: *mut u8, len: usize, flags: libc:
 /// # Safety
 /// While `gate` returns true, `ptr..ptr + len` must be valid for writes and
 /// not referenced by Rust code.
+/// With `ahead` (empty), the last call also reads what follows the range on
+/// the stream into it, up to a header.
 pub(super) unsafe fn recv_into(
     fd: RawFd,
     ptr: *mut u8,
     len: usize,
     gate: Option<&RwLock<bool>>,
     scratch: &mut [u8],
+    mut ahead: Option<&mut Ahead>,
 ) -> io::Result<bool> {
     let mut got = 0;
     while got < len {
         let want = (len - got).min(STEP);
         let guard = gate.map(|g| g.read().unwrap_or_else(|e| e.into_inner()));
         let n = if guard.as_ref().is_none_or(|alive| **alive) {
-            // SAFETY: inside the range the caller vouches for, while the gate holds.
-            unsafe { recv_some(fd, ptr.add(got), want, 0) }
+            match ahead.as_deref_mut() {
+                // SAFETY: inside the range the caller vouches for, while the gate holds.
+                Some(ahead) if got + want == len && ahead.is_empty() => unsafe {
+                    recv_some_ahead(fd, ptr.add(got), want, ahead)
+                },
+                // SAFETY: as above.
+                _ => unsafe { recv_some(fd, ptr.add(got), want, 0) },
+            }
         } else {
             // The region was revoked: drop the bytes.
             let k = want.min(scratch.len());
@@ -98,6 +107,63 @@ pub(super) unsafe fn recv_into(
         }
     }
     Ok(true)
+}
+
+/// The start of the next frame's header, read with the end of a payload:
+/// a stream of frames costs one receive call a frame, not two (the
+/// payload's last call also takes what follows it, up to a header).
+#[derive(Default)]
+pub(super) struct Ahead {
+    buf: [u8; HEADER],
+    len: usize,
+}
+
+impl Ahead {
+    /// Whether it holds bytes of the next frame.
+    pub(super) fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Moves what it holds to the start of `head`; how many bytes.
+    pub(super) fn take_into(&mut self, head: &mut [u8; HEADER]) -> usize {
+        let n = std::mem::take(&mut self.len);
+        head[..n].copy_from_slice(&self.buf[..n]);
+        n
+    }
+}
+
+/// [`recv_some`] into `ptr..ptr + len`, and, once that is full, into the
+/// free part of `ahead` (the bytes after it on the stream): one call.
+///
+/// # Safety
+/// As [`recv_some`] for `ptr..ptr + len`.
+unsafe fn recv_some_ahead(fd: RawFd, ptr: *mut u8, len: usize, ahead: &mut Ahead) -> io::Result<usize> {
+    let mut iov = [
+        libc::iovec { iov_base: ptr.cast(), iov_len: len },
+        libc::iovec { iov_base: ahead.buf[ahead.len..].as_mut_ptr().cast(), iov_len: HEADER - ahead.len },
+    ];
+    loop {
+        // SAFETY: a zeroed msghdr is valid; the iovecs (the caller's range,
+        // and `ahead`'s free bytes, borrowed mutably here) outlive the call.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = iov.as_mut_ptr();
+        msg.msg_iovlen = iov.len();
+        // SAFETY: valid socket and message; the caller vouches for the range.
+        let n = unsafe { libc::recvmsg(fd, &mut msg, 0) };
+        if n >= 0 {
+            let n = n as usize;
+            if n > len {
+                ahead.len += n - len;
+                return Ok(len);
+            }
+            return Ok(n);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+        iov[1].iov_base = ahead.buf[ahead.len..].as_mut_ptr().cast();
+    }
 }
 
 /// Reads what is there now, up to `buf.len()` bytes, without waiting
@@ -139,7 +205,7 @@ pub(super) fn recv_buf(fd: RawFd, buf: &mut [u8]) -> io::Result<bool> {
     let (ptr, len) = (buf.as_mut_ptr(), buf.len());
     let mut scratch = [];
     // SAFETY: `buf` is exclusively borrowed for the call.
-    unsafe { recv_into(fd, ptr, len, None, &mut scratch) }
+    unsafe { recv_into(fd, ptr, len, None, &mut scratch, None) }
 }
 
 pub(super) fn discard(fd: RawFd, mut len: usize, scratch: &mut [u8]) -> io::Result<bool> {

@@ -296,3 +296,31 @@ fn a_broken_sender_delivers_its_replies_before_it_hangs_up_and_sends_no_message(
     st.stopping = true;
     assert_eq!(chose(&mut st), "hang up");
 }
+
+#[test]
+fn the_end_of_a_payload_takes_the_start_of_the_next_header_with_it() {
+    use std::io::Write;
+    use std::os::fd::AsRawFd;
+    let (mut w, r) = std::os::unix::net::UnixStream::pair().unwrap();
+    let next = FrameHeader { op: FrameOp::Ack as u8, seq: 9, ..FrameHeader::default() }.encode();
+    // A payload of 100 bytes, then 20 bytes of the next header.
+    let payload: Vec<u8> = (0..100u8).collect();
+    w.write_all(&payload).unwrap();
+    w.write_all(&next[..20]).unwrap();
+    let mut ahead = Ahead::default();
+    let mut dst = [0u8; 100];
+    let mut scratch = [0u8; 16];
+    // SAFETY: `dst` is this test's, 100 bytes, referenced by nothing during the call.
+    let whole = unsafe { recv_into(r.as_raw_fd(), dst.as_mut_ptr(), 100, None, &mut scratch, Some(&mut ahead)) };
+    assert!(whole.unwrap());
+    assert_eq!(&dst[..], &payload[..], "the payload, and no more, in its place");
+    assert!(!ahead.is_empty());
+    // The header's rest comes later; together they are the next header.
+    w.write_all(&next[20..]).unwrap();
+    let mut head = [0u8; HEADER];
+    let had = ahead.take_into(&mut head);
+    assert_eq!(had, 20);
+    assert!(recv_buf(r.as_raw_fd(), &mut head[had..]).unwrap());
+    assert_eq!(FrameHeader::decode(&head).seq, 9);
+    assert!(ahead.is_empty());
+}
