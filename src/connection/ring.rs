@@ -191,7 +191,7 @@ impl<B: LocalBuffer> RecvRing<B> {
         self.post_now(slot, parts)
     }
 
-    #[inline]
+    #[inline(always)]
     fn post_now(&mut self, slot: u32, parts: LocalParts) -> bool {
         match self.shared.transport.post_recv(Some(parts)) {
             Posted::Ok(id) => {
