@@ -7,7 +7,7 @@ use std::os::fd::{FromRawFd, OwnedFd};
 use cudarc::driver::sys;
 
 use super::device::{CtxGuard, CudaDevice};
-use super::result::{check, driver};
+use super::result::{check, check_code, driver};
 use crate::error::{Error, Result};
 use crate::host_memory::HostMemory;
 
@@ -390,17 +390,23 @@ impl CudaBuffer {
             );
             return Ok(SyncMemops::Unavailable);
         }
+        let newer = crate::cuda::result::newer();
+        let (Some(get_flags), Some(set_flags)) = (newer.ctx_get_flags, newer.ctx_set_flags) else {
+            return Ok(SyncMemops::Unavailable);
+        };
         let _ctx = CtxGuard::enter(&self.device)?;
         // cuCtxSetFlags replaces the context's flags: the framework's own
         // (its scheduling policy, say) are read and kept.
-        let mut flags = 0u32;
-        // SAFETY: the device's primary context is current; `flags` is a valid out-pointer.
-        check(unsafe { sys::cuCtxGetFlags(&mut flags) }, "cuCtxGetFlags")?;
-        let sync = sys::CUctx_flags::CU_CTX_SYNC_MEMOPS as u32;
+        let mut flags: libc::c_uint = 0;
+        // SAFETY: the driver's cuCtxGetFlags; the device's primary context is
+        // current; `flags` is a valid out-pointer.
+        check_code(unsafe { get_flags(&mut flags) }, "cuCtxGetFlags")?;
+        let sync = crate::cuda::result::CTX_SYNC_MEMOPS;
         if flags & sync == 0 {
-            check(
-                // SAFETY: the context is current; the flags take no pointers.
-                unsafe { sys::cuCtxSetFlags(flags | sync) },
+            check_code(
+                // SAFETY: the driver's cuCtxSetFlags; the context is current; the
+                // flags take no pointers.
+                unsafe { set_flags(flags | sync) },
                 "cuCtxSetFlags(CU_CTX_SYNC_MEMOPS)",
             )?;
         }
@@ -634,23 +640,23 @@ impl CudaBuffer {
         let first = start / page * page;
         let end = (start + len as u64).div_ceil(page) * page;
         let export_len = (end - first) as usize;
-        if !driver()?.has_dmabuf_export {
+        let Some(get_handle) = crate::cuda::result::newer().get_handle_for_address_range else {
             return Err(Error::CudaUnavailable {
                 reason: "the driver has no cuMemGetHandleForAddressRange (CUDA 11.7+ is needed for dma-buf)".into(),
             });
-        }
+        };
         let _ctx = CtxGuard::enter(&self.device)?;
         let export = |flags: u64| {
             let mut fd: libc::c_int = -1;
-            // SAFETY: `fd` is a valid out-pointer for the handle (an int for
-            // DMA_BUF_FD); the page-rounded range lies in the allocation's
-            // pages; the symbol exists (checked).
+            // SAFETY: the driver's cuMemGetHandleForAddressRange; `fd` is a
+            // valid out-pointer for the handle (an int for DMA_BUF_FD); the
+            // page-rounded range lies in the allocation's pages.
             let rc = unsafe {
-                sys::cuMemGetHandleForAddressRange(
+                get_handle(
                     (&mut fd as *mut libc::c_int).cast(),
                     first,
                     export_len,
-                    sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+                    crate::cuda::result::RANGE_HANDLE_DMA_BUF_FD,
                     flags,
                 )
             };
@@ -660,15 +666,13 @@ impl CudaBuffer {
         // (Grace Hopper: C2C and PCIe), ask for the PCIe mapping, as NCCL does
         // (CUDA 12.8+); a driver or platform that refuses the flag gets the
         // plain export.
-        let pcie = sys::CUmemRangeFlags::CU_MEM_RANGE_FLAG_DMA_BUF_MAPPING_TYPE_PCIE as u64;
+        let pcie = crate::cuda::result::RANGE_FLAG_PCIE;
         let (mut rc, mut fd) = if driver()?.version >= 12080 { export(pcie) } else { export(0) };
-        if driver()?.version >= 12080
-            && matches!(rc, sys::CUresult::CUDA_ERROR_INVALID_VALUE | sys::CUresult::CUDA_ERROR_NOT_SUPPORTED)
-        {
-            tracing::debug!("dma-buf export with the PCIe mapping type refused ({rc:?}); exporting without it");
+        if driver()?.version >= 12080 && crate::cuda::result::REFUSED_CODES.contains(&rc) {
+            tracing::debug!("dma-buf export with the PCIe mapping type refused (CUresult {rc}); exporting without it");
             (rc, fd) = export(0);
         }
-        check(rc, "cuMemGetHandleForAddressRange")?;
+        check_code(rc, "cuMemGetHandleForAddressRange")?;
         if fd < 0 {
             return Err(Error::InvalidArgument("the driver returned no dma-buf descriptor".into()));
         }

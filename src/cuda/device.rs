@@ -106,10 +106,27 @@ impl Drop for CtxGuard {
     }
 }
 
-fn attribute(dev: sys::CUdevice, attr: sys::CUdevice_attribute) -> Result<i32> {
+/// Device attributes, by number (`CUdevice_attribute`): cudarc's bindings
+/// for older CUDA versions do not name the newer ones.
+mod attr {
+    pub(super) const COMPUTE_CAPABILITY_MAJOR: i32 = 75;
+    pub(super) const COMPUTE_CAPABILITY_MINOR: i32 = 76;
+    pub(super) const GPU_DIRECT_RDMA_SUPPORTED: i32 = 116;
+    pub(super) const GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS: i32 = 117;
+    pub(super) const GPU_DIRECT_RDMA_WRITES_ORDERING: i32 = 118;
+    pub(super) const DMA_BUF_SUPPORTED: i32 = 124;
+}
+
+/// Device attribute `attr` (a `CUdevice_attribute` number) of `dev`; a
+/// driver that does not know the attribute says `CUDA_ERROR_INVALID_VALUE`.
+fn attribute(dev: sys::CUdevice, attr: i32) -> Result<i32> {
+    let Some(get) = crate::cuda::result::newer().device_get_attribute else {
+        return Err(Error::CudaUnavailable { reason: "the CUDA driver has no cuDeviceGetAttribute".into() });
+    };
     let mut v = 0;
-    // SAFETY: valid out-pointer and device handle.
-    check(unsafe { sys::cuDeviceGetAttribute(&mut v, attr, dev) }, "cuDeviceGetAttribute")?;
+    // SAFETY: the driver's cuDeviceGetAttribute; a valid out-pointer and
+    // device handle; an unknown attribute number is refused, not undefined.
+    crate::cuda::result::check_code(unsafe { get(&mut v, attr, dev) }, "cuDeviceGetAttribute")?;
     Ok(v)
 }
 
@@ -144,17 +161,14 @@ impl CudaDevice {
         let mut total_mem = 0usize;
         // SAFETY: valid out-pointer.
         check(unsafe { sys::cuDeviceTotalMem_v2(&mut total_mem, dev) }, "cuDeviceTotalMem")?;
-        use sys::CUdevice_attribute as A;
         let attrs = CudaDeviceAttrs {
-            dma_buf_supported: attribute(dev, A::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED).unwrap_or(0) != 0,
-            gpu_direct_rdma_supported: attribute(dev, A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED).unwrap_or(0)
-                != 0,
-            flush_writes_options: attribute(dev, A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS)
-                .unwrap_or(0) as u32,
-            writes_ordering: attribute(dev, A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING).unwrap_or(0) as u32,
+            dma_buf_supported: attribute(dev, attr::DMA_BUF_SUPPORTED).unwrap_or(0) != 0,
+            gpu_direct_rdma_supported: attribute(dev, attr::GPU_DIRECT_RDMA_SUPPORTED).unwrap_or(0) != 0,
+            flush_writes_options: attribute(dev, attr::GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS).unwrap_or(0) as u32,
+            writes_ordering: attribute(dev, attr::GPU_DIRECT_RDMA_WRITES_ORDERING).unwrap_or(0) as u32,
             compute_capability: (
-                attribute(dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
-                attribute(dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+                attribute(dev, attr::COMPUTE_CAPABILITY_MAJOR)?,
+                attribute(dev, attr::COMPUTE_CAPABILITY_MINOR)?,
             ),
         };
         let mut ctx: sys::CUcontext = std::ptr::null_mut();
@@ -219,15 +233,13 @@ impl CudaDevice {
         if self.flush_policy() != FlushPolicy::Flush {
             return Ok(());
         }
+        use crate::cuda::result::{FLUSH_TARGET_CURRENT_CTX, FLUSH_TO_OWNER, check_code, newer};
+        let Some(flush) = newer().flush_gpudirect_rdma_writes else { return Ok(()) };
         let _ctx = CtxGuard::enter(self)?;
-        check(
-            // SAFETY: the device's context is current; the symbol exists (driver().has_flush).
-            unsafe {
-                sys::cuFlushGPUDirectRDMAWrites(
-                    sys::CUflushGPUDirectRDMAWritesTarget::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX,
-                    sys::CUflushGPUDirectRDMAWritesScope::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER,
-                )
-            },
+        check_code(
+            // SAFETY: the driver's cuFlushGPUDirectRDMAWrites; the device's
+            // context is current; both arguments are plain enums.
+            unsafe { flush(FLUSH_TARGET_CURRENT_CTX, FLUSH_TO_OWNER) },
             "cuFlushGPUDirectRDMAWrites",
         )
     }

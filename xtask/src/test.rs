@@ -424,6 +424,26 @@ pub fn run() -> Result<i32> {
     if run_cmd(cargo().args(["clippy", "--lib", "--tests", "--features", "tokio", "--", "-D", "warnings"])).is_err() {
         failures.push("cargo clippy --features tokio".into());
     }
+    // Frameworks link it beside their own cudarc: each check crate (see
+    // checks/README.md) builds in its own workspace, as that framework's
+    // build would, and the candle-like one with CUDA 11, 12 and 13 bindings.
+    for (check, versions) in [("beside-candle", &["11040", "12080", "13040"][..]), ("fallback-loading", &[""][..])] {
+        for v in versions {
+            let mut c = cargo();
+            c.args(["check", "-q", "--manifest-path", &format!("checks/{check}/Cargo.toml")])
+                .args(["--target-dir", "target/checks"]);
+            if !v.is_empty() {
+                // What `cuda-version-from-build-system` reads where there is no nvcc.
+                c.env("CUDARC_CUDA_VERSION", v);
+            }
+            if run_cmd(&mut c).is_err() {
+                failures.push(format!(
+                    "checks/{check} (cudarc beside gpu-rdma{})",
+                    if v.is_empty() { "".to_owned() } else { format!(", CUDA {v}") }
+                ));
+            }
+        }
+    }
     // The library's module graph has no cycle and no import against the
     // layer order, and no type name is defined twice (see `cargo xtask layers`).
     if crate::layers::command(&[]) != Ok(0) {
