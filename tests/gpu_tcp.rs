@@ -1019,3 +1019,46 @@ gpu_tcp_test! {
         stream.synchronize().unwrap();
     }
 }
+
+gpu_tcp_test! {
+    /// A framework's own GPU memory, as cudarc hands it around (candle's
+    /// `CudaStorage` holds a `CudaSlice`): registered as it is, no copy.
+    /// A slice given by value is sent, its producer's work on the slice's
+    /// stream fencing the send; a slice the framework keeps (shared) is the
+    /// target of the peer's write and of a write with immediate, and the
+    /// framework reads the written bytes back through cudarc itself.
+    fn a_frameworks_cudarc_slices_move_over_tcp_as_they_are() {
+        use cudarc::driver::CudaContext;
+        use std::sync::Arc;
+        let d = tcp_domain();
+        let ctx = CudaContext::new(0).expect("cudarc's context on the stand-in's device 0");
+        let stream = ctx.default_stream();
+        let len = 256 << 10;
+        let data = pattern(len, 91);
+        // By value: the buffer owns the slice, and cudarc frees it after.
+        let owned = stream.clone_htod(&data).unwrap();
+        let buf = CudaBuffer::from_cudarc(owned).unwrap();
+        assert_eq!(buf.len(), len);
+        let src = d.register(buf, Access::LOCAL).unwrap();
+        // Shared: the framework keeps the slice, as f32s.
+        let kept: Arc<cudarc::driver::CudaSlice<f32>> = Arc::new(stream.alloc_zeros::<f32>(len / 4).unwrap());
+        let target = d.expose(d.register(CudaBuffer::from_cudarc_shared(Arc::clone(&kept)).unwrap(), Access::LOCAL).unwrap(), Access::REMOTE_WRITE, 4).unwrap();
+        let (s, c) = pair_on(&d, &d, opts().advertise(&target), opts());
+        let mut rx = s.recv(d.alloc(len).unwrap());
+        let src = c.send(src).finish().unwrap().1;
+        let (done, got) = rx.finish().unwrap();
+        assert_eq!(done.byte_len as usize, len);
+        assert_eq!(first_difference(&got[..], &data), None, "the owned slice's bytes, sent");
+        // The peer writes the owned slice's bytes into the shared one, with
+        // an immediate: visible to the framework when the immediate is seen.
+        let mut imm = s.recv_imm();
+        c.write_with_imm(src, &c.remote_region(4).unwrap().whole(), 5).wait().unwrap();
+        assert_eq!(imm.wait().unwrap().imm, Some(5));
+        let back: Vec<f32> = stream.clone_dtoh(&*kept).unwrap();
+        let bytes: Vec<u8> = back.iter().flat_map(|f| f.to_ne_bytes()).collect();
+        assert_eq!(first_difference(&bytes, &data), None, "the framework reads the written bytes through cudarc");
+        // The framework's slice outlives the registration; it is still its own.
+        drop((target, s, c));
+        assert_eq!(Arc::strong_count(&kept), 1);
+    }
+}

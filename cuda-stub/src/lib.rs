@@ -576,6 +576,40 @@ pub unsafe extern "C" fn cuCtxPushCurrent_v2(ctx: usize) -> CUresult {
     SUCCESS
 }
 
+/// The calling thread's current context (null when none), as cudarc asks
+/// before binding its context to a thread.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxGetCurrent(ctx: *mut usize) -> CUresult {
+    if ctx.is_null() {
+        return INVALID_VALUE;
+    }
+    let top = CTX_STACK.with(|s| s.borrow().last().copied().unwrap_or(0));
+    // SAFETY: non-null out-pointer per the driver contract.
+    unsafe { *ctx = top };
+    SUCCESS
+}
+
+/// Makes `ctx` the calling thread's current context: it replaces the top of
+/// the thread's context stack (pushed when the stack is empty); null pops it.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxSetCurrent(ctx: usize) -> CUresult {
+    if ctx != 0 && ctx < 0x1000 {
+        return INVALID_CONTEXT;
+    }
+    CTX_STACK.with(|s| {
+        let mut s = s.borrow_mut();
+        match (ctx, s.last_mut()) {
+            (0, Some(_)) => {
+                s.pop();
+            }
+            (0, None) => {}
+            (c, Some(top)) => *top = c,
+            (c, None) => s.push(c),
+        }
+    });
+    SUCCESS
+}
+
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuCtxPopCurrent_v2(ctx: *mut usize) -> CUresult {
     match CTX_STACK.with(|s| s.borrow_mut().pop()) {

@@ -347,6 +347,65 @@ impl CudaBuffer {
         Ok(buf)
     }
 
+    /// Takes a framework's cudarc `CudaSlice` (candle's `CudaStorage`
+    /// holds one) as GPU memory to register: its device memory as it is,
+    /// no copy. The slice is freed by cudarc, as it frees it, when this
+    /// buffer is dropped, which is after every registration made from it
+    /// (and so after the NIC is done with it). The work queued on the
+    /// slice's stream so far (its producer) is this buffer's fence
+    /// ([`ready_after`](Self::ready_after)): an operation posted from it
+    /// waits for that work without blocking its poster.
+    ///
+    /// Memory from cudarc's stream-ordered pool (`cuMemAllocAsync`, which
+    /// cudarc uses where the device supports it) does not register through
+    /// nvidia-peermem: the path report says so, and dma-buf or the staged
+    /// path serve it.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for an empty slice, or one of a context
+    /// that is not its device's primary context (this crate works in the
+    /// primary context, as cudarc's `CudaContext::new` does);
+    /// [`Error::CudaUnavailable`], [`Error::Cuda`].
+    pub fn from_cudarc<T: 'static>(slice: cudarc::driver::CudaSlice<T>) -> Result<Self> {
+        let (ptr, bytes, stream) = cudarc_parts(&slice)?;
+        Self::from_cudarc_parts(ptr, bytes, &stream, Box::new(slice))
+    }
+
+    /// As [`from_cudarc`](Self::from_cudarc), for a slice the framework
+    /// keeps using: this buffer holds one reference, so the memory stays
+    /// allocated until both are gone. What the framework writes into it
+    /// while an operation reads it is the framework's to order (fence the
+    /// operation with `LocalSlice::after`, or the buffer with
+    /// [`ready_after`](Self::ready_after)); nothing it does can free it
+    /// under the NIC.
+    ///
+    /// # Errors
+    /// As [`from_cudarc`](Self::from_cudarc).
+    pub fn from_cudarc_shared<T: 'static>(slice: std::sync::Arc<cudarc::driver::CudaSlice<T>>) -> Result<Self> {
+        let (ptr, bytes, stream) = cudarc_parts(&slice)?;
+        Self::from_cudarc_parts(ptr, bytes, &stream, Box::new(slice))
+    }
+
+    fn from_cudarc_parts(
+        ptr: sys::CUdeviceptr,
+        bytes: usize,
+        stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+        keep: Box<dyn Any + Send + Sync>,
+    ) -> Result<Self> {
+        let device = CudaDevice::open(stream.context().ordinal())?;
+        // SAFETY: `ptr..ptr + bytes` is the slice's device memory, allocated by
+        // cudarc in its device's primary context (checked by `cudarc_parts`),
+        // the context `device` works in; `keep` owns the slice (or a reference
+        // to it), which cudarc frees only when that is dropped, which is when
+        // this buffer is dropped, after the registrations made from it.
+        let buf = unsafe { CudaBuffer::from_raw(&device, ptr, bytes, keep) }?;
+        // SAFETY: the slice's stream lives at least as long as this value (the
+        // slice holds it); the wrapper does not destroy it.
+        let producer = unsafe { CudaStream::from_raw(&device, stream.cu_stream()) };
+        buf.ready_after(&producer)?;
+        Ok(buf)
+    }
+
     /// A 4-byte pointer attribute (`unsigned int`: SYNC_MEMOPS,
     /// MEMORY_TYPE, IS_GPU_DIRECT_RDMA_CAPABLE): the driver's result code
     /// and the value.
@@ -786,4 +845,29 @@ pub(crate) unsafe fn copy_htod_async(dst: u64, src: *const u8, len: usize, strea
     let _ctx = CtxGuard::enter(&stream.device)?;
     // SAFETY: forwarded contract.
     check(unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.cast(), len, stream.stream) }, "cuMemcpyHtoDAsync")
+}
+
+/// A cudarc slice's device pointer, its length in bytes, and its stream;
+/// refused unless it is of a primary context and holds bytes.
+fn cudarc_parts<T>(
+    slice: &cudarc::driver::CudaSlice<T>,
+) -> Result<(sys::CUdeviceptr, usize, std::sync::Arc<cudarc::driver::CudaStream>)> {
+    use cudarc::driver::DevicePtr;
+    let stream = std::sync::Arc::clone(slice.stream());
+    if !stream.context().is_primary() {
+        return Err(Error::InvalidArgument(
+            "a cudarc slice of a non-primary context: this crate works in each device's primary context".into(),
+        ));
+    }
+    let bytes = slice.num_bytes();
+    if bytes == 0 {
+        return Err(Error::InvalidArgument("an empty cudarc slice".into()));
+    }
+    // The pointer, read on the slice's own stream (which orders nothing new:
+    // the fence is taken from that stream right after).
+    let ptr = {
+        let (ptr, _read) = slice.device_ptr(&stream);
+        ptr
+    };
+    Ok((ptr, bytes, stream))
 }
