@@ -1044,7 +1044,7 @@ gpu_tcp_test! {
         let kept: Arc<cudarc::driver::CudaSlice<f32>> = Arc::new(stream.alloc_zeros::<f32>(len / 4).unwrap());
         let target = d.expose(d.register(CudaBuffer::from_cudarc_shared(Arc::clone(&kept)).unwrap(), Access::LOCAL).unwrap(), Access::REMOTE_WRITE, 4).unwrap();
         let (s, c) = pair_on(&d, &d, opts().advertise(&target), opts());
-        let mut rx = s.recv(d.alloc(len).unwrap());
+        let rx = s.recv(d.alloc(len).unwrap());
         let src = c.send(src).finish().unwrap().1;
         let (done, got) = rx.finish().unwrap();
         assert_eq!(done.byte_len as usize, len);
