@@ -196,6 +196,8 @@ fn build_release_tools() -> Result<()> {
         "kv_pages",
         "--example",
         "all_to_all",
+        "--example",
+        "tensors",
         "--features",
         "cli,etcd",
         "--bin",
@@ -377,6 +379,25 @@ echo "kv_pages exit $?" >> "$VM_OUT/kv-pages.log"
 echo "=== kv_pages --async (rxe0)"; sed 's/^/  /' "$VM_OUT/kv-pages.log"
 "#;
 
+const TENSORS: &str = r#"
+# The tensors example on rxe0: must pick verbs, verify every tensor.
+target/release/examples/tensors --tensors 120 --block 8MiB > "$VM_OUT/tensors.log" 2>&1
+echo "tensors exit $?" >> "$VM_OUT/tensors.log"
+echo "=== tensors --tensors 120 --block 8MiB (rxe0)"; sed 's/^/  /' "$VM_OUT/tensors.log"
+"#;
+
+/// Whether a tensors run verified all `n` tensors over `transport`.
+fn tensors_verified(log: &str, n: u32, transport: &str, exited: bool) -> Result<()> {
+    let path_ok = log.lines().any(|l| l.starts_with("path: ") && l.to_lowercase().contains(transport));
+    if !path_ok {
+        return Err(format!("the tensors example did not run over {transport}"));
+    }
+    if !exited || !log.contains(&format!("all {n} tensors verified")) {
+        return Err(format!("the tensors example did not verify all {n} tensors"));
+    }
+    Ok(())
+}
+
 /// Whether a kv_pages run verified every request over `transport`.
 fn kv_pages_verified(log: &str, transport: &str, exited: bool) -> Result<()> {
     let path_ok = log.lines().any(|l| l.starts_with("path: ") && l.to_lowercase().contains(transport));
@@ -525,6 +546,10 @@ pub fn run() -> Result<i32> {
             Err(e) => failures.push(format!("{e} on this machine ({})", extra.unwrap_or("sync"))),
         }
     }
+    let (ok, out) = run_tee(Command::new(root().join("target/release/examples/tensors")).current_dir(root()))?;
+    if let Err(e) = tensors_verified(&out, 320, "tcp", ok) {
+        failures.push(format!("{e} on this machine"));
+    }
 
     let newcomer = newcomer_messages();
     if let Err(e) = &newcomer {
@@ -562,6 +587,7 @@ pub fn run() -> Result<i32> {
     script.push_str(TRANSFERS);
     script.push_str(GPU_EXAMPLE);
     script.push_str(KV_PAGES);
+    script.push_str(TENSORS);
     script.push_str(ALL_TO_ALL);
     script.push_str(DOCTOR);
     script.push_str("exit 0\n");
@@ -611,6 +637,10 @@ pub fn run() -> Result<i32> {
     let a2a_etcd_guest =
         all_to_all_verified(&a2a_etcd_log, 4, "verbs", "etcd", a2a_etcd_log.contains("all_to_all exit 0"));
     if let Err(e) = &a2a_etcd_guest {
+        failures.push(format!("{e} on rxe0"));
+    }
+    let tensors_log = fs::read_to_string(guest.dir.join("tensors.log")).unwrap_or_default();
+    if let Err(e) = tensors_verified(&tensors_log, 120, "verbs", tensors_log.contains("tensors exit 0")) {
         failures.push(format!("{e} on rxe0"));
     }
     let kv_log = fs::read_to_string(guest.dir.join("kv-pages.log")).unwrap_or_default();
