@@ -19,13 +19,18 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use super::MAX_CALL;
 use super::frame::{ACK, FIRST, FrameHeader, FrameOp, HEADER, Handled, IMM, LAST, SEGMENT};
-use super::replies::{OnAck, Progress, Replies, Reply, Request};
+use super::replies::{OnAck, Progress, Replies, Reply, Request, Segment};
+use super::responder::Refusal;
+use super::socket::STEP;
 use crate::completion::{Opcode, WcStatus};
 use crate::memory::keys::KeyEntry;
 use crate::ops::{OpId, RawCompletion, is_final, op_of};
 use crate::transport::queue::{Limits, QueueCore};
+
+/// The most bytes of a message one write call hands to the socket: the
+/// rest of a header and a step of payload.
+pub(super) const MAX_CALL: u64 = (HEADER + STEP) as u64;
 
 /// What the state's owner must do when the rules change it.
 pub(super) trait Signals {
@@ -118,6 +123,35 @@ pub(super) fn request(o: &Out) -> Request {
     Request { seq: o.seq, first: o.first, wr_id: o.wr_id, reply, wire: o.wire_len() }
 }
 
+/// The message being carried out, between steps.
+#[derive(Default)]
+pub(super) enum Rx {
+    /// Between frames.
+    #[default]
+    Idle,
+    /// A send landing in `recv`: `off` of `total` bytes so far.
+    Message { first: FrameHeader, cur: FrameHeader, recv: Recv, off: u64, total: u64 },
+    /// A send, or a write with immediate (`written`: its byte count, its
+    /// data landed), waiting for a receive.
+    WaitingRecv { h: FrameHeader, written: Option<u32> },
+    /// A write landing in an exposed region.
+    Write { first: FrameHeader, cur: FrameHeader, entry: Arc<KeyEntry>, off: u64 },
+    /// A write with immediate whose range is being made visible.
+    Visible { h: FrameHeader },
+    /// A segment of the response to this side's read.
+    ReadResp { h: FrameHeader, seg: Segment },
+    /// The rest of a message being dropped; then `then`.
+    Draining { first: FrameHeader, cur: FrameHeader, then: AfterDrain },
+}
+
+/// How a drained message ends.
+pub(super) enum AfterDrain {
+    /// The peer's request `seq` is refused (and the connection breaks).
+    Refuse(u32, Refusal),
+    /// The connection breaks.
+    Fail(String),
+}
+
 /// A frame the receiver asks the sender to send.
 pub(super) enum Ctl {
     Ack { seq: u32, status: u32 },
@@ -170,8 +204,8 @@ pub(super) struct Core {
     /// responses) its outstanding requests can need.
     pub(super) peer_depth: usize,
     /// The peer's message being carried out, between the reader's steps
-    /// ([`inbound`](super::inbound)).
-    pub(super) rx: super::inbound::Rx,
+    /// (`inbound.rs`).
+    pub(super) rx: Rx,
 }
 
 impl Core {

@@ -49,7 +49,7 @@ struct Side {
     /// How far the writer of the current message is.
     progress: Progress,
     /// The reader's next step inside a frame (`None`: a header is next).
-    pending: Option<Step>,
+    pending: Option<RxStep>,
     /// The reader stopped (the stream ended, or the connection broke).
     reader_done: bool,
     /// The sender hung up.
@@ -179,9 +179,9 @@ impl Side {
                 self.consumed += HEADER as u64;
                 self.core.on_header(h, self.progress, &self.env)
             }
-            Some(Step::Fill { addr, len, gate }) => {
+            Some(RxStep::Fill { addr, len, gate }) => {
                 if wire.len() < len {
-                    self.pending = Some(Step::Fill { addr, len, gate });
+                    self.pending = Some(RxStep::Fill { addr, len, gate });
                     return false;
                 }
                 let bytes: Vec<u8> = wire.drain(..len).collect();
@@ -194,37 +194,37 @@ impl Side {
                 }
                 self.core.filled(&self.env)
             }
-            Some(Step::Drop { len }) => {
+            Some(RxStep::Drop { len }) => {
                 if wire.len() < len {
-                    self.pending = Some(Step::Drop { len });
+                    self.pending = Some(RxStep::Drop { len });
                     return false;
                 }
                 wire.drain(..len);
                 self.consumed += len as u64;
                 self.core.dropped(&self.env)
             }
-            Some(Step::NextSegment) => {
+            Some(RxStep::NextSegment) => {
                 let Some(h) = take_header(wire) else {
-                    self.pending = Some(Step::NextSegment);
+                    self.pending = Some(RxStep::NextSegment);
                     return false;
                 };
                 self.consumed += HEADER as u64;
                 self.core.on_segment(h, &self.env)
             }
-            Some(Step::NeedRecv) => {
+            Some(RxStep::NeedRecv) => {
                 if self.core.recvs.is_empty() && !self.rnr_expired {
-                    self.pending = Some(Step::NeedRecv);
+                    self.pending = Some(RxStep::NeedRecv);
                     return false;
                 }
                 let posted = !self.core.recvs.is_empty();
                 self.core.on_receive(posted, &self.env)
             }
-            Some(Step::MakeVisible { .. }) => self.core.visible(Ok(()), &self.env),
-            Some(Step::Ack(seq)) => self.core.reply(Ctl::Ack { seq, status: 0 }, &self.env).map(|()| Step::Done),
-            Some(Step::Done) => unreachable!("not kept"),
+            Some(RxStep::MakeVisible { .. }) => self.core.visible(Ok(()), &self.env),
+            Some(RxStep::Ack(seq)) => self.core.reply(Ctl::Ack { seq, status: 0 }, &self.env).map(|()| RxStep::Done),
+            Some(RxStep::Done) => unreachable!("not kept"),
         };
         match stepped {
-            Ok(Step::Done) => {}
+            Ok(RxStep::Done) => {}
             Ok(step) => self.pending = Some(step),
             Err(why) => {
                 self.core.break_with(why, &self.env);
@@ -237,7 +237,7 @@ impl Side {
     /// The reader stops, as the receiver thread does at the end.
     fn stop_reading(&mut self) {
         if let Some(step) = self.pending.take() {
-            if !matches!(step, Step::Done) {
+            if !matches!(step, RxStep::Done) {
                 let why = self.core.abort("the stream ended".into(), &self.env);
                 self.core.break_with(why, &self.env);
             }
@@ -621,7 +621,7 @@ fn a_peer_that_keeps_more_requests_waiting_than_its_depth_breaks_the_connection(
 #[derive(Clone, Debug)]
 enum Act {
     /// One actor's step (see [`Pair::step`]).
-    Step(u8),
+    RxStep(u8),
     /// A posts a write of `len` bytes at `at` of b's writable region
     /// (`bad`: with a key b never granted).
     Write { len: usize, at: usize, bad: bool },
@@ -639,7 +639,7 @@ enum Act {
 
 fn act() -> impl Strategy<Value = Act> {
     prop_oneof![
-        10 => any::<u8>().prop_map(Act::Step),
+        10 => any::<u8>().prop_map(Act::RxStep),
         2 => (1usize..3 << 19, 0usize..1 << 20, prop::bool::weighted(0.1)).prop_map(|(len, at, bad)| Act::Write { len, at, bad }),
         2 => (0usize..5000, 0usize..6000).prop_map(|(len, room)| Act::Send { len, room }),
         1 => (1usize..70_000, 0usize..1 << 16).prop_map(|(len, at)| Act::Read { len, at }),
@@ -664,7 +664,7 @@ enum OpKind {
 }
 
 /// A run's bookkeeping, and the invariants checked after every step.
-struct Run {
+struct Trial {
     p: Pair,
     ops: Vec<Op>,
     recvs: VecDeque<(OpId, Box<[u8]>)>,
@@ -674,7 +674,7 @@ struct Run {
     frozen: Option<Vec<u8>>,
 }
 
-impl Run {
+impl Trial {
     fn check(&mut self, region: &[u8], readable: &[u8]) -> std::result::Result<(), TestCaseError> {
         let p = &mut self.p;
         for op in &mut self.ops {
@@ -713,7 +713,7 @@ impl Run {
         }
         // A payload already being read when b broke may still land; no
         // more after it.
-        if p.b.is_broken() && !matches!(p.b.pending, Some(Step::Fill { .. })) {
+        if p.b.is_broken() && !matches!(p.b.pending, Some(RxStep::Fill { .. })) {
             match &self.frozen {
                 None => self.frozen = Some(region.to_vec()),
                 Some(f) => prop_assert!(f[..] == region[..], "b's memory changed after it broke"),
@@ -737,7 +737,7 @@ proptest! {
         const REGION: usize = 2 << 20;
         let mut region = vec![0u8; REGION].into_boxed_slice();
         let mut readable = pattern(1 << 17, 200).into_boxed_slice();
-        let mut run = Run { p: Pair::new(), ops: Vec::new(), recvs: VecDeque::new(), taken: Vec::new(), frozen: None };
+        let mut run = Trial { p: Pair::new(), ops: Vec::new(), recvs: VecDeque::new(), taken: Vec::new(), frozen: None };
         let base = region.as_ptr() as u64;
         let rbase = readable.as_ptr() as u64;
         let served = run.p.b.expose(&mut region, Access::REMOTE_WRITE);
@@ -748,7 +748,7 @@ proptest! {
         for a in acts {
             let p = &mut run.p;
             match a {
-                Act::Step(who) => { p.step(who); }
+                Act::RxStep(who) => { p.step(who); }
                 Act::Write { len, at, bad } => {
                     let at = at.min(REGION - len);
                     seed = seed.wrapping_add(1);

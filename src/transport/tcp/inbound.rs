@@ -1,7 +1,7 @@
 //! The inbound half of the core: the peer's frames carried out against the
 //! rules of a reliable connection, with no I/O. The thread reading the
 //! stream hands each header in ([`Core::on_header`]) and does what the
-//! [`Step`] it gets back says: read payload into memory, drop payload,
+//! [`RxStep`] it gets back says: read payload into memory, drop payload,
 //! read the next segment's header, wait for a receive, make a written
 //! range visible to CUDA work, acknowledge. It reports each back, and
 //! decides nothing itself: which memory a byte may land in, when an
@@ -15,10 +15,10 @@
 
 use std::sync::Arc;
 
-use super::core::{Core, Ctl, Recv, Signals, raw};
+use super::core::{AfterDrain, Core, Ctl, Recv, Rx, Signals, raw};
 use super::frame::{ACK, FIRST, FrameHeader, FrameOp, IMM, LAST};
-use super::replies::{Progress, Segment};
-use super::responder::{self, Refusal};
+use super::replies::Progress;
+use super::responder;
 use crate::completion::WcStatus;
 use crate::memory::keys::KeyEntry;
 use crate::ops::RawCompletion;
@@ -31,7 +31,7 @@ pub(super) trait Env: Signals {
 
 /// What the thread reading the stream does next for the frame at hand.
 #[derive(Debug)]
-pub(super) enum Step {
+pub(super) enum RxStep {
     /// Read the next `len` bytes of payload into `addr..addr + len` (with
     /// `gate`, only while the exposure is alive: once it is revoked the
     /// bytes are read and dropped), then [`Core::filled`].
@@ -54,36 +54,7 @@ pub(super) enum Step {
     Done,
 }
 
-pub(super) type Stepped = std::result::Result<Step, String>;
-
-/// The message being carried out, between steps.
-#[derive(Default)]
-pub(super) enum Rx {
-    /// Between frames.
-    #[default]
-    Idle,
-    /// A send landing in `recv`: `off` of `total` bytes so far.
-    Message { first: FrameHeader, cur: FrameHeader, recv: Recv, off: u64, total: u64 },
-    /// A send, or a write with immediate (`written`: its byte count, its
-    /// data landed), waiting for a receive.
-    WaitingRecv { h: FrameHeader, written: Option<u32> },
-    /// A write landing in an exposed region.
-    Write { first: FrameHeader, cur: FrameHeader, entry: Arc<KeyEntry>, off: u64 },
-    /// A write with immediate whose range is being made visible.
-    Visible { h: FrameHeader },
-    /// A segment of the response to this side's read.
-    ReadResp { h: FrameHeader, seg: Segment },
-    /// The rest of a message being dropped; then `then`.
-    Draining { first: FrameHeader, cur: FrameHeader, then: Then },
-}
-
-/// How a drained message ends.
-pub(super) enum Then {
-    /// The peer's request `seq` is refused (and the connection breaks).
-    Refuse(u32, Refusal),
-    /// The connection breaks.
-    Fail(String),
-}
+pub(super) type Stepped = std::result::Result<RxStep, String>;
 
 impl Core {
     /// Carries out a frame whose header `h` was read (`progress`: how far
@@ -107,14 +78,14 @@ impl Core {
             Some(FrameOp::Write) => self.write(h, env),
             Some(FrameOp::ReadReq) => self.read_request(h, env),
             Some(FrameOp::ReadResp) => self.read_response(h, progress),
-            Some(FrameOp::Ack) => self.on_ack(h.seq, WcStatus::from_raw(h.total), progress, env).map(|()| Step::Done),
+            Some(FrameOp::Ack) => self.on_ack(h.seq, WcStatus::from_raw(h.total), progress, env).map(|()| RxStep::Done),
             Some(FrameOp::Bye) => Err("the peer closed the connection (it said bye)".to_owned()),
             None => Err(format!("a garbled frame (operation {}): the stream is out of step", h.op)),
         };
         self.ended(stepped)
     }
 
-    /// The payload of the last [`Step::Fill`] is in memory. (Once the
+    /// The payload of the last [`RxStep::Fill`] is in memory. (Once the
     /// connection broke, the frame goes no further: what the peer sent is
     /// carried out no more, segment by segment.)
     pub(super) fn filled(&mut self, env: &impl Env) -> Stepped {
@@ -126,15 +97,15 @@ impl Core {
         let stepped = match &mut self.rx {
             Rx::Message { cur, off, .. } => {
                 *off += u64::from(cur.len);
-                if cur.flags & LAST == 0 { Ok(Step::NextSegment) } else { self.message_landed(env) }
+                if cur.flags & LAST == 0 { Ok(RxStep::NextSegment) } else { self.message_landed(env) }
             }
             Rx::Write { cur, off, .. } => {
                 *off += u64::from(cur.len);
-                if cur.flags & LAST == 0 { Ok(Step::NextSegment) } else { self.write_landed(env) }
+                if cur.flags & LAST == 0 { Ok(RxStep::NextSegment) } else { self.write_landed(env) }
             }
             Rx::ReadResp { h, .. } if h.flags & LAST == 0 => {
                 self.rx = Rx::Idle;
-                Ok(Step::Done)
+                Ok(RxStep::Done)
             }
             Rx::ReadResp { .. } => self.read_landed(env),
             _ => Err(self.abort_owned("payload landed outside a frame", env)),
@@ -142,17 +113,17 @@ impl Core {
         self.ended(stepped)
     }
 
-    /// The payload of the last [`Step::Drop`] was read and dropped.
+    /// The payload of the last [`RxStep::Drop`] was read and dropped.
     pub(super) fn dropped(&mut self, env: &impl Env) -> Stepped {
         let stepped = match std::mem::take(&mut self.rx) {
             Rx::Draining { first, cur, then } if cur.flags & LAST == 0 => {
                 self.rx = Rx::Draining { first, cur, then };
-                Ok(Step::NextSegment)
+                Ok(RxStep::NextSegment)
             }
-            Rx::Draining { then: Then::Refuse(seq, r), .. } => {
-                self.refuse(seq, r.status, r.why, env).map(|()| Step::Done)
+            Rx::Draining { then: AfterDrain::Refuse(seq, r), .. } => {
+                self.refuse(seq, r.status, r.why, env).map(|()| RxStep::Done)
             }
-            Rx::Draining { then: Then::Fail(why), .. } => Err(why),
+            Rx::Draining { then: AfterDrain::Fail(why), .. } => Err(why),
             other => {
                 self.rx = other;
                 Err(self.abort_owned("payload dropped outside a frame", env))
@@ -190,7 +161,7 @@ impl Core {
             }
             Rx::Draining { cur, .. } => {
                 *cur = h;
-                Ok(Step::Drop { len: h.len as usize })
+                Ok(RxStep::Drop { len: h.len as usize })
             }
             _ => unreachable!("looked at above"),
         };
@@ -211,7 +182,7 @@ impl Core {
         let recv = if posted { self.recvs.pop_front() } else { None };
         if posted && recv.is_none() {
             self.rx = Rx::WaitingRecv { h, written };
-            return Ok(Step::NeedRecv);
+            return Ok(RxStep::NeedRecv);
         }
         let stepped = self.land(h, written, recv, env);
         self.ended(stepped)
@@ -262,7 +233,7 @@ impl Core {
             Some(recv) => self.land(h, written, Some(recv), env),
             None => {
                 self.rx = Rx::WaitingRecv { h, written };
-                Ok(Step::NeedRecv)
+                Ok(RxStep::NeedRecv)
             }
         }
     }
@@ -284,10 +255,10 @@ impl Core {
                 // breaks while draining cannot leave it pending.
                 let c = RawCompletion { byte_len: h.total, ..raw(recv.wr_id, WcStatus::LocalLength) };
                 self.complete(&c, env);
-                self.drain(h, Then::Refuse(h.seq, r))
+                self.drain(h, AfterDrain::Refuse(h.seq, r))
             }
-            responder::Message::NoReceive(r) if written.is_none() => self.drain(h, Then::Refuse(h.seq, r)),
-            responder::Message::NoReceive(r) => self.refuse(h.seq, r.status, r.why, env).map(|()| Step::Done),
+            responder::Message::NoReceive(r) if written.is_none() => self.drain(h, AfterDrain::Refuse(h.seq, r)),
+            responder::Message::NoReceive(r) => self.refuse(h.seq, r.status, r.why, env).map(|()| RxStep::Done),
         }
     }
 
@@ -302,7 +273,7 @@ impl Core {
             self.complete(&raw(wr_id, WcStatus::LocalLength), env);
             return Err(why);
         }
-        Ok(Step::Fill { addr: recv.addr + *off, len: n as usize, gate: None })
+        Ok(RxStep::Fill { addr: recv.addr + *off, len: n as usize, gate: None })
     }
 
     fn message_landed(&mut self, env: &impl Env) -> Stepped {
@@ -329,7 +300,7 @@ impl Core {
         };
         self.complete(&c, env);
         self.rx = Rx::Idle;
-        Ok(if h.flags & ACK != 0 { Step::Ack(h.seq) } else { Step::Done })
+        Ok(if h.flags & ACK != 0 { RxStep::Ack(h.seq) } else { RxStep::Done })
     }
 
     fn write(&mut self, h: FrameHeader, env: &impl Env) -> Stepped {
@@ -338,7 +309,7 @@ impl Core {
                 self.rx = Rx::Write { first: h, cur: h, entry, off: 0 };
                 self.write_segment()
             }
-            Err(r) => self.drain(h, Then::Refuse(h.seq, r)),
+            Err(r) => self.drain(h, AfterDrain::Refuse(h.seq, r)),
         }
     }
 
@@ -349,10 +320,10 @@ impl Core {
         let n = u64::from(cur.len);
         if let Err(r) = responder::write_segment(entry, cur.addr, n) {
             let (first, cur) = (*first, *cur);
-            self.rx = Rx::Draining { first, cur, then: Then::Refuse(first.seq, r) };
-            return Ok(Step::Drop { len: cur.len as usize });
+            self.rx = Rx::Draining { first, cur, then: AfterDrain::Refuse(first.seq, r) };
+            return Ok(RxStep::Drop { len: cur.len as usize });
         }
-        Ok(Step::Fill { addr: cur.addr, len: n as usize, gate: Some(Arc::clone(entry)) })
+        Ok(RxStep::Fill { addr: cur.addr, len: n as usize, gate: Some(Arc::clone(entry)) })
     }
 
     fn write_landed(&mut self, env: &impl Env) -> Stepped {
@@ -364,24 +335,24 @@ impl Core {
         responder::whole(total, off)?;
         if !*entry.alive.read().unwrap_or_else(|e| e.into_inner()) {
             let r = responder::withdrawn_during_write();
-            return self.refuse(h.seq, r.status, r.why, env).map(|()| Step::Done);
+            return self.refuse(h.seq, r.status, r.why, env).map(|()| RxStep::Done);
         }
         if h.flags & IMM != 0 {
             // The immediate announces the data: in GPU memory it must be
             // visible to CUDA work before the receive completes.
             self.rx = Rx::Visible { h };
-            return Ok(Step::MakeVisible { key: h.key, addr: h.addr, len: total });
+            return Ok(RxStep::MakeVisible { key: h.key, addr: h.addr, len: total });
         }
-        Ok(if h.flags & ACK != 0 { Step::Ack(h.seq) } else { Step::Done })
+        Ok(if h.flags & ACK != 0 { RxStep::Ack(h.seq) } else { RxStep::Done })
     }
 
     fn read_request(&mut self, h: FrameHeader, env: &impl Env) -> Stepped {
         let total = u64::from(h.total);
         match responder::read(env.lookup(h.key), h.key, h.addr, total) {
             Ok(entry) => {
-                self.reply(Ctl::ReadResp { seq: h.seq, entry, addr: h.addr, len: total }, env).map(|()| Step::Done)
+                self.reply(Ctl::ReadResp { seq: h.seq, entry, addr: h.addr, len: total }, env).map(|()| RxStep::Done)
             }
-            Err(r) => self.refuse(h.seq, r.status, r.why, env).map(|()| Step::Done),
+            Err(r) => self.refuse(h.seq, r.status, r.why, env).map(|()| RxStep::Done),
         }
     }
 
@@ -398,9 +369,9 @@ impl Core {
                 // when the receiver stops): nobody else completes the operation.
                 let addr = seg.addr + h.addr;
                 self.rx = Rx::ReadResp { h, seg };
-                Ok(Step::Fill { addr, len: n as usize, gate: None })
+                Ok(RxStep::Fill { addr, len: n as usize, gate: None })
             }
-            Err(why) => self.drain(h, Then::Fail(why)),
+            Err(why) => self.drain(h, AfterDrain::Fail(why)),
         }
     }
 
@@ -413,13 +384,13 @@ impl Core {
             return Err(format!("a read response of {} bytes for a read of {}", h.addr + u64::from(h.len), seg.len));
         }
         self.complete(&raw(seg.wr_id, WcStatus::Success), env);
-        Ok(Step::Done)
+        Ok(RxStep::Done)
     }
 
     /// Drops the rest of the message `h` began, from its current segment,
     /// then ends as `then` says.
-    fn drain(&mut self, h: FrameHeader, then: Then) -> Stepped {
+    fn drain(&mut self, h: FrameHeader, then: AfterDrain) -> Stepped {
         self.rx = Rx::Draining { first: h, cur: h, then };
-        Ok(Step::Drop { len: h.len as usize })
+        Ok(RxStep::Drop { len: h.len as usize })
     }
 }

@@ -96,9 +96,6 @@ use socket::*;
 
 /// The largest message (send, or write with immediate) this side accepts.
 pub(crate) const MAX_MESSAGE: u32 = 1 << 30;
-/// The most bytes of a message one write call hands to the socket: the
-/// rest of a header and a step of payload.
-const MAX_CALL: u64 = (HEADER + STEP) as u64;
 /// Inline sends copy at most this much into the request.
 const MAX_INLINE: u32 = 1024;
 /// Inline copy buffers a connection starts with.

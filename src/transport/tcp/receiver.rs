@@ -52,9 +52,9 @@ pub(super) fn on_frame(
     let mut stepped = st.on_header(*h, progress, inner);
     loop {
         stepped = match stepped? {
-            Step::Done => return Ok(()),
-            Step::Ack(seq) => return inner.acknowledge(st, seq, by),
-            Step::Fill { addr, len, gate } => {
+            RxStep::Done => return Ok(()),
+            RxStep::Ack(seq) => return inner.acknowledge(st, seq, by),
+            RxStep::Fill { addr, len, gate } => {
                 drop(st);
                 // SAFETY: the core checked `addr..addr + len`: inside a posted
                 // receive's buffer (owned by its operation until the core
@@ -69,7 +69,7 @@ pub(super) fn on_frame(
                     Err(e) => Err(st.abort(io_err(e), inner)),
                 }
             }
-            Step::Drop { len } => {
+            RxStep::Drop { len } => {
                 drop(st);
                 let got = src.skip(len, scratch);
                 st = inner.lock();
@@ -79,7 +79,7 @@ pub(super) fn on_frame(
                     Err(e) => Err(st.abort(io_err(e), inner)),
                 }
             }
-            Step::NextSegment => {
+            RxStep::NextSegment => {
                 drop(st);
                 let next = src.next_header();
                 st = inner.lock();
@@ -88,7 +88,7 @@ pub(super) fn on_frame(
                     Err(why) => Err(st.abort(why, inner)),
                 }
             }
-            Step::NeedRecv => match await_receive(inner, st) {
+            RxStep::NeedRecv => match await_receive(inner, st) {
                 Ok((mut s, posted)) => {
                     let stepped = s.on_receive(posted, inner);
                     st = s;
@@ -100,7 +100,7 @@ pub(super) fn on_frame(
                     Err(why)
                 }
             },
-            Step::MakeVisible { key, addr, len } => {
+            RxStep::MakeVisible { key, addr, len } => {
                 drop(st);
                 let made = inner.make_visible(key, addr, len);
                 st = inner.lock();

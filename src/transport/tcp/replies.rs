@@ -593,7 +593,7 @@ mod tests {
 
     /// One event of a script: this side's writer, or the peer's replies.
     #[derive(Clone, Debug)]
-    enum Step {
+    enum RxStep {
         /// A new request of `wire` bytes, wanting reply kind `reply`.
         Start { wire: u64, reply: u8 },
         /// One write call of at most `call` bytes of the current request.
@@ -606,14 +606,14 @@ mod tests {
         Break,
     }
 
-    fn step() -> impl proptest::strategy::Strategy<Value = Step> {
+    fn step() -> impl proptest::strategy::Strategy<Value = RxStep> {
         use proptest::prelude::*;
         prop_oneof![
-            (32u64..5032, 0u8..3).prop_map(|(wire, reply)| Step::Start { wire, reply }),
-            (0..=CALL).prop_map(|call| Step::Write { call }),
-            (0u32..4, any::<bool>()).prop_map(|(back, in_call)| Step::Ack { back, in_call }),
-            (0u32..3).prop_map(|back| Step::ReadSegment { back }),
-            Just(Step::Break),
+            (32u64..5032, 0u8..3).prop_map(|(wire, reply)| RxStep::Start { wire, reply }),
+            (0..=CALL).prop_map(|call| RxStep::Write { call }),
+            (0u32..4, any::<bool>()).prop_map(|(back, in_call)| RxStep::Ack { back, in_call }),
+            (0u32..3).prop_map(|back| RxStep::ReadSegment { back }),
+            Just(RxStep::Break),
         ]
     }
 
@@ -649,7 +649,7 @@ mod tests {
             };
             for s in script {
                 match s {
-                    Step::Start { wire, reply } if writing.is_none() => {
+                    RxStep::Start { wire, reply } if writing.is_none() => {
                         seq += 1;
                         let reply = match reply {
                             0 => Reply::None,
@@ -664,8 +664,8 @@ mod tests {
                         r.start(&Request { seq, first: seq, wr_id: u64::from(seq), reply, wire });
                         writing = Some((seq, wire, 0));
                     }
-                    Step::Start { .. } => {}
-                    Step::Write { call } => {
+                    RxStep::Start { .. } => {}
+                    RxStep::Write { call } => {
                         if let Some((s, wire, handed)) = writing.as_mut() {
                             *handed = (*handed + call).min(*wire);
                             if *handed == *wire {
@@ -677,13 +677,13 @@ mod tests {
                             }
                         }
                     }
-                    Step::Ack { back, in_call } => {
+                    RxStep::Ack { back, in_call } => {
                         let p = writing.map_or(Progress::default(), |(_, _, h)| Progress { handed: h, in_call });
                         if let OnAck::Complete(w) = r.on_ack(seq.wrapping_sub(back), true, p) {
                             end(w, writing)?;
                         }
                     }
-                    Step::ReadSegment { back } => {
+                    RxStep::ReadSegment { back } => {
                         let p = writing.map_or(Progress::default(), |(_, _, h)| Progress { handed: h, in_call: true });
                         if r.on_read_segment(seq.wrapping_sub(back), 0, 64, p).is_ok() {
                             if let Some((w, _)) = r.read_done() {
@@ -691,7 +691,7 @@ mod tests {
                             }
                         }
                     }
-                    Step::Break => {
+                    RxStep::Break => {
                         for w in r.take_sent_messages() {
                             end(w, writing)?;
                         }
