@@ -1,5 +1,5 @@
-//! A framework's crate: its own cudarc context and stream, and gpu-rdma's
-//! domain and GPU memory, in one build.
+// A framework's crate: its own cudarc context and stream, and gpu-rdma's
+// domain and GPU memory, in one build.
 
 use std::sync::Arc;
 
