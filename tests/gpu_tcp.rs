@@ -1026,7 +1026,9 @@ gpu_tcp_test! {
     /// A slice given by value is sent, its producer's work on the slice's
     /// stream fencing the send; a slice the framework keeps (shared) is the
     /// target of the peer's write and of a write with immediate, and the
-    /// framework reads the written bytes back through cudarc itself.
+    /// framework reads the written bytes back through cudarc itself. A
+    /// send fenced on the framework's cudarc stream waits for its work
+    /// without blocking its poster.
     fn a_frameworks_cudarc_slices_move_over_tcp_as_they_are() {
         use cudarc::driver::CudaContext;
         use std::sync::Arc;
@@ -1057,6 +1059,24 @@ gpu_tcp_test! {
         let back: Vec<f32> = stream.clone_dtoh(&*kept).unwrap();
         let bytes: Vec<u8> = back.iter().flat_map(|f| f.to_ne_bytes()).collect();
         assert_eq!(first_difference(&bytes, &data), None, "the framework reads the written bytes through cudarc");
+        // A fence from the framework's own stream: 300 ms of its work on a
+        // buffer, then a send of that buffer fenced on the stream. The post
+        // returns at once; the peer sees the work's bytes.
+        let theirs = ctx.new_stream().unwrap();
+        let fence = gpu_rdma::cuda::CudaStream::from_cudarc(&theirs).unwrap();
+        let busy = gpu_region(&d, 4096, None);
+        common::gpu::produce(&fence, busy.memory(), 0, 4096, 93, 300_000);
+        let t0 = std::time::Instant::now();
+        let rx = s.recv(d.alloc(4096).unwrap());
+        let tx = c.send(busy.slice(..4096).after(&fence).unwrap());
+        let posted_in = t0.elapsed();
+        let (_, got) = rx.finish().unwrap();
+        let seen_after = t0.elapsed();
+        tx.finish().unwrap();
+        println!("a send fenced on the framework's stream: posted in {posted_in:?}, seen after {seen_after:?}");
+        assert!(posted_in < std::time::Duration::from_millis(150), "the post waited: {posted_in:?}");
+        assert!(seen_after >= std::time::Duration::from_millis(250), "the send overtook the work: {seen_after:?}");
+        assert_eq!(first_difference(&got[..], &common::gpu::produced(93, 4096)), None, "the work's bytes");
         // The framework's slice outlives the registration; it is still its own.
         drop((target, s, c));
         assert_eq!(Arc::strong_count(&kept), 1);

@@ -35,6 +35,8 @@ pub struct CudaStream {
     stream: sys::CUstream,
     device: CudaDevice,
     owned: bool,
+    /// A framework's stream this one stands for, kept alive with it.
+    _theirs: Option<std::sync::Arc<cudarc::driver::CudaStream>>,
 }
 
 // SAFETY: CUDA streams may be used from any thread (the driver is thread-safe);
@@ -56,7 +58,7 @@ impl CudaStream {
             unsafe { sys::cuStreamCreate(&mut stream, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) },
             "cuStreamCreate",
         )?;
-        Ok(CudaStream { stream, device: device.clone(), owned: true })
+        Ok(CudaStream { stream, device: device.clone(), owned: true, _theirs: None })
     }
 
     /// Wraps a stream someone else created (a framework's), without taking
@@ -66,7 +68,30 @@ impl CudaStream {
     /// `stream` must be a live stream of `device`'s primary context (or the
     /// legacy default stream, null) for as long as this value lives.
     pub unsafe fn from_raw(device: &CudaDevice, stream: sys::CUstream) -> Self {
-        CudaStream { stream, device: device.clone(), owned: false }
+        CudaStream { stream, device: device.clone(), owned: false, _theirs: None }
+    }
+
+    /// A framework's cudarc stream, to fence with: what is queued on it
+    /// (`CudaBuffer::ready_after`, `LocalSlice::after`). It is kept alive
+    /// by this value and never destroyed by it.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a stream of a non-primary context
+    /// (this crate works in each device's primary context);
+    /// [`Error::CudaUnavailable`], [`Error::NoCudaDevice`].
+    pub fn from_cudarc(stream: &std::sync::Arc<cudarc::driver::CudaStream>) -> Result<Self> {
+        if !stream.context().is_primary() {
+            return Err(Error::InvalidArgument(
+                "a cudarc stream of a non-primary context: this crate works in each device's primary context".into(),
+            ));
+        }
+        let device = CudaDevice::open(stream.context().ordinal())?;
+        Ok(CudaStream {
+            stream: stream.cu_stream(),
+            device,
+            owned: false,
+            _theirs: Some(std::sync::Arc::clone(stream)),
+        })
     }
 
     /// The raw handle.
@@ -392,16 +417,14 @@ impl CudaBuffer {
         stream: &std::sync::Arc<cudarc::driver::CudaStream>,
         keep: Box<dyn Any + Send + Sync>,
     ) -> Result<Self> {
-        let device = CudaDevice::open(stream.context().ordinal())?;
+        let producer = CudaStream::from_cudarc(stream)?;
+        let device = producer.device.clone();
         // SAFETY: `ptr..ptr + bytes` is the slice's device memory, allocated by
         // cudarc in its device's primary context (checked by `cudarc_parts`),
         // the context `device` works in; `keep` owns the slice (or a reference
         // to it), which cudarc frees only when that is dropped, which is when
         // this buffer is dropped, after the registrations made from it.
         let buf = unsafe { CudaBuffer::from_raw(&device, ptr, bytes, keep) }?;
-        // SAFETY: the slice's stream lives at least as long as this value (the
-        // slice holds it); the wrapper does not destroy it.
-        let producer = unsafe { CudaStream::from_raw(&device, stream.cu_stream()) };
         buf.ready_after(&producer)?;
         Ok(buf)
     }

@@ -177,7 +177,7 @@ impl Side {
             None => {
                 let Some(h) = take_header(wire) else { return false };
                 self.consumed += HEADER as u64;
-                self.core.on_header(h, self.progress, &self.env)
+                h.and_then(|h| self.core.on_header(h, self.progress, &self.env))
             }
             Some(RxStep::Fill { addr, len, gate }) => {
                 if wire.len() < len {
@@ -209,7 +209,10 @@ impl Side {
                     return false;
                 };
                 self.consumed += HEADER as u64;
-                self.core.on_segment(h, &self.env)
+                match h {
+                    Ok(h) => self.core.on_segment(h, &self.env),
+                    Err(why) => Err(self.core.abort(why, &self.env)),
+                }
             }
             Some(RxStep::NeedRecv) => {
                 if self.core.recvs.is_empty() && !self.rnr_expired {
@@ -291,7 +294,10 @@ fn put(out: &mut VecDeque<u8>, h: &FrameHeader, src: u64, len: usize) {
     }
 }
 
-fn take_header(wire: &mut VecDeque<u8>) -> Option<FrameHeader> {
+/// The next header off the stream, checked as the reading thread checks it
+/// (`FrameHeader::parse`: known flags, a segment within its bound); `None`
+/// while it is not all there.
+fn take_header(wire: &mut VecDeque<u8>) -> Option<std::result::Result<FrameHeader, String>> {
     if wire.len() < HEADER {
         return None;
     }
@@ -299,7 +305,7 @@ fn take_header(wire: &mut VecDeque<u8>) -> Option<FrameHeader> {
     for (i, x) in wire.drain(..HEADER).enumerate() {
         b[i] = x;
     }
-    Some(FrameHeader::decode(&b))
+    Some(FrameHeader::parse(&b))
 }
 
 /// Two sides and the order of their steps.
@@ -585,6 +591,74 @@ fn replies_that_lie_break_the_connection_and_complete_nothing() {
                 assert!(o.is_err(), "{case}: completed on a lie");
             }
         }
+        drop(served);
+    }
+}
+
+#[test]
+fn frames_past_their_bounds_break_the_connection_and_land_nothing() {
+    // A segment longer than a segment may be, unknown flag bits, a write
+    // whose segments outgrow its announced total, a read response for no
+    // read: each breaks a, and nothing lands in its region.
+    let mut target = vec![0u8; 4096];
+    let cases: [(&str, Vec<FrameHeader>); 4] = [
+        (
+            "a segment past its bound",
+            vec![FrameHeader {
+                op: FrameOp::Send as u8,
+                flags: FIRST | LAST,
+                len: (SEGMENT + 1) as u32,
+                total: (SEGMENT + 1) as u32,
+                ..FrameHeader::default()
+            }],
+        ),
+        (
+            "unknown flags",
+            vec![FrameHeader { op: FrameOp::Send as u8, flags: FIRST | LAST | 0x40, ..FrameHeader::default() }],
+        ),
+        ("a message longer than announced", vec![]),
+        (
+            "a response for no read",
+            vec![FrameHeader {
+                op: FrameOp::ReadResp as u8,
+                flags: FIRST | LAST,
+                seq: 3,
+                len: 8,
+                ..FrameHeader::default()
+            }],
+        ),
+    ];
+    for (what, frames) in cases {
+        target.fill(0);
+        let mut p = Pair::new();
+        let served = p.a.expose(&mut target, Access::REMOTE_WRITE);
+        let mut recv = vec![0u8; 64];
+        p.a.post_recv(&mut recv).unwrap();
+        if frames.is_empty() {
+            // A write announcing 8 bytes whose two segments carry 8 and 8.
+            let base = FrameHeader {
+                op: FrameOp::Write as u8,
+                seq: 1,
+                key: served.key(),
+                addr: target.as_ptr() as u64,
+                len: 8,
+                total: 8,
+                ..FrameHeader::default()
+            };
+            put(&mut p.b.out, &FrameHeader { flags: FIRST, ..base }, [1u8; 8].as_ptr() as u64, 8);
+            put(&mut p.b.out, &FrameHeader { flags: LAST, addr: base.addr + 8, ..base }, [2u8; 8].as_ptr() as u64, 8);
+        }
+        for h in &frames {
+            put(&mut p.b.out, h, [7u8; 16].as_ptr() as u64, (h.len as usize).min(16));
+        }
+        while p.a.read_step(&mut p.b.out) {}
+        assert!(p.a.is_broken(), "{what}: broke");
+        assert!(recv.iter().all(|&b| b == 0), "{what}: nothing landed in the receive");
+        if what == "a message longer than announced" {
+            assert_eq!(&target[..8], &[1u8; 8], "the announced bytes landed");
+        }
+        let past = if what == "a message longer than announced" { 8 } else { 0 };
+        assert!(target[past..].iter().all(|&b| b == 0), "{what}: nothing past what was announced landed");
         drop(served);
     }
 }

@@ -265,9 +265,10 @@ impl Core {
     /// The current segment of a message landing in a receive: where its
     /// bytes go, if they fit.
     fn message_segment(&mut self, env: &impl Env) -> Stepped {
-        let Rx::Message { cur, recv, off, .. } = &self.rx else { unreachable!("a message lands") };
+        let Rx::Message { cur, recv, off, total, .. } = &self.rx else { unreachable!("a message lands") };
         let n = u64::from(cur.len);
-        if let Err(why) = responder::segment_fits(*off, n, recv.len) {
+        // Within the receive, and within what the message announced.
+        if let Err(why) = responder::segment_fits(*off, n, recv.len.min(*total)) {
             let wr_id = recv.wr_id;
             self.rx = Rx::Idle;
             self.complete(&raw(wr_id, WcStatus::LocalLength), env);
@@ -316,8 +317,13 @@ impl Core {
     /// The current segment of a write: where its bytes go, if the region
     /// takes them.
     fn write_segment(&mut self) -> Stepped {
-        let Rx::Write { first, cur, entry, .. } = &self.rx else { unreachable!("a write lands") };
+        let Rx::Write { first, cur, entry, off } = &self.rx else { unreachable!("a write lands") };
         let n = u64::from(cur.len);
+        // No byte past what the write announced lands.
+        if let Err(why) = responder::segment_fits(*off, n, u64::from(first.total)) {
+            self.rx = Rx::Idle;
+            return Err(why);
+        }
         if let Err(r) = responder::write_segment(entry, cur.addr, n) {
             let (first, cur) = (*first, *cur);
             self.rx = Rx::Draining { first, cur, then: AfterDrain::Refuse(first.seq, r) };
