@@ -24,3 +24,15 @@ pub fn open(ordinal: usize) -> Result<Engine, Box<dyn std::error::Error>> {
 pub fn gpu(ordinal: usize) -> gpu_rdma::Result<gpu_rdma::cuda::CudaDevice> {
     gpu_rdma::cuda::CudaDevice::open(ordinal)
 }
+
+/// A tensor's storage, registered as it is, and a fence on the
+/// framework's stream for what it queued there.
+pub fn register(
+    engine: &Engine,
+    storage: cudarc::driver::CudaSlice<f32>,
+) -> Result<gpu_rdma::Region<gpu_rdma::cuda::CudaBuffer>, Box<dyn std::error::Error>> {
+    let fence = gpu_rdma::cuda::CudaStream::from_cudarc(&engine.stream)?;
+    let buf = gpu_rdma::cuda::CudaBuffer::from_cudarc(storage)?;
+    buf.ready_after(&fence)?;
+    Ok(engine.domain.register(buf, gpu_rdma::Access::LOCAL).map_err(|e| e.error)?)
+}
