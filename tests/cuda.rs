@@ -368,3 +368,34 @@ cuda_test! {
         common::gpu::reset_attributes();
     }
 }
+
+cuda_test! {
+    /// The allocation a buffer lies in, as a registration cache keys it:
+    /// sub-ranges of one block (as a framework's caching allocator hands
+    /// them out) name the same allocation; a block freed and allocated
+    /// again, at the same address or not, is another allocation (a new
+    /// `BUFFER_ID`), so nothing keyed on the old one is ever its.
+    fn sub_ranges_name_their_allocation_and_a_new_allocation_is_never_the_old_one() {
+        let d = device();
+        let block = std::sync::Arc::new(CudaBuffer::alloc(&d, 4 << 20).unwrap());
+        let whole = block.allocation().unwrap();
+        assert_eq!(whole.base, block.device_ptr());
+        assert!(whole.len >= 4 << 20);
+        for (off, len) in [(0u64, 4096usize), (1 << 20, 65536), ((4 << 20) - 512, 512)] {
+            let keep = std::sync::Arc::clone(&block);
+            // SAFETY: inside the block, which `keep` keeps allocated while the wrapper lives.
+            let sub = unsafe { CudaBuffer::from_raw(&d, block.device_ptr() + off, len, Box::new(keep)) }.unwrap();
+            assert_eq!(sub.allocation().unwrap(), whole, "the sub-range at {off}");
+        }
+        let mut seen = std::collections::HashSet::from([whole.id]);
+        let mut same_address = 0;
+        drop(block);
+        for _ in 0..16 {
+            let again = CudaBuffer::alloc(&d, 4 << 20).unwrap();
+            let a = again.allocation().unwrap();
+            same_address += usize::from(a.base == whole.base);
+            assert!(seen.insert(a.id), "an allocation's identity was given again");
+        }
+        println!("16 allocations after a free, {same_address} at the freed block's address: each a new identity");
+    }
+}

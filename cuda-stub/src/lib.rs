@@ -111,6 +111,10 @@ struct Alloc {
     gdr: bool,
     /// VMM: `cuMemSetAccess` granted read-write.
     accessible: bool,
+    /// `BUFFER_ID`: unique to this allocation for the life of the process,
+    /// as the driver's is (an allocation freed and made again at the same
+    /// address gets a new one).
+    id: u64,
 }
 
 impl Alloc {
@@ -695,8 +699,19 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut u64, size: usize) -> CUresult 
         return OUT_OF_MEMORY;
     };
     let d = (map + offset) as u64;
-    let a =
-        Alloc { dptr: d, len: size, map, map_len, alias, fd, sync_memops: 0, vmm: false, gdr: true, accessible: true };
+    let a = Alloc {
+        dptr: d,
+        len: size,
+        map,
+        map_len,
+        alias,
+        fd,
+        sync_memops: 0,
+        vmm: false,
+        gdr: true,
+        accessible: true,
+        id: n,
+    };
     state().allocs.lock().unwrap().insert(map, a);
     // SAFETY: non-null out-pointer.
     unsafe { *dptr = d };
@@ -766,14 +781,16 @@ pub unsafe extern "C" fn cuPointerGetAttribute(data: *mut libc::c_void, attr: u3
     let value: u64 = match attr {
         2 => 2,                        // MEMORY_TYPE: CU_MEMORYTYPE_DEVICE (unsigned int)
         6 => u64::from(a.sync_memops), // SYNC_MEMOPS (unsigned int)
+        7 => a.id,                     // BUFFER_ID (unsigned long long)
         9 => 0,                        // DEVICE_ORDINAL (int)
         11 => a.dptr,                  // RANGE_START_ADDR (CUdeviceptr)
         12 => a.len as u64,            // RANGE_SIZE (size_t)
         15 => u64::from(a.gdr),        // IS_GPU_DIRECT_RDMA_CAPABLE (unsigned int)
         _ => return INVALID_VALUE,
     };
-    if matches!(attr, 11 | 12) {
-        // SAFETY: these attributes are 8-byte out-values (CUdeviceptr, size_t).
+    if matches!(attr, 7 | 11 | 12) {
+        // SAFETY: these attributes are 8-byte out-values (unsigned long long,
+        // CUdeviceptr, size_t).
         unsafe { *(data as *mut u64) = value };
     } else {
         // SAFETY: the others are 4-byte out-values (unsigned int or int).
@@ -1234,6 +1251,7 @@ pub unsafe extern "C" fn cuMemMap(ptr: u64, size: usize, offset: usize, handle: 
         vmm: true,
         gdr: p.gdr,
         accessible: false,
+        id: state().allocations.fetch_add(1, Ordering::Relaxed) + 1,
     };
     state().allocs.lock().unwrap().insert(map, a);
     SUCCESS

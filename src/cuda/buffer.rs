@@ -233,6 +233,18 @@ enum Owner {
     Foreign(#[allow(dead_code)] Box<dyn Any + Send + Sync>),
 }
 
+/// The device allocation a buffer lies in ([`CudaBuffer::allocation`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Allocation {
+    /// Its first device address.
+    pub base: sys::CUdeviceptr,
+    /// Its length in bytes.
+    pub len: usize,
+    /// The driver's `BUFFER_ID`: unique to this allocation for the life of
+    /// the process.
+    pub id: u64,
+}
+
 /// How synchronous memory operations on a buffer are ordered with RDMA
 /// (`SYNC_MEMOPS`: a `cuMemcpy` returns only once the bytes are where a
 /// NIC will see them).
@@ -439,6 +451,32 @@ impl CudaBuffer {
         // attributes are unsigned ints); the device's context is current.
         let rc = unsafe { sys::cuPointerGetAttribute((&mut v as *mut u32).cast(), attr, self.ptr) };
         Ok((rc, v))
+    }
+
+    /// The allocation this buffer lies in, as the driver knows it: where
+    /// it starts, its length, and its identity (`BUFFER_ID`, never the
+    /// same for two allocations in a process's life, even at one address).
+    /// A framework's caching allocator hands out sub-ranges of larger
+    /// blocks; this finds the block.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] when the driver does not know the pointer.
+    pub fn allocation(&self) -> Result<Allocation> {
+        use sys::CUpointer_attribute::{
+            CU_POINTER_ATTRIBUTE_BUFFER_ID, CU_POINTER_ATTRIBUTE_RANGE_SIZE, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+        };
+        let _ctx = CtxGuard::enter(&self.device)?;
+        let wide = |attr, op| {
+            let mut v: u64 = 0;
+            // SAFETY: these three attributes are 8-byte out-values (unsigned long
+            // long, CUdeviceptr, size_t); `v` is one; the context is current.
+            check(unsafe { sys::cuPointerGetAttribute((&mut v as *mut u64).cast(), attr, self.ptr) }, op).map(|()| v)
+        };
+        Ok(Allocation {
+            base: wide(CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, "cuPointerGetAttribute(RANGE_START_ADDR)")?,
+            len: wide(CU_POINTER_ATTRIBUTE_RANGE_SIZE, "cuPointerGetAttribute(RANGE_SIZE)")? as usize,
+            id: wide(CU_POINTER_ATTRIBUTE_BUFFER_ID, "cuPointerGetAttribute(BUFFER_ID)")?,
+        })
     }
 
     /// The driver's `IS_GPU_DIRECT_RDMA_CAPABLE` for the pointer; a driver

@@ -12,7 +12,7 @@ mod buffer;
 mod device;
 mod result;
 
-pub use buffer::{CudaBuffer, CudaEvent, CudaStream, DmaBuf, GPU_PAGE, PinnedHost, SyncMemops};
+pub use buffer::{Allocation, CudaBuffer, CudaEvent, CudaStream, DmaBuf, GPU_PAGE, PinnedHost, SyncMemops};
 pub(crate) use buffer::{copy_dtoh_async, copy_htod_async};
 pub use device::{CudaDevice, CudaDeviceAttrs, FlushPolicy};
 pub use result::{DriverInfo, driver};
