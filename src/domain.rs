@@ -9,6 +9,8 @@ use crate::error::{Error, Result};
 pub use crate::memory::DomainStats;
 use crate::memory::path::PathPolicy;
 #[cfg(feature = "cuda")]
+pub use crate::memory::reg_cache::RegistrationCacheStats;
+#[cfg(feature = "cuda")]
 pub use crate::memory::staging::StagingStats;
 use crate::memory::{Access, Counter, Exposed, HostMemory, Live, Memory, MemoryKind, Region};
 use crate::protocol::context::OpContext;
@@ -118,6 +120,30 @@ impl Domain {
     /// Live resources.
     pub fn stats(&self) -> DomainStats {
         self.mem().stats()
+    }
+
+    /// Bounds the registration cache of GPU memory on a direct path: a
+    /// buffer inside a block (a framework's allocation, as the driver
+    /// names it) is served the registration of the whole block, made by
+    /// the first buffer registered inside it, so that a model's tensors
+    /// carved from a few blocks cost a few registrations. The cache keeps
+    /// at most `bytes` of blocks no region uses (64 GiB by default; the
+    /// least recently served go first); 0 turns it off. A block freed and
+    /// allocated again, even at the same address, is another block (the
+    /// driver's `BUFFER_ID`) and never served the old one's keys.
+    /// Registrations with remote rights ([`Domain::expose`]) are made per
+    /// region, and the staged path keeps no registration of GPU memory.
+    /// [`Domain::registration_cache_stats`] counts hits and misses.
+    #[cfg(feature = "cuda")]
+    pub fn set_registration_cache(&self, bytes: usize) {
+        self.mem().reg_cache.set_bound(bytes);
+    }
+
+    /// What the registration cache did and holds
+    /// ([`set_registration_cache`](Self::set_registration_cache)).
+    #[cfg(feature = "cuda")]
+    pub fn registration_cache_stats(&self) -> RegistrationCacheStats {
+        self.mem().reg_cache.counts()
     }
 
     /// Bytes of pinned host memory this domain holds for staging GPU

@@ -590,9 +590,9 @@ pub use connection::{
     NOTE_OVERHEAD, Note, Pending, Persistent, PersistentRecv, PersistentSend, Received, RecvRing, SetMember, Transfer,
     Transferred,
 };
-#[cfg(feature = "cuda")]
-pub use domain::StagingStats;
 pub use domain::{BufError, Domain, DomainConfig, DomainInfo, DomainStats};
+#[cfg(feature = "cuda")]
+pub use domain::{RegistrationCacheStats, StagingStats};
 pub use endpoint::Endpoint;
 pub use error::{AuthFailure, BootstrapError, Error, Result};
 pub use memory::{

@@ -899,3 +899,65 @@ gpu_test! {
         assert_eq!(first_difference(&got, &produced(90, LEN)), None);
     }
 }
+
+gpu_test! {
+    /// The registration cache: 10,000 sub-ranges of one block (as a
+    /// framework's caching allocator carves tensors; 64 MiB here) register
+    /// with one registration of the whole block, and messages land in
+    /// several of them, verified. The block freed and allocated again is a
+    /// miss, never served the old keys; with the cache off each buffer
+    /// registers alone.
+    fn ten_thousand_sub_ranges_of_one_block_share_one_registration() {
+        use std::sync::Arc;
+        const BLOCK: usize = 64 << 20;
+        let (ds, dc) = (domain(), domain());
+        let dev = gpu();
+        let sub = |block: &Arc<CudaBuffer>, off: u64, len: usize| {
+            let keep = Arc::clone(block);
+            // SAFETY: inside the block, which `keep` keeps allocated while the wrapper lives.
+            let buf = unsafe { CudaBuffer::from_raw(&dev, block.device_ptr() + off, len, Box::new(keep)) }.unwrap();
+            ds.register_with_path(buf, Access::LOCAL_WRITE, PathPolicy::Force(MemPath::PeerMem)).unwrap()
+        };
+        let block = Arc::new(CudaBuffer::alloc(&dev, BLOCK).unwrap());
+        let before = ds.registration_cache_stats();
+        let t0 = Instant::now();
+        let mut regions: Vec<Region<CudaBuffer>> =
+            (0..10_000u64).map(|i| sub(&block, (i * 6_553) % (BLOCK as u64 - 4096) / 256 * 256, 4096)).collect();
+        let took = t0.elapsed();
+        let after = ds.registration_cache_stats();
+        println!("10,000 sub-ranges registered in {took:?}: {after:?}");
+        assert_eq!(after.misses - before.misses, 1, "one registration of the block");
+        assert_eq!(after.hits - before.hits, 9_999);
+        // Messages land in sub-ranges through the shared registration.
+        let (s, c) = pair_on(&ds, &dc, opts(), opts());
+        for (k, at) in [17usize, 4_000, 9_999].into_iter().enumerate() {
+            let region = regions.swap_remove(at.min(regions.len() - 1));
+            let off = region.memory().device_ptr() - block.device_ptr();
+            let rx = s.recv(region);
+            let msg = pattern(4096, 70 + k as u64);
+            let mut src = dc.alloc(4096).unwrap();
+            src.copy_from_slice(&msg);
+            c.send(src).wait().unwrap();
+            let (done, region) = rx.finish().unwrap();
+            assert_eq!(done.byte_len, 4096);
+            let mut landed = vec![0u8; 4096];
+            block.copy_to_host(off as usize, &mut landed).unwrap();
+            assert_eq!(first_difference(&landed, &msg), None, "message {k} in the sub-range at {off}");
+            drop(region);
+        }
+        drop(regions);
+        // Freed and allocated again (at the same address or not): a new block.
+        drop(block);
+        let again = Arc::new(CudaBuffer::alloc(&dev, BLOCK).unwrap());
+        let r = sub(&again, 0, 4096);
+        let now = ds.registration_cache_stats();
+        assert_eq!((now.misses - after.misses, now.hits - after.hits), (1, 0), "a new block is never served the old one");
+        drop(r);
+        // Off: every buffer registers alone, and the cache holds nothing.
+        ds.set_registration_cache(0);
+        let alone: Vec<_> = (0..3).map(|i| sub(&again, i * 8192, 4096)).collect();
+        let off = ds.registration_cache_stats();
+        assert_eq!((off.misses, off.hits, off.blocks), (now.misses, now.hits, 0));
+        drop(alone);
+    }
+}

@@ -752,11 +752,18 @@ impl CudaBuffer {
     /// [`Error::CudaUnavailable`] when the driver predates the call.
     pub fn export_dmabuf(&self, offset: usize, len: usize) -> Result<DmaBuf> {
         self.check_range(offset, len)?;
+        self.export_dmabuf_at(self.ptr + offset as u64, len)
+    }
+
+    /// [`export_dmabuf`](Self::export_dmabuf) of the `len` bytes at device
+    /// address `start`, which the caller checked lie in this buffer's
+    /// allocation ([`allocation`](Self::allocation)): a registration of the
+    /// whole block.
+    pub(crate) fn export_dmabuf_at(&self, start: u64, len: usize) -> Result<DmaBuf> {
         if len == 0 {
             return Err(Error::InvalidArgument("cannot export zero bytes as a dma-buf".into()));
         }
         let page = host_page_size() as u64;
-        let start = self.ptr + offset as u64;
         let first = start / page * page;
         let end = (start + len as u64).div_ceil(page) * page;
         let export_len = (end - first) as usize;

@@ -95,6 +95,9 @@ pub(crate) struct MemoryDomain {
     pub(crate) no_verbs: Option<String>,
     pub(crate) policy: TransportPolicy,
     counters: Arc<Counters>,
+    /// Registrations of whole GPU blocks, served to the buffers inside them.
+    #[cfg(feature = "cuda")]
+    pub(crate) reg_cache: super::reg_cache::RegCache,
 }
 
 static NEXT_DOMAIN_ID: AtomicU64 = AtomicU64::new(1);
@@ -125,6 +128,8 @@ pub(crate) fn open(config: &DomainConfig) -> Result<MemoryDomain> {
             no_verbs,
             policy,
             counters,
+            #[cfg(feature = "cuda")]
+            reg_cache: Default::default(),
         })
     }
     #[cfg(not(feature = "verbs"))]
@@ -140,6 +145,8 @@ pub(crate) fn open(config: &DomainConfig) -> Result<MemoryDomain> {
             no_verbs: Some("gpu-rdma was built without the `verbs` feature".into()),
             policy,
             counters,
+            #[cfg(feature = "cuda")]
+            reg_cache: Default::default(),
         })
     }
 }

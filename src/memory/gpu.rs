@@ -90,6 +90,17 @@ fn register_by(backend: &MemoryDomain, buf: &CudaBuffer, access: Access, p: MemP
             source: std::io::Error::from_raw_os_error(libc::EOPNOTSUPP),
         });
     }
+    // A local registration on a direct path is the whole block's, kept in
+    // the domain's cache and served to every buffer inside the block; a
+    // buffer whose block the driver cannot name is registered alone.
+    if p.is_direct() && access.remote().is_empty() && backend.reg_cache.enabled() {
+        if let Ok(block) = buf.allocation() {
+            let shared = backend
+                .reg_cache
+                .get_or_register(block, access, p, || register_block(backend, buf, block, access, p))?;
+            return Ok(Registration::Shared(shared));
+        }
+    }
     match p {
         MemPath::DmaBuf => {
             // Whole pages around the buffer, wherever it starts; the NIC
@@ -112,6 +123,44 @@ fn register_by(backend: &MemoryDomain, buf: &CudaBuffer, access: Access, p: MemP
         // SAFETY: as above; with nvidia-peermem loaded the kernel resolves the
         // device pointer to GPU pages, without it the call fails cleanly.
         MemPath::PeerMem => unsafe { backend.register_gpu(buf.as_ptr(), buf.len(), access, relaxed_ordering()) },
+        MemPath::Staged => Ok(Registration::Staged),
+    }
+}
+
+/// Registers the whole `block` `buf` lies in, by the direct path `p`.
+fn register_block(
+    backend: &MemoryDomain,
+    buf: &CudaBuffer,
+    block: crate::cuda::Allocation,
+    access: Access,
+    p: MemPath,
+) -> Result<Registration> {
+    match p {
+        MemPath::DmaBuf => {
+            let dmabuf = buf.export_dmabuf_at(block.base, block.len)?;
+            // SAFETY: the block is one allocation the driver named for `buf`
+            // (`BUFFER_ID`); the registration is served only to buffers inside
+            // it with its identity, each of which keeps it allocated while a
+            // region uses the registration; once it is freed its identity is
+            // never served again, and the dma-buf keeps its pages until the
+            // registration goes. The fd is closed after registering.
+            unsafe {
+                backend.register_dmabuf(
+                    dmabuf.fd.as_fd(),
+                    dmabuf.offset,
+                    block.len,
+                    block.base,
+                    access,
+                    relaxed_ordering(),
+                )
+            }
+        }
+        // SAFETY: as above: the whole block, addressed by its device
+        // address; nvidia-peermem invalidates the registration if the block
+        // is freed while the cache still holds it, and nothing uses it then.
+        MemPath::PeerMem => unsafe {
+            backend.register_gpu(block.base as *mut u8, block.len, access, relaxed_ordering())
+        },
         MemPath::Staged => Ok(Registration::Staged),
     }
 }

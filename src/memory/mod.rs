@@ -22,6 +22,8 @@ mod host;
 pub(crate) mod keys;
 pub mod path;
 pub(crate) mod peer_written;
+#[cfg(feature = "cuda")]
+pub(crate) mod reg_cache;
 mod region;
 mod registration;
 #[cfg(feature = "cuda")]

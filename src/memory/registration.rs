@@ -27,6 +27,10 @@ pub(crate) enum Registration {
     /// A staged region's mirror in a domain without verbs.
     #[cfg(feature = "cuda")]
     PlainMirror { mem: crate::cuda::PinnedHost },
+    /// The registration of the whole GPU block this memory lies in, shared
+    /// with every region inside it ([`reg_cache`](super::reg_cache)).
+    #[cfg(feature = "cuda")]
+    Shared(std::sync::Arc<Registration>),
 }
 
 impl Registration {
@@ -36,6 +40,8 @@ impl Registration {
             Registration::Verbs(mr) => mr.lkey(),
             #[cfg(all(feature = "verbs", feature = "cuda"))]
             Registration::Mirror { mr, .. } => mr.lkey(),
+            #[cfg(feature = "cuda")]
+            Registration::Shared(reg) => reg.lkey(),
             _ => 0,
         }
     }
@@ -47,6 +53,8 @@ impl Registration {
             Registration::Verbs(mr) => Some(mr.rkey()),
             #[cfg(all(feature = "verbs", feature = "cuda"))]
             Registration::Mirror { mr, .. } => Some(mr.rkey()),
+            #[cfg(feature = "cuda")]
+            Registration::Shared(reg) => reg.rkey(),
             _ => None,
         }
     }
@@ -86,6 +94,13 @@ impl Registration {
                 drop(mem);
                 Ok(())
             }
+            // The block's registration is deregistered by whoever holds it
+            // last (the cache, or the last region inside the block).
+            #[cfg(feature = "cuda")]
+            Registration::Shared(reg) => match std::sync::Arc::try_unwrap(reg) {
+                Ok(reg) => reg.deregister(),
+                Err(_) => Ok(()),
+            },
         }
     }
 }
