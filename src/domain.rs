@@ -283,13 +283,7 @@ impl Domain {
                 buffer: mem,
             });
         }
-        // SAFETY: `mem` is moved into the Region with the registration, and the
-        // Region deregisters before it frees (or leaks) the memory; `Memory`'s
-        // contract keeps the address range valid and fixed until then.
-        match unsafe { self.mem().register(mem.as_ptr(), mem.len(), access) } {
-            Ok(reg) => Ok(Region::from_parts(reg, mem, access, None, self.id(), self.live(Counter::Regions))),
-            Err(error) => Err(BufError { error, buffer: mem }),
-        }
+        self.context().register_host(mem, access).map_err(|(error, buffer)| BufError { error, buffer })
     }
 
     /// Gives peers `access` (any of [`Access::REMOTE_READ`],

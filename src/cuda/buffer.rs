@@ -404,8 +404,8 @@ impl CudaBuffer {
     /// primary context, as cudarc's `CudaContext::new` does);
     /// [`Error::CudaUnavailable`], [`Error::Cuda`].
     pub fn from_cudarc<T: 'static>(slice: cudarc::driver::CudaSlice<T>) -> Result<Self> {
-        let (ptr, bytes, stream) = cudarc_parts(&slice)?;
-        Self::from_cudarc_parts(ptr, bytes, &stream, Box::new(slice))
+        let (ptr, bytes, producer) = cudarc_parts(&slice)?;
+        Self::from_cudarc_parts(ptr, bytes, producer, Box::new(slice))
     }
 
     /// As [`from_cudarc`](Self::from_cudarc), for a slice the framework
@@ -419,20 +419,20 @@ impl CudaBuffer {
     /// # Errors
     /// As [`from_cudarc`](Self::from_cudarc).
     pub fn from_cudarc_shared<T: 'static>(slice: std::sync::Arc<cudarc::driver::CudaSlice<T>>) -> Result<Self> {
-        let (ptr, bytes, stream) = cudarc_parts(&slice)?;
-        Self::from_cudarc_parts(ptr, bytes, &stream, Box::new(slice))
+        let (ptr, bytes, producer) = cudarc_parts(&slice)?;
+        Self::from_cudarc_parts(ptr, bytes, producer, Box::new(slice))
     }
 
     fn from_cudarc_parts(
         ptr: sys::CUdeviceptr,
         bytes: usize,
-        stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+        producer: CudaStream,
         keep: Box<dyn Any + Send + Sync>,
     ) -> Result<Self> {
-        let producer = CudaStream::from_cudarc(stream)?;
         let device = producer.device.clone();
         // SAFETY: `ptr..ptr + bytes` is the slice's device memory, allocated by
-        // cudarc in its device's primary context (checked by `cudarc_parts`),
+        // cudarc in its device's primary context (checked by
+        // `CudaStream::from_cudarc`, for the slice's stream's context),
         // the context `device` works in; `keep` owns the slice (or a reference
         // to it), which cudarc frees only when that is dropped, which is when
         // this buffer is dropped, after the registrations made from it.
@@ -502,16 +502,13 @@ impl CudaBuffer {
     /// pointer attribute; `Unavailable` (with a warning) where the driver
     /// predates `cuCtxSetFlags`.
     fn set_context_sync_memops(&self, refused: &Error) -> Result<SyncMemops> {
-        if !driver()?.has_ctx_flags {
+        let newer = crate::cuda::result::newer();
+        let (Some(get_flags), Some(set_flags)) = (newer.ctx_get_flags, newer.ctx_set_flags) else {
             tracing::warn!(
                 "GPU memory at {:#x}: SYNC_MEMOPS refused ({refused}) and the driver has no cuCtxSetFlags \
                  (CUDA 12.1+): fence each operation with ready_after",
                 self.ptr
             );
-            return Ok(SyncMemops::Unavailable);
-        }
-        let newer = crate::cuda::result::newer();
-        let (Some(get_flags), Some(set_flags)) = (newer.ctx_get_flags, newer.ctx_set_flags) else {
             return Ok(SyncMemops::Unavailable);
         };
         let _ctx = CtxGuard::enter(&self.device)?;
@@ -915,27 +912,18 @@ pub(crate) unsafe fn copy_htod_async(dst: u64, src: *const u8, len: usize, strea
     check(unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.cast(), len, stream.stream) }, "cuMemcpyHtoDAsync")
 }
 
-/// A cudarc slice's device pointer, its length in bytes, and its stream;
-/// refused unless it is of a primary context and holds bytes.
-fn cudarc_parts<T>(
-    slice: &cudarc::driver::CudaSlice<T>,
-) -> Result<(sys::CUdeviceptr, usize, std::sync::Arc<cudarc::driver::CudaStream>)> {
+/// A cudarc slice's device pointer, its length in bytes, and its stream as
+/// the producer to fence on; refused unless it is of a primary context
+/// ([`CudaStream::from_cudarc`]) and holds bytes.
+fn cudarc_parts<T>(slice: &cudarc::driver::CudaSlice<T>) -> Result<(sys::CUdeviceptr, usize, CudaStream)> {
     use cudarc::driver::DevicePtr;
-    let stream = std::sync::Arc::clone(slice.stream());
-    if !stream.context().is_primary() {
-        return Err(Error::InvalidArgument(
-            "a cudarc slice of a non-primary context: this crate works in each device's primary context".into(),
-        ));
-    }
+    let producer = CudaStream::from_cudarc(slice.stream())?;
     let bytes = slice.num_bytes();
     if bytes == 0 {
         return Err(Error::InvalidArgument("an empty cudarc slice".into()));
     }
     // The pointer, read on the slice's own stream (which orders nothing new:
     // the fence is taken from that stream right after).
-    let ptr = {
-        let (ptr, _read) = slice.device_ptr(&stream);
-        ptr
-    };
-    Ok((ptr, bytes, stream))
+    let (ptr, _read) = slice.device_ptr(slice.stream());
+    Ok((ptr, bytes, producer))
 }

@@ -65,10 +65,6 @@ const REQUIRED: &[&str] = &[
     "cuMemHostUnregister",
 ];
 
-/// Functions of newer drivers; each feature that needs one is off without it.
-const OPTIONAL: &[&str] =
-    &["cuMemGetHandleForAddressRange", "cuFlushGPUDirectRDMAWrites", "cuCtxSetFlags", "cuCtxGetFlags"];
-
 /// What the driver probe found.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DriverInfo {
@@ -135,12 +131,16 @@ fn driver_lib() -> Option<&'static DriverLib> {
     .as_ref()
 }
 
-fn has_symbol(name: &str) -> bool {
-    let Some(lib) = driver_lib() else { return false };
-    let Ok(name) = std::ffi::CString::new(name) else { return false };
+/// The driver's symbol `name`, if the driver was found and has it.
+fn symbol(name: &std::ffi::CStr) -> Option<std::ptr::NonNull<libc::c_void>> {
+    let lib = driver_lib()?;
     // SAFETY: a live handle and a valid C string; the symbol is only looked
     // up, never called through this pointer.
-    !unsafe { libc::dlsym(lib.0.as_ptr(), name.as_ptr()) }.is_null()
+    std::ptr::NonNull::new(unsafe { libc::dlsym(lib.0.as_ptr(), name.as_ptr()) })
+}
+
+fn has_symbol(name: &str) -> bool {
+    std::ffi::CString::new(name).ok().and_then(|name| symbol(&name)).is_some()
 }
 
 fn init() -> std::result::Result<DriverInfo, String> {
@@ -170,13 +170,15 @@ fn init() -> std::result::Result<DriverInfo, String> {
     if count <= 0 {
         return Err("the CUDA driver is installed but found no CUDA device".to_owned());
     }
+    // Functions of newer drivers: each feature that needs one is off without it.
+    let newer = newer();
     let info = DriverInfo {
         version,
         device_count: count as usize,
-        has_dmabuf_export: has_symbol(OPTIONAL[0]),
-        has_flush: has_symbol(OPTIONAL[1]),
+        has_dmabuf_export: newer.get_handle_for_address_range.is_some(),
+        has_flush: newer.flush_gpudirect_rdma_writes.is_some(),
         // Set by reading the flags and adding to them: both calls.
-        has_ctx_flags: has_symbol(OPTIONAL[2]) && has_symbol(OPTIONAL[3]),
+        has_ctx_flags: newer.ctx_get_flags.is_some() && newer.ctx_set_flags.is_some(),
     };
     tracing::debug!(?info, "CUDA driver loaded");
     Ok(info)
@@ -216,7 +218,7 @@ pub(crate) const FLUSH_TARGET_CURRENT_CTX: libc::c_uint = 0;
 /// `CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER`.
 pub(crate) const FLUSH_TO_OWNER: libc::c_uint = 100;
 
-/// Driver functions of newer CUDA versions (see [`OPTIONAL`]), called
+/// Driver functions of newer CUDA versions, called
 /// through the driver's own symbols: cudarc declares them only in its
 /// bindings for the CUDA versions that have them, and the crate beside this
 /// one may have chosen older bindings. Each is `None` where the driver
@@ -246,11 +248,6 @@ pub(crate) struct Newer {
 pub(crate) fn newer() -> &'static Newer {
     static NEWER: OnceLock<Newer> = OnceLock::new();
     NEWER.get_or_init(|| {
-        fn symbol(name: &std::ffi::CStr) -> Option<std::ptr::NonNull<libc::c_void>> {
-            let lib = driver_lib()?;
-            // SAFETY: a live handle and a valid C string; only looked up.
-            std::ptr::NonNull::new(unsafe { libc::dlsym(lib.0.as_ptr(), name.as_ptr()) })
-        }
         // Each transmute: the symbol is the driver's function of that name,
         // whose C signature is the one written on its field above; a data
         // pointer from dlsym and a function pointer have the same size and

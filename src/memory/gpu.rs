@@ -95,72 +95,51 @@ fn register_by(backend: &MemoryDomain, buf: &CudaBuffer, access: Access, p: MemP
     // buffer whose block the driver cannot name is registered alone.
     if p.is_direct() && access.remote().is_empty() && backend.reg_cache.enabled() {
         if let Ok(block) = buf.allocation() {
-            let shared = backend
-                .reg_cache
-                .get_or_register(block, access, p, || register_block(backend, buf, block, access, p))?;
+            let shared = backend.reg_cache.get_or_register(block, access, p, || {
+                // SAFETY: the block is one allocation the driver named for `buf`
+                // (`BUFFER_ID`); the registration is served only to buffers
+                // inside it with its identity, each of which keeps it allocated
+                // while a region uses the registration; once it is freed its
+                // identity is never served again (nvidia-peermem invalidates the
+                // registration, a dma-buf keeps its pages until it goes), and
+                // nothing reaches it through the registration any more.
+                unsafe { register_range(backend, buf, block.base, block.len, access, p) }
+            })?;
             return Ok(Registration::Shared(shared));
         }
     }
-    match p {
-        MemPath::DmaBuf => {
-            // Whole pages around the buffer, wherever it starts; the NIC
-            // addresses it by its device address (the iova).
-            let dmabuf = buf.export_dmabuf(0, buf.len())?;
-            // SAFETY: the registration is owned by a Region (or Exposed) that also
-            // owns `buf`, and deregisters before the buffer is freed. The fd is
-            // closed when `dmabuf` drops, after registering, as the kernel allows.
-            unsafe {
-                backend.register_dmabuf(
-                    dmabuf.fd.as_fd(),
-                    dmabuf.offset,
-                    buf.len(),
-                    buf.device_ptr(),
-                    access,
-                    relaxed_ordering(),
-                )
-            }
-        }
-        // SAFETY: as above; with nvidia-peermem loaded the kernel resolves the
-        // device pointer to GPU pages, without it the call fails cleanly.
-        MemPath::PeerMem => unsafe { backend.register_gpu(buf.as_ptr(), buf.len(), access, relaxed_ordering()) },
-        MemPath::Staged => Ok(Registration::Staged),
-    }
+    // SAFETY: the registration is owned by a Region (or Exposed) that also
+    // owns `buf`, and deregisters before the buffer is freed.
+    unsafe { register_range(backend, buf, buf.device_ptr(), buf.len(), access, p) }
 }
 
-/// Registers the whole `block` `buf` lies in, by the direct path `p`.
-fn register_block(
+/// Registers the `len` bytes at device address `start` of `buf`'s
+/// allocation (the buffer itself, or the whole block it lies in) by `p`;
+/// the NIC addresses them by their device addresses (the iova).
+///
+/// # Safety
+/// `start..start + len` must lie in `buf`'s allocation, and stay allocated
+/// while the registration is used (the callers' comments say how).
+unsafe fn register_range(
     backend: &MemoryDomain,
     buf: &CudaBuffer,
-    block: crate::cuda::Allocation,
+    start: u64,
+    len: usize,
     access: Access,
     p: MemPath,
 ) -> Result<Registration> {
     match p {
         MemPath::DmaBuf => {
-            let dmabuf = buf.export_dmabuf_at(block.base, block.len)?;
-            // SAFETY: the block is one allocation the driver named for `buf`
-            // (`BUFFER_ID`); the registration is served only to buffers inside
-            // it with its identity, each of which keeps it allocated while a
-            // region uses the registration; once it is freed its identity is
-            // never served again, and the dma-buf keeps its pages until the
-            // registration goes. The fd is closed after registering.
-            unsafe {
-                backend.register_dmabuf(
-                    dmabuf.fd.as_fd(),
-                    dmabuf.offset,
-                    block.len,
-                    block.base,
-                    access,
-                    relaxed_ordering(),
-                )
-            }
+            // Whole pages around the range, wherever it starts.
+            let dmabuf = buf.export_dmabuf_at(start, len)?;
+            // SAFETY: the caller's promise, forwarded. The fd is closed when
+            // `dmabuf` drops, after registering, as the kernel allows.
+            unsafe { backend.register_dmabuf(dmabuf.fd.as_fd(), dmabuf.offset, len, start, access, relaxed_ordering()) }
         }
-        // SAFETY: as above: the whole block, addressed by its device
-        // address; nvidia-peermem invalidates the registration if the block
-        // is freed while the cache still holds it, and nothing uses it then.
-        MemPath::PeerMem => unsafe {
-            backend.register_gpu(block.base as *mut u8, block.len, access, relaxed_ordering())
-        },
+        // SAFETY: the caller's promise, forwarded; with nvidia-peermem loaded
+        // the kernel resolves the device pointer to GPU pages, without it the
+        // call fails cleanly.
+        MemPath::PeerMem => unsafe { backend.register_gpu(start as *mut u8, len, access, relaxed_ordering()) },
         MemPath::Staged => Ok(Registration::Staged),
     }
 }

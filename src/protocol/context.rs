@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use crate::access::Access;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::host_memory::HostMemory;
 use crate::memory::{Counter, Live, Memory, MemoryDomain, Region};
 use crate::transport::engine::Engine;
@@ -56,11 +56,22 @@ impl OpContext {
     /// `len` zeroed bytes of page-aligned host memory registered for local
     /// use: what [`Domain::alloc`](crate::Domain::alloc) gives.
     pub(crate) fn alloc(&self, len: usize) -> Result<Region<HostMemory>> {
-        let mem = HostMemory::new(len)?;
+        self.register_host(HostMemory::new(len)?, Access::LOCAL).map_err(|(error, _)| error)
+    }
+
+    /// Registers host memory `mem` with `access`: its region, or why not
+    /// and the memory back.
+    pub(crate) fn register_host<M: Memory>(
+        &self,
+        mem: M,
+        access: Access,
+    ) -> std::result::Result<Region<M>, (Error, M)> {
         // SAFETY: `mem` is moved into the Region with the registration, and the
-        // Region deregisters before it frees the memory; `HostMemory` keeps
-        // its address range valid and fixed until then.
-        let reg = unsafe { self.mem.register(mem.as_ptr(), mem.len(), Access::LOCAL) }?;
-        Ok(Region::from_parts(reg, mem, Access::LOCAL, None, self.mem.id(), self.live(Counter::Regions)))
+        // Region deregisters before it frees (or leaks) the memory; `Memory`'s
+        // contract keeps the address range valid and fixed until then.
+        match unsafe { self.mem.register(mem.as_ptr(), mem.len(), access) } {
+            Ok(reg) => Ok(Region::from_parts(reg, mem, access, None, self.mem.id(), self.live(Counter::Regions))),
+            Err(error) => Err((error, mem)),
+        }
     }
 }

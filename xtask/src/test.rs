@@ -386,10 +386,14 @@ echo "tensors exit $?" >> "$VM_OUT/tensors.log"
 echo "=== tensors --tensors 120 --block 8MiB (rxe0)"; sed 's/^/  /' "$VM_OUT/tensors.log"
 "#;
 
+/// Whether an example's log says it picked `transport` (its `path:` line).
+fn ran_over(log: &str, transport: &str) -> bool {
+    log.lines().any(|l| l.starts_with("path: ") && l.to_lowercase().contains(transport))
+}
+
 /// Whether a tensors run verified all `n` tensors over `transport`.
 fn tensors_verified(log: &str, n: u32, transport: &str, exited: bool) -> Result<()> {
-    let path_ok = log.lines().any(|l| l.starts_with("path: ") && l.to_lowercase().contains(transport));
-    if !path_ok {
+    if !ran_over(log, transport) {
         return Err(format!("the tensors example did not run over {transport}"));
     }
     if !exited || !log.contains(&format!("all {n} tensors verified")) {
@@ -400,8 +404,7 @@ fn tensors_verified(log: &str, n: u32, transport: &str, exited: bool) -> Result<
 
 /// Whether a kv_pages run verified every request over `transport`.
 fn kv_pages_verified(log: &str, transport: &str, exited: bool) -> Result<()> {
-    let path_ok = log.lines().any(|l| l.starts_with("path: ") && l.to_lowercase().contains(transport));
-    if !path_ok {
+    if !ran_over(log, transport) {
         return Err(format!("the kv_pages example did not run over {transport}"));
     }
     if !exited || !log.contains("all 16 requests verified page by page") {

@@ -87,14 +87,20 @@ impl Out {
         matches!(self.kind, OutKind::Inline { unacked: true, .. })
     }
 
+    /// Where its payload comes from (a registered buffer, or its inline
+    /// copy) and its length; none for a read request.
+    fn payload(&self) -> (u64, u64) {
+        match &self.kind {
+            OutKind::Inline { data, .. } => (data.as_ptr() as u64, data.len() as u64),
+            OutKind::ReadReq { .. } => (0, 0),
+            _ => (self.addr, self.len),
+        }
+    }
+
     /// Its bytes on the wire: a frame per segment of payload (one for none).
     pub(super) fn wire_len(&self) -> u64 {
-        let len = match &self.kind {
-            OutKind::ReadReq { .. } => 0,
-            OutKind::Inline { data, .. } => data.len() as u64,
-            _ => self.len,
-        };
-        len + HEADER as u64 * len.div_ceil(SEGMENT as u64).max(1)
+        let (_, len) = self.payload();
+        len + HEADER as u64 * frames_of(len)
     }
 }
 
@@ -471,23 +477,25 @@ impl Core {
     /// This side closed and its threads are gone: whatever they left fails,
     /// and the connection is lost for `reason` if it was not already.
     pub(super) fn stopped(&mut self, reason: String, sig: &impl Signals) {
-        let recvs: Vec<Recv> = self.recvs.drain(..).collect();
-        for r in recvs {
-            self.complete(&raw(r.wr_id, WcStatus::WrFlush), sig);
-        }
+        self.fail_receives(sig);
         for w in self.replies.take_all() {
             self.complete(&raw(w, WcStatus::WrFlush), sig);
         }
         self.break_with(reason, sig);
     }
 
-    /// The receiving side stopped (the peer is gone, or broke the rules):
-    /// receives and reads, which only it fills, fail.
-    pub(super) fn receiver_stopped(&mut self, sig: &impl Signals) {
+    /// Every posted receive fails (flushed): nothing will fill it.
+    fn fail_receives(&mut self, sig: &impl Signals) {
         let recvs: Vec<Recv> = self.recvs.drain(..).collect();
         for r in recvs {
             self.complete(&raw(r.wr_id, WcStatus::WrFlush), sig);
         }
+    }
+
+    /// The receiving side stopped (the peer is gone, or broke the rules):
+    /// receives and reads, which only it fills, fail.
+    pub(super) fn receiver_stopped(&mut self, sig: &impl Signals) {
+        self.fail_receives(sig);
         for w in self.replies.take_reads() {
             self.complete(&raw(w, WcStatus::WrFlush), sig);
         }
@@ -580,27 +588,13 @@ pub(super) fn message_frames(o: &Out) -> impl Iterator<Item = OutFrame> + '_ {
         OutKind::Write { raddr, key, imm } => (FrameOp::Write, *key, *raddr, *imm),
         OutKind::ReadReq { raddr, key } => (FrameOp::ReadReq, *key, *raddr, None),
     };
-    let (src, len) = match &o.kind {
-        OutKind::Inline { data, .. } => (data.as_ptr() as u64, data.len() as u64),
-        OutKind::ReadReq { .. } => (0, 0),
-        _ => (o.addr, o.len),
-    };
+    let (src, len) = o.payload();
     let total = u32::try_from(o.len).unwrap_or(u32::MAX);
     let flags = if imm.is_some() { IMM } else { 0 } | if wants_ack(o) { ACK } else { 0 };
-    let frames = len.div_ceil(SEGMENT as u64).max(1);
-    (0..frames).map(move |i| {
-        let off = i * SEGMENT as u64;
-        let n = (len - off).min(SEGMENT as u64);
-        let mut f = flags;
-        if i == 0 {
-            f |= FIRST;
-        }
-        if i + 1 == frames {
-            f |= LAST;
-        }
+    segments(len).map(move |(off, n, ends, wire)| {
         let h = FrameHeader {
             op: op as u8,
-            flags: f,
+            flags: flags | ends,
             seq: o.seq,
             key,
             imm: imm.unwrap_or(0),
@@ -608,21 +602,36 @@ pub(super) fn message_frames(o: &Out) -> impl Iterator<Item = OutFrame> + '_ {
             len: n as u32,
             total,
         };
-        OutFrame { h, src: src + off, len: n as usize, wire: off + i * HEADER as u64 }
+        OutFrame { h, src: src + off, len: n, wire }
     })
 }
 
 /// The frames of the response to the peer's read `seq` of `len` bytes at
 /// `addr`: `h.addr` is each segment's offset in the read.
 pub(super) fn read_response_frames(seq: u32, addr: u64, len: u64) -> impl Iterator<Item = OutFrame> {
-    let frames = len.div_ceil(SEGMENT as u64).max(1);
+    segments(len).map(move |(off, n, flags, wire)| {
+        let h =
+            FrameHeader { op: FrameOp::ReadResp as u8, flags, seq, addr: off, len: n as u32, ..FrameHeader::default() };
+        OutFrame { h, src: addr + off, len: n, wire }
+    })
+}
+
+/// How many frames carry `len` bytes of payload: one per segment of at
+/// most [`SEGMENT`] bytes, one for none.
+fn frames_of(len: u64) -> u64 {
+    len.div_ceil(SEGMENT as u64).max(1)
+}
+
+/// The segments `len` bytes of payload travel in: each one's offset and
+/// length, its `FIRST`/`LAST` flags, and the payload's bytes on the wire
+/// before its frame.
+fn segments(len: u64) -> impl Iterator<Item = (u64, usize, u8, u64)> {
+    let frames = frames_of(len);
     (0..frames).map(move |i| {
         let off = i * SEGMENT as u64;
         let n = (len - off).min(SEGMENT as u64);
-        let flags = if i + 1 == frames { LAST } else { 0 } | if i == 0 { FIRST } else { 0 };
-        let h =
-            FrameHeader { op: FrameOp::ReadResp as u8, flags, seq, addr: off, len: n as u32, ..FrameHeader::default() };
-        OutFrame { h, src: addr + off, len: n as usize, wire: off + i * HEADER as u64 }
+        let flags = if i == 0 { FIRST } else { 0 } | if i + 1 == frames { LAST } else { 0 };
+        (off, n as usize, flags, off + i * HEADER as u64)
     })
 }
 

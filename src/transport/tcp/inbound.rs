@@ -60,11 +60,8 @@ impl Core {
     /// Carries out a frame whose header `h` was read (`progress`: how far
     /// this side's writer is, for a reply that may come early).
     pub(super) fn on_header(&mut self, h: FrameHeader, progress: Progress, env: &impl Env) -> Stepped {
-        if let Some(lost) = self.q.lost() {
-            // Broken (a refusal either way, a lost peer, this side closing):
-            // nothing more from the peer is carried out.
-            let why = lost.to_owned();
-            return self.ended(Err(why));
+        if let Some(stopped) = self.carried_out_no_more(env) {
+            return stopped;
         }
         if !matches!(self.rx, Rx::Idle) {
             return self.ended(Err("a frame began inside another (the reader lost its place)".into()));
@@ -89,10 +86,8 @@ impl Core {
     /// connection broke, the frame goes no further: what the peer sent is
     /// carried out no more, segment by segment.)
     pub(super) fn filled(&mut self, env: &impl Env) -> Stepped {
-        if let Some(lost) = self.q.lost() {
-            let why = lost.to_owned();
-            let why = self.abort(why, env);
-            return self.ended(Err(why));
+        if let Some(stopped) = self.carried_out_no_more(env) {
+            return stopped;
         }
         let stepped = match &mut self.rx {
             Rx::Message { cur, off, .. } => {
@@ -134,10 +129,8 @@ impl Core {
 
     /// The header of the current message's next segment was read.
     pub(super) fn on_segment(&mut self, h: FrameHeader, env: &impl Env) -> Stepped {
-        if let Some(lost) = self.q.lost() {
-            let why = lost.to_owned();
-            let why = self.abort(why, env);
-            return self.ended(Err(why));
+        if let Some(stopped) = self.carried_out_no_more(env) {
+            return stopped;
         }
         let first = match &self.rx {
             Rx::Message { first, .. } | Rx::Write { first, .. } | Rx::Draining { first, .. } => *first,
@@ -211,6 +204,15 @@ impl Core {
             self.complete(&raw(recv.wr_id, WcStatus::WrFlush), sig);
         }
         why
+    }
+
+    /// Once the connection broke (a refusal either way, a lost peer, this
+    /// side closing), nothing more from the peer is carried out: the frame
+    /// in progress ends (a receive it was filling fails) with the reason.
+    fn carried_out_no_more(&mut self, sig: &impl Signals) -> Option<Stepped> {
+        let why = self.q.lost()?.to_owned();
+        let why = self.abort(why, sig);
+        Some(self.ended(Err(why)))
     }
 
     fn abort_owned(&mut self, why: &str, sig: &impl Signals) -> String {
