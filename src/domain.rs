@@ -9,10 +9,9 @@ use crate::error::{Error, Result};
 pub use crate::memory::DomainStats;
 use crate::memory::path::PathPolicy;
 #[cfg(feature = "cuda")]
-pub use crate::memory::reg_cache::RegistrationCacheStats;
-#[cfg(feature = "cuda")]
 pub use crate::memory::staging::StagingStats;
 use crate::memory::{Access, Counter, Exposed, HostMemory, Live, Memory, MemoryKind, Region};
+pub use crate::memory::{HostArena, RegistrationCacheStats};
 use crate::protocol::context::OpContext;
 
 /// This process's endpoint on one RDMA device port: a protection domain,
@@ -122,28 +121,36 @@ impl Domain {
         self.mem().stats()
     }
 
-    /// Bounds the registration cache of GPU memory on a direct path: a
+    /// Bounds the registration caches. GPU memory on a direct path: a
     /// buffer inside a block (a framework's allocation, as the driver
     /// names it) is served the registration of the whole block, made by
     /// the first buffer registered inside it, so that a model's tensors
     /// carved from a few blocks cost a few registrations. The cache keeps
     /// at most `bytes` of blocks no region uses (64 GiB by default; the
-    /// least recently served go first); 0 turns it off. A block freed and
-    /// allocated again, even at the same address, is another block (the
-    /// driver's `BUFFER_ID`) and never served the old one's keys.
-    /// Registrations with remote rights ([`Domain::expose`]) are made per
-    /// region, and the staged path keeps no registration of GPU memory.
+    /// least recently served go first). A block freed and allocated again,
+    /// even at the same address, is another block (the driver's
+    /// `BUFFER_ID`) and never served the old one's keys. Host memory is
+    /// served from the arenas declared ([`Domain::declare_host_arena`]),
+    /// which stay registered while declared, whatever the bound.
+    /// 0 turns both off. Registrations with remote rights
+    /// ([`Domain::expose`]) are made per region, and the staged path keeps
+    /// no registration of GPU memory.
     /// [`Domain::registration_cache_stats`] counts hits and misses.
-    #[cfg(feature = "cuda")]
     pub fn set_registration_cache(&self, bytes: usize) {
+        #[cfg(feature = "cuda")]
         self.mem().reg_cache.set_bound(bytes);
+        self.mem().arenas.set_serving(bytes > 0);
     }
 
-    /// What the registration cache did and holds
+    /// What the registration caches did and hold
     /// ([`set_registration_cache`](Self::set_registration_cache)).
-    #[cfg(feature = "cuda")]
     pub fn registration_cache_stats(&self) -> RegistrationCacheStats {
-        self.mem().reg_cache.counts()
+        #[cfg(feature = "cuda")]
+        let mut stats = self.mem().reg_cache.counts();
+        #[cfg(not(feature = "cuda"))]
+        let mut stats = RegistrationCacheStats::default();
+        self.mem().arenas.count_into(&mut stats);
+        stats
     }
 
     /// Bytes of pinned host memory this domain holds for staging GPU
@@ -283,7 +290,40 @@ impl Domain {
                 buffer: mem,
             });
         }
+        if let Some(arena) = self.mem().arenas.serve(mem.as_ptr(), mem.len(), access) {
+            let reg = crate::memory::Registration::Arena(arena);
+            return Ok(Region::from_parts(reg, mem, access, None, self.id(), self.live(Counter::Regions)));
+        }
         self.context().register_host(mem, access).map_err(|(error, buffer)| BufError { error, buffer })
+    }
+
+    /// Registers host memory `mem` once, with local rights, as an arena: a
+    /// framework's pinned pool or KV cache. From then on, registering host
+    /// memory that lies inside it ([`HostArena::view`], or any [`Memory`]
+    /// over its bytes) is served the arena's registration: no pinning, no
+    /// call to the device, counted as a hit in
+    /// [`registration_cache_stats`](Self::registration_cache_stats).
+    /// Registrations with remote rights ([`Domain::expose`]) are made per
+    /// region. [`set_registration_cache(0)`](Self::set_registration_cache)
+    /// stops the serving.
+    ///
+    /// # Errors
+    /// The error and the memory back for GPU or empty memory, an arena
+    /// overlapping one declared before, or the device refusing the
+    /// registration.
+    pub fn declare_host_arena<M: Memory>(&self, mem: M) -> std::result::Result<HostArena, BufError<M>> {
+        if mem.is_empty() || mem.kind() != MemoryKind::Host {
+            let error = Error::InvalidArgument("a host arena is host memory of at least one byte".into());
+            return Err(BufError { error, buffer: mem });
+        }
+        let live = self.live(Counter::Regions);
+        HostArena::declare(&self.mem().arenas, mem, live, |mem| {
+            // SAFETY: `mem` moves into the arena with this registration, and the
+            // arena deregisters before it frees (or leaks) the memory; `Memory`'s
+            // contract keeps the range valid and fixed until then.
+            unsafe { self.mem().register(mem.as_ptr(), mem.len(), Access::LOCAL) }
+        })
+        .map_err(|(error, buffer)| BufError { error, buffer })
     }
 
     /// Gives peers `access` (any of [`Access::REMOTE_READ`],

@@ -590,14 +590,14 @@ pub use connection::{
     NOTE_OVERHEAD, Note, Pending, Persistent, PersistentRecv, PersistentSend, Received, RecvRing, SetMember, Transfer,
     Transferred,
 };
-pub use domain::{BufError, Domain, DomainConfig, DomainInfo, DomainStats};
 #[cfg(feature = "cuda")]
-pub use domain::{RegistrationCacheStats, StagingStats};
+pub use domain::StagingStats;
+pub use domain::{BufError, Domain, DomainConfig, DomainInfo, DomainStats};
 pub use endpoint::Endpoint;
 pub use error::{AuthFailure, BootstrapError, Error, Result};
 pub use memory::{
-    Access, Exposed, HostMemory, LocalBuffer, LocalSlice, Memory, MemoryKind, Region, RemoteRegion, RemoteSlice,
-    Shared, WithdrawError,
+    Access, Exposed, ForeignHost, HostArena, HostMemory, LocalBuffer, LocalSlice, Memory, MemoryKind, Region,
+    RegistrationCacheStats, RemoteRegion, RemoteSlice, Shared, WithdrawError,
 };
 pub use protocol::list::{PageLayout, Piece};
 pub use protocol::notify::MAX_NOTIFY_PAYLOAD;

@@ -961,3 +961,51 @@ gpu_test! {
         drop(alone);
     }
 }
+
+gpu_test! {
+    /// A framework's cudarc slices on the device: one given by value is
+    /// written to a peer, one the framework keeps (shared) is written by
+    /// the peer and read back through cudarc itself. Whatever path each
+    /// takes (the path report says which and why), the bytes arrive.
+    fn a_frameworks_cudarc_slices_move_on_the_device_as_they_are() {
+        for policy in [PathPolicy::Auto, PathPolicy::Force(MemPath::PeerMem)] {
+            cudarc_slices_move(policy);
+        }
+    }
+}
+
+fn cudarc_slices_move(policy: PathPolicy) {
+    use cudarc::driver::CudaContext;
+    use std::sync::Arc;
+    let (d, peer) = (domain(), domain());
+    let ctx = CudaContext::new(0).expect("cudarc's context on device 0");
+    let stream = ctx.default_stream();
+    let len = 256 << 10;
+    let data = pattern(len, 17);
+    let owned = CudaBuffer::from_cudarc(stream.clone_htod(&data).unwrap()).unwrap();
+    let src = d.register_with_path(owned, Access::LOCAL, policy).map_err(|e| e.error).unwrap();
+    println!("{policy:?}: a slice by value: {}", src.path_report().unwrap());
+    let kept: Arc<cudarc::driver::CudaSlice<u8>> = Arc::new(stream.alloc_zeros::<u8>(len).unwrap());
+    let shared = CudaBuffer::from_cudarc_shared(Arc::clone(&kept)).unwrap();
+    let shared = d.register_with_path(shared, Access::LOCAL, policy).map_err(|e| e.error).unwrap();
+    println!("{policy:?}: a shared slice: {}", shared.path_report().unwrap());
+    if let PathPolicy::Force(path) = policy {
+        assert_eq!((src.memory_path(), shared.memory_path()), (Some(path), Some(path)));
+    }
+    let target = d.expose(shared, Access::REMOTE_WRITE, 3).unwrap();
+    let sink = peer.expose(peer.alloc(len).unwrap(), Access::REMOTE_WRITE, 4).unwrap();
+    let (s, c) = pair_on(&peer, &d, opts().advertise(&sink), staging_opts().advertise(&target));
+    let src = c.write(src, &c.remote_region(4).unwrap().whole()).finish().unwrap().1;
+    let mut got = vec![0u8; len];
+    sink.read_at(0, &mut got).unwrap();
+    assert_eq!(first_difference(&got, &data), None, "the owned slice's bytes at the peer");
+    // The peer writes into the framework's slice, with an immediate.
+    let back = common::filled(&peer, &pattern(len, 18));
+    let mut imm = c.recv_imm();
+    s.write_with_imm(back, &s.remote_region(3).unwrap().whole(), 6).wait().unwrap();
+    assert_eq!(imm.wait().unwrap().imm, Some(6));
+    let seen: Vec<u8> = stream.clone_dtoh(&*kept).unwrap();
+    assert_eq!(first_difference(&seen, &pattern(len, 18)), None, "read back through cudarc");
+    drop((target, src, s, c));
+    assert_eq!(Arc::strong_count(&kept), 1, "the framework's slice is its own again");
+}

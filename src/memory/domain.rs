@@ -98,6 +98,8 @@ pub(crate) struct MemoryDomain {
     /// Registrations of whole GPU blocks, served to the buffers inside them.
     #[cfg(feature = "cuda")]
     pub(crate) reg_cache: super::reg_cache::RegCache,
+    /// Declared host arenas, served to the host memory inside them.
+    pub(crate) arenas: Arc<super::arena::Arenas>,
 }
 
 static NEXT_DOMAIN_ID: AtomicU64 = AtomicU64::new(1);
@@ -130,6 +132,7 @@ pub(crate) fn open(config: &DomainConfig) -> Result<MemoryDomain> {
             counters,
             #[cfg(feature = "cuda")]
             reg_cache: Default::default(),
+            arenas: Default::default(),
         })
     }
     #[cfg(not(feature = "verbs"))]
@@ -147,6 +150,7 @@ pub(crate) fn open(config: &DomainConfig) -> Result<MemoryDomain> {
             counters,
             #[cfg(feature = "cuda")]
             reg_cache: Default::default(),
+            arenas: Default::default(),
         })
     }
 }

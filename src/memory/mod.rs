@@ -15,7 +15,9 @@
 //!   connection until the device is done with it.
 
 pub(crate) mod alias;
+pub(crate) mod arena;
 pub(crate) mod domain;
+mod foreign;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 mod host;
@@ -34,8 +36,10 @@ pub(crate) mod visible;
 pub use crate::access::Access;
 pub use crate::host_memory::HostMemory;
 pub use crate::remote::{RemoteRegion, RemoteSlice};
+pub use arena::{HostArena, RegistrationCacheStats};
 pub use domain::DomainStats;
 pub(crate) use domain::{Counter, Live, MemoryDomain};
+pub use foreign::ForeignHost;
 pub use region::{Exposed, LocalBuffer, LocalSlice, Region, Shared, WithdrawError};
 pub(crate) use region::{LocalParts, parts_of};
 pub(crate) use registration::Registration;

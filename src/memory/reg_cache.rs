@@ -18,6 +18,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::Registration;
+use super::arena::RegistrationCacheStats;
 use super::path::MemPath;
 use crate::access::Access;
 use crate::cuda::Allocation;
@@ -45,21 +46,6 @@ pub(crate) struct RegCache {
     bound: AtomicUsize,
     hits: AtomicU64,
     misses: AtomicU64,
-}
-
-/// What a domain's registration cache did and holds
-/// ([`Domain::registration_cache_stats`](crate::Domain::registration_cache_stats)).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct RegistrationCacheStats {
-    /// Registrations of GPU memory on a direct path served the registration
-    /// of the block they lie in.
-    pub hits: u64,
-    /// Registrations that registered their whole block.
-    pub misses: u64,
-    /// Blocks held registered.
-    pub blocks: usize,
-    /// Their bytes.
-    pub bytes: usize,
 }
 
 impl Default for RegCache {
@@ -128,6 +114,7 @@ impl RegCache {
             misses: self.misses.load(Ordering::Relaxed),
             blocks: entries.len(),
             bytes: entries.iter().map(|e| e.key.block.len).sum(),
+            ..Default::default()
         }
     }
 }

@@ -31,6 +31,10 @@ pub(crate) enum Registration {
     /// with every region inside it ([`reg_cache`](super::reg_cache)).
     #[cfg(feature = "cuda")]
     Shared(std::sync::Arc<Registration>),
+    /// The registration of a declared host arena this memory lies in
+    /// ([`arena`](super::arena)); the arena deregisters when the last
+    /// holder lets go.
+    Arena(std::sync::Arc<super::arena::ArenaCore>),
 }
 
 impl Registration {
@@ -42,6 +46,7 @@ impl Registration {
             Registration::Mirror { mr, .. } => mr.lkey(),
             #[cfg(feature = "cuda")]
             Registration::Shared(reg) => reg.lkey(),
+            Registration::Arena(arena) => arena.registration().lkey(),
             _ => 0,
         }
     }
@@ -55,6 +60,7 @@ impl Registration {
             Registration::Mirror { mr, .. } => Some(mr.rkey()),
             #[cfg(feature = "cuda")]
             Registration::Shared(reg) => reg.rkey(),
+            Registration::Arena(arena) => arena.registration().rkey(),
             _ => None,
         }
     }
@@ -101,6 +107,10 @@ impl Registration {
                 Ok(reg) => reg.deregister(),
                 Err(_) => Ok(()),
             },
+            Registration::Arena(arena) => {
+                drop(arena);
+                Ok(())
+            }
         }
     }
 }

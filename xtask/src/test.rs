@@ -102,12 +102,24 @@ const LIB: &str = "gpu_rdma";
 /// unit tests, those named `verbs*`, the connection suite, churn, peer
 /// death (whose verbs halves are ignored here), netem (root and
 /// namespaces), the steady-state allocation count, transfer lists,
-/// waiting (futures, sets, callbacks) and many peers (`World`).
+/// waiting (futures, sets, callbacks), many peers (`World`) and
+/// registration (arenas, foreign memory).
 fn runs_in_guest(name: &str) -> bool {
     name.starts_with("verbs")
         || name == LIB
-        || ["connection", "churn", "peer_death", "netem", "rails", "steady_alloc", "transfer", "waiting", "world"]
-            .contains(&name)
+        || [
+            "connection",
+            "churn",
+            "peer_death",
+            "netem",
+            "rails",
+            "registration",
+            "steady_alloc",
+            "transfer",
+            "waiting",
+            "world",
+        ]
+        .contains(&name)
 }
 
 /// The test executables that run in the guest, built for this machine.
