@@ -10,6 +10,11 @@
 //!   ping-pong (time per iteration is one way, half the round trip, as
 //!   perftest reports it) and one read at a time (the whole read).
 //!
+//! - `register/<transport>`: registering 4 KiB of host memory inside a
+//!   declared arena and dropping it, served from the arena (`arena-hit`)
+//!   and with the cache off (`no-cache`: a registration of its own, on
+//!   verbs an `ibv_reg_mr` and `ibv_dereg_mr`).
+//!
 //! Plain `cargo bench` measures TCP with host memory (and GPU memory when a
 //! CUDA driver is there); `cargo xtask bench` runs the same binary on rxe0
 //! in the soft-RoCE guest, where verbs exists too.
@@ -235,12 +240,41 @@ fn gpu(_c: &mut Criterion, _d: &Domain, policy: TransportPolicy) -> usize {
     0
 }
 
+/// Registration with and without the cache, host memory.
+fn registration(c: &mut Criterion) {
+    for policy in [TransportPolicy::Tcp, TransportPolicy::Verbs] {
+        let d = match DomainConfig::from_env().and_then(|cfg| Domain::with_config(&cfg.transport(policy))) {
+            Ok(d) => d,
+            Err(e) => {
+                println!("skipping register/{policy}: {e}");
+                continue;
+            }
+        };
+        let arena = d.declare_host_arena(gpu_rdma::HostMemory::new(64 << 20).expect("64 MiB")).expect("an arena");
+        let mut g = c.benchmark_group(format!("register/{policy}"));
+        for (label, cache) in [("arena-hit", 1 << 30), ("no-cache", 0)] {
+            d.set_registration_cache(cache);
+            let mut at = 0;
+            g.bench_function(label, |b| {
+                b.iter(|| {
+                    // A different 4 KiB each time, as a framework's tensors come.
+                    at = (at + 4096) % (64 << 20);
+                    let view = arena.view(at, 4096).expect("in bounds");
+                    drop(d.register(view, Access::LOCAL).expect("registered"));
+                })
+            });
+        }
+        g.finish();
+        println!("register/{policy}: {:?}", d.registration_cache_stats());
+    }
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default()
         .sample_size(10)
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(2));
-    targets = each_rig
+    targets = registration, each_rig
 }
 criterion_main!(benches);

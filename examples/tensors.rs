@@ -12,7 +12,16 @@
 //! ```text
 //! tensors                       # both sides in this process, over loopback
 //! tensors --tensors 600 --block 64MiB
+//! tensors --per-tensor          # the framework hands tensors one by one
+//! tensors --per-tensor --no-cache
 //! ```
+//!
+//! With `--per-tensor` the sender registers every tensor as the framework
+//! hands it over (a view of its block) and writes each on its own, the
+//! last write notifying. Its blocks are declared host arenas, so each
+//! registration is served the block's (`registration_cache_stats` counts
+//! the hits); `--no-cache` turns that off, and every tensor is registered
+//! anew, as without a cache.
 //!
 //! Runs on the best path here: verbs when there is an RDMA device (with
 //! the reason printed when not), else TCP.
@@ -23,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use gpu_rdma::units::{format_bytes, parse_bytes};
-use gpu_rdma::{Access, ConnectOptions, Connection, Domain, Error, HostMemory, Piece, Region, Result};
+use gpu_rdma::{Access, ConnectOptions, Connection, Domain, Error, HostArena, HostMemory, Piece, Region, Result};
 
 #[derive(Parser, Debug, Clone, Copy)]
 #[command(about = "A model's tensors, sub-ranges of a few large blocks, moved in transfer lists with one notification")]
@@ -37,6 +46,12 @@ struct Args {
     /// Seed of the model's shapes and of the receiver's layout.
     #[arg(long, default_value_t = 7)]
     seed: u64,
+    /// Register and write each tensor on its own, as handed over.
+    #[arg(long)]
+    per_tensor: bool,
+    /// With `--per-tensor`: no registration cache (each tensor registered anew).
+    #[arg(long, requires = "per_tensor")]
+    no_cache: bool,
 }
 
 /// The receiver's arena: one region the sender writes into.
@@ -142,13 +157,18 @@ fn run(args: Args) -> Result<()> {
             println!("receiver: note {:?}", String::from_utf8_lossy(&note[0].payload));
             Ok(())
         });
-        let sender = s.spawn(|| -> Result<(Duration, usize)> {
+        let sender = s.spawn(|| -> Result<Sent> {
             let conn = domain.connect(addr, &opts)?;
-            send(&domain, &conn, &sizes, &ours, &theirs, args, send_blocks)
+            let layout = Layout { sizes: &sizes, ours: &ours, theirs: &theirs, blocks: send_blocks };
+            if args.per_tensor {
+                send_each(&domain, &conn, &layout, args)
+            } else {
+                send_lists(&domain, &conn, &layout, args)
+            }
         });
         (receiver.join(), sender.join())
     });
-    let (sent_in, lists) = sent.map_err(|_| Error::InvalidArgument("the sender panicked".into()))??;
+    let sent = sent.map_err(|_| Error::InvalidArgument("the sender panicked".into()))??;
     received.map_err(|_| Error::InvalidArgument("the receiver panicked".into()))??;
     // Every tensor, byte for byte, where the receiver's allocator put it.
     let mut bad = 0;
@@ -164,31 +184,96 @@ fn run(args: Args) -> Result<()> {
         return Err(Error::InvalidArgument(format!("{bad} of {} tensors arrived wrong", sizes.len())));
     }
     println!(
-        "all {} tensors verified: {} in {} lists and one note, {:.1} ms ({}/s)",
+        "all {} tensors verified: {} in {} {} and one note, {:.1} ms ({}/s)",
         sizes.len(),
         format_bytes(total),
-        lists,
-        sent_in.as_secs_f64() * 1e3,
-        format_bytes((total as f64 / sent_in.as_secs_f64()) as u64),
+        sent.ops,
+        if args.per_tensor { "writes" } else { "lists" },
+        sent.elapsed.as_secs_f64() * 1e3,
+        format_bytes((total as f64 / sent.elapsed.as_secs_f64()) as u64),
     );
-    println!(
-        "registered once each: {send_blocks} blocks sent from, 1 arena received into, for {} tensors",
-        sizes.len()
-    );
+    let cache = domain.registration_cache_stats();
+    if args.per_tensor {
+        println!(
+            "registered {} tensors one by one in {:.2} ms ({:.2} us each): {} served their block's registration, {} registered anew{}",
+            sizes.len(),
+            sent.registering.as_secs_f64() * 1e3,
+            sent.registering.as_secs_f64() * 1e6 / sizes.len() as f64,
+            cache.hits,
+            cache.misses,
+            if args.no_cache { " (--no-cache)" } else { "" }
+        );
+    } else {
+        println!(
+            "registered once each: {send_blocks} blocks sent from, 1 arena received into, for {} tensors",
+            sizes.len()
+        );
+    }
     Ok(())
+}
+
+/// Where the tensors are, on each side.
+struct Layout<'a> {
+    sizes: &'a [u64],
+    ours: &'a [(usize, u64)],
+    theirs: &'a [(usize, u64)],
+    blocks: usize,
+}
+
+/// What the sender did.
+struct Sent {
+    /// From the first post to the last completion.
+    elapsed: Duration,
+    /// Time spent registering (per tensor only).
+    registering: Duration,
+    /// Operations posted.
+    ops: usize,
+}
+
+/// The sender, as a framework handing over its tensors one by one: each
+/// block is a declared arena, each tensor a view of it registered as it
+/// comes (served the block's registration unless the cache is off) and
+/// written on its own; the last write notifies.
+fn send_each(domain: &Domain, conn: &Connection, at: &Layout<'_>, args: Args) -> Result<Sent> {
+    let remote = conn
+        .remote_region(ARENA_TAG)
+        .ok_or_else(|| Error::InvalidArgument("the receiver advertised no arena".into()))?
+        .whole();
+    let arenas: Vec<HostArena> = (0..at.blocks)
+        .map(|_| domain.declare_host_arena(HostMemory::new(args.block as usize)?).map_err(|e| e.error))
+        .collect::<Result<_>>()?;
+    if args.no_cache {
+        domain.set_registration_cache(0);
+    }
+    for (t, (&len, &(b, off))) in at.sizes.iter().zip(at.ours).enumerate() {
+        arenas[b].write_at(off as usize, &content(t, len).collect::<Vec<u8>>())?;
+    }
+    let t0 = Instant::now();
+    let mut registering = Duration::ZERO;
+    let last = at.sizes.len() - 1;
+    let mut writes = Vec::with_capacity(at.sizes.len());
+    for (t, (&len, (&(b, off), &(rb, roff)))) in at.sizes.iter().zip(at.ours.iter().zip(at.theirs)).enumerate() {
+        let r0 = Instant::now();
+        let tensor = domain.register(arenas[b].view(off as usize, len as usize)?, Access::LOCAL)?;
+        registering += r0.elapsed();
+        let piece = [Piece::new(0, rb as u64 * args.block + roff, len)];
+        writes.push(if t == last {
+            let note = format!("{} tensors, one by one", at.sizes.len());
+            conn.write_list_notify(tensor, &remote, piece, DONE_TAG, note.as_bytes())
+        } else {
+            conn.write_list(tensor, &remote, piece)
+        });
+    }
+    for w in writes {
+        w.finish()?;
+    }
+    Ok(Sent { elapsed: t0.elapsed(), registering, ops: at.sizes.len() })
 }
 
 /// The sender: fills its blocks, registers each once, and moves every
 /// tensor in one list per block; the last list notifies.
-fn send(
-    domain: &Domain,
-    conn: &Connection,
-    sizes: &[u64],
-    ours: &[(usize, u64)],
-    theirs: &[(usize, u64)],
-    args: Args,
-    blocks: usize,
-) -> Result<(Duration, usize)> {
+fn send_lists(domain: &Domain, conn: &Connection, at: &Layout<'_>, args: Args) -> Result<Sent> {
+    let (sizes, ours, theirs, blocks) = (at.sizes, at.ours, at.theirs, at.blocks);
     let remote = conn
         .remote_region(ARENA_TAG)
         .ok_or_else(|| Error::InvalidArgument("the receiver advertised no arena".into()))?
@@ -220,5 +305,5 @@ fn send(
     for t in transfers {
         t.finish()?;
     }
-    Ok((t0.elapsed(), blocks))
+    Ok(Sent { elapsed: t0.elapsed(), registering: Duration::ZERO, ops: blocks })
 }

@@ -29,14 +29,17 @@ fn bench_executable() -> Result<PathBuf> {
 }
 
 pub fn command(args: &[String]) -> Result<i32> {
-    if !args.is_empty() {
-        return Err(format!("bench takes no arguments; got {args:?}"));
-    }
+    // One optional criterion filter: `cargo xtask bench register`.
+    let filter = match args {
+        [] => String::new(),
+        [f] if !f.starts_with('-') => format!(" {}", quote(f)),
+        _ => return Err(format!("bench takes at most one filter (a benchmark name's part); got {args:?}")),
+    };
     let kernel = setup::setup()?;
     let exe = bench_executable()?;
     let script = format!(
         "export GPU_RDMA_DEVICE=rxe0 CRITERION_HOME=\"$VM_OUT/criterion\"\n\
-         {} --bench 2>&1 | tee \"$VM_OUT/bench.log\"\nexit ${{PIPESTATUS[0]}}\n",
+         {} --bench{filter} 2>&1 | tee \"$VM_OUT/bench.log\"\nexit ${{PIPESTATUS[0]}}\n",
         quote(&exe.to_string_lossy())
     );
     let opts = VmOptions { timeout: Duration::from_secs(3600), keep: true, ..VmOptions::default() };
@@ -48,7 +51,9 @@ pub fn command(args: &[String]) -> Result<i32> {
     }
     let log = fs::read_to_string(guest.dir.join("bench.log")).unwrap_or_default();
     let measured = log.lines().filter(|l| l.contains("time:")).count();
-    let verbs = log.lines().any(|l| l.starts_with("bandwidth/verbs") || l.starts_with("latency/verbs"));
+    let verbs = log.lines().any(|l| {
+        ["bandwidth/verbs", "latency/verbs", "register/verbs"].iter().any(|p| l.starts_with(p)) && l.contains("time:")
+    });
     println!(
         "xtask: bench: {measured} benchmarks measured in the guest; verbs {}",
         if verbs { "included" } else { "MISSING" }

@@ -50,7 +50,8 @@ commands:
   test                  cargo test here, then the verbs tests and the transfer example on rxe0
   demo [--vm]           the transfer example with no arguments here: best path, write/read/send, verified;
                           --vm: two processes on rxe0 in the guest, 256 MiB each way
-  bench                 the criterion suite benches/ops.rs on rxe0 in the guest (verbs and TCP)
+  bench [FILTER]        the criterion suite benches/ops.rs on rxe0 in the guest (verbs and TCP);
+                          FILTER: only the benchmarks whose names contain it (e.g. register)
   compare [--rounds N] [--host] [--only TEST] [--size BYTES] [--null] [--from DIR]...
                         gpu-rdma bench beside perftest and UCX on rxe0 (and UCX over TCP here): medians, ratios;
                           --only, --size: the guest's cases of one test, of one size (no host part);

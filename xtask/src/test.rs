@@ -396,6 +396,13 @@ const TENSORS: &str = r#"
 target/release/examples/tensors --tensors 120 --block 8MiB > "$VM_OUT/tensors.log" 2>&1
 echo "tensors exit $?" >> "$VM_OUT/tensors.log"
 echo "=== tensors --tensors 120 --block 8MiB (rxe0)"; sed 's/^/  /' "$VM_OUT/tensors.log"
+# Tensors handed over one by one, registered with and without the cache.
+for mode in per-tensor no-cache; do
+  flags="--per-tensor"; [ $mode = no-cache ] && flags="--per-tensor --no-cache"
+  target/release/examples/tensors --tensors 120 --block 8MiB $flags > "$VM_OUT/tensors-$mode.log" 2>&1
+  echo "tensors exit $?" >> "$VM_OUT/tensors-$mode.log"
+  echo "=== tensors --tensors 120 --block 8MiB $flags (rxe0)"; sed 's/^/  /' "$VM_OUT/tensors-$mode.log"
+done
 "#;
 
 /// Whether an example's log says it picked `transport` (its `path:` line).
@@ -412,6 +419,26 @@ fn tensors_verified(log: &str, n: u32, transport: &str, exited: bool) -> Result<
         return Err(format!("the tensors example did not verify all {n} tensors"));
     }
     Ok(())
+}
+
+/// Whether a `--per-tensor` tensors run registered its `n` tensors as
+/// asked: every one served its block's registration (`cached`), or none.
+fn tensors_registered(log: &str, n: u32, cached: bool) -> Result<()> {
+    let served = log
+        .lines()
+        .find(|l| l.starts_with(&format!("registered {n} tensors one by one")))
+        .and_then(|l| l.split(": ").nth(1))
+        .and_then(|l| l.split(' ').next())
+        .and_then(|v| v.parse::<u32>().ok());
+    match (served, cached) {
+        (Some(s), true) if s == n => Ok(()),
+        (Some(0), false) => Ok(()),
+        _ => Err(format!(
+            "the tensors example --per-tensor{} did not say it served {} of {n} tensors from the cache",
+            if cached { "" } else { " --no-cache" },
+            if cached { n } else { 0 }
+        )),
+    }
 }
 
 /// Whether a kv_pages run verified every request over `transport`.
@@ -561,9 +588,16 @@ pub fn run() -> Result<i32> {
             Err(e) => failures.push(format!("{e} on this machine ({})", extra.unwrap_or("sync"))),
         }
     }
-    let (ok, out) = run_tee(Command::new(root().join("target/release/examples/tensors")).current_dir(root()))?;
-    if let Err(e) = tensors_verified(&out, 320, "tcp", ok) {
-        failures.push(format!("{e} on this machine"));
+    for (flags, cached) in
+        [(&[][..], None), (&["--per-tensor"][..], Some(true)), (&["--per-tensor", "--no-cache"][..], Some(false))]
+    {
+        let (ok, out) =
+            run_tee(Command::new(root().join("target/release/examples/tensors")).current_dir(root()).args(flags))?;
+        let checked = tensors_verified(&out, 320, "tcp", ok)
+            .and_then(|()| cached.map_or(Ok(()), |cached| tensors_registered(&out, 320, cached)));
+        if let Err(e) = checked {
+            failures.push(format!("{e} on this machine"));
+        }
     }
 
     let newcomer = newcomer_messages();
@@ -657,6 +691,14 @@ pub fn run() -> Result<i32> {
     let tensors_log = fs::read_to_string(guest.dir.join("tensors.log")).unwrap_or_default();
     if let Err(e) = tensors_verified(&tensors_log, 120, "verbs", tensors_log.contains("tensors exit 0")) {
         failures.push(format!("{e} on rxe0"));
+    }
+    for (mode, cached) in [("per-tensor", true), ("no-cache", false)] {
+        let log = fs::read_to_string(guest.dir.join(format!("tensors-{mode}.log"))).unwrap_or_default();
+        let checked = tensors_verified(&log, 120, "verbs", log.contains("tensors exit 0"))
+            .and_then(|()| tensors_registered(&log, 120, cached));
+        if let Err(e) = checked {
+            failures.push(format!("{e} on rxe0"));
+        }
     }
     let kv_log = fs::read_to_string(guest.dir.join("kv-pages.log")).unwrap_or_default();
     let kv_guest = kv_pages_verified(&kv_log, "verbs", kv_log.contains("kv_pages exit 0"));
@@ -819,5 +861,19 @@ mod tests {
         assert!(loopback_verified(&bad, "verbs").unwrap_err().contains("2 of"));
         assert!(runs_in_guest("verbs_gpu") && runs_in_guest("connection") && !runs_in_guest("gpu_tcp"));
         assert!(runs_in_guest(LIB), "the library's own verbs tests");
+    }
+
+    #[test]
+    fn judges_the_tensors_cache_by_its_registered_line() {
+        let line = |hits, misses| {
+            format!(
+                "registered 120 tensors one by one in 1.00 ms (8.33 us each): {hits} served their block's registration, {misses} registered anew"
+            )
+        };
+        assert_eq!(tensors_registered(&line(120, 3), 120, true), Ok(()));
+        assert!(tensors_registered(&line(119, 4), 120, true).is_err());
+        assert_eq!(tensors_registered(&line(0, 123), 120, false), Ok(()));
+        assert!(tensors_registered(&line(120, 3), 120, false).is_err());
+        assert!(tensors_registered("nothing", 120, true).is_err());
     }
 }
