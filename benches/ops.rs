@@ -13,7 +13,8 @@
 //! - `register/<transport>`: registering 4 KiB of host memory inside a
 //!   declared arena and dropping it, served from the arena (`arena-hit`)
 //!   and with the cache off (`no-cache`: a registration of its own, on
-//!   verbs an `ibv_reg_mr` and `ibv_dereg_mr`).
+//!   verbs an `ibv_reg_mr` and `ibv_dereg_mr`); with a CUDA device and a
+//!   NIC, also 4 KiB sub-ranges of a GPU block (`gpu-hit`, `gpu-no-cache`).
 //!
 //! Plain `cargo bench` measures TCP with host memory (and GPU memory when a
 //! CUDA driver is there); `cargo xtask bench` runs the same binary on rxe0
@@ -264,10 +265,46 @@ fn registration(c: &mut Criterion) {
                 })
             });
         }
+        gpu_registration(&mut g, &d);
         g.finish();
         println!("register/{policy}: {:?}", d.registration_cache_stats());
     }
 }
+
+/// GPU sub-ranges of one 64 MiB block on a direct path (forced nvidia-peermem,
+/// so the CUDA stand-in serves on rxe0), with and without the cache.
+#[cfg(feature = "cuda")]
+fn gpu_registration(g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>, d: &Domain) {
+    use gpu_rdma::cuda::{CudaBuffer, CudaDevice};
+    use gpu_rdma::memory::path::{MemPath, PathPolicy};
+    use std::sync::Arc;
+    let Ok(dev) = CudaDevice::open(0) else {
+        return println!("skipping register/gpu: no CUDA device");
+    };
+    let block = Arc::new(CudaBuffer::alloc(&dev, 64 << 20).expect("a 64 MiB block"));
+    let sub = |at: u64| {
+        let keep = Arc::clone(&block);
+        // SAFETY: inside the block, which `keep` keeps allocated while the wrapper lives.
+        let buf = unsafe { CudaBuffer::from_raw(&dev, block.device_ptr() + at, 4096, Box::new(keep)) };
+        d.register_with_path(buf.expect("a sub-range"), Access::LOCAL, PathPolicy::Force(MemPath::PeerMem))
+    };
+    if let Err(e) = sub(0) {
+        return println!("skipping register/gpu: {}", e.error);
+    }
+    for (label, cache) in [("gpu-hit", 1 << 30), ("gpu-no-cache", 0)] {
+        d.set_registration_cache(cache);
+        let mut at = 0;
+        g.bench_function(label, |b| {
+            b.iter(|| {
+                at = (at + 4096) % (64 << 20);
+                drop(sub(at).expect("registered"));
+            })
+        });
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_registration(_: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>, _: &Domain) {}
 
 criterion_group! {
     name = benches;

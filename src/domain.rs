@@ -235,7 +235,8 @@ impl Domain {
     /// # Errors
     /// As [`HostMemory::new`] and [`Domain::register`].
     pub fn alloc(&self, len: usize) -> Result<Region<HostMemory>> {
-        Ok(self.register(HostMemory::new(len)?, Access::LOCAL)?)
+        // Fresh memory lies in no arena: registered as it is.
+        self.context().alloc(len)
     }
 
     /// Registers `mem` with `access` rights. Use [`Access::LOCAL`] unless a

@@ -902,14 +902,14 @@ gpu_test! {
 
 gpu_test! {
     /// The registration cache: 10,000 sub-ranges of one block (as a
-    /// framework's caching allocator carves tensors; 64 MiB here) register
+    /// framework's caching allocator carves tensors; 1 GiB here) register
     /// with one registration of the whole block, and messages land in
     /// several of them, verified. The block freed and allocated again is a
-    /// miss, never served the old keys; with the cache off each buffer
-    /// registers alone.
+    /// miss, never served the old keys, and the freed block's registration
+    /// goes; with the cache off each buffer registers alone.
     fn ten_thousand_sub_ranges_of_one_block_share_one_registration() {
         use std::sync::Arc;
-        const BLOCK: usize = 64 << 20;
+        const BLOCK: usize = 1 << 30;
         let (ds, dc) = (domain(), domain());
         let dev = gpu();
         let sub = |block: &Arc<CudaBuffer>, off: u64, len: usize| {
@@ -951,7 +951,11 @@ gpu_test! {
         let again = Arc::new(CudaBuffer::alloc(&dev, BLOCK).unwrap());
         let r = sub(&again, 0, 4096);
         let now = ds.registration_cache_stats();
+        println!("the block freed and allocated again: {now:?}");
         assert_eq!((now.misses - after.misses, now.hits - after.hits), (1, 0), "a new block is never served the old one");
+        // The freed block's registration is let go at that miss: it does
+        // not stay pinned until the bound pushes it out.
+        assert_eq!((now.blocks, now.bytes), (1, BLOCK), "only the live block is held");
         drop(r);
         // Off: every buffer registers alone, and the cache holds nothing.
         ds.set_registration_cache(0);

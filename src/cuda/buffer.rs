@@ -466,17 +466,35 @@ impl CudaBuffer {
             CU_POINTER_ATTRIBUTE_BUFFER_ID, CU_POINTER_ATTRIBUTE_RANGE_SIZE, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
         };
         let _ctx = CtxGuard::enter(&self.device)?;
-        let wide = |attr, op| {
-            let mut v: u64 = 0;
-            // SAFETY: these three attributes are 8-byte out-values (unsigned long
-            // long, CUdeviceptr, size_t); `v` is one; the context is current.
-            check(unsafe { sys::cuPointerGetAttribute((&mut v as *mut u64).cast(), attr, self.ptr) }, op).map(|()| v)
-        };
+        let wide = |attr, op| self.wide_attribute(attr, self.ptr).and_then(|(rc, v)| check(rc, op).map(|()| v));
         Ok(Allocation {
             base: wide(CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, "cuPointerGetAttribute(RANGE_START_ADDR)")?,
             len: wide(CU_POINTER_ATTRIBUTE_RANGE_SIZE, "cuPointerGetAttribute(RANGE_SIZE)")? as usize,
             id: wide(CU_POINTER_ATTRIBUTE_BUFFER_ID, "cuPointerGetAttribute(BUFFER_ID)")?,
         })
+    }
+
+    /// Whether `block` is still allocated: the driver names an allocation
+    /// at its start with its identity (freed, the address is unknown or
+    /// another allocation's).
+    pub(crate) fn still_allocated(&self, block: &Allocation) -> bool {
+        let Ok(_ctx) = CtxGuard::enter(&self.device) else {
+            return false;
+        };
+        let id = self.wide_attribute(sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_BUFFER_ID, block.base);
+        matches!(id, Ok((sys::CUresult::CUDA_SUCCESS, id)) if id == block.id)
+    }
+
+    /// An 8-byte pointer attribute of `ptr` (RANGE_START_ADDR, RANGE_SIZE,
+    /// BUFFER_ID): the driver's result code and the value. The caller makes
+    /// a context current.
+    fn wide_attribute(&self, attr: sys::CUpointer_attribute, ptr: sys::CUdeviceptr) -> Result<(sys::CUresult, u64)> {
+        let mut v: u64 = 0;
+        // SAFETY: these attributes are 8-byte out-values (unsigned long long,
+        // CUdeviceptr, size_t); `v` is one. Any address may be asked about:
+        // one the driver does not know is answered with an error.
+        let rc = unsafe { sys::cuPointerGetAttribute((&mut v as *mut u64).cast(), attr, ptr) };
+        Ok((rc, v))
     }
 
     /// The driver's `IS_GPU_DIRECT_RDMA_CAPABLE` for the pointer; a driver

@@ -11,7 +11,7 @@
 //! freed while it is declared or while any region served from it lives.
 
 use std::mem::ManuallyDrop;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::foreign::ForeignHost;
@@ -26,9 +26,9 @@ pub struct RegistrationCacheStats {
     /// Registrations served an existing registration: GPU memory on a
     /// direct path served its block's, host memory its arena's.
     pub hits: u64,
-    /// Registrations that registered anew where a cache applies: a GPU
-    /// block on a direct path, or host memory with local rights in no
-    /// declared arena (or while the cache is off).
+    /// Registrations that registered anew where a cache could serve: a GPU
+    /// block on a direct path, or host memory inside a declared arena while
+    /// the cache is off or with remote rights asked.
     pub misses: u64,
     /// GPU blocks held registered.
     pub blocks: usize,
@@ -77,6 +77,8 @@ impl Drop for ArenaCore {
 #[derive(Default)]
 pub(crate) struct Arenas {
     declared: Mutex<Vec<Arc<ArenaCore>>>,
+    /// How many are declared (read without the lock: none is the common case).
+    count: AtomicUsize,
     off: AtomicBool,
     hits: AtomicU64,
     misses: AtomicU64,
@@ -88,18 +90,21 @@ impl Arenas {
         self.off.store(!on, Ordering::Relaxed);
     }
 
-    /// The arena registration that covers `ptr..ptr + len` for `access`,
-    /// counted as a hit; `None` (a miss) when there is none.
+    /// The arena registration that covers `ptr..ptr + len` for `access`
+    /// (a hit); `None` when no arena holds the range, or one does but may
+    /// not serve it (the cache is off, or remote rights are asked: a miss).
     pub(crate) fn serve(&self, ptr: *mut u8, len: usize, access: Access) -> Option<Arc<ArenaCore>> {
-        let found = if self.off.load(Ordering::Relaxed) || !access.remote().is_empty() {
-            None
-        } else {
-            let declared = self.declared.lock().unwrap_or_else(|e| e.into_inner());
-            declared.iter().find(|a| a.holds(ptr as usize, len)).map(Arc::clone)
-        };
-        let counter = if found.is_some() { &self.hits } else { &self.misses };
-        counter.fetch_add(1, Ordering::Relaxed);
-        found
+        if self.count.load(Ordering::Relaxed) == 0 {
+            return None;
+        }
+        let declared = self.declared.lock().unwrap_or_else(|e| e.into_inner());
+        let arena = declared.iter().find(|a| a.holds(ptr as usize, len))?;
+        if self.off.load(Ordering::Relaxed) || !access.remote().is_empty() {
+            self.misses.fetch_add(1, Ordering::Relaxed);
+            return None;
+        }
+        self.hits.fetch_add(1, Ordering::Relaxed);
+        Some(Arc::clone(arena))
     }
 
     /// Adds this cache's counts to `stats`.
@@ -114,6 +119,7 @@ impl Arenas {
     fn withdraw(&self, core: &Arc<ArenaCore>) {
         let mut declared = self.declared.lock().unwrap_or_else(|e| e.into_inner());
         declared.retain(|a| !Arc::ptr_eq(a, core));
+        self.count.store(declared.len(), Ordering::Relaxed);
     }
 }
 
@@ -163,6 +169,7 @@ impl HostArena {
             _live: live,
         });
         declared.push(Arc::clone(&core));
+        arenas.count.store(declared.len(), Ordering::Relaxed);
         Ok(HostArena { core, arenas: Arc::clone(arenas) })
     }
 

@@ -10,13 +10,17 @@ use super::Registration;
 use super::domain::MemoryDomain;
 use super::path::{self, MemPath, PathCaps, PathPolicy, PathReport};
 use super::{Access, Memory, MemoryKind};
-use crate::cuda::{CudaBuffer, PinnedHost, driver};
+use crate::cuda::{Allocation, CudaBuffer, PinnedHost, driver};
 use crate::error::Result;
 
 /// What this machine offers `device` for each memory path.
 pub fn detect_caps(device: &crate::cuda::CudaDevice) -> PathCaps {
+    caps_with(device, &machine_caps())
+}
+
+/// What `machine` and `device` offer for each memory path.
+fn caps_with(device: &crate::cuda::CudaDevice, machine: &MachineCaps) -> PathCaps {
     let attrs = device.attrs();
-    let machine = machine_caps();
     PathCaps {
         rdma_core_dmabuf: machine.rdma_core_dmabuf,
         kernel_dmabuf: machine.kernel_dmabuf,
@@ -72,6 +76,9 @@ pub fn relaxed_ordering() -> bool {
 /// (by ordinal) and the domain's NIC, read once.
 #[derive(Default)]
 pub(crate) struct GpuPaths {
+    /// The machine's side of the paths, read at the domain's first GPU
+    /// registration: a registration (a cache hit above all) reads no file.
+    machine: std::sync::OnceLock<MachineCaps>,
     logged: std::sync::Mutex<Vec<(usize, String)>>,
     links: std::sync::Mutex<Vec<(usize, Option<crate::topology::pci::LinkClass>)>>,
 }
@@ -95,7 +102,8 @@ fn register_by(backend: &MemoryDomain, buf: &CudaBuffer, access: Access, p: MemP
     // buffer whose block the driver cannot name is registered alone.
     if p.is_direct() && access.remote().is_empty() && backend.reg_cache.enabled() {
         if let Ok(block) = buf.allocation() {
-            let shared = backend.reg_cache.get_or_register(block, access, p, || {
+            let live = |b: &Allocation| buf.still_allocated(b);
+            let shared = backend.reg_cache.get_or_register(block, access, p, live, || {
                 // SAFETY: the block is one allocation the driver named for `buf`
                 // (`BUFFER_ID`); the registration is served only to buffers
                 // inside it with its identity, each of which keeps it allocated
@@ -182,7 +190,7 @@ pub(crate) fn register(
     access: Access,
     policy: PathPolicy,
 ) -> Result<(Registration, PathReport)> {
-    let detected = detect_caps(buf.device());
+    let detected = caps_with(buf.device(), paths.machine.get_or_init(machine_caps));
     let caps = PathCaps {
         rdma: backend.has_verbs(),
         buffer_not_gdr_capable: !buf.gdr_capable(),

@@ -74,12 +74,16 @@ impl RegCache {
 
     /// The registration of `block` with `access` by `path`: served if it is
     /// there, else made by `register` (which registers the whole block) and
-    /// kept.
+    /// kept. On a miss, entries no region uses whose block is gone
+    /// (`still_allocated` says no: freed, perhaps allocated again as
+    /// another block) are let go, so that a framework freeing its blocks
+    /// does not leave them pinned here until the bound pushes them out.
     pub(crate) fn get_or_register(
         &self,
         block: Allocation,
         access: Access,
         path: MemPath,
+        still_allocated: impl Fn(&Allocation) -> bool,
         register: impl FnOnce() -> Result<Registration>,
     ) -> Result<Arc<Registration>> {
         let key = Key { block, access, path };
@@ -92,9 +96,9 @@ impl RegCache {
             return Ok(reg);
         }
         self.misses.fetch_add(1, Ordering::Relaxed);
-        // A block at the same address with another identity was freed: its
-        // entry is served to nobody again (regions still using it keep it).
-        entries.retain(|e| e.key.block.base != block.base || e.key.block.id == block.id || in_use(e));
+        // A block freed is served to nobody again (regions still using it
+        // keep its registration); its entry goes.
+        entries.retain(|e| in_use(e) || e.key.block == block || still_allocated(&e.key.block));
         // Registered under the lock: two threads missing on one block at
         // once register it once.
         let reg = Arc::new(register()?);
@@ -155,21 +159,24 @@ mod tests {
             made.set(made.get() + 1);
             Ok(Registration::Plain)
         };
+        // The blocks the driver still has: all but the one freed (id 1).
+        let live = |b: &Allocation| b.id != 1;
         let a = block(0x1000_0000, 1 << 20, 1);
-        let held: Vec<_> =
-            (0..1000).map(|_| cache.get_or_register(a, Access::LOCAL_WRITE, MemPath::PeerMem, reg).unwrap()).collect();
+        let held: Vec<_> = (0..1000)
+            .map(|_| cache.get_or_register(a, Access::LOCAL_WRITE, MemPath::PeerMem, live, reg).unwrap())
+            .collect();
         assert_eq!(made.get(), 1, "one registration for 1,000 buffers in one block");
         assert_eq!((cache.counts().hits, cache.counts().misses), (999, 1));
         // Another path is another registration.
-        cache.get_or_register(a, Access::LOCAL_WRITE, MemPath::DmaBuf, reg).unwrap();
+        cache.get_or_register(a, Access::LOCAL_WRITE, MemPath::DmaBuf, live, reg).unwrap();
         assert_eq!(made.get(), 2);
         drop(held);
         // Freed and allocated again at the same address: a new identity, a
         // new registration; the old one is let go.
         let again = block(0x1000_0000, 1 << 20, 2);
-        cache.get_or_register(again, Access::LOCAL_WRITE, MemPath::PeerMem, reg).unwrap();
+        cache.get_or_register(again, Access::LOCAL_WRITE, MemPath::PeerMem, live, reg).unwrap();
         assert_eq!(made.get(), 3);
-        assert!(cache.counts().blocks <= 2, "the freed block's entries were let go");
+        assert_eq!(cache.counts().blocks, 1, "the freed block's entries were let go");
         // The bound: unused blocks beyond it go, least recently served first.
         cache.set_bound(3 << 20);
         for id in 10..20 {
@@ -178,6 +185,7 @@ mod tests {
                     block(0x2000_0000 + (id << 24), 1 << 20, id),
                     Access::LOCAL_WRITE,
                     MemPath::PeerMem,
+                    live,
                     reg,
                 )
                 .unwrap();
@@ -185,18 +193,18 @@ mod tests {
         assert!(cache.counts().bytes <= 3 << 20, "{:?}", cache.counts());
         // A block in use stays, whatever else comes.
         let in_use = block(0x9000_0000, 1 << 20, 99);
-        let kept = cache.get_or_register(in_use, Access::LOCAL_WRITE, MemPath::PeerMem, reg).unwrap();
+        let kept = cache.get_or_register(in_use, Access::LOCAL_WRITE, MemPath::PeerMem, live, reg).unwrap();
         for id in 20..30 {
             let b = block(0x2000_0000 + (id << 24), 1 << 20, id);
-            cache.get_or_register(b, Access::LOCAL_WRITE, MemPath::PeerMem, reg).unwrap();
+            cache.get_or_register(b, Access::LOCAL_WRITE, MemPath::PeerMem, live, reg).unwrap();
         }
         let before = made.get();
-        cache.get_or_register(in_use, Access::LOCAL_WRITE, MemPath::PeerMem, reg).unwrap();
+        cache.get_or_register(in_use, Access::LOCAL_WRITE, MemPath::PeerMem, live, reg).unwrap();
         assert_eq!(made.get(), before, "the block in use was still there");
         // A block larger than the bound is registered, never kept.
         let big = block(0xa000_0000, 8 << 20, 100);
-        cache.get_or_register(big, Access::LOCAL_WRITE, MemPath::PeerMem, reg).unwrap();
-        cache.get_or_register(big, Access::LOCAL_WRITE, MemPath::PeerMem, reg).unwrap();
+        cache.get_or_register(big, Access::LOCAL_WRITE, MemPath::PeerMem, live, reg).unwrap();
+        cache.get_or_register(big, Access::LOCAL_WRITE, MemPath::PeerMem, live, reg).unwrap();
         assert_eq!(made.get(), before + 2);
         drop(kept);
         cache.set_bound(0);
