@@ -287,9 +287,10 @@ fn gpu_registration(g: &mut criterion::BenchmarkGroup<'_, criterion::measurement
         // SAFETY: inside the block, which `keep` keeps allocated while the wrapper lives.
         let buf = unsafe { CudaBuffer::from_raw(&dev, block.device_ptr() + at, 4096, Box::new(keep)) };
         d.register_with_path(buf.expect("a sub-range"), Access::LOCAL, PathPolicy::Force(MemPath::PeerMem))
+            .map_err(|e| e.error)
     };
     if let Err(e) = sub(0) {
-        return println!("skipping register/gpu: {}", e.error);
+        return println!("skipping register/gpu: {e}");
     }
     for (label, cache) in [("gpu-hit", 1 << 30), ("gpu-no-cache", 0)] {
         d.set_registration_cache(cache);
