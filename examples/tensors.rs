@@ -14,6 +14,7 @@
 //! tensors --tensors 600 --block 64MiB
 //! tensors --per-tensor          # the framework hands tensors one by one
 //! tensors --per-tensor --no-cache
+//! tensors --gpu                 # the tensors in GPU memory (device 0)
 //! ```
 //!
 //! With `--per-tensor` the sender registers every tensor as the framework
@@ -22,6 +23,12 @@
 //! registration is served the block's (`registration_cache_stats` counts
 //! the hits); `--no-cache` turns that off, and every tensor is registered
 //! anew, as without a cache.
+//!
+//! With `--gpu` both sides keep the tensors in GPU memory: the sender's
+//! blocks come from cudarc (as a framework's allocator hands them out) and
+//! each tensor is a [`CudaBuffer::view`] of its block. On a direct path
+//! (dma-buf, nvidia-peermem) a block is registered once and served to its
+//! tensors; where GPU memory is staged, the path report says why.
 //!
 //! Runs on the best path here: verbs when there is an RDMA device (with
 //! the reason printed when not), else TCP.
@@ -32,7 +39,10 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use gpu_rdma::units::{format_bytes, parse_bytes};
-use gpu_rdma::{Access, ConnectOptions, Connection, Domain, Error, HostArena, HostMemory, Piece, Region, Result};
+use gpu_rdma::{
+    Access, ConnectOptions, Connection, Domain, Error, Exposed, ForeignHost, HostArena, HostMemory, Memory, Piece,
+    Result,
+};
 
 #[derive(Parser, Debug, Clone, Copy)]
 #[command(about = "A model's tensors, sub-ranges of a few large blocks, moved in transfer lists with one notification")]
@@ -52,6 +62,9 @@ struct Args {
     /// With `--per-tensor`: no registration cache (each tensor registered anew).
     #[arg(long, requires = "per_tensor")]
     no_cache: bool,
+    /// The tensors in GPU memory (device 0) on both sides.
+    #[arg(long)]
+    gpu: bool,
 }
 
 /// The receiver's arena: one region the sender writes into.
@@ -142,13 +155,12 @@ fn run(args: Args) -> Result<()> {
     );
 
     // The receiver's blocks, one arena exposed once for writes.
-    let arena = domain
-        .expose(domain.alloc(recv_blocks * args.block as usize)?, Access::REMOTE_WRITE, ARENA_TAG)
-        .map_err(|e| e.error)?;
+    let len = recv_blocks * args.block as usize;
+    let arena = if args.gpu { Arena::gpu(&domain, len)? } else { Arena::host(&domain, len)? };
     let opts = ConnectOptions::default().op_timeout(Duration::from_secs(60));
     let listener = domain.listen("127.0.0.1:0")?;
     let addr = listener.local_addr()?;
-    let recv_opts = opts.clone().advertise(&arena);
+    let recv_opts = arena.advertise(opts.clone());
     let (received, sent) = thread::scope(|s| {
         let receiver = s.spawn(|| -> Result<()> {
             let conn = listener.accept_timeout(&recv_opts, Duration::from_secs(30))?;
@@ -160,10 +172,13 @@ fn run(args: Args) -> Result<()> {
         let sender = s.spawn(|| -> Result<Sent> {
             let conn = domain.connect(addr, &opts)?;
             let layout = Layout { sizes: &sizes, ours: &ours, theirs: &theirs, blocks: send_blocks };
-            if args.per_tensor {
-                send_each(&domain, &conn, &layout, args)
+            if args.gpu {
+                send(&domain, &conn, &layout, args, &gpu_blocks(send_blocks, args.block as usize)?)
             } else {
-                send_lists(&domain, &conn, &layout, args)
+                let arenas: Vec<HostArena> = (0..send_blocks)
+                    .map(|_| domain.declare_host_arena(HostMemory::new(args.block as usize)?).map_err(|e| e.error))
+                    .collect::<Result<_>>()?;
+                send(&domain, &conn, &layout, args, &arenas)
             }
         });
         (receiver.join(), sender.join())
@@ -171,11 +186,13 @@ fn run(args: Args) -> Result<()> {
     let sent = sent.map_err(|_| Error::InvalidArgument("the sender panicked".into()))??;
     received.map_err(|_| Error::InvalidArgument("the receiver panicked".into()))??;
     // Every tensor, byte for byte, where the receiver's allocator put it.
+    drop((recv_opts, listener));
     let mut bad = 0;
     let mut got = Vec::new();
+    let read = arena.reader()?;
     for (t, (&len, &(b, off))) in sizes.iter().zip(&theirs).enumerate() {
         got.resize(len as usize, 0);
-        arena.read_at(b * args.block as usize + off as usize, &mut got)?;
+        read(b * args.block as usize + off as usize, &mut got)?;
         if !got.iter().copied().eq(content(t, len)) {
             bad += 1;
         }
@@ -192,7 +209,7 @@ fn run(args: Args) -> Result<()> {
         sent.elapsed.as_secs_f64() * 1e3,
         format_bytes((total as f64 / sent.elapsed.as_secs_f64()) as u64),
     );
-    let cache = domain.registration_cache_stats();
+    let cache = sent.cache;
     if args.per_tensor {
         println!(
             "registered {} tensors one by one in {:.2} ms ({:.2} us each): {} served their block's registration, {} registered anew{}",
@@ -201,7 +218,11 @@ fn run(args: Args) -> Result<()> {
             sent.registering.as_secs_f64() * 1e6 / sizes.len() as f64,
             cache.hits,
             cache.misses,
-            if args.no_cache { " (--no-cache)" } else { "" }
+            match (args.no_cache, cache.hits + cache.misses) {
+                (true, _) => " (--no-cache)",
+                (false, 0) if args.gpu => " (GPU memory staged: a tensor registers nothing of its own)",
+                _ => "",
+            }
         );
     } else {
         println!(
@@ -228,74 +249,166 @@ struct Sent {
     registering: Duration,
     /// Operations posted.
     ops: usize,
+    /// What the registration caches did for the sender's registrations.
+    cache: gpu_rdma::RegistrationCacheStats,
 }
 
-/// The sender, as a framework handing over its tensors one by one: each
-/// block is a declared arena, each tensor a view of it registered as it
-/// comes (served the block's registration unless the cache is off) and
-/// written on its own; the last write notifies.
-fn send_each(domain: &Domain, conn: &Connection, at: &Layout<'_>, args: Args) -> Result<Sent> {
+/// Copies the bytes at an offset of the receiver's arena out.
+type Reader = Box<dyn Fn(usize, &mut [u8]) -> Result<()>>;
+
+/// The receiver's arena: one region the sender writes into.
+enum Arena {
+    Host(Exposed<HostMemory>),
+    #[cfg(feature = "cuda")]
+    Gpu(Exposed<gpu_rdma::cuda::CudaBuffer>),
+}
+
+impl Arena {
+    fn host(domain: &Domain, len: usize) -> Result<Arena> {
+        Ok(Arena::Host(domain.expose(domain.alloc(len)?, Access::REMOTE_WRITE, ARENA_TAG).map_err(|e| e.error)?))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn gpu(domain: &Domain, len: usize) -> Result<Arena> {
+        let buf = gpu_rdma::cuda::CudaBuffer::alloc(&gpu_rdma::cuda::CudaDevice::open(0)?, len)?;
+        let region = domain.register(buf, Access::LOCAL)?;
+        println!("receiver: GPU memory path {}", region.path_report().map_or("?".into(), |r| r.to_string()));
+        Ok(Arena::Gpu(domain.expose(region, Access::REMOTE_WRITE, ARENA_TAG).map_err(|e| e.error)?))
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn gpu(_: &Domain, _: usize) -> Result<Arena> {
+        Err(Error::FeatureDisabled { feature: "cuda" })
+    }
+
+    fn advertise(&self, opts: ConnectOptions) -> ConnectOptions {
+        match self {
+            Arena::Host(e) => opts.advertise(e),
+            #[cfg(feature = "cuda")]
+            Arena::Gpu(e) => opts.advertise(e),
+        }
+    }
+
+    /// Reads the arena's bytes once every write landed.
+    fn reader(self) -> Result<Reader> {
+        Ok(match self {
+            Arena::Host(e) => Box::new(move |at, out| e.read_at(at, out)),
+            #[cfg(feature = "cuda")]
+            Arena::Gpu(e) => {
+                // The note makes visible what its own list wrote; the lists
+                // before it landed too (one connection keeps order), and
+                // one pull makes all of them visible to CUDA work (on a
+                // direct path a flush where the GPU needs one, staged a copy
+                // from the host mirror).
+                e.pull()?;
+                let region = e.withdraw().map_err(|e| Error::InvalidArgument(e.to_string()))?;
+                Box::new(move |at, out| region.memory().copy_to_host(at, out))
+            }
+        })
+    }
+}
+
+/// The sender's blocks, as its allocator made them: host arenas, or GPU
+/// blocks. A tensor is a view of its block.
+trait Blocks {
+    type View: Memory;
+    /// Writes a tensor's bytes where the allocator put it.
+    fn fill(&self, b: usize, off: usize, data: &[u8]) -> Result<()>;
+    /// The tensor at `off` of block `b`, as memory to register.
+    fn view(&self, b: usize, off: usize, len: usize) -> Result<Self::View>;
+}
+
+impl Blocks for Vec<HostArena> {
+    type View = ForeignHost;
+    fn fill(&self, b: usize, off: usize, data: &[u8]) -> Result<()> {
+        self[b].write_at(off, data)
+    }
+    fn view(&self, b: usize, off: usize, len: usize) -> Result<ForeignHost> {
+        self[b].view(off, len)
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl Blocks for Vec<std::sync::Arc<gpu_rdma::cuda::CudaBuffer>> {
+    type View = gpu_rdma::cuda::CudaBuffer;
+    fn fill(&self, b: usize, off: usize, data: &[u8]) -> Result<()> {
+        self[b].copy_from_host(off, data)
+    }
+    fn view(&self, b: usize, off: usize, len: usize) -> Result<gpu_rdma::cuda::CudaBuffer> {
+        gpu_rdma::cuda::CudaBuffer::view(&self[b], off, len)
+    }
+}
+
+/// The sender's GPU blocks, from cudarc (a framework's allocator).
+#[cfg(feature = "cuda")]
+fn gpu_blocks(n: usize, len: usize) -> Result<Vec<std::sync::Arc<gpu_rdma::cuda::CudaBuffer>>> {
+    let ctx = cudarc::driver::CudaContext::new(0)
+        .map_err(|e| Error::InvalidArgument(format!("cudarc could not open GPU 0: {e}")))?;
+    let stream = ctx.default_stream();
+    (0..n)
+        .map(|_| {
+            let slice = stream
+                .alloc_zeros::<u8>(len)
+                .map_err(|e| Error::InvalidArgument(format!("cudarc could not allocate: {e}")))?;
+            Ok(std::sync::Arc::new(gpu_rdma::cuda::CudaBuffer::from_cudarc(slice)?))
+        })
+        .collect()
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_blocks(_: usize, _: usize) -> Result<Vec<HostArena>> {
+    Err(Error::FeatureDisabled { feature: "cuda" })
+}
+
+/// The sender: writes every tensor into its block, then either registers
+/// each block once and moves every tensor in one list per block
+/// (`--per-tensor` not given), or registers each tensor as it is handed
+/// over (a view of its block: served the block's registration unless the
+/// cache is off) and writes it on its own. The last list or write notifies.
+fn send<B: Blocks>(domain: &Domain, conn: &Connection, at: &Layout<'_>, args: Args, blocks: &B) -> Result<Sent> {
     let remote = conn
         .remote_region(ARENA_TAG)
         .ok_or_else(|| Error::InvalidArgument("the receiver advertised no arena".into()))?
         .whole();
-    let arenas: Vec<HostArena> = (0..at.blocks)
-        .map(|_| domain.declare_host_arena(HostMemory::new(args.block as usize)?).map_err(|e| e.error))
-        .collect::<Result<_>>()?;
     if args.no_cache {
         domain.set_registration_cache(0);
     }
+    let tensors = at.sizes.iter().zip(at.ours.iter().zip(at.theirs));
     for (t, (&len, &(b, off))) in at.sizes.iter().zip(at.ours).enumerate() {
-        arenas[b].write_at(off as usize, &content(t, len).collect::<Vec<u8>>())?;
+        blocks.fill(b, off as usize, &content(t, len).collect::<Vec<u8>>())?;
     }
+    let before = domain.registration_cache_stats();
     let t0 = Instant::now();
     let mut registering = Duration::ZERO;
-    let last = at.sizes.len() - 1;
-    let mut writes = Vec::with_capacity(at.sizes.len());
-    for (t, (&len, (&(b, off), &(rb, roff)))) in at.sizes.iter().zip(at.ours.iter().zip(at.theirs)).enumerate() {
+    let mut register = |b, off, len| -> Result<_> {
         let r0 = Instant::now();
-        let tensor = domain.register(arenas[b].view(off as usize, len as usize)?, Access::LOCAL)?;
+        let region = domain.register(blocks.view(b, off, len)?, Access::LOCAL)?;
         registering += r0.elapsed();
-        let piece = [Piece::new(0, rb as u64 * args.block + roff, len)];
-        writes.push(if t == last {
-            let note = format!("{} tensors, one by one", at.sizes.len());
-            conn.write_list_notify(tensor, &remote, piece, DONE_TAG, note.as_bytes())
-        } else {
-            conn.write_list(tensor, &remote, piece)
-        });
-    }
-    for w in writes {
-        w.finish()?;
-    }
-    Ok(Sent { elapsed: t0.elapsed(), registering, ops: at.sizes.len() })
-}
-
-/// The sender: fills its blocks, registers each once, and moves every
-/// tensor in one list per block; the last list notifies.
-fn send_lists(domain: &Domain, conn: &Connection, at: &Layout<'_>, args: Args) -> Result<Sent> {
-    let (sizes, ours, theirs, blocks) = (at.sizes, at.ours, at.theirs, at.blocks);
-    let remote = conn
-        .remote_region(ARENA_TAG)
-        .ok_or_else(|| Error::InvalidArgument("the receiver advertised no arena".into()))?
-        .whole();
-    let mut regions: Vec<Region<HostMemory>> =
-        (0..blocks).map(|_| domain.alloc(args.block as usize)).collect::<Result<_>>()?;
-    let mut pieces: Vec<Vec<Piece>> = vec![Vec::new(); blocks];
-    for (t, (&len, (&(b, off), &(rb, roff)))) in sizes.iter().zip(ours.iter().zip(theirs)).enumerate() {
-        for (dst, byte) in regions[b][off as usize..(off + len) as usize].iter_mut().zip(content(t, len)) {
-            *dst = byte;
+        Ok(region)
+    };
+    // (local region, its pieces) per operation.
+    let mut ops = Vec::new();
+    if args.per_tensor {
+        for (&len, (&(b, off), &(rb, roff))) in tensors {
+            let piece = Piece::new(0, rb as u64 * args.block + roff, len);
+            ops.push((register(b, off as usize, len as usize)?, vec![piece]));
         }
-        pieces[b].push(Piece::new(off, rb as u64 * args.block + roff, len));
+    } else {
+        let mut pieces: Vec<Vec<Piece>> = vec![Vec::new(); at.blocks];
+        for (&len, (&(b, off), &(rb, roff))) in tensors {
+            pieces[b].push(Piece::new(off, rb as u64 * args.block + roff, len));
+        }
+        for (b, pieces) in pieces.into_iter().enumerate() {
+            ops.push((register(b, 0, args.block as usize)?, pieces));
+        }
     }
-    let t0 = Instant::now();
-    let last = blocks - 1;
-    let transfers: Vec<_> = regions
+    let n = ops.len();
+    let note = format!("{} tensors in {n} {}", at.sizes.len(), if args.per_tensor { "writes" } else { "lists" });
+    let transfers: Vec<_> = ops
         .into_iter()
-        .zip(pieces)
         .enumerate()
-        .map(|(b, (region, pieces))| {
-            if b == last {
-                let note = format!("{} tensors from {blocks} blocks", sizes.len());
+        .map(|(i, (region, pieces))| {
+            if i == n - 1 {
                 conn.write_list_notify(region, &remote, pieces, DONE_TAG, note.as_bytes())
             } else {
                 conn.write_list(region, &remote, pieces)
@@ -305,5 +418,11 @@ fn send_lists(domain: &Domain, conn: &Connection, at: &Layout<'_>, args: Args) -
     for t in transfers {
         t.finish()?;
     }
-    Ok(Sent { elapsed: t0.elapsed(), registering: Duration::ZERO, ops: blocks })
+    let after = domain.registration_cache_stats();
+    let cache = gpu_rdma::RegistrationCacheStats {
+        hits: after.hits - before.hits,
+        misses: after.misses - before.misses,
+        ..after
+    };
+    Ok(Sent { elapsed: t0.elapsed(), registering, ops: n, cache })
 }

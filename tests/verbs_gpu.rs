@@ -961,7 +961,8 @@ gpu_test! {
         ds.set_registration_cache(0);
         let alone: Vec<_> = (0..3).map(|i| sub(&again, i * 8192, 4096)).collect();
         let off = ds.registration_cache_stats();
-        assert_eq!((off.misses, off.hits, off.blocks), (now.misses, now.hits, 0));
+        assert_eq!((off.misses, off.hits, off.blocks), (now.misses + 3, now.hits, 0), "three made anew");
+        assert!(alone.iter().all(|r| r.lkey() != alone[0].lkey() || std::ptr::eq(r, &alone[0])), "each its own");
         drop(alone);
     }
 }

@@ -384,6 +384,33 @@ impl CudaBuffer {
         Ok(buf)
     }
 
+    /// `len` bytes at `offset` of `block`, as a buffer of their own: a
+    /// tensor carved from a framework's block. The view keeps the block
+    /// allocated while it (and any registration made from it) lives.
+    /// Registered on a direct path, it is served the whole block's
+    /// registration ([`Domain::set_registration_cache`](crate::Domain::set_registration_cache)).
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`] past the block's end; [`Error::InvalidArgument`]
+    /// for zero bytes; [`Error::Cuda`].
+    pub fn view(block: &std::sync::Arc<CudaBuffer>, offset: usize, len: usize) -> Result<Self> {
+        if offset.checked_add(len).is_none_or(|end| end > block.len) {
+            return Err(Error::OutOfBounds {
+                side: "local",
+                offset: offset as u64,
+                len: len as u64,
+                region_len: block.len as u64,
+            });
+        }
+        // SAFETY: the range lies inside `block`'s device memory (checked),
+        // which the `Arc` moved into the guard keeps allocated for as long as
+        // the view lives; GPU memory is never reached through Rust references,
+        // so overlapping views mix bytes, never break memory safety.
+        unsafe {
+            CudaBuffer::from_raw(&block.device, block.ptr + offset as u64, len, Box::new(std::sync::Arc::clone(block)))
+        }
+    }
+
     /// Takes a framework's cudarc `CudaSlice` (candle's `CudaStorage`
     /// holds one) as GPU memory to register: its device memory as it is,
     /// no copy. The slice is freed by cudarc, as it frees it, when this

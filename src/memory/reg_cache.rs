@@ -65,6 +65,12 @@ impl RegCache {
         self.bound.load(Ordering::Relaxed) > 0
     }
 
+    /// Counts a registration the cache could have served but may not (it
+    /// is off): made anew.
+    pub(crate) fn count_miss(&self) {
+        self.misses.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// Sets the bound, letting go of what no region uses beyond it.
     pub(crate) fn set_bound(&self, bytes: usize) {
         self.bound.store(bytes, Ordering::Relaxed);
