@@ -419,3 +419,20 @@ fn an_older_nvidia_smi_saying_soc_gets_the_sys_verdict() {
     }
     assert_eq!(soc.exit_code, sys.exit_code);
 }
+
+#[test]
+fn a_missing_libibverbs_is_a_failed_check_that_says_what_to_install() {
+    let mut i = inputs(&workstation(), None);
+    let why = "rdma-core's libibverbs.so.1 could not be loaded (libibverbs.so.1: cannot open shared object file)";
+    i.libibverbs = Some(Err(why.into()));
+    let r = doctor(&i, LinkClass::Pxb, None);
+    let c = r.checks.iter().find(|c| c.name == "libibverbs").expect("a libibverbs check");
+    assert_eq!(c.status, Status::Fail);
+    assert!(c.detail.contains("could not be loaded"), "{}", c.detail);
+    assert!(c.fix.as_deref().is_some_and(|f| f.contains("libibverbs1") && f.contains("TCP")), "{:?}", c.fix);
+    i.libibverbs = Some(Ok(()));
+    let r = doctor(&i, LinkClass::Pxb, None);
+    assert!(r.checks.iter().any(|c| c.name == "libibverbs" && c.status == Status::Ok));
+    i.libibverbs = None;
+    assert!(!doctor(&i, LinkClass::Pxb, None).checks.iter().any(|c| c.name == "libibverbs"), "not asked, not shown");
+}

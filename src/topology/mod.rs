@@ -114,6 +114,8 @@ pub struct Inputs {
     pub register_bytes: Option<u64>,
     /// Active MTU per `(device, port)`, from the verbs (live runs only: sysfs does not show it).
     pub port_mtu: BTreeMap<(String, u8), u32>,
+    /// Whether rdma-core's libibverbs loaded, or why not (live runs only).
+    pub libibverbs: Option<std::result::Result<(), String>>,
 }
 
 impl Inputs {
@@ -388,6 +390,17 @@ pub fn doctor(inputs: &Inputs, level: LinkClass, only: Option<usize>) -> Report 
     });
     if let Some(why) = &inputs.cuda_error {
         checks.push(check("CUDA", Status::Unknown, why.clone(), None));
+    }
+
+    match &inputs.libibverbs {
+        Some(Ok(())) => checks.push(check("libibverbs", Status::Ok, "rdma-core's libibverbs.so.1 loaded", None)),
+        Some(Err(why)) => checks.push(check(
+            "libibverbs",
+            Status::Fail,
+            why.clone(),
+            Some("install rdma-core's libibverbs1 and ibverbs-providers (Debian, Ubuntu), or rdma-core (RHEL); until then every connection runs over TCP"),
+        )),
+        None => {}
     }
 
     // ---- devices ----
@@ -748,6 +761,17 @@ mod live {
         #[cfg(not(feature = "cuda"))]
         {
             inputs.cuda_error = Some("gpu-rdma was built without the `cuda` feature".into());
+        }
+        #[cfg(feature = "verbs")]
+        {
+            inputs.libibverbs = Some(crate::verbs::loader::ibverbs().map(|_| ()).map_err(|e| match e {
+                crate::Error::NoDevice { reason } => reason,
+                other => other.to_string(),
+            }));
+        }
+        #[cfg(not(feature = "verbs"))]
+        {
+            inputs.libibverbs = Some(Err("gpu-rdma was built without the `verbs` feature".into()));
         }
         #[cfg(feature = "verbs")]
         if let Ok(list) = crate::verbs::DeviceList::new() {

@@ -4,9 +4,11 @@ use std::ffi::CStr;
 use std::fmt;
 use std::path::PathBuf;
 use std::ptr::NonNull;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use rdma_sys as ffi;
+
+use super::loader::ibverbs;
 
 use super::port::{Gid, GidEntry, GidType, LinkLayer, Mtu, PortAttr, PortState};
 use super::result::{self, zeroed};
@@ -33,9 +35,13 @@ unsafe impl Sync for ContextInner {}
 
 impl Drop for ContextInner {
     fn drop(&mut self) {
+        let lib = match ibverbs() {
+            Ok(lib) => lib,
+            Err(e) => return tracing::error!(device = %self.name, "cannot close the device: {e}"),
+        };
         // SAFETY: opened by ibv_open_device, closed once; every child resource
         // holds an Arc of this and is therefore already destroyed.
-        let rc = unsafe { ffi::ibv_close_device(self.ctx.as_ptr()) };
+        let rc = unsafe { (lib.ibv_close_device)(self.ctx.as_ptr()) };
         if let Err(e) = result::errno_rc(rc, "ibv_close_device") {
             tracing::error!(device = %self.name, "{e}");
         }
@@ -119,7 +125,7 @@ impl Context {
     pub fn query_device(&self) -> Result<DeviceAttr> {
         let mut attr: ffi::ibv_device_attr = zeroed();
         // SAFETY: valid context and out-pointer.
-        let rc = unsafe { ffi::ibv_query_device(self.as_raw(), &mut attr) };
+        let rc = unsafe { (ibverbs()?.ibv_query_device)(self.as_raw(), &mut attr) };
         result::errno_rc(rc, "ibv_query_device")?;
         // SAFETY: fw_ver is a NUL-terminated char array filled by the driver.
         let fw_ver = unsafe { CStr::from_ptr(attr.fw_ver.as_ptr()) }.to_string_lossy().into_owned();
@@ -149,9 +155,15 @@ impl Context {
     /// [`Error::Verbs`] (for example `EINVAL` for a port that does not exist).
     pub fn query_port(&self, port: u8) -> Result<PortAttr> {
         let mut attr: ffi::ibv_port_attr = zeroed();
-        // SAFETY: valid context and out-pointer of the size the extended
-        // query_port expects (rdma-sys passes size_of_val).
-        let rc = unsafe { ffi::___ibv_query_port(self.as_raw(), port, &mut attr) };
+        // SAFETY: a live context and an out-pointer of the size passed (the
+        // extended query), or of the compat struct's prefix (the exported
+        // `ibv_query_port` fills only that), as verbs.h's inline does.
+        let rc = unsafe {
+            match extended_query_port(self.as_raw()) {
+                Some(query) => query(self.as_raw(), port, &mut attr, std::mem::size_of::<ffi::ibv_port_attr>()),
+                None => (ibverbs()?.ibv_query_port)(self.as_raw(), port, (&mut attr as *mut ffi::ibv_port_attr).cast()),
+            }
+        };
         result::errno_rc(rc, "ibv_query_port")?;
         Ok(PortAttr {
             port,
@@ -176,7 +188,7 @@ impl Context {
         let index =
             i32::try_from(index).map_err(|_| Error::InvalidArgument(format!("GID index {index} is too large")))?;
         // SAFETY: valid context and out-pointer.
-        let rc = unsafe { ffi::ibv_query_gid(self.as_raw(), port, index, &mut gid) };
+        let rc = unsafe { (ibverbs()?.ibv_query_gid)(self.as_raw(), port, index, &mut gid) };
         result::minus_one(rc, "ibv_query_gid")?;
         // SAFETY: every bit pattern of the union is a valid byte array.
         Ok(Gid(unsafe { gid.raw }))
@@ -222,7 +234,7 @@ impl Context {
     /// libibverbs' `ibv_query_gid_table`, or `None` where this libibverbs
     /// lacks it or it failed (the caller then queries index by index).
     fn valid_gids(&self, port: u8, port_len: u32) -> Option<Vec<(u32, Gid)>> {
-        let query = query_gid_table()?;
+        let query = ibverbs().ok()?.query_gid_table?;
         // The table holds every port's entries.
         let ports = u32::from(self.query_device().ok()?.phys_port_cnt.max(1));
         let room = usize::try_from(port_len.checked_mul(ports)?).ok()?;
@@ -231,7 +243,7 @@ impl Context {
         // size passed, which libibverbs fills from the start and counts in
         // its return value (or returns a negative errno and fills nothing
         // that is read).
-        let n = unsafe { query(self.as_raw(), raw.as_mut_ptr(), room, 0, std::mem::size_of::<RawGidEntry>()) };
+        let n = unsafe { query(self.as_raw(), raw.as_mut_ptr().cast(), room, 0, std::mem::size_of::<RawGidEntry>()) };
         let n = usize::try_from(n).ok()?.min(room);
         // SAFETY: the first `n` entries were written (above), and every
         // bit pattern is a valid `RawGidEntry` (integers and bytes).
@@ -255,25 +267,31 @@ struct RawGidEntry {
     ndev_ifindex: u32,
 }
 
-/// `ssize_t _ibv_query_gid_table(struct ibv_context *, struct ibv_gid_entry
-/// *entries, size_t max_entries, uint32_t flags, size_t entry_size)`: the
-/// number of entries written, or a negative errno.
-type QueryGidTable = unsafe extern "C" fn(*mut ffi::ibv_context, *mut RawGidEntry, usize, u32, usize) -> isize;
-
-/// libibverbs' `_ibv_query_gid_table` (what the `ibv_query_gid_table`
-/// inline calls), looked up at run time so that a libibverbs older than
-/// rdma-core 24 still loads this library: `None` there.
-fn query_gid_table() -> Option<QueryGidTable> {
-    static FOUND: OnceLock<Option<QueryGidTable>> = OnceLock::new();
-    *FOUND.get_or_init(|| {
-        // SAFETY: a lookup by a NUL-terminated name in the global scope,
-        // where the program's libibverbs (linked at start-up) is.
-        let sym = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"_ibv_query_gid_table".as_ptr()) };
-        // SAFETY: where present, the symbol is that function, with the
-        // signature of `QueryGidTable` (verbs.h); a non-null data pointer
-        // from dlsym converts to a function pointer on Linux.
-        (!sym.is_null()).then(|| unsafe { std::mem::transmute::<*mut libc::c_void, QueryGidTable>(sym) })
-    })
+/// The provider's extended `query_port` (what verbs.h's inline
+/// `ibv_query_port` prefers, filling the whole `ibv_port_attr`), where the
+/// context is a `verbs_context` new enough to have it.
+///
+/// # Safety
+/// `ctx` must be a live context from `ibv_open_device`.
+unsafe fn extended_query_port(
+    ctx: *mut ffi::ibv_context,
+) -> Option<unsafe extern "C" fn(*mut ffi::ibv_context, u8, *mut ffi::ibv_port_attr, usize) -> libc::c_int> {
+    // SAFETY: a live context (the caller's contract).
+    if unsafe { (*ctx).abi_compat } as usize != u32::MAX as usize {
+        return None;
+    }
+    // A context whose `abi_compat` is this marker is the `context` member of
+    // a `verbs_context` (verbs.h's `verbs_get_ctx`).
+    let vctx =
+        ctx.cast::<u8>().wrapping_sub(std::mem::offset_of!(ffi::verbs_context, context)).cast::<ffi::verbs_context>();
+    // SAFETY: as above, `vctx` is that live `verbs_context`; `sz` says how
+    // much of it the provider's libibverbs knows, as verbs.h checks.
+    let sz = unsafe { (*vctx).sz };
+    if sz < std::mem::size_of::<ffi::verbs_context>() - std::mem::offset_of!(ffi::verbs_context, query_port) {
+        return None;
+    }
+    // SAFETY: within the part of the struct `sz` covers.
+    unsafe { (*vctx).query_port }
 }
 
 impl fmt::Debug for Context {

@@ -9,6 +9,8 @@ use std::time::Duration;
 
 use rdma_sys as ffi;
 
+use super::loader::ibverbs;
+
 use super::context::Context;
 use super::result;
 use crate::completion::WcStatus;
@@ -35,9 +37,13 @@ unsafe impl Sync for ChannelInner {}
 
 impl Drop for ChannelInner {
     fn drop(&mut self) {
+        let lib = match ibverbs() {
+            Ok(lib) => lib,
+            Err(e) => return tracing::error!("cannot destroy a completion channel: {e}"),
+        };
         // SAFETY: created by ibv_create_comp_channel; every CQ using it holds an
         // Arc of this and is already destroyed.
-        let rc = unsafe { ffi::ibv_destroy_comp_channel(self.ch.as_ptr()) };
+        let rc = unsafe { (lib.ibv_destroy_comp_channel)(self.ch.as_ptr()) };
         if let Err(e) = result::errno_rc(rc, "ibv_destroy_comp_channel") {
             tracing::error!(device = self.ctx.name(), "{e}");
         }
@@ -51,7 +57,7 @@ impl CompletionChannel {
     /// [`Error::Verbs`].
     pub fn new(ctx: &Context) -> Result<Self> {
         // SAFETY: valid context; destroyed in Drop.
-        let ch = unsafe { ffi::ibv_create_comp_channel(ctx.as_raw()) };
+        let ch = unsafe { (ibverbs()?.ibv_create_comp_channel)(ctx.as_raw()) };
         let ch = result::nonnull(ch, "ibv_create_comp_channel")?;
         let chan = CompletionChannel { inner: Arc::new(ChannelInner { ch, ctx: ctx.clone() }) };
         let fd = chan.fd();
@@ -219,15 +225,19 @@ unsafe impl Sync for CqInner {}
 
 impl Drop for CqInner {
     fn drop(&mut self) {
+        let lib = match ibverbs() {
+            Ok(lib) => lib,
+            Err(e) => return tracing::error!(device = self.ctx.name(), "cannot destroy a CQ: {e}"),
+        };
         let unacked = *self.unacked.get_mut();
         if unacked > 0 {
             // SAFETY: live CQ; every event counted here was returned for it by
             // ibv_get_cq_event and not yet acknowledged.
-            unsafe { ffi::ibv_ack_cq_events(self.cq.as_ptr(), unacked) };
+            unsafe { (lib.ibv_ack_cq_events)(self.cq.as_ptr(), unacked) };
         }
         // SAFETY: created by ibv_create_cq, destroyed once; every QP using it holds
         // an Arc of this and is already destroyed.
-        let rc = unsafe { ffi::ibv_destroy_cq(self.cq.as_ptr()) };
+        let rc = unsafe { (lib.ibv_destroy_cq)(self.cq.as_ptr()) };
         if let Err(e) = result::errno_rc(rc, "ibv_destroy_cq") {
             tracing::error!(device = self.ctx.name(), "{e}");
         }
@@ -246,7 +256,7 @@ impl CompletionQueue {
         let ch = channel.map_or(std::ptr::null_mut(), |c| c.as_raw());
         // SAFETY: valid context and (optional) channel; destroyed in Drop, and the
         // channel outlives the CQ through the Arc kept below.
-        let cq = unsafe { ffi::ibv_create_cq(ctx.as_raw(), cqe, std::ptr::null_mut(), ch, 0) };
+        let cq = unsafe { (ibverbs()?.ibv_create_cq)(ctx.as_raw(), cqe, std::ptr::null_mut(), ch, 0) };
         let cq = result::nonnull(cq, "ibv_create_cq")?;
         // SAFETY: live CQ; `cqe` holds the size actually allocated.
         let actual = unsafe { (*cq.as_ptr()).cqe }.max(0) as u32;
@@ -401,11 +411,14 @@ impl CompletionQueue {
     }
 
     fn consume_event(&self, chan: &CompletionChannel) -> bool {
+        let Ok(lib) = ibverbs() else {
+            return false;
+        };
         let mut cq: *mut ffi::ibv_cq = std::ptr::null_mut();
         let mut ctx: *mut libc::c_void = std::ptr::null_mut();
         // SAFETY: live channel, valid out-pointers; the fd is non-blocking so
         // this returns at once (EAGAIN when another thread took the event).
-        let rc = unsafe { ffi::ibv_get_cq_event(chan.as_raw(), &mut cq, &mut ctx) };
+        let rc = unsafe { (lib.ibv_get_cq_event)(chan.as_raw(), &mut cq, &mut ctx) };
         if rc != 0 {
             return false;
         }
@@ -416,12 +429,12 @@ impl CompletionQueue {
             {
                 // SAFETY: live CQ; `pending` events were returned for it and
                 // the counter now owns none of them.
-                unsafe { ffi::ibv_ack_cq_events(self.as_raw(), pending) };
+                unsafe { (lib.ibv_ack_cq_events)(self.as_raw(), pending) };
             }
         } else if !cq.is_null() {
             // SAFETY: an event for another live CQ sharing this channel;
             // acknowledged at once so that CQ can be destroyed.
-            unsafe { ffi::ibv_ack_cq_events(cq, 1) };
+            unsafe { (lib.ibv_ack_cq_events)(cq, 1) };
         }
         true
     }

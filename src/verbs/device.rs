@@ -7,6 +7,8 @@ use std::ptr::NonNull;
 
 use rdma_sys as ffi;
 
+use super::loader::{Ibverbs, ibverbs};
+
 use super::context::Context;
 use super::result;
 use crate::error::{Error, Result};
@@ -18,6 +20,7 @@ use crate::error::{Error, Result};
 pub struct DeviceList {
     list: NonNull<*mut ffi::ibv_device>,
     len: usize,
+    lib: &'static Ibverbs,
 }
 
 // SAFETY: the list is an immutable array of device pointers owned by this value;
@@ -30,12 +33,14 @@ impl DeviceList {
     /// Lists the devices.
     ///
     /// # Errors
-    /// [`Error::NoDevice`] when the kernel has no RDMA support (`ENOSYS`),
+    /// [`Error::NoDevice`] when rdma-core's libibverbs is not installed,
+    /// when the kernel has no RDMA support (`ENOSYS`),
     /// when the uverbs devices cannot be read, or on another errno.
     pub fn new() -> Result<Self> {
+        let lib = ibverbs()?;
         let mut n: libc::c_int = 0;
         // SAFETY: `n` is a valid out-pointer; the returned array is freed in Drop.
-        let raw = unsafe { ffi::ibv_get_device_list(&mut n) };
+        let raw = unsafe { (lib.ibv_get_device_list)(&mut n) };
         let list = NonNull::new(raw).ok_or_else(|| {
             let err = std::io::Error::last_os_error();
             let reason = match err.raw_os_error() {
@@ -50,7 +55,7 @@ impl DeviceList {
             };
             Error::NoDevice { reason }
         })?;
-        Ok(DeviceList { list, len: n.max(0) as usize })
+        Ok(DeviceList { list, len: n.max(0) as usize, lib })
     }
 
     /// The number of devices.
@@ -68,7 +73,7 @@ impl DeviceList {
         (0..self.len).filter_map(move |i| {
             // SAFETY: `i < len`, the array has `len` entries and lives as long as `self`.
             let dev = unsafe { *self.list.as_ptr().add(i) };
-            NonNull::new(dev).map(|ptr| Device { ptr, _list: PhantomData })
+            NonNull::new(dev).map(|ptr| Device { ptr, lib: self.lib, _list: PhantomData })
         })
     }
 
@@ -91,7 +96,7 @@ impl DeviceList {
 impl Drop for DeviceList {
     fn drop(&mut self) {
         // SAFETY: the pointer came from ibv_get_device_list and is freed once.
-        unsafe { ffi::ibv_free_device_list(self.list.as_ptr()) };
+        unsafe { (self.lib.ibv_free_device_list)(self.list.as_ptr()) };
     }
 }
 
@@ -105,6 +110,7 @@ impl fmt::Debug for DeviceList {
 #[derive(Clone, Copy)]
 pub struct Device<'list> {
     ptr: NonNull<ffi::ibv_device>,
+    lib: &'static Ibverbs,
     _list: PhantomData<&'list DeviceList>,
 }
 
@@ -113,7 +119,7 @@ impl Device<'_> {
     pub fn name(&self) -> String {
         // SAFETY: the device pointer is valid while the list lives; the name is a
         // NUL-terminated string owned by libibverbs.
-        let name = unsafe { ffi::ibv_get_device_name(self.ptr.as_ptr()) };
+        let name = unsafe { (self.lib.ibv_get_device_name)(self.ptr.as_ptr()) };
         if name.is_null() {
             return String::new();
         }
@@ -124,7 +130,7 @@ impl Device<'_> {
     /// The node GUID, in host byte order.
     pub fn guid(&self) -> u64 {
         // SAFETY: valid device pointer.
-        u64::from_be(unsafe { ffi::ibv_get_device_guid(self.ptr.as_ptr()) })
+        u64::from_be(unsafe { (self.lib.ibv_get_device_guid)(self.ptr.as_ptr()) })
     }
 
     /// The kernel's sysfs path for it (`/sys/class/infiniband/<name>`).
@@ -143,7 +149,7 @@ impl Device<'_> {
     /// `/dev/infiniband/uverbsN`).
     pub fn open(&self) -> Result<Context> {
         // SAFETY: valid device pointer; the context is closed by Context's Drop.
-        let ctx = unsafe { ffi::ibv_open_device(self.ptr.as_ptr()) };
+        let ctx = unsafe { (self.lib.ibv_open_device)(self.ptr.as_ptr()) };
         let ctx = result::nonnull(ctx, "ibv_open_device")?;
         // SAFETY: `ctx` was just returned by ibv_open_device and is owned by no one else.
         Ok(unsafe { Context::from_raw(ctx, self.name()) })

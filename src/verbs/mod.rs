@@ -13,6 +13,7 @@
 mod context;
 mod cq;
 mod device;
+pub(crate) mod loader;
 mod mr;
 mod pd;
 mod port;

@@ -9,6 +9,8 @@ use std::ptr::NonNull;
 
 use rdma_sys as ffi;
 
+use super::loader::ibverbs;
+
 use super::pd::ProtectionDomain;
 use super::result;
 use crate::access::Access;
@@ -100,7 +102,7 @@ impl MemoryRegion {
             bits |= ffi::ibv_access_flags::IBV_ACCESS_RELAXED_ORDERING.0;
         }
         // SAFETY: the caller guarantees the range stays valid; the PD is live.
-        let mr = unsafe { ffi::ibv_reg_mr_iova2(pd.as_raw(), addr.cast(), len, addr as u64, bits) };
+        let mr = unsafe { (ibverbs()?.ibv_reg_mr_iova2)(pd.as_raw(), addr.cast(), len, addr as u64, bits) };
         let mr = result::nonnull(mr, "ibv_reg_mr")?;
         Ok(MemoryRegion { mr, access, pd: pd.clone(), iova: addr as u64 })
     }
@@ -131,9 +133,13 @@ impl MemoryRegion {
         if relaxed {
             bits |= ffi::ibv_access_flags::IBV_ACCESS_RELAXED_ORDERING.0 as libc::c_int;
         }
+        let reg = ibverbs()?.ibv_reg_dmabuf_mr.ok_or(Error::NotSupported {
+            op: "ibv_reg_dmabuf_mr (this libibverbs is older than rdma-core 34)",
+            source: std::io::Error::from_raw_os_error(libc::EOPNOTSUPP),
+        })?;
         // SAFETY: valid PD and an fd the caller keeps open for this call; the
         // caller guarantees the memory's lifetime.
-        let mr = unsafe { ffi::ibv_reg_dmabuf_mr(pd.as_raw(), offset, len, iova, fd.as_raw_fd(), bits) };
+        let mr = unsafe { reg(pd.as_raw(), offset, len, iova, fd.as_raw_fd(), bits) };
         let mr = result::nonnull(mr, "ibv_reg_dmabuf_mr")?;
         // libibverbs stores the dma-buf offset in `ibv_mr::addr`; peers and
         // work requests address the region by its iova.
@@ -192,7 +198,7 @@ impl MemoryRegion {
     fn dereg(&mut self) -> Result<()> {
         // SAFETY: registered by ibv_reg_mr / ibv_reg_dmabuf_mr; callers make sure
         // this runs once (Drop, or `deregister` which then forgets self).
-        let rc = unsafe { ffi::ibv_dereg_mr(self.mr.as_ptr()) };
+        let rc = unsafe { (ibverbs()?.ibv_dereg_mr)(self.mr.as_ptr()) };
         result::errno_rc(rc, "ibv_dereg_mr")
     }
 

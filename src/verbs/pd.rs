@@ -6,6 +6,8 @@ use std::sync::Arc;
 
 use rdma_sys as ffi;
 
+use super::loader::ibverbs;
+
 use super::context::Context;
 use super::result;
 use crate::error::Result;
@@ -30,9 +32,13 @@ unsafe impl Sync for PdInner {}
 
 impl Drop for PdInner {
     fn drop(&mut self) {
+        let lib = match ibverbs() {
+            Ok(lib) => lib,
+            Err(e) => return tracing::error!("cannot free a protection domain: {e}"),
+        };
         // SAFETY: allocated by ibv_alloc_pd, freed once; every MR and QP in it
         // holds an Arc of this and is already destroyed.
-        let rc = unsafe { ffi::ibv_dealloc_pd(self.pd.as_ptr()) };
+        let rc = unsafe { (lib.ibv_dealloc_pd)(self.pd.as_ptr()) };
         if let Err(e) = result::errno_rc(rc, "ibv_dealloc_pd") {
             tracing::error!(device = self.ctx.name(), "{e}");
         }
@@ -46,7 +52,7 @@ impl ProtectionDomain {
     /// [`crate::Error::Verbs`].
     pub fn new(ctx: &Context) -> Result<Self> {
         // SAFETY: valid context; the PD is deallocated in Drop.
-        let pd = result::nonnull(unsafe { ffi::ibv_alloc_pd(ctx.as_raw()) }, "ibv_alloc_pd")?;
+        let pd = result::nonnull(unsafe { (ibverbs()?.ibv_alloc_pd)(ctx.as_raw()) }, "ibv_alloc_pd")?;
         Ok(ProtectionDomain { inner: Arc::new(PdInner { pd, ctx: ctx.clone() }) })
     }
 

@@ -7,6 +7,8 @@ use std::ptr::NonNull;
 
 use rdma_sys as ffi;
 
+use super::loader::ibverbs;
+
 use super::context::DeviceAttr;
 use super::cq::CompletionQueue;
 use super::mr::to_ibv_access;
@@ -178,7 +180,7 @@ impl<'a> QueuePairBuilder<'a> {
         };
         // SAFETY: valid PD and CQs; `init` is fully initialized; the QP is
         // destroyed in Drop and keeps the PD and CQs alive until then.
-        let qp = unsafe { ffi::ibv_create_qp(self.pd.as_raw(), &mut init) };
+        let qp = unsafe { (ibverbs()?.ibv_create_qp)(self.pd.as_raw(), &mut init) };
         let qp = result::nonnull(qp, "ibv_create_qp")?;
         let caps = QpCaps {
             max_send_wr: init.cap.max_send_wr,
@@ -285,7 +287,12 @@ impl QueuePair {
         let mut init: ffi::ibv_qp_init_attr = zeroed();
         // SAFETY: live QP and valid out-pointers.
         let rc = unsafe {
-            ffi::ibv_query_qp(self.qp.as_ptr(), &mut attr, ffi::ibv_qp_attr_mask::IBV_QP_STATE.0 as i32, &mut init)
+            (ibverbs()?.ibv_query_qp)(
+                self.qp.as_ptr(),
+                &mut attr,
+                ffi::ibv_qp_attr_mask::IBV_QP_STATE.0 as i32,
+                &mut init,
+            )
         };
         result::errno_rc(rc, "ibv_query_qp")?;
         Ok(QpState::from_raw(attr.qp_state))
@@ -310,7 +317,7 @@ impl QueuePair {
         detail: impl FnOnce() -> String,
     ) -> Result<()> {
         // SAFETY: live QP; `attr` is initialized for every bit in `mask`.
-        let rc = unsafe { ffi::ibv_modify_qp(self.qp.as_ptr(), attr, mask.0 as i32) };
+        let rc = unsafe { (ibverbs()?.ibv_modify_qp)(self.qp.as_ptr(), attr, mask.0 as i32) };
         match result::errno_rc(rc, "ibv_modify_qp") {
             Ok(()) => {
                 self.state = to;
@@ -846,7 +853,7 @@ impl QueuePair {
         // SAFETY: created by ibv_create_qp; callers make sure this runs once.
         // After it succeeds the device no longer processes any of the queue
         // pair's requests, so their memory may go.
-        let rc = unsafe { ffi::ibv_destroy_qp(self.qp.as_ptr()) };
+        let rc = unsafe { (ibverbs()?.ibv_destroy_qp)(self.qp.as_ptr()) };
         result::errno_rc(rc, "ibv_destroy_qp")
     }
 

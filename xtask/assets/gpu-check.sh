@@ -74,6 +74,18 @@ fi
 timeout $T "$HERE/bin/gpu-tcp-tests" --ignored --test-threads=1 > "$OUT/gpu-tcp.log" 2>&1 || fails=$((fails + 1))
 grep -E '^test |test result' "$OUT/gpu-tcp.log" | tee -a "$REPORT"
 
+section "a model's tensors in GPU memory (cudarc blocks, tensors as views), lists and one by one"
+# What a framework moves: a few hundred tensors carved from cudarc blocks,
+# into the receiver's GPU arena, verified on the GPU after the one note.
+for flags in "--gpu" "--gpu --per-tensor"; do
+  if timeout $T "$HERE/bin/tensors" $flags > "$OUT/tensors.log" 2>&1 && grep -q 'all 320 tensors verified' "$OUT/tensors.log"; then
+    say "tensors $flags: $(grep -E 'verified|registered' "$OUT/tensors.log" | tr '\n' ' ')"
+  else
+    say "tensors $flags: FAILED ($(tail -n 1 "$OUT/tensors.log"))"
+    fails=$((fails + 1))
+  fi
+done
+
 section "a staged 4 KiB round trip, waited for and awaited (one process: one CUDA context on the GPU)"
 # What the library adds to a small staged message: two copies each way and
 # how soon the waiting (or awaiting) thread notices each.

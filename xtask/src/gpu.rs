@@ -76,12 +76,15 @@ pub fn command(args: &[String]) -> Result<i32> {
         "gpu_to_gpu",
         "--example",
         "staged_latency",
+        "--example",
+        "tensors",
     ]))?;
     // The `gpu-check` profile's outputs, copied into bin/ under stable names.
     let profile_dir = root().join("target/gpu-check");
     copy(&profile_dir.join("gpu-rdma"), &dir.join("bin/gpu-rdma"))?;
     copy(&profile_dir.join("examples/gpu_to_gpu"), &dir.join("bin/gpu_to_gpu"))?;
     copy(&profile_dir.join("examples/staged_latency"), &dir.join("bin/staged_latency"))?;
+    copy(&profile_dir.join("examples/tensors"), &dir.join("bin/tensors"))?;
     copy(&test_executable("cuda")?, &dir.join("bin/cuda-tests"))?;
     copy(&test_executable("verbs_gpu")?, &dir.join("bin/verbs-gpu-tests"))?;
     copy(&test_executable("gpu_tcp")?, &dir.join("bin/gpu-tcp-tests"))?;
