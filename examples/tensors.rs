@@ -15,6 +15,7 @@
 //! tensors --per-tensor          # the framework hands tensors one by one
 //! tensors --per-tensor --no-cache
 //! tensors --gpu                 # the tensors in GPU memory (device 0)
+//! tensors --candle              # candle tensors (CPU device; --features candle)
 //! ```
 //!
 //! With `--per-tensor` the sender registers every tensor as the framework
@@ -65,6 +66,11 @@ struct Args {
     /// The tensors in GPU memory (device 0) on both sides.
     #[arg(long)]
     gpu: bool,
+    /// The sender's tensors are candle tensors (on candle's CPU device),
+    /// each registered as it is, no copy (implies `--per-tensor`; needs
+    /// `--features candle`).
+    #[arg(long, conflicts_with = "gpu")]
+    candle: bool,
 }
 
 /// The receiver's arena: one region the sender writes into.
@@ -127,6 +133,8 @@ fn main() -> ExitCode {
 }
 
 fn run(args: Args) -> Result<()> {
+    // Candle tensors are handed over one by one.
+    let args = Args { per_tensor: args.per_tensor || args.candle, ..args };
     if args.tensors == 0 || args.block < 64 << 10 {
         return Err(Error::InvalidArgument("at least one tensor, in blocks of at least 64 KiB".into()));
     }
@@ -174,6 +182,8 @@ fn run(args: Args) -> Result<()> {
             let layout = Layout { sizes: &sizes, ours: &ours, theirs: &theirs, blocks: send_blocks };
             if args.gpu {
                 send(&domain, &conn, &layout, args, &gpu_blocks(send_blocks, args.block as usize)?)
+            } else if args.candle {
+                send(&domain, &conn, &layout, args, &candle_tensors()?)
             } else {
                 let arenas: Vec<HostArena> = (0..send_blocks)
                     .map(|_| domain.declare_host_arena(HostMemory::new(args.block as usize)?).map_err(|e| e.error))
@@ -221,6 +231,7 @@ fn run(args: Args) -> Result<()> {
             match (args.no_cache, cache.hits + cache.misses) {
                 (true, _) => " (--no-cache)",
                 (false, 0) if args.gpu => " (GPU memory staged: a tensor registers nothing of its own)",
+                (false, 0) if args.candle => " (candle tensors: each its own allocation, registered as it is)",
                 _ => "",
             }
         );
@@ -336,6 +347,57 @@ impl Blocks for Vec<std::sync::Arc<gpu_rdma::cuda::CudaBuffer>> {
     }
     fn view(&self, b: usize, off: usize, len: usize) -> Result<gpu_rdma::cuda::CudaBuffer> {
         gpu_rdma::cuda::CudaBuffer::view(&self[b], off, len)
+    }
+}
+
+/// The sender's tensors as candle made them: each its own tensor (a
+/// candle `Tensor` of f32 on the CPU device), found by where the layout put
+/// it; registered as it is, the registration holding a clone of the tensor
+/// (so candle frees its storage only after the NIC is done with it).
+#[cfg(feature = "candle")]
+struct CandleTensors(std::sync::Mutex<std::collections::HashMap<(usize, usize), candle_core::Tensor>>);
+
+#[cfg(feature = "candle")]
+fn candle_tensors() -> Result<CandleTensors> {
+    Ok(CandleTensors(Default::default()))
+}
+
+#[cfg(not(feature = "candle"))]
+fn candle_tensors() -> Result<Vec<HostArena>> {
+    Err(Error::FeatureDisabled { feature: "candle" })
+}
+
+#[cfg(feature = "candle")]
+impl Blocks for CandleTensors {
+    type View = ForeignHost;
+    fn fill(&self, b: usize, off: usize, data: &[u8]) -> Result<()> {
+        let floats: Vec<f32> = data.chunks_exact(4).map(|c| f32::from_ne_bytes([c[0], c[1], c[2], c[3]])).collect();
+        let n = floats.len();
+        let t = candle_core::Tensor::from_vec(floats, n, &candle_core::Device::Cpu)
+            .map_err(|e| Error::InvalidArgument(format!("candle: {e}")))?;
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).insert((b, off), t);
+        Ok(())
+    }
+    fn view(&self, b: usize, off: usize, len: usize) -> Result<ForeignHost> {
+        let t = self.0.lock().unwrap_or_else(|e| e.into_inner()).get(&(b, off)).cloned();
+        let t = t.ok_or_else(|| Error::InvalidArgument(format!("no candle tensor at block {b} offset {off}")))?;
+        let ptr = {
+            let (storage, layout) = t.storage_and_layout();
+            match &*storage {
+                candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)) if t.is_contiguous() => {
+                    v[layout.start_offset()..].as_ptr().cast::<u8>().cast_mut()
+                }
+                _ => return Err(Error::InvalidArgument("a contiguous f32 tensor on the CPU device".into())),
+            }
+        };
+        if len > t.elem_count() * 4 {
+            return Err(Error::InvalidArgument(format!("{len} bytes asked of a {}-byte tensor", t.elem_count() * 4)));
+        }
+        // SAFETY: `ptr..ptr + len` lies in the tensor's CPU storage (a Vec<f32>
+        // candle never reallocates), which the tensor clone moved into the
+        // guard keeps alive as long as the memory value; nothing writes the
+        // tensor while it is sent (candle tensors are immutable here).
+        unsafe { ForeignHost::from_raw(ptr, len, Box::new(t)) }
     }
 }
 

@@ -211,7 +211,7 @@ fn build_release_tools() -> Result<()> {
         "--example",
         "tensors",
         "--features",
-        "cli,etcd",
+        "cli,etcd,candle",
         "--bin",
         "gpu-rdma",
     ]))
@@ -520,7 +520,7 @@ pub fn run() -> Result<i32> {
         "--workspace",
         "--all-targets",
         "--features",
-        "gpu-rdma/cli,gpu-rdma/etcd",
+        "gpu-rdma/cli,gpu-rdma/etcd,gpu-rdma/candle",
         "--",
         "-D",
         "warnings",
@@ -648,9 +648,12 @@ pub fn run() -> Result<i32> {
             Err(e) => failures.push(format!("{e} on this machine ({})", extra.unwrap_or("sync"))),
         }
     }
-    for (flags, cached) in
-        [(&[][..], None), (&["--per-tensor"][..], Some(true)), (&["--per-tensor", "--no-cache"][..], Some(false))]
-    {
+    for (flags, cached) in [
+        (&[][..], None),
+        (&["--per-tensor"][..], Some(true)),
+        (&["--per-tensor", "--no-cache"][..], Some(false)),
+        (&["--candle"][..], None),
+    ] {
         let (ok, out) =
             run_tee(Command::new(root().join("target/release/examples/tensors")).current_dir(root()).args(flags))?;
         let checked = tensors_verified(&out, 320, "tcp", ok)
