@@ -24,6 +24,9 @@ pub const BUILD_PACKAGES: &[&str] = &[
     "protobuf-compiler",
     // A real etcd for the rendezvous tests and examples (started by them).
     "etcd-server",
+    // The Python binding: a venv for maturin, pytest and numpy (from PyPI).
+    "python3-venv",
+    "python3-pip",
 ];
 
 /// And for the soft-RoCE VM: qemu, busybox, module tools, perftest.

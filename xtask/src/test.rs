@@ -290,6 +290,65 @@ fn newcomer_messages() -> std::result::Result<usize, String> {
     Ok(right)
 }
 
+/// The Python binding's venv (`target/pyenv`): made, with maturin, pytest
+/// and numpy from PyPI, where it is not there yet.
+fn python_venv() -> Result<PathBuf> {
+    let venv = root().join("target/pyenv");
+    let py = venv.join("bin/python");
+    if !py.exists() {
+        run_cmd(Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
+    }
+    if run_cmd(Command::new(&py).args(["-c", "import maturin, pytest, numpy"])).is_err() {
+        run_cmd(Command::new(&py).args(["-m", "pip", "install", "-q", "maturin>=1.5,<2", "pytest", "numpy"]))?;
+    }
+    Ok(py)
+}
+
+/// Builds the wheel (one abi3 wheel, `target/wheels`) and installs it into
+/// the venv, as `pip install ./python` would.
+fn python_wheel(py: &Path) -> Result<PathBuf> {
+    let wheels = root().join("target/wheels");
+    let _ = fs::remove_dir_all(&wheels);
+    run_cmd(
+        Command::new(py.with_file_name("maturin"))
+            .args(["build", "--release", "-o"])
+            .arg(&wheels)
+            .current_dir(root().join("python")),
+    )?;
+    let wheel = fs::read_dir(&wheels)
+        .map_err(|e| e.to_string())?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .find(|p| p.extension().is_some_and(|x| x == "whl"))
+        .ok_or("maturin built no wheel")?;
+    run_cmd(Command::new(py).args(["-m", "pip", "install", "-q", "--force-reinstall", "--no-deps"]).arg(&wheel))?;
+    Ok(wheel)
+}
+
+/// The pytest command for the binding's suite (run from outside the
+/// source tree, so the installed package is what is imported).
+fn pytest_command(py: &Path) -> String {
+    format!(
+        "cd /tmp && {} -m pytest -q -p no:cacheprovider --import-mode=importlib {}",
+        quote(&py.to_string_lossy()),
+        quote(&root().join("python/tests").to_string_lossy())
+    )
+}
+
+/// pytest's summary line: (passed, failed).
+fn pytest_counts(out: &str) -> (u64, u64) {
+    let line = out.lines().rev().find(|l| l.contains(" passed") || l.contains(" failed")).unwrap_or("");
+    let count = |what: &str| {
+        line.split(", ")
+            .flat_map(|part| part.split(' '))
+            .collect::<Vec<_>>()
+            .windows(2)
+            .find(|w| w[1].trim_end_matches(|c: char| !c.is_alphabetic()) == what)
+            .and_then(|w| w[0].trim_matches(|c: char| !c.is_ascii_digit()).parse().ok())
+            .unwrap_or(0)
+    };
+    (count("passed"), count("failed") + count("error") + count("errors"))
+}
+
 /// The release binaries carry no link-time dependency on libibverbs, and
 /// the transfer example, run with `libibverbs.so.1` hidden (a mount
 /// namespace with `/dev/null` bound over the file), falls back to TCP,
@@ -324,7 +383,25 @@ fn without_libibverbs() -> std::result::Result<usize, String> {
     if !out.contains("libibverbs.so.1 could not be loaded") {
         return Err("the transfer example with libibverbs.so.1 hidden did not say that it is missing".into());
     }
-    Ok(bins.len())
+    // The Python extension module: no libibverbs at start-up, and `import
+    // gpu_rdma` with it hidden runs over TCP and says why.
+    let py = root().join("target/pyenv/bin/python");
+    let ext = output(Command::new(&py).args(["-c", "import gpu_rdma._native as n; print(n.__file__)"]))?;
+    let dynamic = output(Command::new("readelf").arg("-d").arg(ext.trim()))?;
+    if dynamic.contains("libibverbs") {
+        return Err(format!("{} links libibverbs at start-up", ext.trim()));
+    }
+    let script = format!(
+        "mount --bind /dev/null {} && cd /tmp && exec {} -c {}",
+        quote(&lib.to_string_lossy()),
+        quote(&py.to_string_lossy()),
+        quote("import gpu_rdma; i = gpu_rdma.Domain().info(); print('python:', i['transport'], '|', i['fallback'])")
+    );
+    let (ok, out) = run_tee(Command::new("unshare").args(["-m", "sh", "-c", &script]))?;
+    if !ok || !out.contains("python: tcp") || !out.contains("libibverbs.so.1 could not be loaded") {
+        return Err("`import gpu_rdma` with libibverbs.so.1 hidden did not run over TCP saying why".into());
+    }
+    Ok(bins.len() + 1)
 }
 
 /// The transfer example with no arguments, both ends in one process: how
@@ -667,6 +744,21 @@ pub fn run() -> Result<i32> {
     if let Err(e) = &newcomer {
         failures.push(e.clone());
     }
+    println!("\n== tier 1d (this machine): the Python binding (one abi3 wheel), its pytest suite over TCP");
+    let python = python_venv().and_then(|py| python_wheel(&py).map(|w| (py, w)));
+    let (py_here, py_wheel) = match &python {
+        Ok((py, wheel)) => {
+            let (_, out) = run_tee(Command::new("sh").args(["-c", &pytest_command(py)]))?;
+            (pytest_counts(&out), wheel.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default())
+        }
+        Err(e) => {
+            failures.push(format!("the Python binding did not build: {e}"));
+            ((0, 1), String::new())
+        }
+    };
+    if py_here.1 > 0 || py_here.0 == 0 {
+        failures.push(format!("the Python suite over TCP: {} passed, {} failed", py_here.0, py_here.1));
+    }
     let no_rdma_core = without_libibverbs();
     if let Err(e) = &no_rdma_core {
         failures.push(e.clone());
@@ -704,6 +796,13 @@ pub fn run() -> Result<i32> {
     script.push_str(GPU_EXAMPLE);
     script.push_str(KV_PAGES);
     script.push_str(TENSORS);
+    if let Ok((py, _)) = &python {
+        // The Python suite again, on rxe0.
+        script.push_str(&format!(
+            "echo '=== the Python suite on rxe0'\nGPU_RDMA_TEST_DEVICE=rxe0 sh -c {} > \"$VM_OUT/python.log\" 2>&1; tail -n 3 \"$VM_OUT/python.log\"\n",
+            quote(&pytest_command(py))
+        ));
+    }
     script.push_str(ALL_TO_ALL);
     script.push_str(DOCTOR);
     script.push_str("exit 0\n");
@@ -778,6 +877,10 @@ pub fn run() -> Result<i32> {
     if let Err(e) = checked {
         failures.push(format!("{e} on rxe0 (CUDA stand-in, peermem)"));
     }
+    let py_guest = pytest_counts(&fs::read_to_string(guest.dir.join("python.log")).unwrap_or_default());
+    if python.is_ok() && (py_guest.1 > 0 || py_guest.0 == 0) {
+        failures.push(format!("the Python suite on rxe0: {} passed, {} failed", py_guest.0, py_guest.1));
+    }
     let kv_log = fs::read_to_string(guest.dir.join("kv-pages.log")).unwrap_or_default();
     let kv_guest = kv_pages_verified(&kv_log, "verbs", kv_log.contains("kv_pages exit 0"));
     if let Err(e) = &kv_guest {
@@ -830,10 +933,14 @@ pub fn run() -> Result<i32> {
         }
     );
     println!(
+        "tier 1d, Python ({py_wheel}): {} passed, {} failed over TCP here; {} passed, {} failed on rxe0 in the guest",
+        py_here.0, py_here.1, py_guest.0, py_guest.1
+    );
+    println!(
         "tier 1c, without rdma-core: {}",
         match &no_rdma_core {
             Ok(n) => format!(
-                "{n} release binaries link no libibverbs; with libibverbs.so.1 hidden the transfer example ran over TCP, 3 of 3 verified, and said why"
+                "{n} release binaries and the Python module link no libibverbs; with libibverbs.so.1 hidden the transfer example ran over TCP (3 of 3 verified) and `import gpu_rdma` did too, each saying why"
             ),
             Err(e) => format!("WRONG: {e}"),
         }
@@ -963,5 +1070,13 @@ mod tests {
         assert_eq!(tensors_registered(&line(0, 120), 120, false), Ok(()));
         assert!(tensors_registered(&line(120, 0), 120, false).is_err());
         assert!(tensors_registered("nothing", 120, true).is_err());
+    }
+
+    #[test]
+    fn reads_pytest_summaries() {
+        assert_eq!(pytest_counts("....\n13 passed in 0.46s\n"), (13, 0));
+        assert_eq!(pytest_counts("x\n1 failed, 12 passed in 3.92s\n"), (12, 1));
+        assert_eq!(pytest_counts("= 2 failed, 10 passed, 1 error in 1s ="), (10, 3));
+        assert_eq!(pytest_counts("nothing"), (0, 0));
     }
 }

@@ -1,0 +1,616 @@
+//! `gpu_rdma._native`: the Python binding of the crate, a thin layer over
+//! its public API (nothing here moves bytes or keeps protocol state). The
+//! Python package `gpu_rdma` re-exports it with docstrings and type stubs.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use gpu_rdma::{Access, ConnectOptions, DomainConfig, ForeignHost, Piece, TransportPolicy};
+use parking_lot::Mutex;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+
+mod buffer;
+mod errors;
+mod ops;
+
+use errors::to_py;
+use ops::{Completion, Op, OpShared};
+
+/// The memory every Python region is: a Python object's buffer (held alive
+/// by the region until the device is done with it).
+type Mem = ForeignHost;
+type RustRegion = gpu_rdma::Region<Mem>;
+
+fn seconds(t: Option<f64>, default: Duration) -> PyResult<Duration> {
+    match t {
+        None => Ok(default),
+        Some(t) if t.is_finite() && t >= 0.0 => Ok(Duration::from_secs_f64(t)),
+        Some(t) => Err(PyValueError::new_err(format!("a timeout is seconds >= 0, not {t}"))),
+    }
+}
+
+/// A domain: one RDMA device (or TCP where there is none), its registered
+/// memory and its connections.
+#[pyclass(module = "gpu_rdma", frozen)]
+struct Domain {
+    inner: gpu_rdma::Domain,
+}
+
+#[pymethods]
+impl Domain {
+    /// Opens the best device here (`GPU_RDMA_DEVICE`, else the first active
+    /// port), or the one named; `transport` is "auto", "verbs" or "tcp".
+    #[new]
+    #[pyo3(signature = (transport=None, device=None))]
+    fn new(py: Python<'_>, transport: Option<&str>, device: Option<&str>) -> PyResult<Self> {
+        let mut cfg = DomainConfig::from_env().map_err(to_py)?;
+        if let Some(t) = transport {
+            cfg = cfg.transport(t.parse::<TransportPolicy>().map_err(to_py)?);
+        }
+        if let Some(d) = device {
+            cfg = cfg.device(d);
+        }
+        let inner = py.detach(|| gpu_rdma::Domain::with_config(&cfg)).map_err(to_py)?;
+        Ok(Domain { inner })
+    }
+
+    /// What this domain runs on: transport, device, port, and why TCP when
+    /// it fell back.
+    fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let info = self.inner.info();
+        let d = PyDict::new(py);
+        d.set_item("transport", info.transport.to_string())?;
+        d.set_item("fallback", info.fallback.clone())?;
+        d.set_item("device", info.device.clone())?;
+        d.set_item("port", info.port)?;
+        Ok(d)
+    }
+
+    /// Registers the memory of `obj` (a numpy array, `bytearray`,
+    /// `memoryview`: anything with the C-contiguous buffer protocol) for
+    /// local use. The object is kept alive while the region lives; its
+    /// bytes are read and written in place. A read-only object can only be
+    /// a source (send, write).
+    fn register(&self, py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Region> {
+        let buffer::ObjectMemory { mem, readonly } = buffer::object_memory(obj)?;
+        let len = mem.len_bytes();
+        let region = py.detach(|| self.inner.register(mem, Access::LOCAL)).map_err(|e| to_py(e.error))?;
+        Ok(Region { slot: Arc::new(Mutex::new(Some(region))), readonly, len, obj: obj.clone().unbind() })
+    }
+
+    /// Gives peers `access` ("w", "r" or "rw") to `region`, under `tag` in
+    /// its descriptor. The region moves into the exposure (it cannot be an
+    /// operation's own buffer any more).
+    #[pyo3(signature = (region, access="w", tag=0))]
+    fn expose(&self, py: Python<'_>, region: &Region, access: &str, tag: u64) -> PyResult<Exposed> {
+        let rights = match access {
+            "w" => Access::REMOTE_WRITE,
+            "r" => Access::REMOTE_READ,
+            "rw" | "wr" => Access::REMOTE_READ | Access::REMOTE_WRITE,
+            other => return Err(PyValueError::new_err(format!("access `{other}`: expected \"w\", \"r\" or \"rw\""))),
+        };
+        if region.readonly && rights.contains(Access::REMOTE_WRITE) {
+            return Err(errors::ReadOnlyBuffer::new_err("a read-only buffer cannot be exposed for peers' writes"));
+        }
+        let r = region.take()?;
+        match self.inner.expose(r, rights, tag) {
+            Ok(e) => Ok(Exposed { inner: e, obj: region.obj.clone_ref(py) }),
+            Err(e) => {
+                *region.slot.lock() = Some(e.buffer);
+                Err(to_py(e.error))
+            }
+        }
+    }
+
+    /// Listens on `addr` ("host:port"; port 0 picks one).
+    fn listen(&self, py: Python<'_>, addr: &str) -> PyResult<Listener> {
+        let l = py.detach(|| self.inner.listen(addr)).map_err(to_py)?;
+        Ok(Listener { inner: l })
+    }
+
+    /// Connects to a listener at `addr`; `advertise` lists exposed regions
+    /// the peer may use, `op_timeout` bounds each operation (seconds),
+    /// `queue_depth` is (sends, receives) in flight at once (128 each by
+    /// default; a receive past it fails, a send waits for room).
+    #[pyo3(signature = (addr, advertise=Vec::new(), op_timeout=None, timeout=None, queue_depth=None))]
+    fn connect(
+        &self,
+        py: Python<'_>,
+        addr: &str,
+        advertise: Vec<PyRef<'_, Exposed>>,
+        op_timeout: Option<f64>,
+        timeout: Option<f64>,
+        queue_depth: Option<(u32, u32)>,
+    ) -> PyResult<Connection> {
+        let opts = options(&advertise, op_timeout, timeout, queue_depth)?;
+        let c = py.detach(|| self.inner.connect(addr, &opts)).map_err(to_py)?;
+        Ok(Connection::new(c))
+    }
+
+    /// Registrations served from a cache, and made anew.
+    fn registration_cache_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.registration_cache_stats();
+        let d = PyDict::new(py);
+        d.set_item("hits", s.hits)?;
+        d.set_item("misses", s.misses)?;
+        Ok(d)
+    }
+}
+
+fn options(
+    advertise: &[PyRef<'_, Exposed>],
+    op_timeout: Option<f64>,
+    timeout: Option<f64>,
+    queue_depth: Option<(u32, u32)>,
+) -> PyResult<ConnectOptions> {
+    let mut opts = ConnectOptions::default();
+    if let Some((send, recv)) = queue_depth {
+        opts = opts.queue_depth(send, recv);
+    }
+    if op_timeout.is_some() {
+        opts = opts.op_timeout(seconds(op_timeout, Duration::ZERO)?);
+    }
+    if timeout.is_some() {
+        opts = opts.handshake_timeout(seconds(timeout, Duration::ZERO)?);
+    }
+    for e in advertise {
+        opts = opts.advertise(&e.inner);
+    }
+    Ok(opts)
+}
+
+trait LenBytes {
+    fn len_bytes(&self) -> usize;
+}
+
+impl LenBytes for ForeignHost {
+    fn len_bytes(&self) -> usize {
+        gpu_rdma::Memory::len(self)
+    }
+}
+
+/// Registered memory for local use: the buffer of an operation. While an
+/// operation uses it, it cannot be given to another (`RegionInUse`); it is
+/// back when that operation is done.
+#[pyclass(module = "gpu_rdma", frozen)]
+struct Region {
+    slot: Arc<Mutex<Option<RustRegion>>>,
+    readonly: bool,
+    len: usize,
+    obj: Py<PyAny>,
+}
+
+impl Region {
+    fn take(&self) -> PyResult<RustRegion> {
+        self.slot.lock().take().ok_or_else(|| {
+            errors::RegionInUse::new_err("the region is in use by an operation (or exposed): wait for it first")
+        })
+    }
+
+    fn take_writable(&self) -> PyResult<RustRegion> {
+        if self.readonly {
+            return Err(errors::ReadOnlyBuffer::new_err(
+                "a read-only buffer cannot receive or be read into (register a writable one: bytearray, a numpy array)",
+            ));
+        }
+        self.take()
+    }
+}
+
+#[pymethods]
+impl Region {
+    fn __len__(&self) -> usize {
+        self.len
+    }
+
+    /// Whether an operation has it now.
+    #[getter]
+    fn in_use(&self) -> bool {
+        self.slot.lock().is_none()
+    }
+
+    /// Whether it can only be a source.
+    #[getter]
+    fn readonly(&self) -> bool {
+        self.readonly
+    }
+
+    /// The object whose memory this is.
+    #[getter]
+    fn obj(&self, py: Python<'_>) -> Py<PyAny> {
+        self.obj.clone_ref(py)
+    }
+}
+
+/// A region peers may reach: its descriptor is what they need.
+#[pyclass(module = "gpu_rdma", frozen)]
+struct Exposed {
+    inner: gpu_rdma::Exposed<Mem>,
+    obj: Py<PyAny>,
+}
+
+#[pymethods]
+impl Exposed {
+    /// The descriptor peers use (bytes: address, length, key, rights, tag).
+    fn descriptor<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.inner.descriptor().to_bytes())
+    }
+
+    /// The object whose memory this is.
+    #[getter]
+    fn obj(&self, py: Python<'_>) -> Py<PyAny> {
+        self.obj.clone_ref(py)
+    }
+}
+
+/// A peer's region, as its descriptor says.
+#[pyclass(module = "gpu_rdma", frozen)]
+#[derive(Clone)]
+struct RemoteRegion {
+    inner: gpu_rdma::RemoteRegion,
+}
+
+#[pymethods]
+impl RemoteRegion {
+    /// From a descriptor's bytes (checked).
+    #[staticmethod]
+    fn from_bytes(b: &[u8]) -> PyResult<Self> {
+        Ok(RemoteRegion { inner: gpu_rdma::RemoteRegion::from_bytes(b).map_err(to_py)? })
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.len() as usize
+    }
+
+    #[getter]
+    fn tag(&self) -> u64 {
+        self.inner.tag()
+    }
+}
+
+impl RemoteRegion {
+    fn slice(&self, offset: u64, len: u64) -> PyResult<gpu_rdma::RemoteSlice> {
+        let end = offset.checked_add(len).ok_or_else(|| PyValueError::new_err("offset + length overflows"))?;
+        self.inner.slice(offset..end).map_err(to_py)
+    }
+}
+
+#[pyclass(module = "gpu_rdma", frozen)]
+struct Listener {
+    inner: gpu_rdma::Listener,
+}
+
+#[pymethods]
+impl Listener {
+    /// The address it listens on ("host:port").
+    fn address(&self) -> PyResult<String> {
+        Ok(self.inner.local_addr().map_err(to_py)?.to_string())
+    }
+
+    /// Accepts one connection within `timeout` seconds (default 30);
+    /// the options as `Domain.connect`'s.
+    #[pyo3(signature = (advertise=Vec::new(), op_timeout=None, timeout=None, queue_depth=None))]
+    fn accept(
+        &self,
+        py: Python<'_>,
+        advertise: Vec<PyRef<'_, Exposed>>,
+        op_timeout: Option<f64>,
+        timeout: Option<f64>,
+        queue_depth: Option<(u32, u32)>,
+    ) -> PyResult<Connection> {
+        let opts = options(&advertise, op_timeout, None, queue_depth)?;
+        let wait = seconds(timeout, Duration::from_secs(30))?;
+        let c = py.detach(|| self.inner.accept_timeout(&opts, wait)).map_err(to_py)?;
+        Ok(Connection::new(c))
+    }
+}
+
+/// One connection to a peer: every operation returns an `Op` to wait on or
+/// await; its region is back when it is done.
+#[pyclass(module = "gpu_rdma", frozen)]
+struct Connection {
+    inner: Mutex<Option<gpu_rdma::Connection>>,
+}
+
+/// Starts `f`'s operation on `region` (taken from its slot) and returns its
+/// handle; the completion puts the region back.
+fn run_op<B: Send>(
+    py: Python<'_>,
+    region: &Region,
+    writable: bool,
+    start: impl FnOnce(RustRegion) -> B + Send,
+    wire: impl FnOnce(B, Arc<OpShared>, Arc<Mutex<Option<RustRegion>>>),
+) -> PyResult<Op> {
+    let r = if writable { region.take_writable()? } else { region.take()? };
+    let shared = OpShared::new();
+    // A post may wait for room in a full queue: never with the GIL held
+    // (the operations that make room may need this thread's peer).
+    let op = py.detach(move || start(r));
+    wire(op, Arc::clone(&shared), Arc::clone(&region.slot));
+    Ok(Op { shared })
+}
+
+fn wire_pending(p: gpu_rdma::Pending<RustRegion>, shared: Arc<OpShared>, slot: Arc<Mutex<Option<RustRegion>>>) {
+    p.on_complete(move |res, buf| {
+        if let Some(b) = buf {
+            *slot.lock() = Some(b);
+        }
+        shared.finish(res.map(|c| Completion { bytes: u64::from(c.byte_len), imm: c.imm, requests: 1 }).map_err(to_py));
+    });
+}
+
+fn wire_transfer(t: gpu_rdma::Transfer<RustRegion>, shared: Arc<OpShared>, slot: Arc<Mutex<Option<RustRegion>>>) {
+    t.on_complete(move |res, buf| {
+        if let Some(b) = buf {
+            *slot.lock() = Some(b);
+        }
+        shared.finish(res.map(|t| Completion { bytes: t.bytes, imm: None, requests: t.requests }).map_err(to_py));
+    });
+}
+
+/// `offset..offset + length` of a region `len` bytes long (length None:
+/// to the end).
+fn local_range(len: usize, offset: usize, length: Option<usize>) -> PyResult<std::ops::Range<usize>> {
+    let length = length.unwrap_or(len.saturating_sub(offset));
+    match offset.checked_add(length) {
+        Some(end) if end <= len => Ok(offset..end),
+        _ => Err(errors::OutOfBounds::new_err(format!("{length} bytes at offset {offset} of a {len}-byte region"))),
+    }
+}
+
+impl Connection {
+    fn new(inner: gpu_rdma::Connection) -> Self {
+        Connection { inner: Mutex::new(Some(inner)) }
+    }
+
+    /// The connection, unless it was closed.
+    fn with<T>(&self, f: impl FnOnce(&gpu_rdma::Connection) -> PyResult<T>) -> PyResult<T> {
+        let conn = self.inner.lock();
+        let conn = conn.as_ref().ok_or_else(|| errors::ConnectionLost::new_err("the connection was closed"))?;
+        f(conn)
+    }
+}
+
+#[pymethods]
+impl Connection {
+    /// Sends `region[offset:offset+length]` to the peer's next receive.
+    #[pyo3(signature = (region, offset=0, length=None))]
+    fn send(&self, py: Python<'_>, region: &Region, offset: usize, length: Option<usize>) -> PyResult<Op> {
+        let range = local_range(region.len, offset, length)?;
+        self.with(|c| run_op(py, region, false, |r| c.send(r.slice(range)), wire_pending))
+    }
+
+    /// Sends with a 32-bit immediate the peer's receive completion carries.
+    #[pyo3(signature = (region, imm, offset=0, length=None))]
+    fn send_with_imm(
+        &self,
+        py: Python<'_>,
+        region: &Region,
+        imm: u32,
+        offset: usize,
+        length: Option<usize>,
+    ) -> PyResult<Op> {
+        let range = local_range(region.len, offset, length)?;
+        self.with(|c| run_op(py, region, false, |r| c.send_with_imm(r.slice(range), imm), wire_pending))
+    }
+
+    /// Posts a receive into `region` (the completion says how many bytes came).
+    #[pyo3(signature = (region, offset=0, length=None))]
+    fn recv(&self, py: Python<'_>, region: &Region, offset: usize, length: Option<usize>) -> PyResult<Op> {
+        let range = local_range(region.len, offset, length)?;
+        self.with(|c| run_op(py, region, true, |r| c.recv(r.slice(range)), wire_pending))
+    }
+
+    /// Writes `region[offset:offset+length]` into the peer's region at
+    /// `remote_offset`.
+    #[pyo3(signature = (region, remote, offset=0, length=None, remote_offset=0))]
+    fn write(
+        &self,
+        py: Python<'_>,
+        region: &Region,
+        remote: &RemoteRegion,
+        offset: usize,
+        length: Option<usize>,
+        remote_offset: u64,
+    ) -> PyResult<Op> {
+        let range = local_range(region.len, offset, length)?;
+        let dst = remote.slice(remote_offset, range.len() as u64)?;
+        self.with(|c| run_op(py, region, false, |r| c.write(r.slice(range), &dst), wire_pending))
+    }
+
+    /// A write whose immediate the peer's `recv_imm` receives.
+    #[pyo3(signature = (region, remote, imm, offset=0, length=None, remote_offset=0))]
+    #[allow(clippy::too_many_arguments)] // Python's keyword arguments, each with its default
+    fn write_with_imm(
+        &self,
+        py: Python<'_>,
+        region: &Region,
+        remote: &RemoteRegion,
+        imm: u32,
+        offset: usize,
+        length: Option<usize>,
+        remote_offset: u64,
+    ) -> PyResult<Op> {
+        let range = local_range(region.len, offset, length)?;
+        let dst = remote.slice(remote_offset, range.len() as u64)?;
+        self.with(|c| run_op(py, region, false, |r| c.write_with_imm(r.slice(range), &dst, imm), wire_pending))
+    }
+
+    /// Reads the peer's region at `remote_offset` into `region[offset:...]`.
+    #[pyo3(signature = (region, remote, offset=0, length=None, remote_offset=0))]
+    fn read(
+        &self,
+        py: Python<'_>,
+        region: &Region,
+        remote: &RemoteRegion,
+        offset: usize,
+        length: Option<usize>,
+        remote_offset: u64,
+    ) -> PyResult<Op> {
+        let range = local_range(region.len, offset, length)?;
+        let src = remote.slice(remote_offset, range.len() as u64)?;
+        self.with(|c| run_op(py, region, true, |r| c.read(r.slice(range), &src), wire_pending))
+    }
+
+    /// Receives the peer's next write with immediate (or zero-byte send
+    /// with immediate): the completion's `imm`.
+    fn recv_imm(&self) -> PyResult<Op> {
+        let shared = OpShared::new();
+        let done = Arc::clone(&shared);
+        self.with(|c| {
+            c.recv_imm().on_complete(move |res, _| {
+                done.finish(
+                    res.map(|c| Completion { bytes: u64::from(c.byte_len), imm: c.imm, requests: 1 }).map_err(to_py),
+                );
+            });
+            Ok(())
+        })?;
+        Ok(Op { shared })
+    }
+
+    /// Writes pieces `(local_offset, remote_offset, length)` of `region`
+    /// into `remote` as one transfer list; with `tag`, the peer's inbox
+    /// gets a notification (`payload`, at most 4 KiB) once every piece
+    /// landed.
+    #[pyo3(signature = (region, remote, pieces, tag=None, payload=b"".as_slice()))]
+    fn write_list(
+        &self,
+        py: Python<'_>,
+        region: &Region,
+        remote: &RemoteRegion,
+        pieces: Vec<(u64, u64, u64)>,
+        tag: Option<u32>,
+        payload: &[u8],
+    ) -> PyResult<Op> {
+        let dst = remote.inner.whole();
+        let pieces: Vec<Piece> = pieces.into_iter().map(|(l, r, n)| Piece::new(l, r, n)).collect();
+        self.with(|c| {
+            run_op(
+                py,
+                region,
+                false,
+                |r| match tag {
+                    Some(tag) => c.write_list_notify(r, &dst, pieces, tag, payload),
+                    None => c.write_list(r, &dst, pieces),
+                },
+                wire_transfer,
+            )
+        })
+    }
+
+    /// The region the peer advertised under `tag`, if any.
+    fn remote_region(&self, tag: u64) -> PyResult<Option<RemoteRegion>> {
+        self.with(|c| Ok(c.remote_region(tag).map(|inner| RemoteRegion { inner })))
+    }
+
+    /// The peer's notifications (`Inbox.wait(tag, n)`).
+    fn inbox(&self) -> PyResult<Inbox> {
+        self.with(|c| Ok(Inbox { inner: Mutex::new(c.inbox(1).map_err(to_py)?) }))
+    }
+
+    /// Closes the connection: operations in flight fail, their regions
+    /// come back.
+    fn close(&self, py: Python<'_>) {
+        let conn = self.inner.lock().take();
+        if let Some(conn) = conn {
+            py.detach(|| conn.close());
+        }
+    }
+}
+
+/// A connection's notifications, by tag.
+#[pyclass(module = "gpu_rdma", frozen)]
+struct Inbox {
+    inner: Mutex<gpu_rdma::Inbox>,
+}
+
+#[pymethods]
+impl Inbox {
+    /// Waits for `n` notifications tagged `tag` (the GIL released, Ctrl-C
+    /// honoured) and returns their payloads; `timeout` in seconds (None:
+    /// the connection's operation timeout).
+    #[pyo3(signature = (tag, n=1, timeout=None))]
+    fn wait<'py>(&self, py: Python<'py>, tag: u32, n: usize, timeout: Option<f64>) -> PyResult<Bound<'py, PyList>> {
+        let until =
+            timeout.map(|t| seconds(Some(t), Duration::ZERO)).transpose()?.map(|t| std::time::Instant::now() + t);
+        loop {
+            let got = py.detach(|| self.inner.lock().wait_timeout(tag, n, Duration::from_millis(50)));
+            match got {
+                Ok(notes) => {
+                    let out = PyList::empty(py);
+                    for note in notes {
+                        out.append(PyBytes::new(py, &note.payload))?;
+                    }
+                    return Ok(out);
+                }
+                Err(e) if e.is_timeout() => {
+                    py.check_signals()?;
+                    if until.is_some_and(|u| std::time::Instant::now() >= u) {
+                        return Err(errors::Timeout::new_err(format!(
+                            "{n} notification(s) tagged {tag} did not come within {:.3} s",
+                            timeout.unwrap_or(0.0)
+                        )));
+                    }
+                }
+                Err(e) => return Err(to_py(e)),
+            }
+        }
+    }
+}
+
+/// `gpu-rdma doctor` as a dict: the checks (name, status, detail, fix) and
+/// the verdict per GPU.
+#[pyfunction]
+fn doctor<'py>(py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+    use gpu_rdma::topology::{Inputs, LinkClass};
+    let report = py.detach(|| {
+        let inputs = Inputs::gather(std::path::Path::new("/sys"), std::path::Path::new("/proc"), None, true);
+        gpu_rdma::topology::doctor(&inputs, LinkClass::Pxb, None)
+    });
+    let d = PyDict::new(py);
+    let checks = PyList::empty(py);
+    for c in &report.checks {
+        let cd = PyDict::new(py);
+        cd.set_item("name", &c.name)?;
+        cd.set_item("status", format!("{:?}", c.status).to_lowercase())?;
+        cd.set_item("detail", &c.detail)?;
+        cd.set_item("fix", c.fix.clone())?;
+        checks.append(cd)?;
+    }
+    d.set_item("checks", checks)?;
+    let verdicts = PyList::empty(py);
+    for v in &report.verdicts {
+        let vd = PyDict::new(py);
+        vd.set_item("gpu", &v.gpu)?;
+        vd.set_item("usable", v.usable)?;
+        vd.set_item("nic", v.best_nic.clone())?;
+        vd.set_item("reasons", v.reasons.clone())?;
+        verdicts.append(vd)?;
+    }
+    d.set_item("verdicts", verdicts)?;
+    d.set_item("gpus", report.gpus.clone())?;
+    d.set_item("nics", report.nics.clone())?;
+    d.set_item("exit_code", report.exit_code)?;
+    Ok(d)
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_class::<Domain>()?;
+    m.add_class::<Region>()?;
+    m.add_class::<Exposed>()?;
+    m.add_class::<RemoteRegion>()?;
+    m.add_class::<Listener>()?;
+    m.add_class::<Connection>()?;
+    m.add_class::<Inbox>()?;
+    m.add_class::<Op>()?;
+    m.add_class::<Completion>()?;
+    m.add_function(wrap_pyfunction!(doctor, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::_ready_fd, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::_drain, m)?)?;
+    errors::add(m)?;
+    Ok(())
+}

@@ -1,0 +1,206 @@
+//! Operations as Python sees them: a handle to wait on (the GIL released,
+//! Ctrl-C honoured) or to await in asyncio. Each operation's completion
+//! runs on the domain's engine thread, which never takes the GIL: it
+//! stores the outcome, hands the region back, wakes blocking waiters, and
+//! for awaited operations queues the handle and rings one eventfd that
+//! every event loop awaiting here watches. The loop's reader resolves the
+//! futures, so no thread per operation and no GIL on the engine's thread.
+
+use std::collections::VecDeque;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+use pyo3::prelude::*;
+
+use crate::buffer::release_pending;
+
+/// What a finished operation says.
+#[pyclass(module = "gpu_rdma", frozen, get_all)]
+#[derive(Clone, Debug)]
+pub(crate) struct Completion {
+    /// Bytes moved (a receive: the message's length).
+    pub(crate) bytes: u64,
+    /// The immediate a receive carried, if any.
+    pub(crate) imm: Option<u32>,
+    /// Requests on the wire (transfer lists; 1 otherwise).
+    pub(crate) requests: usize,
+}
+
+#[pymethods]
+impl Completion {
+    fn __repr__(&self) -> String {
+        format!("Completion(bytes={}, imm={:?}, requests={})", self.bytes, self.imm, self.requests)
+    }
+}
+
+enum State {
+    Running { futures: Vec<Py<PyAny>> },
+    Done(Result<Completion, PyErr>),
+}
+
+pub(crate) struct OpShared {
+    state: Mutex<State>,
+    done: Condvar,
+}
+
+impl OpShared {
+    pub(crate) fn new() -> Arc<OpShared> {
+        Arc::new(OpShared { state: Mutex::new(State::Running { futures: Vec::new() }), done: Condvar::new() })
+    }
+
+    /// Called once, on the engine's thread (no GIL): stores the outcome and
+    /// wakes whoever waits or awaits.
+    pub(crate) fn finish(self: &Arc<Self>, outcome: Result<Completion, PyErr>) {
+        {
+            let mut state = self.state.lock();
+            if let State::Running { futures } = std::mem::replace(&mut *state, State::Done(outcome)) {
+                // Their futures are resolved by the loop's reader (with the
+                // GIL): keep them until then.
+                if !futures.is_empty() {
+                    ready().push(Arc::clone(self), futures);
+                }
+            }
+        }
+        self.done.notify_all();
+    }
+}
+
+/// Awaited operations that finished, and the eventfd that says so.
+/// An awaited operation that finished, with the futures awaiting it.
+type Settled = (Arc<OpShared>, Vec<Py<PyAny>>);
+
+struct Ready {
+    queue: Mutex<VecDeque<Settled>>,
+    fd: OwnedFd,
+}
+
+impl Ready {
+    fn push(&self, op: Arc<OpShared>, futures: Vec<Py<PyAny>>) {
+        self.queue.lock().push_back((op, futures));
+        let one: u64 = 1;
+        // SAFETY: an eventfd we own; an 8-byte write of a counter increment.
+        let _ = unsafe { libc::write(self.fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
+    }
+}
+
+fn ready() -> &'static Ready {
+    static READY: OnceLock<Ready> = OnceLock::new();
+    READY.get_or_init(|| {
+        // SAFETY: plain eventfd creation; the fd is owned below.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        assert!(fd >= 0, "eventfd: {}", std::io::Error::last_os_error());
+        // SAFETY: a fresh fd nobody else owns.
+        Ready { queue: Mutex::new(VecDeque::new()), fd: unsafe { OwnedFd::from_raw_fd(fd) } }
+    })
+}
+
+/// The eventfd an event loop watches (`loop.add_reader`) to learn that
+/// awaited operations finished.
+#[pyfunction]
+pub(crate) fn _ready_fd() -> i32 {
+    ready().fd.as_raw_fd()
+}
+
+/// Resolves the futures of the awaited operations that finished (the event
+/// loop's reader; each future through its own loop).
+#[pyfunction]
+pub(crate) fn _drain(py: Python<'_>) -> PyResult<()> {
+    release_pending(py);
+    let mut n: u64 = 0;
+    // SAFETY: an 8-byte read of the eventfd's counter (non-blocking).
+    let _ = unsafe { libc::read(ready().fd.as_raw_fd(), (&mut n as *mut u64).cast(), 8) };
+    let done: Vec<_> = ready().queue.lock().drain(..).collect();
+    for (op, futures) in done {
+        for fut in futures {
+            resolve(py, &op, fut.bind(py))?;
+        }
+    }
+    Ok(())
+}
+
+/// Sets `fut`'s result or exception from `op`'s outcome, through the
+/// future's loop (`call_soon_threadsafe`: any loop, any thread).
+fn resolve(py: Python<'_>, op: &OpShared, fut: &Bound<'_, PyAny>) -> PyResult<()> {
+    let aio = py.import("gpu_rdma._aio")?;
+    let state = op.state.lock();
+    let State::Done(outcome) = &*state else { return Ok(()) };
+    let (ok, value) = match outcome {
+        Ok(c) => (true, Py::new(py, c.clone())?.into_any()),
+        Err(e) => (false, e.clone_ref(py).into_value(py).into_any()),
+    };
+    drop(state);
+    aio.call_method1("settle", (fut, ok, value))?;
+    Ok(())
+}
+
+/// An operation in flight, or done.
+#[pyclass(module = "gpu_rdma")]
+pub(crate) struct Op {
+    pub(crate) shared: Arc<OpShared>,
+}
+
+#[pymethods]
+impl Op {
+    /// Waits for the operation (the GIL released) and returns its
+    /// `Completion`; `timeout` in seconds (None: the connection's operation
+    /// timeout applies inside the crate). Ctrl-C interrupts the wait.
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Completion> {
+        release_pending(py);
+        let until = timeout.map(|t| Instant::now() + Duration::from_secs_f64(t.max(0.0)));
+        loop {
+            {
+                let state = self.shared.state.lock();
+                if let State::Done(outcome) = &*state {
+                    return match outcome {
+                        Ok(c) => Ok(c.clone()),
+                        Err(e) => Err(e.clone_ref(py)),
+                    };
+                }
+            }
+            if until.is_some_and(|u| Instant::now() >= u) {
+                return Err(crate::errors::Timeout::new_err(format!(
+                    "the operation did not finish within {:.3} s (it is still in flight: wait again)",
+                    timeout.unwrap_or(0.0)
+                )));
+            }
+            // Short slices, so Ctrl-C is seen within 50 ms.
+            let slice = Duration::from_millis(50);
+            let shared = Arc::clone(&self.shared);
+            py.detach(move || {
+                let mut state = shared.state.lock();
+                if matches!(&*state, State::Running { .. }) {
+                    shared.done.wait_for(&mut state, slice);
+                }
+            });
+            py.check_signals()?;
+        }
+    }
+
+    /// Whether it finished.
+    fn done(&self) -> bool {
+        matches!(&*self.shared.state.lock(), State::Done(_))
+    }
+
+    fn __await__(slf: PyRef<'_, Self>, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        let aio = py.import("gpu_rdma._aio")?;
+        let fut = aio.call_method0("future")?;
+        let mut state = slf.shared.state.lock();
+        match &mut *state {
+            State::Running { futures } => futures.push(fut.clone().unbind()),
+            State::Done(_) => {
+                drop(state);
+                resolve(py, &slf.shared, &fut)?;
+                return Ok(fut.call_method0("__await__")?.unbind());
+            }
+        }
+        drop(state);
+        Ok(fut.call_method0("__await__")?.unbind())
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Op(done={})", self.done())
+    }
+}

@@ -1,0 +1,239 @@
+"""The Python binding over the transport this machine has (TCP here; rxe0
+in the VM with GPU_RDMA_TEST_DEVICE set): every operation, the asyncio
+path with 1,000 operations in flight, and bad input raising the right
+exception with nothing leaked."""
+
+import asyncio
+import gc
+import os
+import threading
+import time
+import _thread
+import weakref
+
+import numpy as np
+import pytest
+
+import gpu_rdma
+
+
+def domain():
+    dev = os.environ.get("GPU_RDMA_TEST_DEVICE")
+    if dev:
+        return gpu_rdma.Domain(transport="verbs", device=dev)
+    return gpu_rdma.Domain(transport="tcp")
+
+
+def pair(d, server_advertise=(), client_advertise=(), queue_depth=None):
+    listener = d.listen("127.0.0.1:0")
+    out = {}
+    accept = lambda: listener.accept(advertise=list(server_advertise), queue_depth=queue_depth)  # noqa: E731
+    t = threading.Thread(target=lambda: out.setdefault("s", accept()))
+    t.start()
+    c = d.connect(listener.address(), advertise=list(client_advertise), queue_depth=queue_depth)
+    t.join()
+    return out["s"], c
+
+
+def test_the_domain_says_what_it_runs_on():
+    info = domain().info()
+    expected = "verbs" if os.environ.get("GPU_RDMA_TEST_DEVICE") else "tcp"
+    assert info["transport"].lower().startswith(expected), info
+    if expected == "tcp":
+        assert info["fallback"], "a TCP domain says why"
+
+
+def test_send_and_recv_move_a_numpy_array_in_place():
+    d = domain()
+    s, c = pair(d)
+    src = np.arange(1 << 20, dtype=np.uint32)
+    dst = np.zeros_like(src)
+    rx = s.recv(d.register(dst))
+    done = c.send(d.register(src)).wait(timeout=30)
+    got = rx.wait(timeout=30)
+    assert done.bytes == src.nbytes and got.bytes == src.nbytes
+    assert np.array_equal(src, dst)
+
+
+def test_write_read_and_write_with_imm_reach_an_exposed_array():
+    d = domain()
+    target = np.zeros(1 << 16, dtype=np.uint8)
+    exposed = d.expose(d.register(target), "rw", tag=7)
+    s, c = pair(d, server_advertise=[exposed])
+    remote = c.remote_region(7)
+    assert remote is not None and len(remote) == target.nbytes
+    # The descriptor travels as bytes, and comes back the same.
+    assert len(gpu_rdma.RemoteRegion.from_bytes(exposed.descriptor())) == target.nbytes
+    data = np.frombuffer(os.urandom(4096), dtype=np.uint8).copy()
+    c.write(d.register(data), remote, remote_offset=1024).wait(timeout=30)
+    assert np.array_equal(target[1024:1024 + 4096], data)
+    back = np.zeros(4096, dtype=np.uint8)
+    c.read(d.register(back), remote, remote_offset=1024).wait(timeout=30)
+    assert np.array_equal(back, data)
+    imm = s.recv_imm()
+    c.write_with_imm(d.register(data[:100].copy()), remote, 0xBEEF).wait(timeout=30)
+    assert imm.wait(timeout=30).imm == 0xBEEF
+    assert np.array_equal(target[:100], data[:100])
+
+
+def test_a_transfer_list_lands_every_piece_before_its_notification():
+    d = domain()
+    pool = np.zeros(64 * 4096, dtype=np.uint8)
+    exposed = d.expose(d.register(pool), "w", tag=1)
+    s, c = pair(d, server_advertise=[exposed])
+    inbox = s.inbox()
+    src = np.frombuffer(os.urandom(16 * 4096), dtype=np.uint8).copy()
+    mine, theirs = list(range(16)), [63 - 3 * i for i in range(16)]
+    pieces = [(m * 4096, t * 4096, 4096) for m, t in zip(mine, theirs)]
+    op = c.write_list(d.register(src), c.remote_region(1), pieces, tag=5, payload=b"ready")
+    assert inbox.wait(5, timeout=30) == [b"ready"]
+    for m, t in zip(mine, theirs):
+        assert np.array_equal(pool[t * 4096:(t + 1) * 4096], src[m * 4096:(m + 1) * 4096])
+    done = op.wait(timeout=30)
+    assert done.bytes == 16 * 4096 and done.requests >= 1
+
+
+def test_a_thousand_operations_in_flight_on_one_event_loop():
+    d = domain()
+    s, c = pair(d, queue_depth=(1024, 1024))
+    n = 1000
+    srcs = [np.full(64, i % 251, dtype=np.uint8) for i in range(n)]
+    dsts = [np.zeros(64, dtype=np.uint8) for _ in range(n)]
+
+    async def main():
+        rx = [s.recv(d.register(x)) for x in dsts]
+        tx = [c.send(d.register(x)) for x in srcs]
+        # A timer task keeps ticking: the loop is never blocked.
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.001)
+
+        t = asyncio.ensure_future(tick())
+        done = await asyncio.wait_for(asyncio.gather(*tx, *rx), timeout=60)
+        t.cancel()
+        return done, ticks
+
+    done, ticks = asyncio.run(main())
+    assert len(done) == 2 * n and all(x.bytes == 64 for x in done)
+    assert ticks >= 1
+    for i, x in enumerate(dsts):
+        assert x[0] == i % 251, i
+
+
+def test_an_operation_awaited_after_it_finished_resolves_at_once():
+    d = domain()
+    s, c = pair(d)
+    dst = bytearray(8)
+    rx = s.recv(d.register(dst))
+    c.send(d.register(bytearray(b"12345678"))).wait(timeout=30)
+    rx.wait(timeout=30)
+
+    async def late():
+        return await rx
+
+    assert asyncio.run(late()).bytes == 8
+    assert bytes(dst) == b"12345678"
+
+
+def test_a_region_in_use_and_a_read_only_target_are_refused():
+    d = domain()
+    s, c = pair(d)
+    region = d.register(np.zeros(16, dtype=np.uint8))
+    rx = s.recv(region)
+    assert region.in_use
+    with pytest.raises(gpu_rdma.RegionInUse):
+        s.recv(region)
+    ro = d.register(b"read only bytes!")
+    assert ro.readonly
+    with pytest.raises(gpu_rdma.ReadOnlyBuffer):
+        s.recv(ro)
+    # A read-only buffer is a fine source.
+    c.send(ro).wait(timeout=30)
+    assert rx.wait(timeout=30).bytes == 16
+    assert not region.in_use, "the region came back with the completion"
+    assert bytes(region.obj) == b"read only bytes!"
+    with pytest.raises(gpu_rdma.GpuRdmaError):
+        d.expose(ro, "w")
+
+
+def test_a_non_contiguous_array_is_refused_with_the_fix():
+    d = domain()
+    a = np.zeros((64, 64), dtype=np.float32)[:, ::2]
+    with pytest.raises(BufferError, match="ascontiguousarray"):
+        d.register(a)
+    with pytest.raises(ValueError):
+        d.register(bytearray())
+
+
+def test_bounds_are_checked_here_and_at_the_peer():
+    d = domain()
+    target = np.zeros(4096, dtype=np.uint8)
+    exposed = d.expose(d.register(target), "w", tag=2)
+    s, c = pair(d, server_advertise=[exposed])
+    remote = c.remote_region(2)
+    src = d.register(np.ones(4096, dtype=np.uint8))
+    with pytest.raises(gpu_rdma.OutOfBounds):
+        c.send(src, offset=4000, length=200)
+    with pytest.raises(gpu_rdma.GpuRdmaError):
+        c.write(src, remote, remote_offset=1)  # 4096 bytes at offset 1 of 4096
+    assert not src.in_use, "a refused operation took nothing"
+    # A forged descriptor: the peer refuses it, typed.
+    forged = bytearray(exposed.descriptor())
+    with pytest.raises(gpu_rdma.GpuRdmaError):
+        gpu_rdma.RemoteRegion.from_bytes(bytes(forged[:10]))
+    assert not target.any(), "nothing landed"
+
+
+def test_a_closed_connection_fails_its_operations_and_gives_buffers_back():
+    d = domain()
+    s, c = pair(d)
+    region = d.register(np.zeros(64, dtype=np.uint8))
+    rx = s.recv(region)
+    s.close()
+    with pytest.raises(gpu_rdma.ConnectionLost):
+        rx.wait(timeout=30)
+    assert not region.in_use
+    with pytest.raises(gpu_rdma.ConnectionLost):
+        s.send(region)
+    with pytest.raises((gpu_rdma.ConnectionLost, gpu_rdma.OperationFailed)):
+        c.send(d.register(bytearray(8))).wait(timeout=30)
+
+
+def test_ctrl_c_interrupts_a_wait_promptly():
+    d = domain()
+    s, _c = pair(d)
+    rx = s.recv(d.register(bytearray(8)))  # nobody sends
+    threading.Timer(0.2, _thread.interrupt_main).start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        rx.wait()
+    assert time.monotonic() - t0 < 1.0
+    with pytest.raises(gpu_rdma.Timeout):
+        rx.wait(timeout=0.1)
+
+
+def test_registered_objects_are_let_go_once_their_regions_are():
+    d = domain()
+    s, c = pair(d)
+    a = np.zeros(1 << 16, dtype=np.uint8)
+    w = weakref.ref(a)
+    region = d.register(a)
+    rx = s.recv(region)
+    c.send(d.register(np.ones(1 << 16, dtype=np.uint8))).wait(timeout=30)
+    rx.wait(timeout=30)
+    del a, region, rx
+    gc.collect()
+    gpu_rdma.Domain(transport="tcp")  # any call into the module releases what is pending
+    d.register(bytearray(1))
+    assert w() is None, "the array was kept after its region went"
+
+
+def test_doctor_returns_its_checks():
+    r = gpu_rdma.doctor()
+    names = [c["name"] for c in r["checks"]]
+    assert "libibverbs" in names and any(n.startswith("RDMA device") for n in names), names
+    assert all(c["status"] in ("ok", "warn", "fail", "unknown") for c in r["checks"])
