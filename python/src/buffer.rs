@@ -33,6 +33,7 @@ struct PyBufferView {
 unsafe extern "C" {
     fn PyObject_GetBuffer(obj: *mut pyo3::ffi::PyObject, view: *mut PyBufferView, flags: c_int) -> c_int;
     fn PyBuffer_Release(view: *mut PyBufferView);
+    fn PyObject_CheckBuffer(obj: *mut pyo3::ffi::PyObject) -> c_int;
 }
 
 const PYBUF_WRITABLE: c_int = 0x0001;
@@ -49,15 +50,30 @@ unsafe impl Send for Held {}
 // SAFETY: as above.
 unsafe impl Sync for Held {}
 
-/// Views whose last user went while the GIL was not held: released the
-/// next time Python calls in (a release needs the GIL, and the thread that
-/// drops one, the engine's, must never wait for it).
-static PENDING: Mutex<Vec<Held>> = Mutex::new(Vec::new());
+/// Work that needs the GIL, let go of where it was not held (a buffer
+/// release, a DLPack deleter): done the next time Python calls in (the
+/// thread that drops such a value, the engine's, must never wait for the
+/// GIL).
+type Deferred = Box<dyn FnOnce() + Send>;
+static PENDING: Mutex<Vec<Deferred>> = Mutex::new(Vec::new());
+
+/// Runs `f` the next time Python calls in, with the GIL held.
+pub(crate) fn defer_with_gil(f: Deferred) {
+    PENDING.lock().unwrap_or_else(|e| e.into_inner()).push(f);
+}
 
 impl Drop for Held {
     fn drop(&mut self) {
         let view = std::mem::replace(&mut self.0, empty());
-        PENDING.lock().unwrap_or_else(|e| e.into_inner()).push(Held(view));
+        if view.obj.is_null() {
+            return;
+        }
+        let mut held = std::mem::ManuallyDrop::new(Held(view));
+        defer_with_gil(Box::new(move || {
+            // SAFETY: a view filled by PyObject_GetBuffer and not yet released,
+            // released once here, with the GIL held (`release_pending`).
+            unsafe { PyBuffer_Release(&mut held.0) };
+        }));
     }
 }
 
@@ -77,22 +93,17 @@ fn empty() -> PyBufferView {
     }
 }
 
-/// Releases the views let go of without the GIL; `py` proves it is held.
+/// Does the work deferred until the GIL is held; `py` proves it is.
 pub(crate) fn release_pending(_py: Python<'_>) {
     let pending = std::mem::take(&mut *PENDING.lock().unwrap_or_else(|e| e.into_inner()));
-    for held in pending {
-        let mut held = std::mem::ManuallyDrop::new(held);
-        if !held.0.obj.is_null() {
-            // SAFETY: a view filled by PyObject_GetBuffer and not yet released,
-            // released once here, with the GIL held.
-            unsafe { PyBuffer_Release(&mut held.0) };
-        }
+    for f in pending {
+        f();
     }
 }
 
 /// Memory of a Python object, and whether it may be written.
 pub(crate) struct ObjectMemory {
-    pub(crate) mem: ForeignHost,
+    pub(crate) mem: crate::mem::PyMem,
     pub(crate) readonly: bool,
 }
 
@@ -105,6 +116,16 @@ pub(crate) struct ObjectMemory {
 /// protocol, `ValueError` for an empty one.
 pub(crate) fn object_memory(obj: &Bound<'_, PyAny>) -> PyResult<ObjectMemory> {
     release_pending(obj.py());
+    // DLPack first where the memory is not the host's (a CUDA tensor), or
+    // where there is no buffer protocol (a torch CPU tensor).
+    if crate::dlpack::is_producer(obj) {
+        let on_host = crate::dlpack::device_of(obj).is_ok_and(|(kind, _)| kind == 1);
+        // SAFETY: a live object; the check has no side effect.
+        let has_buffer = unsafe { PyObject_CheckBuffer(obj.as_ptr()) } != 0;
+        if !on_host || !has_buffer {
+            return Ok(ObjectMemory { mem: crate::dlpack::memory(obj)?, readonly: false });
+        }
+    }
     let mut view = empty();
     // SAFETY: a live object (we hold the GIL and a reference) and a view to
     // fill; on success the view holds a reference to the exporter and pins
@@ -146,5 +167,5 @@ pub(crate) fn object_memory(obj: &Bound<'_, PyAny>) -> PyResult<ObjectMemory> {
     // then mix, as the type documents); no Rust reference to it is made.
     let mem =
         unsafe { ForeignHost::from_raw(ptr, len, Box::new(held)) }.map_err(|e| PyValueError::new_err(e.to_string()))?;
-    Ok(ObjectMemory { mem, readonly })
+    Ok(ObjectMemory { mem: crate::mem::PyMem::Host(mem), readonly })
 }

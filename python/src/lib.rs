@@ -5,22 +5,24 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use gpu_rdma::{Access, ConnectOptions, DomainConfig, ForeignHost, Piece, TransportPolicy};
+use gpu_rdma::{Access, ConnectOptions, DomainConfig, Piece, TransportPolicy};
 use parking_lot::Mutex;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
 mod buffer;
+mod dlpack;
 mod errors;
+mod mem;
 mod ops;
 
 use errors::to_py;
 use ops::{Completion, Op, OpShared};
 
-/// The memory every Python region is: a Python object's buffer (held alive
-/// by the region until the device is done with it).
-type Mem = ForeignHost;
+/// The memory every Python region is: a Python object's buffer or DLPack
+/// tensor (held alive by the region until the device is done with it).
+type Mem = mem::PyMem;
 type RustRegion = gpu_rdma::Region<Mem>;
 
 fn seconds(t: Option<f64>, default: Duration) -> PyResult<Duration> {
@@ -75,9 +77,10 @@ impl Domain {
     /// a source (send, write).
     fn register(&self, py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Region> {
         let buffer::ObjectMemory { mem, readonly } = buffer::object_memory(obj)?;
-        let len = mem.len_bytes();
-        let region = py.detach(|| self.inner.register(mem, Access::LOCAL)).map_err(|e| to_py(e.error))?;
-        Ok(Region { slot: Arc::new(Mutex::new(Some(region))), readonly, len, obj: obj.clone().unbind() })
+        let len = gpu_rdma::Memory::len(&mem);
+        let region = py.detach(|| self.inner.register(mem, Access::LOCAL).map_err(|e| e.error)).map_err(to_py)?;
+        let path = region.path_report().map(|p| p.chosen.to_string());
+        Ok(Region { slot: Arc::new(Mutex::new(Some(region))), readonly, len, path, obj: obj.clone().unbind() })
     }
 
     /// Gives peers `access` ("w", "r" or "rw") to `region`, under `tag` in
@@ -161,16 +164,6 @@ fn options(
     Ok(opts)
 }
 
-trait LenBytes {
-    fn len_bytes(&self) -> usize;
-}
-
-impl LenBytes for ForeignHost {
-    fn len_bytes(&self) -> usize {
-        gpu_rdma::Memory::len(self)
-    }
-}
-
 /// Registered memory for local use: the buffer of an operation. While an
 /// operation uses it, it cannot be given to another (`RegionInUse`); it is
 /// back when that operation is done.
@@ -179,6 +172,9 @@ struct Region {
     slot: Arc<Mutex<Option<RustRegion>>>,
     readonly: bool,
     len: usize,
+    /// GPU memory: the path the NIC reaches it by ("dmabuf", "peermem",
+    /// "staged"); None for host memory.
+    path: Option<String>,
     obj: Py<PyAny>,
 }
 
@@ -215,6 +211,13 @@ impl Region {
     #[getter]
     fn readonly(&self) -> bool {
         self.readonly
+    }
+
+    /// GPU memory: the path the NIC reaches it by ("dmabuf", "peermem" or
+    /// "staged"); None for host memory.
+    #[getter]
+    fn memory_path(&self) -> Option<String> {
+        self.path.clone()
     }
 
     /// The object whose memory this is.

@@ -326,13 +326,17 @@ fn python_wheel(py: &Path) -> Result<PathBuf> {
 
 /// The pytest command for the binding's suite (run from outside the
 /// source tree, so the installed package is what is imported).
-fn pytest_command(py: &Path) -> String {
+fn pytest_command(py: &Path, tests: &str) -> String {
     format!(
-        "cd /tmp && {} -m pytest -q -p no:cacheprovider --import-mode=importlib {}",
+        "cd /tmp && {} -m pytest -q -rs -p no:cacheprovider --import-mode=importlib {}",
         quote(&py.to_string_lossy()),
-        quote(&root().join("python/tests").to_string_lossy())
+        quote(&root().join("python/tests").join(tests).to_string_lossy())
     )
 }
+
+/// The binding's DLPack CUDA tests, against the CUDA stand-in in `stub`
+/// (its own run: without a libcuda they skip, saying so).
+const PY_CUDA_TESTS: &str = "test_cuda_dlpack.py";
 
 /// pytest's summary line: (passed, failed).
 fn pytest_counts(out: &str) -> (u64, u64) {
@@ -746,18 +750,29 @@ pub fn run() -> Result<i32> {
     }
     println!("\n== tier 1d (this machine): the Python binding (one abi3 wheel), its pytest suite over TCP");
     let python = python_venv().and_then(|py| python_wheel(&py).map(|w| (py, w)));
-    let (py_here, py_wheel) = match &python {
+    let (py_here, py_cuda_here, py_wheel) = match &python {
         Ok((py, wheel)) => {
-            let (_, out) = run_tee(Command::new("sh").args(["-c", &pytest_command(py)]))?;
-            (pytest_counts(&out), wheel.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default())
+            let (_, out) = run_tee(Command::new("sh").args(["-c", &pytest_command(py, "")]))?;
+            // The DLPack CUDA tensors, staged over TCP, on the stand-in.
+            let (_, cuda) = run_tee(
+                Command::new("sh").args(["-c", &pytest_command(py, PY_CUDA_TESTS)]).env("LD_LIBRARY_PATH", &stub),
+            )?;
+            let name = wheel.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+            (pytest_counts(&out), pytest_counts(&cuda), name)
         }
         Err(e) => {
             failures.push(format!("the Python binding did not build: {e}"));
-            ((0, 1), String::new())
+            ((0, 1), (0, 1), String::new())
         }
     };
     if py_here.1 > 0 || py_here.0 == 0 {
         failures.push(format!("the Python suite over TCP: {} passed, {} failed", py_here.0, py_here.1));
+    }
+    if py_cuda_here.1 > 0 || py_cuda_here.0 < 2 {
+        failures.push(format!(
+            "the Python DLPack CUDA tests on the stand-in: {} passed, {} failed",
+            py_cuda_here.0, py_cuda_here.1
+        ));
     }
     let no_rdma_core = without_libibverbs();
     if let Err(e) = &no_rdma_core {
@@ -800,7 +815,12 @@ pub fn run() -> Result<i32> {
         // The Python suite again, on rxe0.
         script.push_str(&format!(
             "echo '=== the Python suite on rxe0'\nGPU_RDMA_TEST_DEVICE=rxe0 sh -c {} > \"$VM_OUT/python.log\" 2>&1; tail -n 3 \"$VM_OUT/python.log\"\n",
-            quote(&pytest_command(py))
+            quote(&pytest_command(py, ""))
+        ));
+        // Its DLPack CUDA tensors on the peermem path (the stand-in preloaded).
+        script.push_str(&format!(
+            "echo '=== the Python DLPack CUDA tests on rxe0, peermem (CUDA stand-in)'\nGPU_RDMA_TEST_DEVICE=rxe0 GPU_RDMA_MEM_PATH=peermem LD_LIBRARY_PATH=\"$STUB\" LD_PRELOAD=\"$STUB/libcuda.so\" sh -c {} > \"$VM_OUT/python-cuda.log\" 2>&1; tail -n 3 \"$VM_OUT/python-cuda.log\"\n",
+            quote(&pytest_command(py, PY_CUDA_TESTS))
         ));
     }
     script.push_str(ALL_TO_ALL);
@@ -881,6 +901,13 @@ pub fn run() -> Result<i32> {
     if python.is_ok() && (py_guest.1 > 0 || py_guest.0 == 0) {
         failures.push(format!("the Python suite on rxe0: {} passed, {} failed", py_guest.0, py_guest.1));
     }
+    let py_cuda_guest = pytest_counts(&fs::read_to_string(guest.dir.join("python-cuda.log")).unwrap_or_default());
+    if python.is_ok() && (py_cuda_guest.1 > 0 || py_cuda_guest.0 < 2) {
+        failures.push(format!(
+            "the Python DLPack CUDA tests on rxe0 (peermem): {} passed, {} failed",
+            py_cuda_guest.0, py_cuda_guest.1
+        ));
+    }
     let kv_log = fs::read_to_string(guest.dir.join("kv-pages.log")).unwrap_or_default();
     let kv_guest = kv_pages_verified(&kv_log, "verbs", kv_log.contains("kv_pages exit 0"));
     if let Err(e) = &kv_guest {
@@ -933,8 +960,8 @@ pub fn run() -> Result<i32> {
         }
     );
     println!(
-        "tier 1d, Python ({py_wheel}): {} passed, {} failed over TCP here; {} passed, {} failed on rxe0 in the guest",
-        py_here.0, py_here.1, py_guest.0, py_guest.1
+        "tier 1d, Python ({py_wheel}): {} passed, {} failed over TCP here; {} passed, {} failed on rxe0 in the guest; DLPack CUDA tensors (stand-in) {} passed, {} failed staged here, {} passed, {} failed on peermem in the guest",
+        py_here.0, py_here.1, py_guest.0, py_guest.1, py_cuda_here.0, py_cuda_here.1, py_cuda_guest.0, py_cuda_guest.1
     );
     println!(
         "tier 1c, without rdma-core: {}",
@@ -979,7 +1006,11 @@ pub fn run() -> Result<i32> {
             + gpu_verified.min(2) as u64
             + u64::from(doctor.is_ok())
             + u64::from(here.is_ok())
-            + u64::from(loopback.is_ok()),
+            + u64::from(loopback.is_ok())
+            + py_here.0
+            + py_guest.0
+            + py_cuda_here.0
+            + py_cuda_guest.0,
         host.failed
             + cuda.failed
             + verbs.failed
