@@ -18,12 +18,12 @@ mod mem;
 mod ops;
 
 use errors::to_py;
-use ops::{Completion, Op, OpShared};
+use ops::{Completion, Handle, Op};
 
 /// The memory every Python region is: a Python object's buffer or DLPack
 /// tensor (held alive by the region until the device is done with it).
 type Mem = mem::PyMem;
-type RustRegion = gpu_rdma::Region<Mem>;
+use mem::{RustRegion, Slot};
 
 fn seconds(t: Option<f64>, default: Duration) -> PyResult<Duration> {
     match t {
@@ -169,7 +169,7 @@ fn options(
 /// back when that operation is done.
 #[pyclass(module = "gpu_rdma", frozen)]
 struct Region {
-    slot: Arc<Mutex<Option<RustRegion>>>,
+    slot: Slot,
     readonly: bool,
     len: usize,
     /// GPU memory: the path the NIC reaches it by ("dmabuf", "peermem",
@@ -317,40 +317,20 @@ struct Connection {
     inner: Mutex<Option<gpu_rdma::Connection>>,
 }
 
-/// Starts `f`'s operation on `region` (taken from its slot) and returns its
-/// handle; the completion puts the region back.
-fn run_op<B: Send>(
+/// Starts `start`'s operation on `region` (taken from its slot) and returns
+/// its handle; the region goes back to its slot when the operation is
+/// waited for, awaited or dropped.
+fn run_op(
     py: Python<'_>,
     region: &Region,
     writable: bool,
-    start: impl FnOnce(RustRegion) -> B + Send,
-    wire: impl FnOnce(B, Arc<OpShared>, Arc<Mutex<Option<RustRegion>>>),
+    start: impl FnOnce(RustRegion) -> Handle + Send,
 ) -> PyResult<Op> {
     let r = if writable { region.take_writable()? } else { region.take()? };
-    let shared = OpShared::new();
     // A post may wait for room in a full queue: never with the GIL held
     // (the operations that make room may need this thread's peer).
-    let op = py.detach(move || start(r));
-    wire(op, Arc::clone(&shared), Arc::clone(&region.slot));
-    Ok(Op { shared })
-}
-
-fn wire_pending(p: gpu_rdma::Pending<RustRegion>, shared: Arc<OpShared>, slot: Arc<Mutex<Option<RustRegion>>>) {
-    p.on_complete(move |res, buf| {
-        if let Some(b) = buf {
-            *slot.lock() = Some(b);
-        }
-        shared.finish(res.map(|c| Completion { bytes: u64::from(c.byte_len), imm: c.imm, requests: 1 }).map_err(to_py));
-    });
-}
-
-fn wire_transfer(t: gpu_rdma::Transfer<RustRegion>, shared: Arc<OpShared>, slot: Arc<Mutex<Option<RustRegion>>>) {
-    t.on_complete(move |res, buf| {
-        if let Some(b) = buf {
-            *slot.lock() = Some(b);
-        }
-        shared.finish(res.map(|t| Completion { bytes: t.bytes, imm: None, requests: t.requests }).map_err(to_py));
-    });
+    let handle = py.detach(move || start(r));
+    Ok(Op::new(handle, Some(Arc::clone(&region.slot))))
 }
 
 /// `offset..offset + length` of a region `len` bytes long (length None:
@@ -382,7 +362,7 @@ impl Connection {
     #[pyo3(signature = (region, offset=0, length=None))]
     fn send(&self, py: Python<'_>, region: &Region, offset: usize, length: Option<usize>) -> PyResult<Op> {
         let range = local_range(region.len, offset, length)?;
-        self.with(|c| run_op(py, region, false, |r| c.send(r.slice(range)), wire_pending))
+        self.with(|c| run_op(py, region, false, |r| Handle::One(c.send(r.slice(range)))))
     }
 
     /// Sends with a 32-bit immediate the peer's receive completion carries.
@@ -396,14 +376,14 @@ impl Connection {
         length: Option<usize>,
     ) -> PyResult<Op> {
         let range = local_range(region.len, offset, length)?;
-        self.with(|c| run_op(py, region, false, |r| c.send_with_imm(r.slice(range), imm), wire_pending))
+        self.with(|c| run_op(py, region, false, |r| Handle::One(c.send_with_imm(r.slice(range), imm))))
     }
 
     /// Posts a receive into `region` (the completion says how many bytes came).
     #[pyo3(signature = (region, offset=0, length=None))]
     fn recv(&self, py: Python<'_>, region: &Region, offset: usize, length: Option<usize>) -> PyResult<Op> {
         let range = local_range(region.len, offset, length)?;
-        self.with(|c| run_op(py, region, true, |r| c.recv(r.slice(range)), wire_pending))
+        self.with(|c| run_op(py, region, true, |r| Handle::One(c.recv(r.slice(range)))))
     }
 
     /// Writes `region[offset:offset+length]` into the peer's region at
@@ -420,7 +400,7 @@ impl Connection {
     ) -> PyResult<Op> {
         let range = local_range(region.len, offset, length)?;
         let dst = remote.slice(remote_offset, range.len() as u64)?;
-        self.with(|c| run_op(py, region, false, |r| c.write(r.slice(range), &dst), wire_pending))
+        self.with(|c| run_op(py, region, false, |r| Handle::One(c.write(r.slice(range), &dst))))
     }
 
     /// A write whose immediate the peer's `recv_imm` receives.
@@ -438,7 +418,7 @@ impl Connection {
     ) -> PyResult<Op> {
         let range = local_range(region.len, offset, length)?;
         let dst = remote.slice(remote_offset, range.len() as u64)?;
-        self.with(|c| run_op(py, region, false, |r| c.write_with_imm(r.slice(range), &dst, imm), wire_pending))
+        self.with(|c| run_op(py, region, false, |r| Handle::One(c.write_with_imm(r.slice(range), &dst, imm))))
     }
 
     /// Reads the peer's region at `remote_offset` into `region[offset:...]`.
@@ -454,23 +434,13 @@ impl Connection {
     ) -> PyResult<Op> {
         let range = local_range(region.len, offset, length)?;
         let src = remote.slice(remote_offset, range.len() as u64)?;
-        self.with(|c| run_op(py, region, true, |r| c.read(r.slice(range), &src), wire_pending))
+        self.with(|c| run_op(py, region, true, |r| Handle::One(c.read(r.slice(range), &src))))
     }
 
     /// Receives the peer's next write with immediate (or zero-byte send
     /// with immediate): the completion's `imm`.
     fn recv_imm(&self) -> PyResult<Op> {
-        let shared = OpShared::new();
-        let done = Arc::clone(&shared);
-        self.with(|c| {
-            c.recv_imm().on_complete(move |res, _| {
-                done.finish(
-                    res.map(|c| Completion { bytes: u64::from(c.byte_len), imm: c.imm, requests: 1 }).map_err(to_py),
-                );
-            });
-            Ok(())
-        })?;
-        Ok(Op { shared })
+        self.with(|c| Ok(Op::new(Handle::Imm(c.recv_imm()), None)))
     }
 
     /// Writes pieces `(local_offset, remote_offset, length)` of `region`
@@ -490,16 +460,12 @@ impl Connection {
         let dst = remote.inner.whole();
         let pieces: Vec<Piece> = pieces.into_iter().map(|(l, r, n)| Piece::new(l, r, n)).collect();
         self.with(|c| {
-            run_op(
-                py,
-                region,
-                false,
-                |r| match tag {
+            run_op(py, region, false, |r| {
+                Handle::List(match tag {
                     Some(tag) => c.write_list_notify(r, &dst, pieces, tag, payload),
                     None => c.write_list(r, &dst, pieces),
-                },
-                wire_transfer,
-            )
+                })
+            })
         })
     }
 

@@ -40,3 +40,9 @@ unsafe impl Memory for PyMem {
         }
     }
 }
+
+/// A region as the crate holds it.
+pub(crate) type RustRegion = gpu_rdma::Region<PyMem>;
+
+/// Where a Python region's memory is while no operation has it.
+pub(crate) type Slot = std::sync::Arc<parking_lot::Mutex<Option<RustRegion>>>;

@@ -15,6 +15,8 @@ use parking_lot::{Condvar, Mutex};
 use pyo3::prelude::*;
 
 use crate::buffer::release_pending;
+use crate::errors::to_py;
+use crate::mem::{RustRegion, Slot};
 
 /// What a finished operation says.
 #[pyclass(module = "gpu_rdma", frozen, get_all)]
@@ -135,56 +137,203 @@ fn resolve(py: Python<'_>, op: &OpShared, fut: &Bound<'_, PyAny>) -> PyResult<()
     Ok(())
 }
 
+/// The crate's handle of an operation, until it is waited for (then the
+/// waiting thread drives it, as a Rust caller's would), awaited or
+/// dropped (then the engine carries it to its end).
+pub(crate) enum Handle {
+    One(gpu_rdma::Pending<RustRegion>),
+    Imm(gpu_rdma::Pending<()>),
+    List(gpu_rdma::Transfer<RustRegion>),
+}
+
+fn completion(c: gpu_rdma::Completion) -> Completion {
+    Completion { bytes: u64::from(c.byte_len), imm: c.imm, requests: 1 }
+}
+
+impl Handle {
+    /// Hands the operation to the engine: its outcome goes to `shared`,
+    /// its region back to `slot`, whenever it ends.
+    fn detach_to(self, shared: Arc<OpShared>, slot: Option<Slot>) {
+        let give_back = move |buf: Option<RustRegion>| {
+            if let (Some(b), Some(slot)) = (buf, &slot) {
+                *slot.lock() = Some(b);
+            }
+        };
+        match self {
+            Handle::One(p) => p.on_complete(move |res, buf| {
+                give_back(buf);
+                shared.finish(res.map(completion).map_err(to_py));
+            }),
+            Handle::Imm(p) => p.on_complete(move |res, _| shared.finish(res.map(completion).map_err(to_py))),
+            Handle::List(t) => t.on_complete(move |res, buf| {
+                give_back(buf);
+                shared
+                    .finish(res.map(|t| Completion { bytes: t.bytes, imm: None, requests: t.requests }).map_err(to_py));
+            }),
+        }
+    }
+
+    /// Waits up to `slice` for the operation, this thread driving it; its
+    /// outcome once it ended (the region back in `slot`), or `Err(self)`
+    /// while it is still in flight.
+    fn wait_for(self, slice: Duration, slot: &Option<Slot>) -> Waited {
+        let give_back = |b: RustRegion| {
+            if let Some(slot) = slot {
+                *slot.lock() = Some(b);
+            }
+        };
+        match self {
+            Handle::One(mut p) => match p.wait_timeout(slice) {
+                Err(e) if e.is_timeout() && !p.is_done() => Waited::Running(Handle::One(p)),
+                outcome => {
+                    if let Ok(b) = p.into_buffer() {
+                        give_back(b);
+                    }
+                    Waited::Ended(outcome.map(completion))
+                }
+            },
+            Handle::Imm(mut p) => match p.wait_timeout(slice) {
+                Err(e) if e.is_timeout() && !p.is_done() => Waited::Running(Handle::Imm(p)),
+                outcome => Waited::Ended(outcome.map(completion)),
+            },
+            Handle::List(mut t) => match t.wait_timeout(slice) {
+                Err(e) if e.is_timeout() && !t.is_done() => Waited::Running(Handle::List(t)),
+                first => {
+                    let outcome = match t.finish() {
+                        Ok((moved, b)) => {
+                            give_back(b);
+                            Ok(Completion { bytes: moved.bytes, imm: None, requests: moved.requests })
+                        }
+                        Err(failed) => {
+                            if let Some(b) = failed.buffer {
+                                give_back(b);
+                            }
+                            Err(first.err().unwrap_or(failed.error))
+                        }
+                    };
+                    Waited::Ended(outcome)
+                }
+            },
+        }
+    }
+}
+
+/// What a wait on a handle found.
+enum Waited {
+    Ended(Result<Completion, gpu_rdma::Error>),
+    Running(Handle),
+}
+
 /// An operation in flight, or done.
 #[pyclass(module = "gpu_rdma")]
 pub(crate) struct Op {
     pub(crate) shared: Arc<OpShared>,
+    /// The crate's handle, until the operation is waited for, awaited or
+    /// dropped; and where its region goes back.
+    lazy: Mutex<Option<Handle>>,
+    slot: Option<Slot>,
+}
+
+impl Op {
+    pub(crate) fn new(handle: Handle, slot: Option<Slot>) -> Op {
+        Op { shared: OpShared::new(), lazy: Mutex::new(Some(handle)), slot }
+    }
+
+    /// From now on the engine carries it (for `await`, and when dropped).
+    fn hand_to_engine(&self) {
+        if let Some(h) = self.lazy.lock().take() {
+            h.detach_to(Arc::clone(&self.shared), self.slot.clone());
+        }
+    }
+
+    fn outcome(&self, py: Python<'_>) -> Option<PyResult<Completion>> {
+        match &*self.shared.state.lock() {
+            State::Done(Ok(c)) => Some(Ok(c.clone())),
+            State::Done(Err(e)) => Some(Err(e.clone_ref(py))),
+            State::Running { .. } => None,
+        }
+    }
+}
+
+impl Drop for Op {
+    fn drop(&mut self) {
+        self.hand_to_engine();
+    }
 }
 
 #[pymethods]
 impl Op {
     /// Waits for the operation (the GIL released) and returns its
     /// `Completion`; `timeout` in seconds (None: the connection's operation
-    /// timeout applies inside the crate). Ctrl-C interrupts the wait.
+    /// timeout applies inside the crate). Ctrl-C interrupts the wait; the
+    /// operation stays in flight and may be waited for again.
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Completion> {
         release_pending(py);
         let until = timeout.map(|t| Instant::now() + Duration::from_secs_f64(t.max(0.0)));
+        // Short slices, so Ctrl-C is seen within 50 ms.
+        let slice = |now: Instant| {
+            until.map_or(Duration::from_millis(50), |u| u.saturating_duration_since(now).min(Duration::from_millis(50)))
+        };
         loop {
-            {
-                let state = self.shared.state.lock();
-                if let State::Done(outcome) = &*state {
-                    return match outcome {
-                        Ok(c) => Ok(c.clone()),
-                        Err(e) => Err(e.clone_ref(py)),
-                    };
+            if let Some(outcome) = self.outcome(py) {
+                return outcome;
+            }
+            let handle = self.lazy.lock().take();
+            match handle {
+                // This thread drives it, as a Rust caller's wait does.
+                Some(h) => {
+                    let wait = slice(Instant::now());
+                    let slot = self.slot.clone();
+                    let (h, ended) = py.detach(move || match h.wait_for(wait, &slot) {
+                        Waited::Ended(outcome) => (None, Some(outcome)),
+                        Waited::Running(h) => (Some(h), None),
+                    });
+                    if let Some(outcome) = ended {
+                        self.shared.finish(outcome.map_err(to_py));
+                        continue;
+                    }
+                    *self.lazy.lock() = h;
+                }
+                // Awaited before: the engine carries it; sleep until it ends.
+                None => {
+                    let wait = slice(Instant::now());
+                    let shared = Arc::clone(&self.shared);
+                    py.detach(move || {
+                        let mut state = shared.state.lock();
+                        if matches!(&*state, State::Running { .. }) {
+                            shared.done.wait_for(&mut state, wait);
+                        }
+                    });
                 }
             }
-            if until.is_some_and(|u| Instant::now() >= u) {
+            py.check_signals()?;
+            if until.is_some_and(|u| Instant::now() >= u) && self.outcome(py).is_none() {
                 return Err(crate::errors::Timeout::new_err(format!(
                     "the operation did not finish within {:.3} s (it is still in flight: wait again)",
                     timeout.unwrap_or(0.0)
                 )));
             }
-            // Short slices, so Ctrl-C is seen within 50 ms.
-            let slice = Duration::from_millis(50);
-            let shared = Arc::clone(&self.shared);
-            py.detach(move || {
-                let mut state = shared.state.lock();
-                if matches!(&*state, State::Running { .. }) {
-                    shared.done.wait_for(&mut state, slice);
-                }
-            });
-            py.check_signals()?;
         }
     }
 
-    /// Whether it finished.
-    fn done(&self) -> bool {
-        matches!(&*self.shared.state.lock(), State::Done(_))
+    /// Whether it finished (without waiting).
+    fn done(&self, py: Python<'_>) -> bool {
+        if self.outcome(py).is_some() {
+            return true;
+        }
+        let handle = self.lazy.lock().take();
+        if let Some(h) = handle {
+            match h.wait_for(Duration::ZERO, &self.slot) {
+                Waited::Ended(outcome) => self.shared.finish(outcome.map_err(to_py)),
+                Waited::Running(h) => *self.lazy.lock() = Some(h),
+            }
+        }
+        self.outcome(py).is_some()
     }
 
     fn __await__(slf: PyRef<'_, Self>, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        slf.hand_to_engine();
         let aio = py.import("gpu_rdma._aio")?;
         let fut = aio.call_method0("future")?;
         let mut state = slf.shared.state.lock();
@@ -200,7 +349,7 @@ impl Op {
         Ok(fut.call_method0("__await__")?.unbind())
     }
 
-    fn __repr__(&self) -> String {
-        format!("Op(done={})", self.done())
+    fn __repr__(&self, py: Python<'_>) -> String {
+        format!("Op(done={})", self.outcome(py).is_some())
     }
 }
