@@ -52,8 +52,10 @@ def _serve(transport, port_q, test):
 
 
 def python_round(transport, test):
-    q = mp.Queue()
-    server = mp.Process(target=_serve, args=(transport, q, test))
+    # Spawned, not forked: this process has the crate's threads running.
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    server = ctx.Process(target=_serve, args=(transport, q, test))
     server.start()
     addr = q.get(timeout=60)
     d = gpu_rdma.Domain(transport=transport)
@@ -133,6 +135,7 @@ def main():
                        f"goal >= 0.95x {met}")
             size = BW_SIZE
         print(f"{test:10} {size:>8} {r:>9.1f} {unit:<3}{p:>9.1f} {unit:<3}   {verdict}")
+        print(f"{'':10} {'':>8} rounds: rust {', '.join(f'{x:.1f}' for x in rust)}; python {', '.join(f'{x:.1f}' for x in py)}")
 
 
 if __name__ == "__main__":
