@@ -334,6 +334,12 @@ fn pytest_command(py: &Path, tests: &str) -> String {
     )
 }
 
+/// The binding's examples and what each must say.
+const PY_EXAMPLES: [(&str, &str); 2] = [
+    ("kv_push.py --requests 16", "kv_push: all 16 requests verified"),
+    ("weights.py --ranks 3 --mib 16 --steps 3", "weights: 3 steps to 2 ranks, every one verified"),
+];
+
 /// The binding's DLPack CUDA tests, against the CUDA stand-in in `stub`
 /// (its own run: without a libcuda they skip, saying so).
 const PY_CUDA_TESTS: &str = "test_cuda_dlpack.py";
@@ -768,6 +774,16 @@ pub fn run() -> Result<i32> {
     if py_here.1 > 0 || py_here.0 == 0 {
         failures.push(format!("the Python suite over TCP: {} passed, {} failed", py_here.0, py_here.1));
     }
+    // The binding's examples, as a newcomer runs them.
+    if let Ok((py, _)) = &python {
+        for (example, want) in PY_EXAMPLES {
+            let cmd = format!("{} python/examples/{example}", quote(&py.to_string_lossy()));
+            match run_tee(Command::new("sh").args(["-c", &cmd]).current_dir(root())) {
+                Ok((true, out)) if out.contains(want) => {}
+                _ => failures.push(format!("python/examples/{example} did not say `{want}` on this machine")),
+            }
+        }
+    }
     if py_cuda_here.1 > 0 || py_cuda_here.0 < 2 {
         failures.push(format!(
             "the Python DLPack CUDA tests on the stand-in: {} passed, {} failed",
@@ -817,6 +833,12 @@ pub fn run() -> Result<i32> {
             "echo '=== the Python suite on rxe0'\nGPU_RDMA_TEST_DEVICE=rxe0 sh -c {} > \"$VM_OUT/python.log\" 2>&1; tail -n 3 \"$VM_OUT/python.log\"\n",
             quote(&pytest_command(py, ""))
         ));
+        for (i, (example, _)) in PY_EXAMPLES.iter().enumerate() {
+            script.push_str(&format!(
+                "echo '=== python/examples/{example} (rxe0)'\n{} python/examples/{example} > \"$VM_OUT/py-example-{i}.log\" 2>&1; tail -n 2 \"$VM_OUT/py-example-{i}.log\"\n",
+                quote(&py.to_string_lossy())
+            ));
+        }
         // Its DLPack CUDA tensors on the peermem path (the stand-in preloaded).
         script.push_str(&format!(
             "echo '=== the Python DLPack CUDA tests on rxe0, peermem (CUDA stand-in)'\nGPU_RDMA_TEST_DEVICE=rxe0 GPU_RDMA_MEM_PATH=peermem LD_LIBRARY_PATH=\"$STUB\" LD_PRELOAD=\"$STUB/libcuda.so\" sh -c {} > \"$VM_OUT/python-cuda.log\" 2>&1; tail -n 3 \"$VM_OUT/python-cuda.log\"\n",
@@ -900,6 +922,14 @@ pub fn run() -> Result<i32> {
     let py_guest = pytest_counts(&fs::read_to_string(guest.dir.join("python.log")).unwrap_or_default());
     if python.is_ok() && (py_guest.1 > 0 || py_guest.0 == 0) {
         failures.push(format!("the Python suite on rxe0: {} passed, {} failed", py_guest.0, py_guest.1));
+    }
+    if python.is_ok() {
+        for (i, (example, want)) in PY_EXAMPLES.iter().enumerate() {
+            let log = fs::read_to_string(guest.dir.join(format!("py-example-{i}.log"))).unwrap_or_default();
+            if !log.contains(want) || !log.contains("verbs") {
+                failures.push(format!("python/examples/{example} did not say `{want}` over verbs on rxe0"));
+            }
+        }
     }
     let py_cuda_guest = pytest_counts(&fs::read_to_string(guest.dir.join("python-cuda.log")).unwrap_or_default());
     if python.is_ok() && (py_cuda_guest.1 > 0 || py_cuda_guest.0 < 2) {
