@@ -86,6 +86,19 @@ for flags in "--gpu" "--gpu --per-tensor"; do
   fi
 done
 
+section "Python: a DLPack CUDA tensor through the binding (the wheel unpacked from the bundle)"
+if command -v python3 >/dev/null; then
+  if PYTHONPATH="$HERE/python" timeout $T python3 "$HERE/python/gpu_check.py" > "$OUT/python.log" 2>&1; then
+    sed 's/^/  /' "$OUT/python.log" | tee -a "$REPORT"
+  else
+    sed 's/^/  /' "$OUT/python.log" | tee -a "$REPORT"
+    say "python gpu-check: FAILED"
+    fails=$((fails + 1))
+  fi
+else
+  say "no python3 on this machine: the Python check is not run"
+fi
+
 section "a staged 4 KiB round trip, waited for and awaited (one process: one CUDA context on the GPU)"
 # What the library adds to a small staged message: two copies each way and
 # how soon the waiting (or awaiting) thread notices each.

@@ -100,6 +100,14 @@ pub fn command(args: &[String]) -> Result<i32> {
             copy(&provider, &dir.join("lib/librxe-rdmav34.so"))?;
         }
     }
+    // The Python binding: its wheel unpacked (the GPU machine may have no
+    // pip and reaches no registry), and its CUDA check with its producer.
+    let py = crate::test::python_venv()?;
+    let wheel = crate::test::python_wheel(&py)?;
+    run(Command::new(&py).args(["-m", "zipfile", "-e"]).arg(&wheel).arg(dir.join("python")))?;
+    for f in ["gpu_check.py", "dlpack_producer.py"] {
+        copy(&root().join("python/tests").join(f), &dir.join("python").join(f))?;
+    }
     fs::write(dir.join("run.sh"), SCRIPT).map_err(|e| e.to_string())?;
     run(Command::new("chmod").arg("+x").arg(dir.join("run.sh")))?;
     let size = output(Command::new("du").args(["-sh"]).arg(&dir)).unwrap_or_default();

@@ -292,7 +292,7 @@ fn newcomer_messages() -> std::result::Result<usize, String> {
 
 /// The Python binding's venv (`target/pyenv`): made, with maturin, pytest
 /// and numpy from PyPI, where it is not there yet.
-fn python_venv() -> Result<PathBuf> {
+pub(crate) fn python_venv() -> Result<PathBuf> {
     let venv = root().join("target/pyenv");
     let py = venv.join("bin/python");
     if !py.exists() {
@@ -306,7 +306,7 @@ fn python_venv() -> Result<PathBuf> {
 
 /// Builds the wheel (one abi3 wheel, `target/wheels`) and installs it into
 /// the venv, as `pip install ./python` would.
-fn python_wheel(py: &Path) -> Result<PathBuf> {
+pub(crate) fn python_wheel(py: &Path) -> Result<PathBuf> {
     let wheels = root().join("target/wheels");
     let _ = fs::remove_dir_all(&wheels);
     run_cmd(

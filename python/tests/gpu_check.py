@@ -1,0 +1,53 @@
+"""The Python binding's CUDA check for a GPU machine (run by the bundle of
+`cargo xtask gpu-check`, where only Python and the wheel are installed:
+no numpy, no pytest). A DLPack tensor in device memory (cuMemAlloc through
+ctypes) is registered, received into and sent from over TCP (staged),
+verified on the device, and its deleter runs once its region is gone.
+Prints one line per check and exits non-zero on any failure."""
+
+import os
+import sys
+import threading
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_rdma  # noqa: E402
+from dlpack_producer import CUDA, DeviceArray  # noqa: E402
+
+
+def main():
+    if CUDA is None:
+        print("python gpu-check: no libcuda on this machine: not run")
+        return 1
+    d = gpu_rdma.Domain(transport="tcp")
+    listener = d.listen("127.0.0.1:0")
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("s", listener.accept()))
+    t.start()
+    c = d.connect(listener.address())
+    t.join()
+    s = out["s"]
+    n = 64 << 20
+    gpu = DeviceArray(n)
+    region = d.register(gpu)
+    print(f"python gpu-check: a DLPack CUDA tensor of {n >> 20} MiB registered, path {region.memory_path}")
+    data = os.urandom(n)
+    rx = s.recv(region)
+    c.send(d.register(data)).wait(timeout=120)
+    got = rx.wait(timeout=120)
+    ok_in = got.bytes == n and gpu.download() == data
+    back = bytearray(n)
+    rx = c.recv(d.register(back))
+    s.send(region).wait(timeout=120)
+    rx.wait(timeout=120)
+    ok_out = bytes(back) == data
+    del region, rx
+    d.register(bytearray(1))
+    ok_deleter = gpu.deleted == 1
+    for what, ok in (("received into device memory", ok_in), ("sent from device memory", ok_out),
+                     ("the producer's deleter ran once", ok_deleter)):
+        print(f"python gpu-check: {what}: {'verified' if ok else 'FAILED'}")
+    return 0 if ok_in and ok_out and ok_deleter else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
