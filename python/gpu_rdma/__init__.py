@@ -36,6 +36,7 @@ from ._native import (  # noqa: F401
     RemoteRegion,
     Timeout,
     ConnectionLost,
+    World,
     __version__,
     doctor,
 )
@@ -43,5 +44,5 @@ from ._native import (  # noqa: F401
 __all__ = [
     "Completion", "Connection", "ConnectionLost", "CudaError", "Domain", "Exposed", "GpuRdmaError", "Inbox",
     "InvalidArgument", "Listener", "NoDevice", "Op", "OperationFailed", "OutOfBounds", "PeerTransferFailed",
-    "ReadOnlyBuffer", "Region", "RegionInUse", "RemoteAccessError", "RemoteRegion", "Timeout", "doctor",
+    "ReadOnlyBuffer", "Region", "RegionInUse", "RemoteAccessError", "RemoteRegion", "Timeout", "World", "doctor",
 ]

@@ -314,7 +314,7 @@ impl Listener {
 /// await; its region is back when it is done.
 #[pyclass(module = "gpu_rdma", frozen)]
 struct Connection {
-    inner: Mutex<Option<gpu_rdma::Connection>>,
+    inner: Mutex<Option<Arc<gpu_rdma::Connection>>>,
 }
 
 /// Starts `start`'s operation on `region` (taken from its slot) and returns
@@ -345,6 +345,11 @@ fn local_range(len: usize, offset: usize, length: Option<usize>) -> PyResult<std
 
 impl Connection {
     fn new(inner: gpu_rdma::Connection) -> Self {
+        Connection::shared(Arc::new(inner))
+    }
+
+    /// One a `World` keeps (and may hand out again).
+    fn shared(inner: Arc<gpu_rdma::Connection>) -> Self {
         Connection { inner: Mutex::new(Some(inner)) }
     }
 
@@ -480,10 +485,11 @@ impl Connection {
     }
 
     /// Closes the connection: operations in flight fail, their regions
-    /// come back.
+    /// come back. (A `World`'s connection is only let go here: the world
+    /// keeps it for its other users.)
     fn close(&self, py: Python<'_>) {
         let conn = self.inner.lock().take();
-        if let Some(conn) = conn {
+        if let Some(conn) = conn.and_then(|c| Arc::try_unwrap(c).ok()) {
             py.detach(|| conn.close());
         }
     }
@@ -526,6 +532,80 @@ impl Inbox {
                 Err(e) => return Err(to_py(e)),
             }
         }
+    }
+}
+
+/// Many peers: each rank publishes its endpoint in a rendezvous (a
+/// directory every rank can read: a shared file system, or one machine's
+/// /tmp), dials a peer on first use and keeps a bounded pool.
+#[pyclass(module = "gpu_rdma", frozen)]
+struct World {
+    inner: gpu_rdma::World,
+}
+
+#[pymethods]
+impl World {
+    /// Joins rank `rank` of `size` (with `rank`/`size` None: from torchrun's,
+    /// Slurm's or Open MPI's variables) through the directory `directory`,
+    /// listening on `listen` ("host:port"); `advertise` lists exposed
+    /// regions every peer may use.
+    #[new]
+    #[pyo3(signature = (domain, directory, rank=None, size=None, job="gpu-rdma", listen=None, advertise=Vec::new(), op_timeout=None))]
+    #[allow(clippy::too_many_arguments)] // Python's keyword arguments, each with its default
+    fn new(
+        py: Python<'_>,
+        domain: &Domain,
+        directory: &str,
+        rank: Option<u32>,
+        size: Option<u32>,
+        job: &str,
+        listen: Option<&str>,
+        advertise: Vec<PyRef<'_, Exposed>>,
+        op_timeout: Option<f64>,
+    ) -> PyResult<Self> {
+        let (rank, size) = match (rank, size) {
+            (Some(r), Some(s)) => (r, s),
+            (None, None) => match gpu_rdma::launch::Rank::from_env().map_err(to_py)? {
+                Some(r) => (r.rank, r.world_size),
+                None => {
+                    return Err(errors::InvalidArgument::new_err(
+                        "no rank given and no launcher's variables (RANK/WORLD_SIZE, SLURM_PROCID, OMPI_COMM_WORLD_RANK)",
+                    ));
+                }
+            },
+            _ => return Err(errors::InvalidArgument::new_err("give both rank and size, or neither")),
+        };
+        let rdv: Arc<dyn gpu_rdma::rendezvous::Rendezvous> =
+            Arc::new(gpu_rdma::rendezvous::DirRendezvous::new(directory).map_err(to_py)?);
+        let mut opts = gpu_rdma::WorldOptions::new(job).connect(options(&advertise, op_timeout, None, None)?);
+        if let Some(addr) = listen {
+            opts = opts.listen(addr);
+        }
+        let inner = py.detach(|| gpu_rdma::World::join(&domain.inner, rank, size, rdv, opts)).map_err(to_py)?;
+        Ok(World { inner })
+    }
+
+    #[getter]
+    fn rank(&self) -> u32 {
+        self.inner.rank()
+    }
+
+    #[getter]
+    fn size(&self) -> u32 {
+        self.inner.size()
+    }
+
+    /// The connection to rank `rank`, dialed on first use.
+    fn peer(&self, py: Python<'_>, rank: u32) -> PyResult<Connection> {
+        Ok(Connection::shared(py.detach(|| self.inner.peer(rank)).map_err(to_py)?))
+    }
+
+    /// The connection rank `rank` dialed to this one, waiting up to
+    /// `timeout` seconds (default 30) for it.
+    #[pyo3(signature = (rank, timeout=None))]
+    fn accepted(&self, py: Python<'_>, rank: u32, timeout: Option<f64>) -> PyResult<Connection> {
+        let wait = seconds(timeout, Duration::from_secs(30))?;
+        Ok(Connection::shared(py.detach(|| self.inner.accepted(rank, wait)).map_err(to_py)?))
     }
 }
 
@@ -575,6 +655,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Listener>()?;
     m.add_class::<Connection>()?;
     m.add_class::<Inbox>()?;
+    m.add_class::<World>()?;
     m.add_class::<Op>()?;
     m.add_class::<Completion>()?;
     m.add_function(wrap_pyfunction!(doctor, m)?)?;

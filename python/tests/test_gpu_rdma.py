@@ -237,3 +237,43 @@ def test_doctor_returns_its_checks():
     names = [c["name"] for c in r["checks"]]
     assert "libibverbs" in names and any(n.startswith("RDMA device") for n in names), names
     assert all(c["status"] in ("ok", "warn", "fail", "unknown") for c in r["checks"])
+
+
+def test_a_world_of_three_ranks_meets_through_a_directory_and_exchanges(tmp_path):
+    size = 3
+    got = {}
+    errors = []
+
+    def rank(r):
+        try:
+            d = domain()
+            w = gpu_rdma.World(d, str(tmp_path), rank=r, size=size, listen="127.0.0.1:0")
+            assert (w.rank, w.size) == (r, size)
+            ops = []
+            for hi in range(r + 1, size):
+                ops.append(w.peer(hi).send(d.register(np.full(8, 10 * r + hi, dtype=np.uint8))))
+            for lo in range(r):
+                buf = np.zeros(8, dtype=np.uint8)
+                w.accepted(lo, timeout=30).recv(d.register(buf)).wait(timeout=30)
+                got[(lo, r)] = int(buf[0])
+            for op in ops:
+                op.wait(timeout=30)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append((r, e))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert got == {(lo, hi): 10 * lo + hi for lo in range(size) for hi in range(lo + 1, size)}
+
+
+def test_a_world_without_ranks_or_a_launcher_says_what_is_missing(tmp_path, monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(gpu_rdma.InvalidArgument, match="launcher"):
+        gpu_rdma.World(domain(), str(tmp_path))
+    with pytest.raises(gpu_rdma.InvalidArgument):
+        gpu_rdma.World(domain(), str(tmp_path), rank=1)
