@@ -381,6 +381,20 @@ pub enum Error {
 }
 
 impl Error {
+    /// `Ok` when `offset..offset + len` lies in a local range of `total`
+    /// bytes, else [`Error::OutOfBounds`] (an overflowing end included).
+    pub(crate) fn check_local(offset: usize, len: usize, total: usize) -> Result<()> {
+        if offset.checked_add(len).is_none_or(|end| end > total) {
+            return Err(Error::OutOfBounds {
+                side: "local",
+                offset: offset as u64,
+                len: len as u64,
+                region_len: total as u64,
+            });
+        }
+        Ok(())
+    }
+
     /// Whether this is a remote-access error completion: bad rkey, an address
     /// outside the peer's region, or an access right the region does not grant.
     pub fn is_remote_access(&self) -> bool {

@@ -343,7 +343,46 @@ fn local_range(len: usize, offset: usize, length: Option<usize>) -> PyResult<std
     }
 }
 
+/// A one-sided operation's two ranges: `region[offset..offset + length]`
+/// and as many bytes of the peer's region at `remote_offset`.
+struct Placed {
+    local: std::ops::Range<usize>,
+    remote: gpu_rdma::RemoteSlice,
+}
+
+impl Placed {
+    fn new(
+        region: &Region,
+        remote: &RemoteRegion,
+        offset: usize,
+        length: Option<usize>,
+        remote_offset: u64,
+    ) -> PyResult<Placed> {
+        let local = local_range(region.len, offset, length)?;
+        let remote = remote.slice(remote_offset, local.len() as u64)?;
+        Ok(Placed { local, remote })
+    }
+}
+
 impl Connection {
+    /// Starts a one-sided operation (`post`) on `at`; `writable`: it
+    /// writes the local range.
+    fn one_sided(
+        &self,
+        py: Python<'_>,
+        region: &Region,
+        at: Placed,
+        writable: bool,
+        post: impl FnOnce(
+            &gpu_rdma::Connection,
+            gpu_rdma::LocalSlice<RustRegion>,
+            &gpu_rdma::RemoteSlice,
+        ) -> gpu_rdma::Pending<RustRegion>
+        + Send,
+    ) -> PyResult<Op> {
+        self.with(|c| run_op(py, region, writable, |r| Handle::One(post(c, r.slice(at.local), &at.remote))))
+    }
+
     fn new(inner: gpu_rdma::Connection) -> Self {
         Connection::shared(Arc::new(inner))
     }
@@ -403,9 +442,8 @@ impl Connection {
         length: Option<usize>,
         remote_offset: u64,
     ) -> PyResult<Op> {
-        let range = local_range(region.len, offset, length)?;
-        let dst = remote.slice(remote_offset, range.len() as u64)?;
-        self.with(|c| run_op(py, region, false, |r| Handle::One(c.write(r.slice(range), &dst))))
+        let at = Placed::new(region, remote, offset, length, remote_offset)?;
+        self.one_sided(py, region, at, false, |c, local, dst| c.write(local, dst))
     }
 
     /// A write whose immediate the peer's `recv_imm` receives.
@@ -421,9 +459,8 @@ impl Connection {
         length: Option<usize>,
         remote_offset: u64,
     ) -> PyResult<Op> {
-        let range = local_range(region.len, offset, length)?;
-        let dst = remote.slice(remote_offset, range.len() as u64)?;
-        self.with(|c| run_op(py, region, false, |r| Handle::One(c.write_with_imm(r.slice(range), &dst, imm))))
+        let at = Placed::new(region, remote, offset, length, remote_offset)?;
+        self.one_sided(py, region, at, false, |c, local, dst| c.write_with_imm(local, dst, imm))
     }
 
     /// Reads the peer's region at `remote_offset` into `region[offset:...]`.
@@ -437,9 +474,8 @@ impl Connection {
         length: Option<usize>,
         remote_offset: u64,
     ) -> PyResult<Op> {
-        let range = local_range(region.len, offset, length)?;
-        let src = remote.slice(remote_offset, range.len() as u64)?;
-        self.with(|c| run_op(py, region, true, |r| Handle::One(c.read(r.slice(range), &src))))
+        let at = Placed::new(region, remote, offset, length, remote_offset)?;
+        self.one_sided(py, region, at, true, |c, local, src| c.read(local, src))
     }
 
     /// Receives the peer's next write with immediate (or zero-byte send

@@ -394,14 +394,7 @@ impl CudaBuffer {
     /// [`Error::OutOfBounds`] past the block's end; [`Error::InvalidArgument`]
     /// for zero bytes; [`Error::Cuda`].
     pub fn view(block: &std::sync::Arc<CudaBuffer>, offset: usize, len: usize) -> Result<Self> {
-        if offset.checked_add(len).is_none_or(|end| end > block.len) {
-            return Err(Error::OutOfBounds {
-                side: "local",
-                offset: offset as u64,
-                len: len as u64,
-                region_len: block.len as u64,
-            });
-        }
+        Error::check_local(offset, len, block.len)?;
         // SAFETY: the range lies inside `block`'s device memory (checked),
         // which the `Arc` moved into the guard keeps allocated for as long as
         // the view lives; GPU memory is never reached through Rust references,
@@ -688,15 +681,7 @@ impl CudaBuffer {
 
     /// [`Error::OutOfBounds`] unless `offset..offset + len` lies in the buffer.
     pub(crate) fn check_range(&self, offset: usize, len: usize) -> Result<()> {
-        if offset.checked_add(len).is_none_or(|e| e > self.len) {
-            return Err(Error::OutOfBounds {
-                side: "local",
-                offset: offset as u64,
-                len: len as u64,
-                region_len: self.len as u64,
-            });
-        }
-        Ok(())
+        Error::check_local(offset, len, self.len)
     }
 
     /// Copies `data` to `offset` (synchronously).

@@ -231,15 +231,7 @@ impl HostArena {
     }
 
     fn check(&self, offset: usize, len: usize) -> Result<()> {
-        if offset.checked_add(len).is_none_or(|end| end > self.core.len) {
-            return Err(Error::OutOfBounds {
-                side: "local",
-                offset: offset as u64,
-                len: len as u64,
-                region_len: self.core.len as u64,
-            });
-        }
-        Ok(())
+        Error::check_local(offset, len, self.core.len)
     }
 }
 

@@ -68,15 +68,7 @@ impl ForeignHost {
     }
 
     fn check(&self, offset: usize, len: usize) -> Result<()> {
-        if offset.checked_add(len).is_none_or(|end| end > self.len) {
-            return Err(Error::OutOfBounds {
-                side: "local",
-                offset: offset as u64,
-                len: len as u64,
-                region_len: self.len as u64,
-            });
-        }
-        Ok(())
+        Error::check_local(offset, len, self.len)
     }
 
     /// Copies `out.len()` bytes from `offset` into `out`.

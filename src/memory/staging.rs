@@ -461,14 +461,7 @@ impl RingStaging {
     /// a slot again only after this returns).
     pub(crate) fn copy_to(&self, off: usize, len: usize, dst: &CudaBuffer, dst_off: usize) -> Result<()> {
         let size = self.slot.mem.as_ref().map_or(0, SlotMem::size);
-        if off.checked_add(len).is_none_or(|end| end > size) {
-            return Err(Error::OutOfBounds {
-                side: "local",
-                offset: off as u64,
-                len: len as u64,
-                region_len: size as u64,
-            });
-        }
+        Error::check_local(off, len, size)?;
         dst.check_range(dst_off, len)?;
         // A stream of its own: the copy waits for `dst`'s fences only.
         let stream = self.slot.home.stream()?;

@@ -58,16 +58,7 @@ impl<M: Memory> SharedInner<M> {
 // callers outside `Exposed<HostMemory>` check that the memory is host memory.
 impl<M: Memory> SharedInner<M> {
     fn check(&self, offset: usize, len: usize) -> Result<()> {
-        let end = offset.checked_add(len);
-        if end.is_none_or(|e| e > self.region.len()) {
-            return Err(Error::OutOfBounds {
-                side: "local",
-                offset: offset as u64,
-                len: len as u64,
-                region_len: self.region.len() as u64,
-            });
-        }
-        Ok(())
+        Error::check_local(offset, len, self.region.len())
     }
 
     fn read_at(&self, offset: usize, out: &mut [u8]) -> Result<()> {
