@@ -3,7 +3,9 @@
   send-lat 4 KiB: ping-pong between two processes, one-way time (half the
                   round trip, as perftest and `gpu-rdma bench` report it);
                   Python's per-operation overhead is the difference.
-  write-bw 1 MiB: 128 writes in flight, 500 in all; Python over Rust.
+  write-bw 1 MiB: 128 writes in flight in chains of 32 (the Rust bench's
+                  -t 128 -Q 32; in Python a transfer list of 32 pieces),
+                  512 in all; Python over Rust.
 
     python python/bench.py --rust target/release/gpu-rdma [--transport tcp] [--rounds 3]
 
@@ -28,7 +30,7 @@ sys.path = [p for p in sys.path if os.path.abspath(p or ".") != _here]
 import gpu_rdma  # noqa: E402
 
 LAT_SIZE, LAT_ITERS = 4096, 2000
-BW_SIZE, BW_ITERS, BW_DEPTH = 1 << 20, 500, 128
+BW_SIZE, BW_ITERS, BW_DEPTH, CHAIN = 1 << 20, 512, 128, 32
 
 
 def _serve(transport, port_q, test):
@@ -75,19 +77,24 @@ def python_round(transport, test):
         conn = d.connect(addr, queue_depth=(BW_DEPTH, 16))
         remote = conn.remote_region(1)
         src = np.ones(BW_SIZE * BW_DEPTH, dtype=np.uint8)
-        regions = [d.register(src[i * BW_SIZE:(i + 1) * BW_SIZE]) for i in range(BW_DEPTH)]
+        # As the Rust bench posts: chains of CHAIN writes, one completion
+        # each (here a transfer list of CHAIN pieces), DEPTH writes in flight.
+        chains = BW_DEPTH // CHAIN
+        regions = [d.register(src[i * CHAIN * BW_SIZE:(i + 1) * CHAIN * BW_SIZE]) for i in range(chains)]
+        pieces = [(j * BW_SIZE, j * BW_SIZE, BW_SIZE) for j in range(CHAIN)]
         t0 = time.perf_counter()
         inflight = []
-        for i in range(BW_ITERS):
-            if len(inflight) == BW_DEPTH:
+        for i in range(BW_ITERS // CHAIN):
+            if len(inflight) == chains:
                 inflight.pop(0).wait(timeout=60)
-            k = i % BW_DEPTH
-            inflight.append(conn.write(regions[k], remote, remote_offset=k * BW_SIZE))
+            k = i % chains
+            shifted = [(lo, k * CHAIN * BW_SIZE + ro, n) for lo, ro, n in pieces]
+            inflight.append(conn.write_list(regions[k], remote, shifted))
         for op in inflight:
             op.wait(timeout=60)
         secs = time.perf_counter() - t0
         conn.write_list(d.register(bytearray(1)), remote, [], tag=9).wait(timeout=60)
-        return BW_SIZE * BW_ITERS / secs / (1 << 20)  # MiB/s
+        return BW_SIZE * (BW_ITERS // CHAIN * CHAIN) / secs / (1 << 20)  # MiB/s
     finally:
         server.join(timeout=60)
 
