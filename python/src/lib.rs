@@ -292,8 +292,8 @@ impl Listener {
         Ok(self.inner.local_addr().map_err(to_py)?.to_string())
     }
 
-    /// Accepts one connection within `timeout` seconds (default 30);
-    /// the options as `Domain.connect`'s.
+    /// Accepts one connection within `timeout` seconds (default 30;
+    /// Ctrl-C interrupts it); the options as `Domain.connect`'s.
     #[pyo3(signature = (advertise=Vec::new(), op_timeout=None, timeout=None, queue_depth=None))]
     fn accept(
         &self,
@@ -304,9 +304,17 @@ impl Listener {
         queue_depth: Option<(u32, u32)>,
     ) -> PyResult<Connection> {
         let opts = options(&advertise, op_timeout, None, queue_depth)?;
-        let wait = seconds(timeout, Duration::from_secs(30))?;
-        let c = py.detach(|| self.inner.accept_timeout(&opts, wait)).map_err(to_py)?;
-        Ok(Connection::new(c))
+        let until = std::time::Instant::now() + seconds(timeout, Duration::from_secs(30))?;
+        // In slices, so Ctrl-C is seen within 50 ms: a handshake a slice
+        // started goes on meanwhile and is kept for the next one.
+        loop {
+            let slice = until.saturating_duration_since(std::time::Instant::now()).min(Duration::from_millis(50));
+            match py.detach(|| self.inner.accept_timeout(&opts, slice)) {
+                Ok(c) => return Ok(Connection::new(c)),
+                Err(e) if e.is_timeout() && std::time::Instant::now() < until => py.check_signals()?,
+                Err(e) => return Err(to_py(e)),
+            }
+        }
     }
 }
 

@@ -216,6 +216,26 @@ def test_ctrl_c_interrupts_a_wait_promptly():
         rx.wait(timeout=0.1)
 
 
+def test_ctrl_c_interrupts_an_accept_promptly_and_the_listener_still_accepts():
+    d = domain()
+    listener = d.listen("127.0.0.1:0")
+    threading.Timer(0.2, _thread.interrupt_main).start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        listener.accept(timeout=30)
+    assert time.monotonic() - t0 < 1.0
+    with pytest.raises(gpu_rdma.Timeout):
+        listener.accept(timeout=0.1)
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("s", listener.accept(timeout=30)))
+    t.start()
+    c = d.connect(listener.address())
+    t.join()
+    rx = out["s"].recv(d.register(bytearray(4)))
+    c.send(d.register(b"ping")).wait(timeout=30)
+    assert rx.wait(timeout=30).bytes == 4
+
+
 def test_registered_objects_are_let_go_once_their_regions_are():
     d = domain()
     s, c = pair(d)
