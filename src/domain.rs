@@ -313,10 +313,6 @@ impl Domain {
     /// overlapping one declared before, or the device refusing the
     /// registration.
     pub fn declare_host_arena<M: Memory>(&self, mem: M) -> std::result::Result<HostArena, BufError<M>> {
-        if mem.is_empty() || mem.kind() != MemoryKind::Host {
-            let error = Error::InvalidArgument("a host arena is host memory of at least one byte".into());
-            return Err(BufError { error, buffer: mem });
-        }
         let live = self.live(Counter::Regions);
         HostArena::declare(&self.mem().arenas, mem, live, |mem| {
             // SAFETY: `mem` moves into the arena with this registration, and the

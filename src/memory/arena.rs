@@ -136,11 +136,13 @@ impl Arenas {
 pub struct HostArena {
     core: Arc<ArenaCore>,
     arenas: Arc<Arenas>,
+    /// All of it, as a view: what copies in and out go through.
+    whole: ForeignHost,
 }
 
 impl HostArena {
     /// Registers `mem` by `register` as an arena and declares it, unless it
-    /// overlaps one declared (checked under the lock the registration is
+    /// is not host memory of at least one byte, or overlaps one declared (checked under the lock the registration is
     /// made under, so two overlapping declarations cannot both land).
     pub(crate) fn declare<M: Memory>(
         arenas: &Arc<Arenas>,
@@ -149,6 +151,10 @@ impl HostArena {
         register: impl FnOnce(&M) -> Result<Registration>,
     ) -> std::result::Result<HostArena, (Error, M)> {
         let (start, len) = (mem.as_ptr() as usize, mem.len());
+        let host = mem.kind() == super::MemoryKind::Host;
+        let Some(ptr) = std::ptr::NonNull::new(mem.as_ptr()).filter(|_| len > 0 && host) else {
+            return Err((Error::InvalidArgument("a host arena is host memory of at least one byte".into()), mem));
+        };
         let mut declared = arenas.declared.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(other) = declared.iter().find(|a| a.start < start + len && start < a.start + a.len) {
             let error = Error::InvalidArgument(format!(
@@ -168,9 +174,13 @@ impl HostArena {
             mem: ManuallyDrop::new(Box::new(mem)),
             _live: live,
         });
+        // SAFETY: the arena's own memory, which the `Arc<ArenaCore>` guard
+        // keeps allocated and mapped while the view lives; no Rust reference
+        // to it is handed out.
+        let whole = unsafe { ForeignHost::from_non_null(ptr, len, Box::new(Arc::clone(&core))) };
         declared.push(Arc::clone(&core));
         arenas.count.store(declared.len(), Ordering::Relaxed);
-        Ok(HostArena { core, arenas: Arc::clone(arenas) })
+        Ok(HostArena { core, arenas: Arc::clone(arenas), whole })
     }
 
     /// Start address.
@@ -195,11 +205,11 @@ impl HostArena {
     /// [`Error::OutOfBounds`] past the end; [`Error::InvalidArgument`] for
     /// zero bytes.
     pub fn view(&self, offset: usize, len: usize) -> Result<ForeignHost> {
-        self.check(offset, len)?;
+        Error::check_local(offset, len, self.core.len)?;
         // SAFETY: the range is inside the arena's memory (checked), which the
         // `Arc<ArenaCore>` guard keeps allocated and mapped until the view is
         // dropped; the arena hands out no Rust references to it.
-        unsafe { ForeignHost::from_raw(self.ptr().add(offset), len, Box::new(Arc::clone(&self.core))) }
+        unsafe { ForeignHost::from_raw(self.whole.as_ptr().add(offset), len, Box::new(Arc::clone(&self.core))) }
     }
 
     /// Copies `data` in at `offset` (bytes mix with any operation touching
@@ -208,11 +218,7 @@ impl HostArena {
     /// # Errors
     /// [`Error::OutOfBounds`] past the end.
     pub fn write_at(&self, offset: usize, data: &[u8]) -> Result<()> {
-        self.check(offset, data.len())?;
-        // SAFETY: in bounds of memory this arena keeps alive; no Rust
-        // reference to it exists (none is handed out).
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr().add(offset), data.len()) };
-        Ok(())
+        self.whole.write_at(offset, data)
     }
 
     /// Copies `out.len()` bytes from `offset` into `out`.
@@ -220,18 +226,7 @@ impl HostArena {
     /// # Errors
     /// [`Error::OutOfBounds`] past the end.
     pub fn read_at(&self, offset: usize, out: &mut [u8]) -> Result<()> {
-        self.check(offset, out.len())?;
-        // SAFETY: as in `write_at`; `out` is a distinct Rust buffer.
-        unsafe { std::ptr::copy_nonoverlapping(self.ptr().add(offset), out.as_mut_ptr(), out.len()) };
-        Ok(())
-    }
-
-    fn ptr(&self) -> *mut u8 {
-        self.core.mem.as_ptr()
-    }
-
-    fn check(&self, offset: usize, len: usize) -> Result<()> {
-        Error::check_local(offset, len, self.core.len)
+        self.whole.read_at(offset, out)
     }
 }
 

@@ -52,7 +52,16 @@ impl ForeignHost {
         let ptr = NonNull::new(ptr).filter(|_| len > 0).ok_or_else(|| {
             Error::InvalidArgument("foreign host memory needs a non-null pointer and a length".into())
         })?;
-        Ok(ForeignHost { ptr, len, _owner: keep_alive })
+        // SAFETY: forwarded contract; `len` is not zero (checked).
+        Ok(unsafe { ForeignHost::from_non_null(ptr, len, keep_alive) })
+    }
+
+    /// [`from_raw`](Self::from_raw) for a pointer and length already checked.
+    ///
+    /// # Safety
+    /// As `from_raw`, and `len > 0`.
+    pub(crate) unsafe fn from_non_null(ptr: NonNull<u8>, len: usize, keep_alive: Box<dyn Any + Send + Sync>) -> Self {
+        ForeignHost { ptr, len, _owner: keep_alive }
     }
 
     /// Takes a `Vec`'s bytes as they are, no copy.

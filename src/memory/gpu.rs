@@ -100,9 +100,10 @@ fn register_by(backend: &MemoryDomain, buf: &CudaBuffer, access: Access, p: MemP
     // A local registration on a direct path is the whole block's, kept in
     // the domain's cache and served to every buffer inside the block; a
     // buffer whose block the driver cannot name is registered alone.
-    if p.is_direct() && access.remote().is_empty() && !backend.reg_cache.enabled() {
+    let cacheable = p.is_direct() && access.remote().is_empty();
+    if cacheable && !backend.reg_cache.enabled() {
         backend.reg_cache.count_miss();
-    } else if p.is_direct() && access.remote().is_empty() {
+    } else if cacheable {
         if let Ok(block) = buf.allocation() {
             let live = |b: &Allocation| buf.still_allocated(b);
             let shared = backend.reg_cache.get_or_register(block, access, p, live, || {
