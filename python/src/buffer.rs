@@ -119,11 +119,11 @@ pub(crate) fn object_memory(obj: &Bound<'_, PyAny>) -> PyResult<ObjectMemory> {
     // DLPack first where the memory is not the host's (a CUDA tensor), or
     // where there is no buffer protocol (a torch CPU tensor).
     if crate::dlpack::is_producer(obj) {
-        let on_host = crate::dlpack::device_of(obj).is_ok_and(|(kind, _)| kind == 1);
+        let device = crate::dlpack::device_of(obj)?;
         // SAFETY: a live object; the check has no side effect.
         let has_buffer = unsafe { PyObject_CheckBuffer(obj.as_ptr()) } != 0;
-        if !on_host || !has_buffer {
-            return Ok(ObjectMemory { mem: crate::dlpack::memory(obj)?, readonly: false });
+        if device.0 != crate::dlpack::CPU || !has_buffer {
+            return Ok(ObjectMemory { mem: crate::dlpack::memory(obj, device)?, readonly: false });
         }
     }
     let mut view = empty();

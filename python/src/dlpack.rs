@@ -47,7 +47,7 @@ struct DlManagedTensor {
     deleter: Option<unsafe extern "C" fn(*mut DlManagedTensor)>,
 }
 
-const CPU: i32 = 1;
+pub(crate) const CPU: i32 = 1;
 const CUDA: i32 = 2;
 const CUDA_HOST: i32 = 3;
 const CUDA_MANAGED: i32 = 13;
@@ -92,13 +92,13 @@ pub(crate) fn device_of(obj: &Bound<'_, PyAny>) -> PyResult<(i32, i32)> {
     obj.call_method0("__dlpack_device__")?.extract()
 }
 
-/// The memory of a DLPack producer: host memory (CPU, CUDA host) as
+/// The memory of a DLPack producer on `device` (what its
+/// `__dlpack_device__` said): host memory (CPU, CUDA host) as
 /// `ForeignHost`, CUDA device memory as a `CudaBuffer` for the GPU paths.
 /// Work queued on the device so far is waited for once here (the producer
 /// is asked for no stream of ours).
-pub(crate) fn memory(obj: &Bound<'_, PyAny>) -> PyResult<PyMem> {
+pub(crate) fn memory(obj: &Bound<'_, PyAny>, (kind, ordinal): (i32, i32)) -> PyResult<PyMem> {
     let py = obj.py();
-    let (kind, ordinal) = device_of(obj)?;
     if !matches!(kind, CPU | CUDA | CUDA_HOST | CUDA_MANAGED) {
         return Err(PyTypeError::new_err(format!("DLPack device type {kind} is neither the CPU nor a CUDA device")));
     }

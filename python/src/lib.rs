@@ -25,11 +25,12 @@ use ops::{Completion, Handle, Op};
 type Mem = mem::PyMem;
 use mem::{RustRegion, Slot};
 
-fn seconds(t: Option<f64>, default: Duration) -> PyResult<Duration> {
-    match t {
-        None => Ok(default),
-        Some(t) if t.is_finite() && t >= 0.0 => Ok(Duration::from_secs_f64(t)),
-        Some(t) => Err(PyValueError::new_err(format!("a timeout is seconds >= 0, not {t}"))),
+/// A timeout given in seconds, checked (finite, not negative).
+fn seconds(t: f64) -> PyResult<Duration> {
+    if t.is_finite() && t >= 0.0 {
+        Ok(Duration::from_secs_f64(t))
+    } else {
+        Err(PyValueError::new_err(format!("a timeout is seconds >= 0, not {t}")))
     }
 }
 
@@ -71,7 +72,8 @@ impl Domain {
     }
 
     /// Registers the memory of `obj` (a numpy array, `bytearray`,
-    /// `memoryview`: anything with the C-contiguous buffer protocol) for
+    /// `memoryview`: anything with the C-contiguous buffer protocol; or a
+    /// DLPack producer, whose CUDA tensors take the GPU memory paths) for
     /// local use. The object is kept alive while the region lives; its
     /// bytes are read and written in place. A read-only object can only be
     /// a source (send, write).
@@ -152,11 +154,11 @@ fn options(
     if let Some((send, recv)) = queue_depth {
         opts = opts.queue_depth(send, recv);
     }
-    if op_timeout.is_some() {
-        opts = opts.op_timeout(seconds(op_timeout, Duration::ZERO)?);
+    if let Some(t) = op_timeout {
+        opts = opts.op_timeout(seconds(t)?);
     }
-    if timeout.is_some() {
-        opts = opts.handshake_timeout(seconds(timeout, Duration::ZERO)?);
+    if let Some(t) = timeout {
+        opts = opts.handshake_timeout(seconds(t)?);
     }
     for e in advertise {
         opts = opts.advertise(&e.inner);
@@ -304,7 +306,7 @@ impl Listener {
         queue_depth: Option<(u32, u32)>,
     ) -> PyResult<Connection> {
         let opts = options(&advertise, op_timeout, None, queue_depth)?;
-        let until = std::time::Instant::now() + seconds(timeout, Duration::from_secs(30))?;
+        let until = std::time::Instant::now() + timeout.map_or(Ok(Duration::from_secs(30)), seconds)?;
         // In slices, so Ctrl-C is seen within 50 ms: a handshake a slice
         // started goes on meanwhile and is kept for the next one.
         loop {
@@ -552,8 +554,7 @@ impl Inbox {
     /// the connection's operation timeout).
     #[pyo3(signature = (tag, n=1, timeout=None))]
     fn wait<'py>(&self, py: Python<'py>, tag: u32, n: usize, timeout: Option<f64>) -> PyResult<Bound<'py, PyList>> {
-        let until =
-            timeout.map(|t| seconds(Some(t), Duration::ZERO)).transpose()?.map(|t| std::time::Instant::now() + t);
+        let until = timeout.map(seconds).transpose()?.map(|t| std::time::Instant::now() + t);
         loop {
             let got = py.detach(|| self.inner.lock().wait_timeout(tag, n, Duration::from_millis(50)));
             match got {
@@ -648,7 +649,7 @@ impl World {
     /// `timeout` seconds (default 30) for it.
     #[pyo3(signature = (rank, timeout=None))]
     fn accepted(&self, py: Python<'_>, rank: u32, timeout: Option<f64>) -> PyResult<Connection> {
-        let wait = seconds(timeout, Duration::from_secs(30))?;
+        let wait = timeout.map_or(Ok(Duration::from_secs(30)), seconds)?;
         Ok(Connection::shared(py.detach(|| self.inner.accepted(rank, wait)).map_err(to_py)?))
     }
 }
@@ -692,6 +693,7 @@ fn doctor<'py>(py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    ops::init()?;
     m.add_class::<Domain>()?;
     m.add_class::<Region>()?;
     m.add_class::<Exposed>()?;

@@ -1,10 +1,11 @@
 //! Operations as Python sees them: a handle to wait on (the GIL released,
-//! Ctrl-C honoured) or to await in asyncio. Each operation's completion
-//! runs on the domain's engine thread, which never takes the GIL: it
-//! stores the outcome, hands the region back, wakes blocking waiters, and
-//! for awaited operations queues the handle and rings one eventfd that
-//! every event loop awaiting here watches. The loop's reader resolves the
-//! futures, so no thread per operation and no GIL on the engine's thread.
+//! Ctrl-C honoured) or to await in asyncio. A blocking wait drives the
+//! operation itself, as a Rust caller's does. An awaited (or dropped)
+//! operation is carried by the domain's engine, whose thread never takes
+//! the GIL: its completion stores the outcome, hands the region back,
+//! wakes blocking waiters, and for awaited operations queues the handle
+//! and rings one eventfd that every event loop awaiting here watches. The
+//! loop's reader resolves the futures: no thread per operation.
 
 use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -42,19 +43,20 @@ enum State {
     Done(Result<Completion, PyErr>),
 }
 
-pub(crate) struct OpShared {
+struct OpShared {
     state: Mutex<State>,
     done: Condvar,
 }
 
 impl OpShared {
-    pub(crate) fn new() -> Arc<OpShared> {
+    fn new() -> Arc<OpShared> {
         Arc::new(OpShared { state: Mutex::new(State::Running { futures: Vec::new() }), done: Condvar::new() })
     }
 
-    /// Called once, on the engine's thread (no GIL): stores the outcome and
-    /// wakes whoever waits or awaits.
-    pub(crate) fn finish(self: &Arc<Self>, outcome: Result<Completion, PyErr>) {
+    /// Called once, by the thread that saw the operation end (never with a
+    /// need for the GIL): stores the outcome and wakes whoever waits or
+    /// awaits.
+    fn finish(self: &Arc<Self>, outcome: Result<Completion, PyErr>) {
         {
             let mut state = self.state.lock();
             if let State::Running { futures } = std::mem::replace(&mut *state, State::Done(outcome)) {
@@ -69,10 +71,10 @@ impl OpShared {
     }
 }
 
-/// Awaited operations that finished, and the eventfd that says so.
 /// An awaited operation that finished, with the futures awaiting it.
 type Settled = (Arc<OpShared>, Vec<Py<PyAny>>);
 
+/// Awaited operations that finished, and the eventfd that says so.
 struct Ready {
     queue: Mutex<VecDeque<Settled>>,
     fd: OwnedFd,
@@ -87,15 +89,27 @@ impl Ready {
     }
 }
 
-fn ready() -> &'static Ready {
-    static READY: OnceLock<Ready> = OnceLock::new();
-    READY.get_or_init(|| {
+static READY: OnceLock<Ready> = OnceLock::new();
+
+/// Makes the eventfd, when the module is imported: an import fails with
+/// `OSError` where the kernel refuses one, rather than an await later.
+pub(crate) fn init() -> PyResult<()> {
+    if READY.get().is_none() {
         // SAFETY: plain eventfd creation; the fd is owned below.
         let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        assert!(fd >= 0, "eventfd: {}", std::io::Error::last_os_error());
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error().into());
+        }
         // SAFETY: a fresh fd nobody else owns.
-        Ready { queue: Mutex::new(VecDeque::new()), fd: unsafe { OwnedFd::from_raw_fd(fd) } }
-    })
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let _ = READY.set(Ready { queue: Mutex::new(VecDeque::new()), fd });
+    }
+    Ok(())
+}
+
+/// The ready queue, made by [`init`] at import (nothing here runs before).
+fn ready() -> &'static Ready {
+    READY.get().expect("the module's init made the ready queue before any operation")
 }
 
 /// The eventfd an event loop watches (`loop.add_reader`) to learn that
@@ -150,45 +164,43 @@ fn completion(c: gpu_rdma::Completion) -> Completion {
     Completion { bytes: u64::from(c.byte_len), imm: c.imm, requests: 1 }
 }
 
+fn moved(t: gpu_rdma::Transferred) -> Completion {
+    Completion { bytes: t.bytes, imm: None, requests: t.requests }
+}
+
+/// Puts an operation's region back where the Python region finds it.
+fn give_back(slot: &Option<Slot>, region: Option<RustRegion>) {
+    if let (Some(slot), Some(region)) = (slot, region) {
+        *slot.lock() = Some(region);
+    }
+}
+
 impl Handle {
     /// Hands the operation to the engine: its outcome goes to `shared`,
     /// its region back to `slot`, whenever it ends.
     fn detach_to(self, shared: Arc<OpShared>, slot: Option<Slot>) {
-        let give_back = move |buf: Option<RustRegion>| {
-            if let (Some(b), Some(slot)) = (buf, &slot) {
-                *slot.lock() = Some(b);
-            }
-        };
         match self {
             Handle::One(p) => p.on_complete(move |res, buf| {
-                give_back(buf);
+                give_back(&slot, buf);
                 shared.finish(res.map(completion).map_err(to_py));
             }),
             Handle::Imm(p) => p.on_complete(move |res, _| shared.finish(res.map(completion).map_err(to_py))),
             Handle::List(t) => t.on_complete(move |res, buf| {
-                give_back(buf);
-                shared
-                    .finish(res.map(|t| Completion { bytes: t.bytes, imm: None, requests: t.requests }).map_err(to_py));
+                give_back(&slot, buf);
+                shared.finish(res.map(moved).map_err(to_py));
             }),
         }
     }
 
-    /// Waits up to `slice` for the operation, this thread driving it; its
-    /// outcome once it ended (the region back in `slot`), or `Err(self)`
+    /// Waits up to `slice` for the operation, this thread driving it: its
+    /// outcome once it ended (the region back in `slot`), or the handle
     /// while it is still in flight.
     fn wait_for(self, slice: Duration, slot: &Option<Slot>) -> Waited {
-        let give_back = |b: RustRegion| {
-            if let Some(slot) = slot {
-                *slot.lock() = Some(b);
-            }
-        };
         match self {
             Handle::One(mut p) => match p.wait_timeout(slice) {
                 Err(e) if e.is_timeout() && !p.is_done() => Waited::Running(Handle::One(p)),
                 outcome => {
-                    if let Ok(b) = p.into_buffer() {
-                        give_back(b);
-                    }
+                    give_back(slot, p.into_buffer().ok());
                     Waited::Ended(outcome.map(completion))
                 }
             },
@@ -200,14 +212,12 @@ impl Handle {
                 Err(e) if e.is_timeout() && !t.is_done() => Waited::Running(Handle::List(t)),
                 first => {
                     let outcome = match t.finish() {
-                        Ok((moved, b)) => {
-                            give_back(b);
-                            Ok(Completion { bytes: moved.bytes, imm: None, requests: moved.requests })
+                        Ok((done, b)) => {
+                            give_back(slot, Some(b));
+                            Ok(moved(done))
                         }
                         Err(failed) => {
-                            if let Some(b) = failed.buffer {
-                                give_back(b);
-                            }
+                            give_back(slot, failed.buffer);
                             Err(first.err().unwrap_or(failed.error))
                         }
                     };
@@ -227,7 +237,7 @@ enum Waited {
 /// An operation in flight, or done.
 #[pyclass(module = "gpu_rdma")]
 pub(crate) struct Op {
-    pub(crate) shared: Arc<OpShared>,
+    shared: Arc<OpShared>,
     /// The crate's handle, until the operation is waited for, awaited or
     /// dropped; and where its region goes back.
     lazy: Mutex<Option<Handle>>,
@@ -270,7 +280,7 @@ impl Op {
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Completion> {
         release_pending(py);
-        let until = timeout.map(|t| Instant::now() + Duration::from_secs_f64(t.max(0.0)));
+        let until = timeout.map(crate::seconds).transpose()?.map(|t| Instant::now() + t);
         // Short slices, so Ctrl-C is seen within 50 ms.
         let slice = |now: Instant| {
             until.map_or(Duration::from_millis(50), |u| u.saturating_duration_since(now).min(Duration::from_millis(50)))
@@ -336,16 +346,16 @@ impl Op {
         slf.hand_to_engine();
         let aio = py.import("gpu_rdma._aio")?;
         let fut = aio.call_method0("future")?;
-        let mut state = slf.shared.state.lock();
-        match &mut *state {
-            State::Running { futures } => futures.push(fut.clone().unbind()),
-            State::Done(_) => {
-                drop(state);
-                resolve(py, &slf.shared, &fut)?;
-                return Ok(fut.call_method0("__await__")?.unbind());
+        let done = match &mut *slf.shared.state.lock() {
+            State::Running { futures } => {
+                futures.push(fut.clone().unbind());
+                false
             }
+            State::Done(_) => true,
+        };
+        if done {
+            resolve(py, &slf.shared, &fut)?;
         }
-        drop(state);
         Ok(fut.call_method0("__await__")?.unbind())
     }
 

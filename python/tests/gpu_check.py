@@ -7,11 +7,11 @@ Prints one line per check and exits non-zero on any failure."""
 
 import os
 import sys
-import threading
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_rdma  # noqa: E402
 from dlpack_producer import CUDA, DeviceArray  # noqa: E402
+from loopback import pair  # noqa: E402
 
 
 def main():
@@ -19,13 +19,7 @@ def main():
         print("python gpu-check: no libcuda on this machine: not run")
         return 1
     d = gpu_rdma.Domain(transport="tcp")
-    listener = d.listen("127.0.0.1:0")
-    out = {}
-    t = threading.Thread(target=lambda: out.setdefault("s", listener.accept()))
-    t.start()
-    c = d.connect(listener.address())
-    t.join()
-    s = out["s"]
+    s, c = pair(d)
     n = 64 << 20
     gpu = DeviceArray(n)
     region = d.register(gpu)

@@ -7,35 +7,15 @@ verified on the device. Without a libcuda these tests skip, saying so;
 
 import os
 import sys
-import threading
 
 import numpy as np
 import pytest
 
-import gpu_rdma
-
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dlpack_producer import CUDA, DeviceArray  # noqa: E402
+from loopback import domain, pair  # noqa: E402
 
 pytestmark = pytest.mark.skipif(CUDA is None, reason="no libcuda here (the CUDA stand-in or a driver): not run")
-
-
-def domain():
-    dev = os.environ.get("GPU_RDMA_TEST_DEVICE")
-    if dev:
-        return gpu_rdma.Domain(transport="verbs", device=dev)
-    return gpu_rdma.Domain(transport="tcp")
-
-
-def pair(d):
-    listener = d.listen("127.0.0.1:0")
-    out = {}
-    t = threading.Thread(target=lambda: out.setdefault("s", listener.accept()))
-    t.start()
-    c = d.connect(listener.address())
-    t.join()
-    return out["s"], c
 
 
 def expected_path():

@@ -6,6 +6,7 @@ exception with nothing leaked."""
 import asyncio
 import gc
 import os
+import sys
 import threading
 import time
 import _thread
@@ -16,23 +17,8 @@ import pytest
 
 import gpu_rdma
 
-
-def domain():
-    dev = os.environ.get("GPU_RDMA_TEST_DEVICE")
-    if dev:
-        return gpu_rdma.Domain(transport="verbs", device=dev)
-    return gpu_rdma.Domain(transport="tcp")
-
-
-def pair(d, server_advertise=(), client_advertise=(), queue_depth=None):
-    listener = d.listen("127.0.0.1:0")
-    out = {}
-    accept = lambda: listener.accept(advertise=list(server_advertise), queue_depth=queue_depth)  # noqa: E731
-    t = threading.Thread(target=lambda: out.setdefault("s", accept()))
-    t.start()
-    c = d.connect(listener.address(), advertise=list(client_advertise), queue_depth=queue_depth)
-    t.join()
-    return out["s"], c
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from loopback import domain, pair  # noqa: E402
 
 
 def test_the_domain_says_what_it_runs_on():

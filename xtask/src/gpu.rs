@@ -105,7 +105,7 @@ pub fn command(args: &[String]) -> Result<i32> {
     let py = crate::test::python_venv()?;
     let wheel = crate::test::python_wheel(&py)?;
     run(Command::new(&py).args(["-m", "zipfile", "-e"]).arg(&wheel).arg(dir.join("python")))?;
-    for f in ["gpu_check.py", "dlpack_producer.py"] {
+    for f in ["gpu_check.py", "dlpack_producer.py", "loopback.py"] {
         copy(&root().join("python/tests").join(f), &dir.join("python").join(f))?;
     }
     fs::write(dir.join("run.sh"), SCRIPT).map_err(|e| e.to_string())?;
