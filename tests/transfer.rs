@@ -509,6 +509,35 @@ fn a_list_nobody_waits_on_is_carried_to_the_end_by_the_engine(t: Kind) {
     assert_eq!(done.bytes, len as u64);
 }
 
+/// A peer that closes the moment it saw a notification: the list it saw
+/// landed, so the writer's list completes (the acknowledgement goes out
+/// before the peer's goodbye), never "flushed". 100 rounds, each a fresh
+/// connection, the peer closing from its inbox's wake-up.
+fn a_list_the_peer_saw_completes_though_the_peer_closes_at_once(t: Kind) {
+    let d = domain(t);
+    for round in 0..100u32 {
+        let (s, c) = pair(&d);
+        let target = d.expose(d.alloc(1 << 16).unwrap(), Access::REMOTE_WRITE, 0).unwrap();
+        let remote = s.grant(&target).whole();
+        let mut inbox = s.inbox(1).unwrap();
+        let peer = std::thread::spawn(move || {
+            let got = inbox.wait_timeout(1, 1, Duration::from_secs(30)).map(|n| n.len());
+            drop(inbox);
+            s.close();
+            got
+        });
+        // A piece of 64 KiB and the note behind it.
+        let list =
+            c.write_list_notify(filled(&d, &[round as u8; 1 << 16]), &remote, [Piece::new(0, 0, 1 << 16)], 1, b"n");
+        let done = list.finish();
+        assert_eq!(peer.join().unwrap().unwrap(), 1, "round {round}: the peer saw the note");
+        if let Err(f) = done {
+            panic!("round {round}: the peer saw every byte of the list, yet it failed: {}", f.error);
+        }
+        drop(target);
+    }
+}
+
 both!(
     a_list_of_ten_thousand_random_pieces_is_written_byte_for_byte,
     a_list_of_ten_thousand_random_pieces_is_read_byte_for_byte,
@@ -526,6 +555,7 @@ both!(
     an_awaited_inbox_gets_its_notes_without_blocking_its_runtime,
     an_error_in_the_middle_of_a_chain_fails_it_with_that_error,
     a_list_nobody_waits_on_is_carried_to_the_end_by_the_engine,
+    a_list_the_peer_saw_completes_though_the_peer_closes_at_once,
 );
 
 /// A peer sending notifications nobody takes cannot grow this side's

@@ -4,6 +4,10 @@ use super::receiver::*;
 use super::sender::*;
 use super::*;
 
+/// How long a closing side waits, at most, for the frame it is landing to
+/// be acknowledged, and then for its bye to go out.
+const LINGER: Duration = Duration::from_millis(200);
+
 impl TcpConn {
     /// Lets the peer use the region under `key` through this connection.
     pub(crate) fn grant(&self, key: u32) {
@@ -360,11 +364,18 @@ impl TcpConn {
         self.shutdown(reason);
     }
 
-    /// Closes this side: says bye, stops both threads (waiting for them), and
+    /// Closes this side: once a frame landing now is acknowledged, says bye, stops both threads (waiting for them), and
     /// fails what is left. After this no thread touches any buffer.
     pub(crate) fn shutdown(&self, reason: &str) {
         {
             let mut st = self.inner.lock();
+            // A message or write landing now may have been seen already (the
+            // caller may close because it saw it): its acknowledgement goes
+            // before the bye, as an RC responder acknowledges what it placed.
+            let t0 = Instant::now();
+            while st.landing() && st.q.lost().is_none() && t0.elapsed() < LINGER {
+                st = self.inner.sleep(st, Duration::from_millis(1));
+            }
             if st.q.lost().is_none() {
                 // After what is queued: acknowledgements of messages this side
                 // already completed must reach the peer first, as on RC.
@@ -375,7 +386,7 @@ impl TcpConn {
             self.inner.work.notify_all();
             // Give the sender a moment to say bye before the socket closes.
             let t0 = Instant::now();
-            while !st.control.is_empty() && !st.sender_done && t0.elapsed() < Duration::from_millis(200) {
+            while !st.control.is_empty() && !st.sender_done && t0.elapsed() < LINGER {
                 st = self.inner.sleep(st, Duration::from_millis(10));
             }
             st.stopping = true;

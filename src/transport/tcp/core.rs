@@ -361,6 +361,13 @@ impl Core {
         Progress { handed: o.skip as u64, in_call: false }
     }
 
+    /// Whether the reading thread is landing a peer's message or write: its
+    /// bytes may be seen already (a ring the peer writes is read from
+    /// memory), and its acknowledgement is not queued yet.
+    pub(super) fn landing(&self) -> bool {
+        matches!(self.rx, Rx::Message { .. } | Rx::Write { .. } | Rx::Visible { .. })
+    }
+
     /// The writer of `o` is done with the socket: frees it for the others.
     /// If the write failed, or the connection broke meanwhile (and its flush
     /// skipped this message, which was in use), the writer owned the message,
