@@ -73,13 +73,15 @@ def main():
     d = gpu_rdma.Domain(transport=args.transport)
     n = args.mib << 20
     src = np.zeros(n, dtype=np.uint8)
+    # Registered once: every rank's write reads it at the same time.
+    weights_region = d.register(src)
     conns = {r: d.connect(a, timeout=60) for r, a in sorted(addrs.items())}
     acks = {r: d.register(bytearray(1)) for r in conns}
     for step in range(args.steps):
         src[:] = weights(step, n)
         t0 = time.perf_counter()
         rx = [c.recv(acks[r]) for r, c in conns.items()]
-        pushes = [c.write_list(d.register(src), c.remote_region(1), [(0, 0, n)], tag=step, payload=b"step")
+        pushes = [c.write_list(weights_region, c.remote_region(1), [(0, 0, n)], tag=step, payload=b"step")
                   for c in conns.values()]
         for op in pushes + rx:
             op.wait(timeout=120)

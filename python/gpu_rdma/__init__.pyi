@@ -30,7 +30,13 @@ class Op:
     def __await__(self) -> Generator[Any, None, Completion]: ...
 
 class Region:
-    """Registered memory of a Python object (kept alive while registered)."""
+    """Registered memory of a Python object (kept alive while registered).
+
+    Any number of operations may read it at once (sends, writes, transfer
+    lists); one that writes it (a receive, a read) has it alone. Giving it
+    to a writer while others read it, or to anything while a writer has
+    it, raises RegionInUse; it is back once they are waited for, awaited
+    or dropped."""
     def __len__(self) -> int: ...
     @property
     def in_use(self) -> bool: ...

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use gpu_rdma::{Access, ConnectOptions, DomainConfig, Piece, TransportPolicy};
+use gpu_rdma::{Access, ConnectOptions, DomainConfig, LocalBuffer, Piece, TransportPolicy};
 use parking_lot::Mutex;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -23,7 +23,7 @@ use ops::{Completion, Handle, Op};
 /// The memory every Python region is: a Python object's buffer or DLPack
 /// tensor (held alive by the region until the device is done with it).
 type Mem = mem::PyMem;
-use mem::{RustRegion, Slot};
+use mem::{Held, OpBuffer, Slot};
 
 /// A timeout given in seconds, checked (finite, not negative).
 fn seconds(t: f64) -> PyResult<Duration> {
@@ -82,7 +82,13 @@ impl Domain {
         let len = gpu_rdma::Memory::len(&mem);
         let region = py.detach(|| self.inner.register(mem, Access::LOCAL).map_err(|e| e.error)).map_err(to_py)?;
         let path = region.path_report().map(|p| p.chosen.to_string());
-        Ok(Region { slot: Arc::new(Mutex::new(Some(region))), readonly, len, path, obj: obj.clone().unbind() })
+        Ok(Region {
+            slot: Arc::new(Mutex::new(Held::Open(region.share()))),
+            readonly,
+            len,
+            path,
+            obj: obj.clone().unbind(),
+        })
     }
 
     /// Gives peers `access` ("w", "r" or "rw") to `region`, under `tag` in
@@ -99,11 +105,14 @@ impl Domain {
         if region.readonly && rights.contains(Access::REMOTE_WRITE) {
             return Err(errors::ReadOnlyBuffer::new_err("a read-only buffer cannot be exposed for peers' writes"));
         }
-        let r = region.take()?;
+        let r = region.alone()?;
         match self.inner.expose(r, rights, tag) {
-            Ok(e) => Ok(Exposed { inner: e, obj: region.obj.clone_ref(py) }),
+            Ok(e) => {
+                *region.slot.lock() = Held::Exposed;
+                Ok(Exposed { inner: e, obj: region.obj.clone_ref(py) })
+            }
             Err(e) => {
-                *region.slot.lock() = Some(e.buffer);
+                mem::give_back(&region.slot, e.buffer.share());
                 Err(to_py(e.error))
             }
         }
@@ -166,9 +175,11 @@ fn options(
     Ok(opts)
 }
 
-/// Registered memory for local use: the buffer of an operation. While an
-/// operation uses it, it cannot be given to another (`RegionInUse`); it is
-/// back when that operation is done.
+/// Registered memory for local use: the buffer of operations. Any number
+/// of operations may read it at once (sends, writes, transfer lists); one
+/// that writes it (a receive, a read) has it alone: while it is in flight,
+/// or while others read it, giving it to another is `RegionInUse`. It is
+/// back when the operations are done (waited for, awaited or dropped).
 #[pyclass(module = "gpu_rdma", frozen)]
 struct Region {
     slot: Slot,
@@ -181,19 +192,19 @@ struct Region {
 }
 
 impl Region {
-    fn take(&self) -> PyResult<RustRegion> {
-        self.slot.lock().take().ok_or_else(|| {
-            errors::RegionInUse::new_err("the region is in use by an operation (or exposed): wait for it first")
-        })
+    /// The region alone (to expose it, or for an operation that writes it).
+    fn alone(&self) -> PyResult<mem::RustRegion> {
+        mem::alone(&self.slot).map_err(errors::RegionInUse::new_err)
     }
 
-    fn take_writable(&self) -> PyResult<RustRegion> {
+    /// The region for an operation that writes it: alone, and writable.
+    fn for_writing(&self) -> PyResult<OpBuffer> {
         if self.readonly {
             return Err(errors::ReadOnlyBuffer::new_err(
                 "a read-only buffer cannot receive or be read into (register a writable one: bytearray, a numpy array)",
             ));
         }
-        self.take()
+        Ok(self.alone()?.share())
     }
 }
 
@@ -203,10 +214,16 @@ impl Region {
         self.len
     }
 
-    /// Whether an operation has it now.
+    /// Whether an operation has it now, or an exposure.
     #[getter]
     fn in_use(&self) -> bool {
-        self.slot.lock().is_none()
+        match mem::alone(&self.slot) {
+            Ok(r) => {
+                mem::give_back(&self.slot, r.share());
+                false
+            }
+            Err(_) => true,
+        }
     }
 
     /// Whether it can only be a source.
@@ -327,20 +344,25 @@ struct Connection {
     inner: Mutex<Option<Arc<gpu_rdma::Connection>>>,
 }
 
-/// Starts `start`'s operation on `region` (taken from its slot) and returns
-/// its handle; the region goes back to its slot when the operation is
-/// waited for, awaited or dropped.
+/// Starts `start`'s operation on `region` and returns its handle. One that
+/// writes the region (`writable`) has it alone, and it goes back to its
+/// slot when the operation is waited for, awaited or dropped; one that
+/// reads it shares it.
 fn run_op(
     py: Python<'_>,
     region: &Region,
     writable: bool,
-    start: impl FnOnce(RustRegion) -> Handle + Send,
+    start: impl FnOnce(OpBuffer) -> Handle + Send,
 ) -> PyResult<Op> {
-    let r = if writable { region.take_writable()? } else { region.take()? };
+    let (r, slot) = if writable {
+        (region.for_writing()?, Some(Arc::clone(&region.slot)))
+    } else {
+        (mem::for_reading(&region.slot).map_err(errors::RegionInUse::new_err)?, None)
+    };
     // A post may wait for room in a full queue: never with the GIL held
     // (the operations that make room may need this thread's peer).
     let handle = py.detach(move || start(r));
-    Ok(Op::new(handle, Some(Arc::clone(&region.slot))))
+    Ok(Op::new(handle, slot))
 }
 
 /// `offset..offset + length` of a region `len` bytes long (length None:
@@ -385,9 +407,9 @@ impl Connection {
         writable: bool,
         post: impl FnOnce(
             &gpu_rdma::Connection,
-            gpu_rdma::LocalSlice<RustRegion>,
+            gpu_rdma::LocalSlice<OpBuffer>,
             &gpu_rdma::RemoteSlice,
-        ) -> gpu_rdma::Pending<RustRegion>
+        ) -> gpu_rdma::Pending<OpBuffer>
         + Send,
     ) -> PyResult<Op> {
         self.with(|c| run_op(py, region, writable, |r| Handle::One(post(c, r.slice(at.local), &at.remote))))

@@ -17,7 +17,7 @@ use pyo3::prelude::*;
 
 use crate::buffer::release_pending;
 use crate::errors::to_py;
-use crate::mem::{RustRegion, Slot};
+use crate::mem::{OpBuffer, Slot};
 
 /// What a finished operation says.
 #[pyclass(module = "gpu_rdma", frozen, get_all)]
@@ -155,9 +155,9 @@ fn resolve(py: Python<'_>, op: &OpShared, fut: &Bound<'_, PyAny>) -> PyResult<()
 /// waiting thread drives it, as a Rust caller's would), awaited or
 /// dropped (then the engine carries it to its end).
 pub(crate) enum Handle {
-    One(gpu_rdma::Pending<RustRegion>),
+    One(gpu_rdma::Pending<OpBuffer>),
     Imm(gpu_rdma::Pending<()>),
-    List(gpu_rdma::Transfer<RustRegion>),
+    List(gpu_rdma::Transfer<OpBuffer>),
 }
 
 fn completion(c: gpu_rdma::Completion) -> Completion {
@@ -168,10 +168,11 @@ fn moved(t: gpu_rdma::Transferred) -> Completion {
     Completion { bytes: t.bytes, imm: None, requests: t.requests }
 }
 
-/// Puts an operation's region back where the Python region finds it.
-fn give_back(slot: &Option<Slot>, region: Option<RustRegion>) {
+/// Puts the region an operation wrote back where the Python region finds
+/// it (an operation that read it has no slot: its clone is dropped).
+fn give_back(slot: &Option<Slot>, region: Option<OpBuffer>) {
     if let (Some(slot), Some(region)) = (slot, region) {
-        *slot.lock() = Some(region);
+        crate::mem::give_back(slot, region);
     }
 }
 

@@ -146,6 +146,42 @@ def test_a_region_in_use_and_a_read_only_target_are_refused():
         d.expose(ro, "w")
 
 
+def test_many_operations_read_one_region_at_once_and_a_writer_has_it_alone():
+    d = domain()
+    target = np.zeros(8 * 4096, dtype=np.uint8)
+    exposed = d.expose(d.register(target), "w", tag=3)
+    s, c = pair(d, server_advertise=[exposed])
+    remote = c.remote_region(3)
+    data = np.arange(4096, dtype=np.uint32).view(np.uint8)[:4096].copy()
+    src = d.register(data)
+    # A send the peer has no receive for yet stays in flight; six writes and
+    # a transfer list from the same region go behind it (a weight
+    # broadcast's shape): all read it at once.
+    ops = [c.send(src)]
+    ops += [c.write(src, remote, remote_offset=i * 4096) for i in range(6)]
+    ops.append(c.write_list(src, remote, [(0, 6 * 4096, 2048), (2048, 6 * 4096 + 2048, 2048)]))
+    assert src.in_use
+    # While they read it, nothing may write it: a receive is refused.
+    with pytest.raises(gpu_rdma.RegionInUse):
+        c.recv(src)
+    rx = d.register(bytearray(4096))
+    assert s.recv(rx).wait(timeout=30).bytes == 4096
+    for op in ops:
+        op.wait(timeout=30)
+    assert bytes(rx.obj) == bytes(data)
+    for i in range(7):
+        assert bytes(target[i * 4096:(i + 1) * 4096]) == bytes(data), f"write {i}"
+    # Done: a receive may write it now, and has it alone meanwhile.
+    assert not src.in_use
+    into = c.recv(src)
+    with pytest.raises(gpu_rdma.RegionInUse):
+        c.send(src)
+    s.send(d.register(bytes(4096))).wait(timeout=30)
+    assert into.wait(timeout=30).bytes == 4096
+    assert not data.any(), "the receive landed in the region it had alone"
+    assert not src.in_use
+
+
 def test_a_non_contiguous_array_is_refused_with_the_fix():
     d = domain()
     a = np.zeros((64, 64), dtype=np.float32)[:, ::2]

@@ -8,7 +8,10 @@
 //! [`crate::stats`]), then each tool's best round.
 //!
 //! 1. On this machine, TCP on loopback: our TCP transport against UCX over
-//!    TCP (`UCX_TLS=tcp`), put bandwidth at 64 KiB and 1 MiB and latency.
+//!    TCP (`UCX_TLS=tcp`), put bandwidth at 64 KiB and 1 MiB and latency;
+//!    transfer lists against a plain socket, with the socket against itself
+//!    as the null; and the Python binding against the Rust bench
+//!    (`python/bench.py`).
 //! 2. In one soft-RoCE guest run, on rxe0: perftest, UCX
 //!    (`UCX_TLS=rc_verbs,ud_verbs,self`) and gpu-rdma.
 //!
@@ -405,57 +408,96 @@ fn host(rounds: usize) -> Result<(String, usize)> {
         "medians of {rounds} rounds; UCX: ucp_put_bw / tag_lat (median latency, one-way); gpu-rdma: write-bw / send-lat"
     );
     // Transfer lists of 64 KiB pieces against a plain socket moving the
-    // same bytes in 64 KiB writes, interleaved.
+    // same bytes in 64 KiB writes: each round the socket, the lists, and
+    // the socket again; the lists against both socket runs of their round,
+    // and the second socket run against the first (the null).
     let (size, iters) = (64u64 << 10, 20_000u32);
-    let mut lists = Vec::new();
-    let mut plain = Vec::new();
+    let (mut lists, mut plain, mut again) = (Vec::new(), Vec::new(), Vec::new());
     for round in 0..rounds {
-        for k in 0..2 {
-            if (round + k) % 2 == 0 {
-                plain.push(plain_socket_mib_s(size as usize, iters as usize)?);
-            } else {
-                let server = words(format!("{bin} bench list-bw --transport tcp -p 18591 -s {size} -n {iters}"));
-                let mut client = server.clone();
-                client.push("127.0.0.1".into());
-                let log = pair(&server, &client, &[])?;
-                match figure(&log, size, true) {
-                    Some(v) => lists.push(v),
-                    None => {
-                        missing += 1;
-                        println!("  no figure from gpu-rdma list-bw (round {round}):\n{log}");
-                    }
-                }
-            }
+        plain.push(Some(plain_socket_mib_s(size as usize, iters as usize)?));
+        let server = words(format!("{bin} bench list-bw --transport tcp -p 18591 -s {size} -n {iters}"));
+        let mut client = server.clone();
+        client.push("127.0.0.1".into());
+        let log = pair(&server, &client, &[])?;
+        let v = figure(&log, size, true);
+        if v.is_none() {
+            missing += 1;
+            println!("  no figure from gpu-rdma list-bw (round {round}):\n{log}");
         }
+        lists.push(v);
+        again.push(Some(plain_socket_mib_s(size as usize, iters as usize)?));
     }
-    let (g, p) = (median(lists), median(plain));
-    let ratio = match (g, p) {
-        (Some(g), Some(p)) if p > 0.0 => Some(g / p),
-        _ => None,
-    };
+    let both: Vec<Option<f64>> = plain.iter().zip(&again).map(|(a, b)| Some(((*a)? * (*b)?).sqrt())).collect();
+    let ratio =
+        match (median(lists.iter().flatten().copied().collect()), median(both.iter().flatten().copied().collect())) {
+            (Some(g), Some(p)) if p > 0.0 => Some(g / p),
+            _ => None,
+        };
+    let range = paired_range(&lists, &both);
+    let null = paired_range(&again, &plain);
     let show = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{v:.2} MiB/s"));
+    let span = |r: Option<RatioRange>| r.map_or("-".to_owned(), |r| format!("{:.2}-{:.2}", r.lo, r.hi));
     let _ = writeln!(
         out,
-        "\n{:<10} {:>9} {:>7}  {:>14} {:>14}  {:>7}  goal\n{:<10} {:>9} {:>7}  {:>14} {:>14}  {:>7}  >= 0.90x {}",
+        "\n{:<10} {:>9} {:>7}  {:>14} {:>14}  {:>7}  {:>9}  goal\n{:<10} {:>9} {:>7}  {:>14} {:>14}  {:>7}  {:>9}  >= 1.00x {}",
         "test",
         "bytes",
         "iters",
         "plain socket",
         "gpu-rdma (tcp)",
         "ratio",
+        "range",
         "list-bw",
         size,
         iters,
-        show(p),
-        show(g),
+        show(median(both.iter().flatten().copied().collect())),
+        show(median(lists.iter().flatten().copied().collect())),
         ratio.map_or("-".to_owned(), |r| format!("{r:.2}x")),
-        if ratio.is_some_and(|r| r >= 0.9) { "met" } else { "MISSED" }
+        span(range),
+        verdict(ratio, range, |r| r >= 1.0)
     );
     let _ = writeln!(
         out,
-        "medians of {rounds} rounds; plain socket: one TCP stream on loopback, 64 KiB writes into a 64 KiB read buffer"
+        "null: the socket's second run of a round over its first, {}x ({}); lists over both runs of their round\n\
+         medians of {rounds} rounds; plain socket: one TCP stream on loopback, 64 KiB writes into a 64 KiB read buffer",
+        null.map_or("-".to_owned(), |r| format!("{:.2}", r.estimate)),
+        span(null)
     );
+    match python_beside(&bin, rounds) {
+        Ok(table) => {
+            let _ = write!(out, "\nPython over Rust, TCP on loopback (python/bench.py)\n{table}");
+        }
+        Err(e) => {
+            missing += 1;
+            let _ = writeln!(out, "\nPython over Rust: no figures: {e}");
+        }
+    }
     Ok((out, missing))
+}
+
+/// `python/bench.py` (the binding against `gpu-rdma bench`, each round
+/// Rust, Python, Rust again) in the binding's venv, with the wheel of this
+/// tree built and installed; its table.
+fn python_beside(bin: &str, rounds: usize) -> Result<String> {
+    let py = crate::test::python_venv()?;
+    crate::test::python_wheel(&py)?;
+    println!("xtask: compare: python/bench.py, {rounds} rounds");
+    let out = Command::new(&py)
+        .arg(root().join("python/bench.py"))
+        .args(["--rust", bin, "--rounds", &rounds.to_string()])
+        // Outside the source tree: the installed package is imported.
+        .current_dir(std::env::temp_dir())
+        .output()
+        .map_err(|e| format!("{}: {e}", py.display()))?;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    if !out.status.success() {
+        return Err(format!(
+            "python/bench.py failed ({}):\n{text}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    Ok(text)
 }
 
 /// A plain TCP stream on loopback: one thread writes `iters` buffers of

@@ -53,7 +53,8 @@ commands:
   bench [FILTER]        the criterion suite benches/ops.rs on rxe0 in the guest (verbs and TCP);
                           FILTER: only the benchmarks whose names contain it (e.g. register)
   compare [--rounds N] [--host] [--only TEST] [--size BYTES] [--null] [--from DIR]...
-                        gpu-rdma bench beside perftest and UCX on rxe0 (and UCX over TCP here): medians, ratios;
+                        gpu-rdma bench beside perftest and UCX on rxe0 (and here over TCP: UCX, a plain socket
+                          with its null, and the Python binding against Rust): medians, ratios; --host: here only;
                           --only, --size: the guest's cases of one test, of one size (no host part);
                           --null: perftest twice a round, its second run against its first (the noise floor);
                           --from: the table from kept guest runs, their rounds pooled
