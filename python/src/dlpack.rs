@@ -94,12 +94,24 @@ pub(crate) fn device_of(obj: &Bound<'_, PyAny>) -> PyResult<(i32, i32)> {
 
 /// The memory of a DLPack producer on `device` (what its
 /// `__dlpack_device__` said): host memory (CPU, CUDA host) as
-/// `ForeignHost`, CUDA device memory as a `CudaBuffer` for the GPU paths.
-/// Work queued on the device so far is waited for once here (the producer
-/// is asked for no stream of ours).
+/// `ForeignHost`, CUDA device memory as a `CudaBuffer` for the GPU paths;
+/// CUDA managed memory is refused. For CUDA memory (device or pinned
+/// host), work queued on the device so far is waited for once here (the
+/// producer is asked for no stream of ours).
 pub(crate) fn memory(obj: &Bound<'_, PyAny>, (kind, ordinal): (i32, i32)) -> PyResult<PyMem> {
     let py = obj.py();
-    if !matches!(kind, CPU | CUDA | CUDA_HOST | CUDA_MANAGED) {
+    if kind == CUDA_MANAGED {
+        // The driver migrates managed pages between host and device on
+        // demand: neither a host registration (pinning pages the GPU may
+        // want back) nor a GPU path (nvidia-peermem and dma-buf take device
+        // allocations only) reaches it safely.
+        return Err(PyTypeError::new_err(
+            "CUDA managed memory (DLPack kDLCUDAManaged) cannot be registered: the driver moves its pages \
+             between host and GPU; copy it into device memory (torch: x.to('cuda'), CuPy: cupy.asarray) \
+             or host memory first",
+        ));
+    }
+    if !matches!(kind, CPU | CUDA | CUDA_HOST) {
         return Err(PyTypeError::new_err(format!("DLPack device type {kind} is neither the CPU nor a CUDA device")));
     }
     let capsule = obj.call_method0("__dlpack__")?;
@@ -123,6 +135,11 @@ pub(crate) fn memory(obj: &Bound<'_, PyAny>, (kind, ordinal): (i32, i32)) -> PyR
     match kind {
         CUDA => cuda_memory(ordinal, ptr, len, owned),
         _ => {
+            if kind == CUDA_HOST {
+                // Pinned host memory a copy on the producer's streams may
+                // still be filling: that work, done before the NIC reads.
+                cuda_device(ordinal)?.synchronize().map_err(crate::errors::to_py)?;
+            }
             // SAFETY: host memory of the producer's, valid until its deleter
             // runs, which the guard moved into the value does last.
             let mem = unsafe { ForeignHost::from_raw(ptr.cast(), len, Box::new(owned)) }
@@ -167,10 +184,15 @@ fn contiguous_extent(t: &DlTensor) -> PyResult<(*mut u8, usize)> {
     Ok((t.data.cast::<u8>().wrapping_add(t.byte_offset as usize), len))
 }
 
+/// The CUDA device a DLPack producer names.
+fn cuda_device(ordinal: i32) -> PyResult<gpu_rdma::cuda::CudaDevice> {
+    gpu_rdma::cuda::CudaDevice::open(usize::try_from(ordinal).unwrap_or(usize::MAX)).map_err(crate::errors::to_py)
+}
+
 fn cuda_memory(ordinal: i32, ptr: *mut u8, len: usize, owned: Owned) -> PyResult<PyMem> {
-    use gpu_rdma::cuda::{CudaBuffer, CudaDevice};
+    use gpu_rdma::cuda::CudaBuffer;
     let to_py = crate::errors::to_py;
-    let dev = CudaDevice::open(usize::try_from(ordinal).unwrap_or(usize::MAX)).map_err(to_py)?;
+    let dev = cuda_device(ordinal)?;
     // The producer's work on its own streams, done before the NIC reads.
     dev.synchronize().map_err(to_py)?;
     // SAFETY: device memory of `dev` the producer keeps allocated until its

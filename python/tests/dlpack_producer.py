@@ -103,3 +103,33 @@ class DeviceArray:
         return _new_capsule(ctypes.addressof(mt), b"dltensor", None)
 
 
+
+
+class HostArray:
+    """`n` bytes of host memory offered through DLPack as a uint8 tensor on
+    `device` (3: kDLCUDAHost, pinned host memory a CUDA copy may fill; 13:
+    kDLCUDAManaged). Counts the producer's `__dlpack__` calls."""
+
+    def __init__(self, n, device=3):
+        self.buf = (ctypes.c_uint8 * n)()
+        self.n = n
+        self.device = device
+        self.exported = 0
+        self.shape = (ctypes.c_int64 * 1)(n)
+        self._keep = []
+
+    def __dlpack_device__(self):
+        return (self.device, 0)
+
+    def __dlpack__(self, stream=None):
+        self.exported += 1
+        mt = DlManagedTensor()
+        mt.dl_tensor.data = ctypes.addressof(self.buf)
+        mt.dl_tensor.device = DlDevice(self.device, 0)
+        mt.dl_tensor.ndim = 1
+        mt.dl_tensor.dtype = DlDataType(1, 8, 1)  # uint8
+        mt.dl_tensor.shape = ctypes.cast(self.shape, ctypes.POINTER(ctypes.c_int64))
+        d = DELETER(lambda _: None)
+        mt.deleter = d
+        self._keep.append((mt, d))
+        return _new_capsule(ctypes.addressof(mt), b"dltensor", None)

@@ -18,6 +18,7 @@ import pytest
 import gpu_rdma
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dlpack_producer import HostArray  # noqa: E402
 from loopback import domain, pair  # noqa: E402
 
 
@@ -180,6 +181,14 @@ def test_many_operations_read_one_region_at_once_and_a_writer_has_it_alone():
     assert into.wait(timeout=30).bytes == 4096
     assert not data.any(), "the receive landed in the region it had alone"
     assert not src.in_use
+
+
+def test_cuda_managed_memory_is_refused_with_the_fix_and_never_exported():
+    d = domain()
+    managed = HostArray(4096, device=13)  # kDLCUDAManaged
+    with pytest.raises(TypeError, match="managed memory"):
+        d.register(managed)
+    assert managed.exported == 0, "refused before the producer was asked for its tensor"
 
 
 def test_a_non_contiguous_array_is_refused_with_the_fix():
