@@ -55,6 +55,13 @@ _new_capsule.restype = ctypes.py_object
 _new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
 
 
+# Every tensor handed out, with its producer and deleter, kept for the
+# process's life: the consumer may call a deleter after the test dropped
+# the producer (DLPack's contract: the tensor lives until its deleter ran;
+# a real producer frees it there).
+_EXPORTED = []
+
+
 class DeviceArray:
     """`n` bytes of device memory (cuMemAlloc), offered through DLPack as a
     uint8 tensor; `strided` offers every other byte (non-contiguous)."""
@@ -70,7 +77,6 @@ class DeviceArray:
         self.deleted = 0
         self.shape = (ctypes.c_int64 * 1)(n // 2 if strided else n)
         self.strides = (ctypes.c_int64 * 1)(2) if strided else None
-        self._keep = []
 
     def upload(self, data):
         buf = (ctypes.c_char * len(data)).from_buffer_copy(bytes(data))
@@ -99,7 +105,7 @@ class DeviceArray:
 
         d = DELETER(deleter)
         mt.deleter = d
-        self._keep.append((mt, d))
+        _EXPORTED.append((self, mt, d))
         return _new_capsule(ctypes.addressof(mt), b"dltensor", None)
 
 
@@ -116,7 +122,6 @@ class HostArray:
         self.device = device
         self.exported = 0
         self.shape = (ctypes.c_int64 * 1)(n)
-        self._keep = []
 
     def __dlpack_device__(self):
         return (self.device, 0)
@@ -131,5 +136,5 @@ class HostArray:
         mt.dl_tensor.shape = ctypes.cast(self.shape, ctypes.POINTER(ctypes.c_int64))
         d = DELETER(lambda _: None)
         mt.deleter = d
-        self._keep.append((mt, d))
+        _EXPORTED.append((self, mt, d))
         return _new_capsule(ctypes.addressof(mt), b"dltensor", None)
