@@ -10,8 +10,9 @@ everywhere else, from Python.
     conn.send(region).wait()                   # or: await conn.send(region)
 
 Every operation returns an `Op`: `op.wait(timeout=None)` releases the GIL
-(Ctrl-C interrupts it), `await op` works in asyncio. A region is an
-operation's buffer until that operation is done, then it is back.
+(Ctrl-C interrupts it), `await op` works in asyncio, and so does
+`await inbox.wait_async(tag)`. Many operations may read one region at once;
+one that writes it (a receive, a read) has it alone until it is done.
 """
 
 from ._native import (  # noqa: F401

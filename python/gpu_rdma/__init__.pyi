@@ -1,6 +1,6 @@
 """Type stubs of gpu_rdma (the classes live in gpu_rdma._native)."""
 
-from typing import Any, Generator, Optional, Sequence
+from typing import Any, Coroutine, Generator, Optional, Sequence
 
 __version__: str
 
@@ -64,6 +64,8 @@ class RemoteRegion:
 class Inbox:
     """A connection's notifications, by tag."""
     def wait(self, tag: int, n: int = 1, timeout: Optional[float] = None) -> list[bytes]: ...
+    def try_take(self, tag: int, n: int = 1) -> Optional[list[bytes]]: ...
+    def wait_async(self, tag: int, n: int = 1, timeout: Optional[float] = None) -> Coroutine[Any, Any, list[bytes]]: ...
 
 class Connection:
     """One connection to a peer."""

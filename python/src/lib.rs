@@ -569,24 +569,51 @@ struct Inbox {
     inner: Mutex<gpu_rdma::Inbox>,
 }
 
+fn payloads(py: Python<'_>, notes: Vec<gpu_rdma::Note>) -> PyResult<Bound<'_, PyList>> {
+    let out = PyList::empty(py);
+    for note in notes {
+        out.append(PyBytes::new(py, &note.payload))?;
+    }
+    Ok(out)
+}
+
 #[pymethods]
 impl Inbox {
+    /// Takes `n` notifications tagged `tag` if they are all there (their
+    /// payloads), else None; never waits.
+    #[pyo3(signature = (tag, n=1))]
+    fn try_take<'py>(&self, py: Python<'py>, tag: u32, n: usize) -> PyResult<Option<Bound<'py, PyList>>> {
+        match py.detach(|| self.inner.lock().try_take(tag, n)).map_err(to_py)? {
+            Some(notes) => payloads(py, notes).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// `wait` for asyncio: a coroutine that looks again every 50 us to
+    /// 1 ms (the loop runs meanwhile; no thread waits) and returns the
+    /// payloads; `timeout` in seconds (None: no limit).
+    #[pyo3(signature = (tag, n=1, timeout=None))]
+    fn wait_async<'py>(
+        slf: &Bound<'py, Self>,
+        tag: u32,
+        n: usize,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let timeout = timeout.map(seconds).transpose()?.map(|t| t.as_secs_f64());
+        let take = slf.getattr("try_take")?;
+        slf.py().import("gpu_rdma._aio")?.call_method1("poll", (take, tag, n, timeout))
+    }
+
     /// Waits for `n` notifications tagged `tag` (the GIL released, Ctrl-C
     /// honoured) and returns their payloads; `timeout` in seconds (None:
-    /// the connection's operation timeout).
+    /// no limit; a lost connection ends the wait with its error).
     #[pyo3(signature = (tag, n=1, timeout=None))]
     fn wait<'py>(&self, py: Python<'py>, tag: u32, n: usize, timeout: Option<f64>) -> PyResult<Bound<'py, PyList>> {
         let until = timeout.map(seconds).transpose()?.map(|t| std::time::Instant::now() + t);
         loop {
             let got = py.detach(|| self.inner.lock().wait_timeout(tag, n, Duration::from_millis(50)));
             match got {
-                Ok(notes) => {
-                    let out = PyList::empty(py);
-                    for note in notes {
-                        out.append(PyBytes::new(py, &note.payload))?;
-                    }
-                    return Ok(out);
-                }
+                Ok(notes) => return payloads(py, notes),
                 Err(e) if e.is_timeout() => {
                     py.check_signals()?;
                     if until.is_some_and(|u| std::time::Instant::now() >= u) {

@@ -111,6 +111,48 @@ def test_a_thousand_operations_in_flight_on_one_event_loop():
         assert x[0] == i % 251, i
 
 
+def test_an_inbox_is_awaited_while_the_loop_runs_other_work():
+    d = domain()
+    target = np.zeros(4096, dtype=np.uint8)
+    exposed = d.expose(d.register(target), "w", tag=4)
+    s, c = pair(d, server_advertise=[exposed])
+    remote = c.remote_region(4)
+    inbox = s.inbox()
+    src = d.register(np.full(4096, 3, dtype=np.uint8))
+    assert inbox.try_take(5) is None
+
+    async def main():
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.001)
+
+        t = asyncio.ensure_future(tick())
+        waiting = asyncio.ensure_future(inbox.wait_async(5, 2, timeout=30))
+        await asyncio.sleep(0.05)
+        assert not waiting.done(), "nothing was sent yet"
+        ticks_meanwhile = ticks
+        await c.write_list(src, remote, [(0, 0, 4096)], tag=5, payload=b"a")
+        await c.write_list(src, remote, [(0, 0, 2048)], tag=5, payload=b"b")
+        notes = await waiting
+        # Nothing more comes: a bounded wait ends in Timeout, on time.
+        t0 = time.monotonic()
+        with pytest.raises(gpu_rdma.Timeout):
+            await inbox.wait_async(5, 1, timeout=0.05)
+        late = time.monotonic() - t0
+        t.cancel()
+        return notes, ticks_meanwhile, late
+
+    notes, ticks, late = asyncio.run(main())
+    assert list(notes) == [b"a", b"b"]
+    assert ticks >= 10, f"the loop ran other work while the inbox was awaited ({ticks} ticks in 50 ms)"
+    assert late < 1.0, late
+    assert (target == 3).all()
+
+
 def test_an_operation_awaited_after_it_finished_resolves_at_once():
     d = domain()
     s, c = pair(d)
