@@ -22,6 +22,7 @@ from ._native import (  # noqa: F401
     Domain,
     Exposed,
     GpuRdmaError,
+    HAS_ETCD,
     Inbox,
     InvalidArgument,
     Listener,

@@ -631,7 +631,7 @@ impl Inbox {
 
 /// Many peers: each rank publishes its endpoint in a rendezvous (a
 /// directory every rank can read: a shared file system, or one machine's
-/// /tmp), dials a peer on first use and keeps a bounded pool.
+/// /tmp; or etcd), dials a peer on first use and keeps a bounded pool.
 #[pyclass(module = "gpu_rdma", frozen)]
 struct World {
     inner: gpu_rdma::World,
@@ -641,21 +641,23 @@ struct World {
 impl World {
     /// Joins rank `rank` of `size` (with `rank`/`size` None: from torchrun's,
     /// Slurm's or Open MPI's variables) through the directory `directory`,
-    /// listening on `listen` ("host:port"); `advertise` lists exposed
-    /// regions every peer may use.
+    /// or through etcd (`etcd`: its endpoints, "http://host:2379", comma
+    /// separated; the job's keys under `job`), listening on `listen`
+    /// ("host:port"); `advertise` lists exposed regions every peer may use.
     #[new]
-    #[pyo3(signature = (domain, directory, rank=None, size=None, job="gpu-rdma", listen=None, advertise=Vec::new(), op_timeout=None))]
+    #[pyo3(signature = (domain, directory=None, rank=None, size=None, job="gpu-rdma", listen=None, advertise=Vec::new(), op_timeout=None, etcd=None))]
     #[allow(clippy::too_many_arguments)] // Python's keyword arguments, each with its default
     fn new(
         py: Python<'_>,
         domain: &Domain,
-        directory: &str,
+        directory: Option<&str>,
         rank: Option<u32>,
         size: Option<u32>,
         job: &str,
         listen: Option<&str>,
         advertise: Vec<PyRef<'_, Exposed>>,
         op_timeout: Option<f64>,
+        etcd: Option<&str>,
     ) -> PyResult<Self> {
         let (rank, size) = match (rank, size) {
             (Some(r), Some(s)) => (r, s),
@@ -669,8 +671,11 @@ impl World {
             },
             _ => return Err(errors::InvalidArgument::new_err("give both rank and size, or neither")),
         };
-        let rdv: Arc<dyn gpu_rdma::rendezvous::Rendezvous> =
-            Arc::new(gpu_rdma::rendezvous::DirRendezvous::new(directory).map_err(to_py)?);
+        let rdv: Arc<dyn gpu_rdma::rendezvous::Rendezvous> = match (directory, etcd) {
+            (Some(dir), None) => Arc::new(gpu_rdma::rendezvous::DirRendezvous::new(dir).map_err(to_py)?),
+            (None, Some(endpoints)) => py.detach(|| etcd_rendezvous(endpoints, job))?,
+            _ => return Err(errors::InvalidArgument::new_err("give a directory or etcd endpoints (one of them)")),
+        };
         let mut opts = gpu_rdma::WorldOptions::new(job).connect(options(&advertise, op_timeout, None, None)?);
         if let Some(addr) = listen {
             opts = opts.listen(addr);
@@ -701,6 +706,24 @@ impl World {
         let wait = timeout.map_or(Ok(Duration::from_secs(30)), seconds)?;
         Ok(Connection::shared(py.detach(|| self.inner.accepted(rank, wait)).map_err(to_py)?))
     }
+}
+
+/// The etcd rendezvous at `endpoints` (comma separated), the job's keys
+/// under `job/`.
+#[cfg(feature = "etcd")]
+fn etcd_rendezvous(endpoints: &str, job: &str) -> PyResult<Arc<dyn gpu_rdma::rendezvous::Rendezvous>> {
+    use gpu_rdma::rendezvous::{EtcdOptions, EtcdRendezvous};
+    let opts = EtcdOptions::new(endpoints.split(',').map(str::trim).filter(|e| !e.is_empty()))
+        .namespace(format!("gpu-rdma/{job}/"));
+    Ok(Arc::new(EtcdRendezvous::connect(opts).map_err(to_py)?))
+}
+
+#[cfg(not(feature = "etcd"))]
+fn etcd_rendezvous(_: &str, _: &str) -> PyResult<Arc<dyn gpu_rdma::rendezvous::Rendezvous>> {
+    Err(errors::InvalidArgument::new_err(
+        "this wheel was built without etcd: build it with `maturin build --release --features etcd` in python/ \
+         (needs protoc: Debian's protobuf-compiler), or meet through a directory",
+    ))
 }
 
 /// `gpu-rdma doctor` as a dict: the checks (name, status, detail, fix) and
@@ -742,6 +765,8 @@ fn doctor<'py>(py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // Whether World can meet through etcd (the wheel built with `--features etcd`).
+    m.add("HAS_ETCD", cfg!(feature = "etcd"))?;
     ops::init()?;
     m.add_class::<Domain>()?;
     m.add_class::<Region>()?;

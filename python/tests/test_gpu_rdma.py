@@ -6,6 +6,9 @@ exception with nothing leaked."""
 import asyncio
 import gc
 import os
+import shutil
+import socket
+import subprocess
 import sys
 import threading
 import time
@@ -332,7 +335,9 @@ def test_doctor_returns_its_checks():
     assert all(c["status"] in ("ok", "warn", "fail", "unknown") for c in r["checks"])
 
 
-def test_a_world_of_three_ranks_meets_through_a_directory_and_exchanges(tmp_path):
+def three_ranks_exchange(**meet):
+    """Three ranks in threads meet through `meet` (a directory, or etcd)
+    and send each higher rank a byte naming the pair; what arrived."""
     size = 3
     got = {}
     errors = []
@@ -340,7 +345,7 @@ def test_a_world_of_three_ranks_meets_through_a_directory_and_exchanges(tmp_path
     def rank(r):
         try:
             d = domain()
-            w = gpu_rdma.World(d, str(tmp_path), rank=r, size=size, listen="127.0.0.1:0")
+            w = gpu_rdma.World(d, rank=r, size=size, listen="127.0.0.1:0", **meet)
             assert (w.rank, w.size) == (r, size)
             ops = []
             for hi in range(r + 1, size):
@@ -361,6 +366,58 @@ def test_a_world_of_three_ranks_meets_through_a_directory_and_exchanges(tmp_path
         t.join(timeout=120)
     assert not errors, errors
     assert got == {(lo, hi): 10 * lo + hi for lo in range(size) for hi in range(lo + 1, size)}
+
+
+def test_a_world_of_three_ranks_meets_through_a_directory_and_exchanges(tmp_path):
+    three_ranks_exchange(directory=str(tmp_path))
+
+
+@pytest.fixture
+def etcd_endpoint(tmp_path):
+    """A real etcd (Debian's etcd-server) on loopback, for this test."""
+    if shutil.which("etcd") is None:
+        pytest.skip("no etcd here (Debian's etcd-server): not run")
+    if not gpu_rdma.HAS_ETCD:
+        pytest.skip("this wheel was built without etcd (maturin build --features etcd): not run")
+
+    def free_port():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    for attempt in range(5):
+        port, peer = free_port(), free_port()
+        log = tmp_path / f"etcd-{attempt}.log"
+        client, peer_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{peer}"
+        with open(log, "w") as err:
+            proc = subprocess.Popen(
+                ["etcd", "--name", "py", "--data-dir", str(tmp_path / f"etcd-{attempt}"),
+                 "--listen-client-urls", client, "--advertise-client-urls", client,
+                 "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+                 "--initial-cluster", f"py={peer_url}"],
+                stdout=subprocess.DEVNULL, stderr=err)
+        until = time.monotonic() + 30
+        while proc.poll() is None and time.monotonic() < until:
+            if f"serving insecure client requests on 127.0.0.1:{port}" in log.read_text():
+                try:
+                    yield client
+                finally:
+                    proc.kill()
+                    proc.wait()
+                return
+            time.sleep(0.02)
+        proc.kill()
+        proc.wait()
+    pytest.fail(f"etcd did not serve in five tries: {log.read_text()[-2000:]}")
+
+
+def test_a_world_of_three_ranks_meets_through_etcd_and_exchanges(etcd_endpoint):
+    three_ranks_exchange(etcd=etcd_endpoint, job=f"py-{os.getpid()}")
+    # The endpoint named wrong: a clear error naming it, not a hang.
+    with pytest.raises(gpu_rdma.GpuRdmaError):
+        gpu_rdma.World(domain(), rank=0, size=1, etcd="http://127.0.0.1:1")
+    with pytest.raises(gpu_rdma.InvalidArgument, match="one of them"):
+        gpu_rdma.World(domain(), "/tmp", rank=0, size=1, etcd=etcd_endpoint)
 
 
 def test_a_world_without_ranks_or_a_launcher_says_what_is_missing(tmp_path, monkeypatch):

@@ -305,13 +305,15 @@ pub(crate) fn python_venv() -> Result<PathBuf> {
 }
 
 /// Builds the wheel (one abi3 wheel, `target/wheels`) and installs it into
-/// the venv, as `pip install ./python` would.
+/// the venv, as `pip install ./python` would, with World through etcd too
+/// (`--features etcd`: protoc, which setup installs, and the suite's etcd
+/// test).
 pub(crate) fn python_wheel(py: &Path) -> Result<PathBuf> {
     let wheels = root().join("target/wheels");
     let _ = fs::remove_dir_all(&wheels);
     run_cmd(
         Command::new(py.with_file_name("maturin"))
-            .args(["build", "--release", "-o"])
+            .args(["build", "--release", "--features", "etcd", "-o"])
             .arg(&wheels)
             .current_dir(root().join("python")),
     )?;
