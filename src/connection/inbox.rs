@@ -90,14 +90,21 @@ impl Inbox {
     }
 
     /// Waits up to `timeout`. It looks at the ring again at once for the
-    /// connection's spin window, then every few tens of microseconds.
+    /// connection's spin window, then sleeps until the peer's next write
+    /// lands where the transport sees writes land (TCP); where it does not
+    /// (verbs: the device places them), it looks again after a pause
+    /// growing from 20 us to 200 us while nothing comes.
     ///
     /// # Errors
     /// As [`wait`](Self::wait).
     pub fn wait_timeout(&mut self, tag: u32, n: usize, timeout: Duration) -> Result<Vec<Note>> {
-        let spin = self.shared.spin;
-        let bound = op::Bound { total: Some(timeout), idle: timeout, spin, what: "notifications" };
-        op::wait(&mut Take(|| self.try_take(tag, n)), &op::NoRequests, bound)
+        let shared = Arc::clone(&self.shared);
+        let bound = op::Bound { total: Some(timeout), idle: timeout, spin: shared.spin, what: "notifications" };
+        op::wait(
+            &mut RingTake { transport: &shared.transport, look: || self.try_take(tag, n) },
+            &shared.transport,
+            bound,
+        )
     }
 
     /// [`wait`](Self::wait) as a future: it never blocks the thread; the
@@ -187,6 +194,27 @@ impl<T, F: FnMut() -> Result<Option<T>>> op::Operation for Take<F> {
             // Awaited: every 200 us on the engine's timer; waited on: at
             // once within the spin window.
             Ok(None) => op::Look::Wait(op::Until::Soon { copying: waker.is_none() }),
+        }
+    }
+}
+
+/// A blocking wait's look at the ring: the transport's count of the
+/// peer's landed writes is read first, so a note that lands after the look
+/// ends the sleep that follows it.
+struct RingTake<'a, F> {
+    transport: &'a crate::transport::ConnTransport,
+    look: F,
+}
+
+impl<T, F: FnMut() -> Result<Option<T>>> op::Operation for RingTake<'_, F> {
+    type Output = T;
+
+    fn step(&mut self, _: Option<&std::task::Waker>) -> op::Look<T> {
+        let seen = self.transport.landed();
+        match (self.look)() {
+            Ok(Some(v)) => op::Look::Done(Ok(v)),
+            Err(e) => op::Look::Done(Err(e)),
+            Ok(None) => op::Look::Wait(op::Until::Ring { seen }),
         }
     }
 }

@@ -44,6 +44,13 @@ pub(crate) enum Until {
     /// The operation has the awaiting waker woken itself (the engine
     /// drives it); a blocking waiter looks again in a moment.
     Woken,
+    /// Memory the peer writes (a notification ring), looked at when the
+    /// transport had counted `seen` of the peer's writes landing (None:
+    /// it does not see them land). A blocking waiter looks again at once
+    /// within the spin window, then sleeps until the next write lands;
+    /// where none is seen, a pause growing from 20 us to 200 us while
+    /// nothing comes. An awaited one looks again on the engine's timer.
+    Ring { seen: Option<u64> },
 }
 
 /// An operation in flight, as the driver sees it.
@@ -89,6 +96,12 @@ pub(crate) trait Requests {
     fn sleep_on(&self, id: OpId, due: &mut Deadline) -> Result<()>;
     /// Whether request `id` finished; else `waker` is woken when it does.
     fn done_or_register(&self, id: OpId, waker: &Waker, engine: &Engine) -> Result<bool>;
+    /// Sleeps until a write of the peer's lands after the first `seen`,
+    /// or `d` passes (see [`Until::Ring`]).
+    fn wait_landed(&self, seen: u64, d: Duration) {
+        let _ = seen;
+        std::thread::sleep(d);
+    }
 }
 
 impl Requests for ConnTransport {
@@ -98,6 +111,10 @@ impl Requests for ConnTransport {
 
     fn done_or_register(&self, id: OpId, waker: &Waker, engine: &Engine) -> Result<bool> {
         ConnTransport::done_or_register(self, id, waker, engine)
+    }
+
+    fn wait_landed(&self, seen: u64, d: Duration) {
+        ConnTransport::wait_landed(self, seen, d);
     }
 }
 
@@ -142,20 +159,43 @@ pub(crate) fn wait<O: Operation>(op: &mut O, transport: &impl Requests, bound: B
             };
             return Err(Error::Timeout { what: bound.what, after });
         }
-        nap(transport, until, deadline - now, now - last.1 < bound.spin, bound.what);
+        nap(transport, until, deadline - now, now - last.1, bound.spin, bound.what);
     }
 }
 
-/// One pause of a blocking wait on what `until` names, at most `left`:
-/// with `spinning` (within the spin window, on a copy about to end) the
-/// CPU is only yielded; a request is slept on (a slice of it where other
-/// work must move meanwhile); else a moment. Whether it slept on a request
-/// for all of `left` without it finishing.
-fn nap(transport: &impl Requests, until: Until, left: Duration, spinning: bool, what: &'static str) -> bool {
+/// How long a blocking waiter on a ring the peer writes sleeps at most
+/// before it looks again, where the transport wakes it when a write lands
+/// (a wake lost to a race costs this much).
+const RING_SLEEP: Duration = Duration::from_millis(50);
+
+/// The pause between looks at a ring whose writes nobody sees land, after
+/// `idle` without one: 20 us, growing to 200 us (the engine's timer's, for
+/// an awaited look) as the wait grows long.
+fn ring_pause(idle: Duration) -> Duration {
+    (idle / 16).clamp(Duration::from_micros(20), Duration::from_micros(200))
+}
+
+/// One pause of a blocking wait on what `until` names, at most `left`,
+/// `idle` since the wait last moved: within `spin` of it (on a copy about
+/// to end, a ring) the CPU is only yielded; a request is slept on (a slice
+/// of it where other work must move meanwhile); a ring until the peer's
+/// next write lands; else a moment. Whether it slept on a request for all
+/// of `left` without it finishing.
+fn nap(
+    transport: &impl Requests,
+    until: Until,
+    left: Duration,
+    idle: Duration,
+    spin: Duration,
+    what: &'static str,
+) -> bool {
+    let spinning = idle < spin;
     match until {
-        Until::Request { briefly: Some(true), .. } | Until::Soon { copying: true } if spinning => {
+        Until::Request { briefly: Some(true), .. } | Until::Soon { copying: true } | Until::Ring { .. } if spinning => {
             look_again(true);
         }
+        Until::Ring { seen: Some(seen) } => transport.wait_landed(seen, left.min(RING_SLEEP)),
+        Until::Ring { seen: None } => std::thread::sleep(ring_pause(idle).min(left)),
         Until::Request { id, briefly } => {
             let slice = briefly.map_or(left, |copying| staged_slice(copying).min(left));
             match transport.sleep_on(id, &mut Deadline::lazy(slice, what)) {
@@ -189,8 +229,8 @@ pub(crate) fn wait_once<O: Operation>(
     };
     let limit = bound.total.map_or(bound.idle, |t| t.min(bound.idle));
     // Yields only on a copy about to end: a request is slept on.
-    let spinning = matches!(until, Until::Soon { copying: true });
-    if nap(transport, until, limit, spinning, bound.what) {
+    let spin = if matches!(until, Until::Soon { copying: true }) { Duration::MAX } else { Duration::ZERO };
+    if nap(transport, until, limit, Duration::ZERO, spin, bound.what) {
         return Err(Error::Timeout { what: bound.what, after: limit });
     }
     match op.step(None) {
@@ -230,6 +270,7 @@ pub(crate) fn poll<O: Operation>(
             }
         },
         Look::Wait(Until::Soon { copying }) => NotYet::LookAgain(if copying { LOOK_AGAIN_COPYING } else { LOOK_AGAIN }),
+        Look::Wait(Until::Ring { .. }) => NotYet::LookAgain(LOOK_AGAIN),
         Look::Wait(Until::Woken) => NotYet::Told,
     };
     if op.moved() != before {

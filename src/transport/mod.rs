@@ -442,6 +442,27 @@ impl ConnTransport {
         }
     }
 
+    /// How many of the peer's writes have landed, where the transport
+    /// sees them land (TCP); None where the device places them unseen
+    /// (verbs).
+    pub(crate) fn landed(&self) -> Option<u64> {
+        match self {
+            #[cfg(feature = "verbs")]
+            ConnTransport::Verbs(_) => None,
+            ConnTransport::Tcp(t) => Some(t.landed()),
+        }
+    }
+
+    /// Sleeps until a write of the peer's lands after the first `seen`
+    /// ([`landed`](Self::landed)), the connection is lost, or `d` passes.
+    pub(crate) fn wait_landed(&self, seen: u64, d: std::time::Duration) {
+        match self {
+            #[cfg(feature = "verbs")]
+            ConnTransport::Verbs(_) => std::thread::sleep(d),
+            ConnTransport::Tcp(t) => t.wait_landed(seen, d),
+        }
+    }
+
     /// Drives progress until `id` is done or the deadline passes.
     #[inline]
     pub(crate) fn wait(&self, id: OpId, due: &mut Deadline) -> Result<()> {

@@ -326,6 +326,25 @@ impl TcpConn {
         }
     }
 
+    /// How many of the peer's writes have landed so far.
+    pub(crate) fn landed(&self) -> u64 {
+        self.inner.lock().landed
+    }
+
+    /// Sleeps until a write of the peer's lands after the first `seen`,
+    /// the connection is lost, or `d` passes.
+    pub(crate) fn wait_landed(&self, seen: u64, d: Duration) {
+        let until = Instant::now() + d;
+        let mut st = self.inner.lock();
+        while st.landed == seen && st.q.lost().is_none() {
+            let now = Instant::now();
+            if now >= until {
+                return;
+            }
+            st = self.inner.sleep(st, until - now);
+        }
+    }
+
     /// Takes `id`'s outcome if it is done.
     pub(crate) fn poll_take(&self, id: OpId) -> Result<Option<OpOutcome>> {
         Ok(self.inner.lock().q.take(id))

@@ -212,6 +212,9 @@ pub(super) struct Core {
     /// The peer's message being carried out, between the reader's steps
     /// (`inbound.rs`).
     pub(super) rx: Rx,
+    /// How many of the peer's writes have landed: a waiter on memory the
+    /// peer writes (a notification ring) sleeps until it moves.
+    pub(super) landed: u64,
 }
 
 impl Core {
@@ -237,6 +240,7 @@ impl Core {
             sleepers: 0,
             peer_depth,
             rx: Default::default(),
+            landed: 0,
         }
     }
 }
