@@ -139,6 +139,8 @@ struct State {
     /// Reserved VA ranges: start -> length.
     reserved: Mutex<BTreeMap<usize, usize>>,
     host_registered: Mutex<BTreeMap<usize, usize>>,
+    /// `cuMemAllocHost` mappings: start, length.
+    host_allocs: Mutex<BTreeMap<usize, usize>>,
     flushes: AtomicU64,
     allocations: AtomicU64,
     /// Events made, by the device whose context was current (test hook).
@@ -164,6 +166,7 @@ fn state() -> &'static State {
         next_handle: AtomicU64::new(1),
         reserved: Mutex::new(BTreeMap::new()),
         host_registered: Mutex::new(BTreeMap::new()),
+        host_allocs: Mutex::new(BTreeMap::new()),
         flushes: AtomicU64::new(0),
         allocations: AtomicU64::new(0),
         events_created: Default::default(),
@@ -1017,6 +1020,51 @@ pub unsafe extern "C" fn cuMemHostRegister_v2(p: *mut libc::c_void, size: usize,
     unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_POPULATE_WRITE) };
     state().host_registered.lock().unwrap().insert(p as usize, size);
     SUCCESS
+}
+
+/// Page-locked host memory, as `cuMemAllocHost` gives (here: fresh pages,
+/// populated as pinning does), freed by [`cuMemFreeHost`].
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAllocHost_v2(pp: *mut *mut libc::c_void, size: usize) -> CUresult {
+    if let Err(e) = current() {
+        return e;
+    }
+    if pp.is_null() || size == 0 {
+        return INVALID_VALUE;
+    }
+    // SAFETY: an anonymous private mapping; nothing else refers to it.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            size,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_POPULATE,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return OUT_OF_MEMORY;
+    }
+    state().host_allocs.lock().unwrap().insert(p as usize, size);
+    // SAFETY: out-pointer per the driver contract.
+    unsafe { *pp = p };
+    SUCCESS
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemFreeHost(p: *mut libc::c_void) -> CUresult {
+    // Freeing waits for the device, as the driver's does.
+    sync_all_streams();
+    legacy_stream().sync();
+    match state().host_allocs.lock().unwrap().remove(&(p as usize)) {
+        Some(size) => {
+            // SAFETY: the mapping cuMemAllocHost_v2 made, unmapped once.
+            unsafe { libc::munmap(p, size) };
+            SUCCESS
+        }
+        None => INVALID_VALUE,
+    }
 }
 
 #[unsafe(no_mangle)]

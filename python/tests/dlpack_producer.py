@@ -114,10 +114,17 @@ class DeviceArray:
 class HostArray:
     """`n` bytes of host memory offered through DLPack as a uint8 tensor on
     `device` (3: kDLCUDAHost, pinned host memory a CUDA copy may fill; 13:
-    kDLCUDAManaged). Counts the producer's `__dlpack__` calls."""
+    kDLCUDAManaged); with `pinned`, from cuMemAllocHost (a real driver's
+    asynchronous copies into pageable memory are synchronous). Counts the
+    producer's `__dlpack__` calls."""
 
-    def __init__(self, n, device=3):
-        self.buf = (ctypes.c_uint8 * n)()
+    def __init__(self, n, device=3, pinned=False):
+        if pinned:  # page-locked by the driver, as kDLCUDAHost memory is
+            ptr = ctypes.c_void_p()
+            check(CUDA.cuMemAllocHost_v2(ctypes.byref(ptr), ctypes.c_size_t(n)), "cuMemAllocHost")
+            self.buf = (ctypes.c_uint8 * n).from_address(ptr.value)
+        else:
+            self.buf = (ctypes.c_uint8 * n)()
         self.n = n
         self.device = device
         self.exported = 0
