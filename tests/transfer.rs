@@ -424,7 +424,11 @@ fn an_awaited_inbox_gets_its_notes_without_blocking_its_runtime(t: Kind) {
     });
     let notes = got.unwrap();
     assert_eq!(notes.iter().map(|n| n.payload[0]).collect::<Vec<_>>(), [0, 1, 2, 3]);
-    assert!(ticks >= 10, "the runtime ran meanwhile: {ticks} ticks");
+    // A blocked runtime ticks at most once (before the block); 50 ms of
+    // waiting give tens of ticks, fewer where other tests take the guest's
+    // CPUs (one run in four of the verbs suite in soft-RoCE saw under 10).
+    println!("{ticks} ticks of the runtime while the inbox was awaited");
+    assert!(ticks >= 3, "the runtime ran meanwhile: {ticks} ticks");
     let mut got = vec![0u8; 256];
     target.read_at(0, &mut got).unwrap();
     assert!(got.chunks(64).enumerate().all(|(i, c)| c.iter().all(|&b| b == i as u8)));

@@ -57,6 +57,8 @@ impl<B: LocalBuffer> List<B> {
             clock: Default::default(),
             driver: None,
             awaiter: None,
+            caller_left: None,
+            handoff_at: None,
             #[cfg(feature = "cuda")]
             staged: None,
             turn: None,
@@ -470,9 +472,44 @@ impl<B: Send + 'static> List<B> {
         }
     }
 
+    /// A caller's wait or poll ended: settled, the awaiter is told; in
+    /// flight, the engine takes the list over [`HANDOFF`] after the
+    /// caller's last call, unless the caller is back by then (an awaited
+    /// list is the engine's at once).
+    pub(super) fn arm_behind_caller(&mut self) {
+        if self.settled() || self.awaiter.is_some() {
+            self.arm();
+            return;
+        }
+        let now = Instant::now();
+        self.caller_left = Some(now);
+        self.handoff_after(now + HANDOFF);
+    }
+
+    /// The engine's timer for the hand-over, at `at`, unless one is set.
+    fn handoff_after(&mut self, at: Instant) {
+        let Some(driver) = self.driver.clone() else { return };
+        if self.handoff_at.is_none() {
+            self.handoff_at = Some(at);
+            self.shared.ctx.engine().timer(at, driver);
+        }
+    }
+
     /// The engine's turn: post what fits, take what finished, arm again,
-    /// and tell an awaiting future.
+    /// and tell an awaiting future. Within [`HANDOFF`] of a caller's last
+    /// call, the caller keeps the list: the turn only sets the hand-over.
     pub(super) fn drive(&mut self) {
+        let now = Instant::now();
+        if self.handoff_at.is_some_and(|at| now >= at) {
+            self.handoff_at = None;
+        }
+        if let Some(left) = self.caller_left {
+            if now < left + HANDOFF && self.awaiter.is_none() {
+                self.handoff_after(left + HANDOFF);
+                return;
+            }
+            self.caller_left = None;
+        }
         self.pump();
         self.reap();
         self.arm();
@@ -512,6 +549,8 @@ impl<B: Send + 'static> Operation for List<B> {
                 Some(a) if a.will_wake(w) => {}
                 _ => self.awaiter = Some(w.clone()),
             }
+            // Awaited: the engine's from now on.
+            self.caller_left = None;
             self.arm();
         }
         if self.settled() {

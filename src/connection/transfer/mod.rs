@@ -65,6 +65,13 @@ pub struct Transferred {
     pub posts: usize,
 }
 
+/// How long after a caller's last wait or poll of a list the engine takes
+/// it over. A caller driving it in a loop (waiting on one list, polling
+/// the ones behind) keeps it: the engine neither wakes on its posts nor
+/// drives beside it, which cost a tenth of `list-bw`'s bandwidth over TCP
+/// in context switches. One that went away hands it over after this.
+pub(super) const HANDOFF: std::time::Duration = std::time::Duration::from_millis(5);
+
 /// A transfer list's state, behind its handle ([`Transfer`]) and driven by
 /// whoever gets to it: a waiter, a poll, or the domain's engine.
 struct List<B: Send + 'static> {
@@ -105,6 +112,11 @@ struct List<B: Send + 'static> {
     driver: Option<Waker>,
     /// A future awaiting the list, woken when the engine moved it.
     awaiter: Option<Waker>,
+    /// When a caller's wait or poll last ended with the list in flight:
+    /// the engine leaves the list to that caller until [`HANDOFF`] after.
+    caller_left: Option<std::time::Instant>,
+    /// When the engine's timer for the hand-over is set to fire, if set.
+    handoff_at: Option<std::time::Instant>,
     /// Staged GPU memory: the pieces go through the staging pipeline.
     #[cfg(feature = "cuda")]
     staged: Option<StagedPieces>,
@@ -161,7 +173,8 @@ const NOTE_POOL: usize = 16;
 /// The domain's engine keeps it going: as posts complete, more of the list
 /// is posted, with nobody waiting (and the notification after the last
 /// piece). Waiting on it, polling it or awaiting it (it is a future) moves
-/// it along too. Dropping it before it is done is safe: nothing more is
+/// it along too; a caller that waits or polls keeps it, and the engine
+/// takes it back 5 ms after that caller's last call. Dropping it before it is done is safe: nothing more is
 /// posted, and the buffer stays with the connection until the device is
 /// done with everything that was.
 #[must_use = "a transfer list's outcome and buffer come back through its Transfer"]
@@ -272,11 +285,13 @@ impl<B: Send + 'static> Transfer<B> {
         HeldBuffers { guard: Some(self.list.lock().unwrap_or_else(|e| e.into_inner())), task: &self.driver }
     }
 
-    /// Runs `f` on the list, then leaves the engine armed.
+    /// Runs `f` on the list (a caller's wait or poll), then leaves the
+    /// engine ready to take the list over if the caller does not come back
+    /// ([`List::arm_behind_caller`]).
     fn with<T>(&self, f: impl FnOnce(&mut List<B>) -> T) -> T {
         let mut l = self.lock();
         let out = f(&mut l);
-        l.arm();
+        l.arm_behind_caller();
         out
     }
 
