@@ -25,6 +25,20 @@ from dlpack_producer import HostArray  # noqa: E402
 from loopback import domain, pair  # noqa: E402
 
 
+class Ticker:
+    """A task on the running loop ticking every millisecond: how often the
+    loop ran other work meanwhile."""
+
+    def __init__(self):
+        self.ticks = 0
+        self.task = asyncio.ensure_future(self._run())
+
+    async def _run(self):
+        while True:
+            self.ticks += 1
+            await asyncio.sleep(0.001)
+
+
 def test_the_domain_says_what_it_runs_on():
     info = domain().info()
     expected = "verbs" if os.environ.get("GPU_RDMA_TEST_DEVICE") else "tcp"
@@ -94,18 +108,10 @@ def test_a_thousand_operations_in_flight_on_one_event_loop():
         rx = [s.recv(d.register(x)) for x in dsts]
         tx = [c.send(d.register(x)) for x in srcs]
         # A timer task keeps ticking: the loop is never blocked.
-        ticks = 0
-
-        async def tick():
-            nonlocal ticks
-            while True:
-                ticks += 1
-                await asyncio.sleep(0.001)
-
-        t = asyncio.ensure_future(tick())
+        ticker = Ticker()
         done = await asyncio.wait_for(asyncio.gather(*tx, *rx), timeout=60)
-        t.cancel()
-        return done, ticks
+        ticker.task.cancel()
+        return done, ticker.ticks
 
     done, ticks = asyncio.run(main())
     assert len(done) == 2 * n and all(x.bytes == 64 for x in done)
@@ -125,19 +131,11 @@ def test_an_inbox_is_awaited_while_the_loop_runs_other_work():
     assert inbox.try_take(5) is None
 
     async def main():
-        ticks = 0
-
-        async def tick():
-            nonlocal ticks
-            while True:
-                ticks += 1
-                await asyncio.sleep(0.001)
-
-        t = asyncio.ensure_future(tick())
+        ticker = Ticker()
         waiting = asyncio.ensure_future(inbox.wait_async(5, 2, timeout=30))
         await asyncio.sleep(0.05)
         assert not waiting.done(), "nothing was sent yet"
-        ticks_meanwhile = ticks
+        ticks_meanwhile = ticker.ticks
         await c.write_list(src, remote, [(0, 0, 4096)], tag=5, payload=b"a")
         await c.write_list(src, remote, [(0, 0, 2048)], tag=5, payload=b"b")
         notes = await waiting
@@ -146,7 +144,7 @@ def test_an_inbox_is_awaited_while_the_loop_runs_other_work():
         with pytest.raises(gpu_rdma.Timeout):
             await inbox.wait_async(5, 1, timeout=0.05)
         late = time.monotonic() - t0
-        t.cancel()
+        ticker.task.cancel()
         return notes, ticks_meanwhile, late
 
     notes, ticks, late = asyncio.run(main())
