@@ -8,6 +8,12 @@ use super::*;
 /// be acknowledged, and then for its bye to go out.
 const LINGER: Duration = Duration::from_millis(200);
 
+/// Whether the posting thread may send `o` itself: a message of one frame
+/// (sends and writes up to a segment, inline sends), not a read request.
+fn direct(o: &Out) -> bool {
+    matches!(o.kind, OutKind::Inline { .. } | OutKind::Send { .. } | OutKind::Write { .. }) && o.len <= SEGMENT as u64
+}
+
 impl TcpConn {
     /// Lets the peer use the region under `key` through this connection.
     pub(crate) fn grant(&self, key: u32) {
@@ -152,50 +158,59 @@ impl TcpConn {
             st = self.inner.sleep(st, deadline - now);
         }
         let id = st.push(opcode, count, bytes, &mut next);
-        if count == 1 && st.socket_idle() && st.queue.len() == 1 && matches!(st.queue[0].kind, OutKind::Inline { .. }) {
-            if let Some(o) = st.queue.pop_front() {
-                return self.send_direct(st, o, id);
-            }
+        if st.socket_idle() && st.queue.len() == count && direct(&st.queue[0]) {
+            return self.send_direct(st, id);
         }
         self.inner.work.notify_one();
         Posted::Ok(id)
     }
 
-    /// Sends a small message from the posting thread while the socket is
-    /// free: no hand-off to the sender thread, a wake-up saved on the
-    /// latency path. Never blocks: what the socket does not take at once,
-    /// the sender thread finishes before anything else.
-    fn send_direct(&self, mut st: MutexGuard<'_, Core>, mut o: Out, id: OpId) -> Posted {
-        self.inner.start_write(&mut st, &o);
-        drop(st);
-        let written = try_send_inline(self.inner.fd, &o, &self.inner.tx);
-        let mut st = self.inner.lock();
-        let whole = HEADER + o.len as usize;
-        let mut done = None;
-        match written {
-            Ok(n) if n < whole && st.q.lost().is_none() => {
-                // Still being written (`sending` stays): the sender thread
-                // goes on with it before anything else.
-                st.writing = false;
-                o.skip = n;
-                st.resume = Some(o);
-            }
-            r => {
-                let whole_sent = matches!(r, Ok(n) if n == whole);
-                self.inner.end_write(&mut st, &o, !whole_sent);
-                if let Err(e) = r {
-                    self.inner.break_with(&mut st, format!("sending to the peer failed: {e}"));
+    /// Sends the messages just posted from the posting thread while the
+    /// socket is free, as a plain socket's writer does: no hand-off to the
+    /// sender thread, whose wake-up costs more than a frame's send on the
+    /// latency path and a context switch on every burst of a stream. Never
+    /// blocks: once the socket takes less than a whole frame, or the next
+    /// message is not of one frame, the sender thread goes on with the
+    /// rest, that frame first.
+    fn send_direct<'a>(&'a self, mut st: MutexGuard<'a, Core>, id: OpId) -> Posted {
+        while st.socket_idle() && st.queue.front().is_some_and(direct) {
+            let Some(mut o) = st.queue.pop_front() else { break };
+            let more = !st.queue.is_empty();
+            self.inner.start_write(&mut st, &o);
+            drop(st);
+            let written = try_send_single(self.inner.fd, &o, more, &self.inner.tx);
+            st = self.inner.lock();
+            let whole = o.wire_len() as usize;
+            match written {
+                Ok(n) if n < whole && st.q.lost().is_none() => {
+                    // Still being written (`sending` stays): the sender
+                    // thread goes on with it before anything else.
+                    st.writing = false;
+                    o.skip = n;
+                    st.resume = Some(o);
+                    break;
                 }
-                done = Some(o);
+                r => {
+                    let whole_sent = matches!(r, Ok(n) if n == whole);
+                    self.inner.end_write(&mut st, &o, !whole_sent);
+                    let failed = r.is_err();
+                    if let Err(e) = r {
+                        self.inner.break_with(&mut st, format!("sending to the peer failed: {e}"));
+                    }
+                    if matches!(o.kind, OutKind::Inline { .. }) {
+                        drop(st);
+                        self.inner.recycle(&mut o);
+                        st = self.inner.lock();
+                    }
+                    if failed {
+                        break;
+                    }
+                }
             }
         }
         if st.has_work() {
             // The sender thread may wait for the socket to be free.
             self.inner.work.notify_all();
-        }
-        drop(st);
-        if let Some(mut o) = done {
-            self.inner.recycle(&mut o);
         }
         Posted::Ok(id)
     }

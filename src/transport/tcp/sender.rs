@@ -64,31 +64,39 @@ pub(super) fn sender(inner: &Inner) {
     }
 }
 
-/// One attempt, without blocking, to write an inline message's whole frame
-/// (header and data); how many bytes of it the socket took.
-pub(super) fn try_send_inline(fd: RawFd, o: &Out, tx: &AtomicU64) -> io::Result<usize> {
-    let OutKind::Inline { data, .. } = &o.kind else {
-        return Ok(0);
-    };
+/// One attempt, without blocking, to write the rest of a message of one
+/// frame (from `o.skip` bytes on; `more`: more frames follow at once); how
+/// many bytes of the frame the socket has in all. Reports its progress
+/// through `tx` as [`send_message`] does.
+pub(super) fn try_send_single(fd: RawFd, o: &Out, more: bool, tx: &AtomicU64) -> io::Result<usize> {
     let Some(f) = message_frames(o).next() else { return Ok(0) };
-    let h = f.h;
-    let head = h.encode();
+    let head = f.h.encode();
+    let already = o.skip;
+    let (head_sent, sent) = (already.min(HEADER), already.saturating_sub(HEADER).min(f.len));
     let mut iov = [
-        libc::iovec { iov_base: head.as_ptr() as *mut libc::c_void, iov_len: HEADER },
-        libc::iovec { iov_base: data.as_ptr() as *mut libc::c_void, iov_len: data.len() },
+        libc::iovec { iov_base: head[head_sent..].as_ptr() as *mut libc::c_void, iov_len: HEADER - head_sent },
+        // SAFETY (the pointer): inside the message's source, as below.
+        libc::iovec { iov_base: (f.src as usize + sent) as *mut libc::c_void, iov_len: f.len - sent },
     ];
+    let first = usize::from(head_sent == HEADER);
     // SAFETY: a zeroed msghdr is valid; the iovecs and what they point to
-    // (the header on this stack, the message's own copy) outlive the call.
+    // outlive the call: the header on this stack, and the message's source,
+    // a registered buffer owned by its operation until the operation is
+    // reported complete (which waits for this writer's end) or the
+    // message's own inline copy; the frame's range is inside it (checked
+    // when it was posted).
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = iov.as_mut_ptr();
-    msg.msg_iovlen = iov.len();
-    report(Some((tx, 0)), 0, true);
+    msg.msg_iov = iov[first..].as_mut_ptr();
+    msg.msg_iovlen = iov.len() - first;
+    let flags = libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL | if more { libc::MSG_MORE } else { 0 };
+    report(Some((tx, 0)), already, true);
     let r = sent_without_waiting(|| {
         // SAFETY: valid socket, message and buffers; MSG_NOSIGNAL instead of SIGPIPE.
-        unsafe { libc::sendmsg(fd, &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) }
+        unsafe { libc::sendmsg(fd, &msg, flags) }
     });
-    report(Some((tx, 0)), *r.as_ref().unwrap_or(&0), false);
-    r
+    let total = already + *r.as_ref().unwrap_or(&0);
+    report(Some((tx, 0)), total, false);
+    r.map(|_| total)
 }
 
 /// Writes message `o` (from `o.skip` bytes on), reporting its progress

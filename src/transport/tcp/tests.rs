@@ -57,14 +57,13 @@ fn a_frame_resumed_after_any_prefix_reaches_the_peer_whole() {
     }
 }
 
-#[test]
-fn a_direct_send_into_a_full_socket_is_finished_by_the_writer_and_stays_whole() {
-    let (mut rx, tx) = std::os::unix::net::UnixStream::pair().unwrap();
+/// Makes `s` take a few KiB at a time.
+fn small_send_buffer(s: &std::os::unix::net::UnixStream) {
     let small: libc::c_int = 4096;
     // SAFETY: a valid socket and a c_int option value of the right size.
     let rc = unsafe {
         libc::setsockopt(
-            tx.as_raw_fd(),
+            s.as_raw_fd(),
             libc::SOL_SOCKET,
             libc::SO_SNDBUF,
             (&small as *const libc::c_int).cast(),
@@ -72,13 +71,66 @@ fn a_direct_send_into_a_full_socket_is_finished_by_the_writer_and_stays_whole() 
         )
     };
     assert_eq!(rc, 0);
+}
+
+/// A write of `data` (memory the caller keeps alive) as one message, and
+/// its frame as the peer must read it.
+fn write_out(seq: u32, data: &[u8]) -> (Out, Vec<u8>) {
+    let o = Out {
+        seq,
+        wr_id: 1,
+        kind: OutKind::Write { raddr: 0x1000, key: 5, imm: None },
+        addr: data.as_ptr() as u64,
+        len: data.len() as u64,
+        skip: 0,
+        first: seq,
+    };
+    let h = message_frames(&o).next().expect("one frame").h;
+    assert_eq!((h.op, h.key, h.addr, h.len), (FrameOp::Write as u8, 5, 0x1000, data.len() as u32));
+    let mut frame = h.encode().to_vec();
+    frame.extend_from_slice(data);
+    (o, frame)
+}
+
+/// A posting thread's direct attempts at a write of one frame into a
+/// socket that takes a little at a time: each attempt goes on from where
+/// the last stopped (inside the header, then inside the payload), and the
+/// peer reads the frame whole.
+#[test]
+fn direct_attempts_at_a_write_go_on_from_where_the_socket_stopped() {
+    let (mut rx, tx) = std::os::unix::net::UnixStream::pair().unwrap();
+    small_send_buffer(&tx);
+    let data: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
+    let (mut o, frame) = write_out(3, &data);
+    let reader = std::thread::spawn(move || read_exactly(&mut rx, frame.len()) == frame);
+    let progress = AtomicU64::new(0);
+    let mut attempts = 0;
+    loop {
+        let n = try_send_single(tx.as_raw_fd(), &o, false, &progress).unwrap();
+        assert!(n >= o.skip, "never backwards");
+        assert_eq!(Progress::unpack(progress.load(Ordering::Acquire)), Progress { handed: n as u64, in_call: false });
+        o.skip = n;
+        attempts += 1;
+        if n == HEADER + data.len() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    assert!(attempts > 1, "the socket took the frame in pieces");
+    assert!(reader.join().unwrap(), "the peer read the frame whole");
+}
+
+#[test]
+fn a_direct_send_into_a_full_socket_is_finished_by_the_writer_and_stays_whole() {
+    let (mut rx, tx) = std::os::unix::net::UnixStream::pair().unwrap();
+    small_send_buffer(&tx);
     // Fill the socket until a direct attempt cannot send a whole frame.
     let data = vec![0xabu8; 1000];
     let mut frames = Vec::new();
     let partial = loop {
         let (mut o, frame) = inline_out(frames.len() as u32 + 1, &data);
         let progress = AtomicU64::new(0);
-        let n = try_send_inline(tx.as_raw_fd(), &o, &progress).unwrap();
+        let n = try_send_single(tx.as_raw_fd(), &o, false, &progress).unwrap();
         assert_eq!(Progress::unpack(progress.load(Ordering::Acquire)), Progress { handed: n as u64, in_call: false });
         frames.push(frame);
         if n < HEADER + data.len() {
