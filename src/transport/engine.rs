@@ -423,6 +423,13 @@ thread_local! {
     static ON_ENGINE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
+/// Whether this is an engine's thread, which serves every connection of
+/// its domain: work that takes long per connection is left to that
+/// connection's own threads.
+pub(crate) fn on_engine() -> bool {
+    ON_ENGINE.with(std::cell::Cell::get)
+}
+
 /// The engine's thread.
 fn run(shared: &EngineShared) {
     ON_ENGINE.with(|on| on.set(true));

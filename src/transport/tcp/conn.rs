@@ -158,7 +158,10 @@ impl TcpConn {
             st = self.inner.sleep(st, deadline - now);
         }
         let id = st.push(opcode, count, bytes, &mut next);
-        if st.socket_idle() && st.queue.len() == count && direct(&st.queue[0]) {
+        // Not on the engine's thread, which serves every connection: its
+        // posts are sent by the connection's sender thread.
+        if st.socket_idle() && st.queue.len() == count && direct(&st.queue[0]) && !crate::transport::engine::on_engine()
+        {
             return self.send_direct(st, id);
         }
         self.inner.work.notify_one();
