@@ -127,8 +127,11 @@ impl Domain {
     /// Connects to a listener at `addr`; `advertise` lists exposed regions
     /// the peer may use, `op_timeout` bounds each operation (seconds),
     /// `queue_depth` is (sends, receives) in flight at once (128 each by
-    /// default; a receive past it fails, a send waits for room).
-    #[pyo3(signature = (addr, advertise=Vec::new(), op_timeout=None, timeout=None, queue_depth=None))]
+    /// default; a receive past it fails, a send waits for room), `spin`
+    /// how long a wait busy-polls before it sleeps (seconds; 50 us by
+    /// default; perftest and `gpu-rdma bench` poll for the whole wait).
+    #[pyo3(signature = (addr, advertise=Vec::new(), op_timeout=None, timeout=None, queue_depth=None, spin=None))]
+    #[allow(clippy::too_many_arguments)] // Python's keyword arguments, each with its default
     fn connect(
         &self,
         py: Python<'_>,
@@ -137,8 +140,9 @@ impl Domain {
         op_timeout: Option<f64>,
         timeout: Option<f64>,
         queue_depth: Option<(u32, u32)>,
+        spin: Option<f64>,
     ) -> PyResult<Connection> {
-        let opts = options(&advertise, op_timeout, timeout, queue_depth)?;
+        let opts = options(&advertise, op_timeout, timeout, queue_depth, spin)?;
         let c = py.detach(|| self.inner.connect(addr, &opts)).map_err(to_py)?;
         Ok(Connection::new(c))
     }
@@ -158,8 +162,12 @@ fn options(
     op_timeout: Option<f64>,
     timeout: Option<f64>,
     queue_depth: Option<(u32, u32)>,
+    spin: Option<f64>,
 ) -> PyResult<ConnectOptions> {
     let mut opts = ConnectOptions::default();
+    if let Some(t) = spin {
+        opts = opts.spin(seconds(t)?);
+    }
     if let Some((send, recv)) = queue_depth {
         opts = opts.queue_depth(send, recv);
     }
@@ -313,7 +321,7 @@ impl Listener {
 
     /// Accepts one connection within `timeout` seconds (default 30;
     /// Ctrl-C interrupts it); the options as `Domain.connect`'s.
-    #[pyo3(signature = (advertise=Vec::new(), op_timeout=None, timeout=None, queue_depth=None))]
+    #[pyo3(signature = (advertise=Vec::new(), op_timeout=None, timeout=None, queue_depth=None, spin=None))]
     fn accept(
         &self,
         py: Python<'_>,
@@ -321,8 +329,9 @@ impl Listener {
         op_timeout: Option<f64>,
         timeout: Option<f64>,
         queue_depth: Option<(u32, u32)>,
+        spin: Option<f64>,
     ) -> PyResult<Connection> {
-        let opts = options(&advertise, op_timeout, None, queue_depth)?;
+        let opts = options(&advertise, op_timeout, None, queue_depth, spin)?;
         let until = std::time::Instant::now() + timeout.map_or(Ok(Duration::from_secs(30)), seconds)?;
         // In slices, so Ctrl-C is seen within 50 ms: a handshake a slice
         // started goes on meanwhile and is kept for the next one.
@@ -676,7 +685,7 @@ impl World {
             (None, Some(endpoints)) => py.detach(|| etcd_rendezvous(endpoints, job))?,
             _ => return Err(errors::InvalidArgument::new_err("give a directory or etcd endpoints (one of them)")),
         };
-        let mut opts = gpu_rdma::WorldOptions::new(job).connect(options(&advertise, op_timeout, None, None)?);
+        let mut opts = gpu_rdma::WorldOptions::new(job).connect(options(&advertise, op_timeout, None, None, None)?);
         if let Some(addr) = listen {
             opts = opts.listen(addr);
         }

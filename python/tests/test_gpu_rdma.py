@@ -234,6 +234,25 @@ def test_cuda_managed_memory_is_refused_with_the_fix_and_never_exported():
     assert managed.exported == 0, "refused before the producer was asked for its tensor"
 
 
+def test_a_connection_that_busy_polls_moves_messages_and_a_bad_spin_is_refused():
+    d = domain()
+    listener = d.listen("127.0.0.1:0")
+    for bad in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError):
+            d.connect(listener.address(), spin=bad)
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("s", listener.accept(timeout=30, spin=0.5)))
+    t.start()
+    c = d.connect(listener.address(), spin=0.5)
+    t.join()
+    s = out["s"]
+    for i in range(20):
+        got = bytearray(8)
+        rx = s.recv(d.register(got))
+        c.send(d.register(bytes([i]) * 8)).wait(timeout=30)
+        assert rx.wait(timeout=30).bytes == 8 and got == bytes([i]) * 8
+
+
 def test_a_non_contiguous_array_is_refused_with_the_fix():
     d = domain()
     a = np.zeros((64, 64), dtype=np.float32)[:, ::2]
