@@ -25,6 +25,14 @@ from dlpack_producer import HostArray  # noqa: E402
 from loopback import domain, pair  # noqa: E402
 
 
+def exposed_pair(d, target, tag):
+    """A connected pair whose server side exposes `target` for writes under
+    `tag`: (the exposure, server side, client side, the client's view)."""
+    exposed = d.expose(d.register(target), "w", tag=tag)
+    s, c = pair(d, server_advertise=[exposed])
+    return exposed, s, c, c.remote_region(tag)
+
+
 class Ticker:
     """A task on the running loop ticking every millisecond: how often the
     loop ran other work meanwhile."""
@@ -123,9 +131,7 @@ def test_a_thousand_operations_in_flight_on_one_event_loop():
 def test_an_inbox_is_awaited_while_the_loop_runs_other_work():
     d = domain()
     target = np.zeros(4096, dtype=np.uint8)
-    exposed = d.expose(d.register(target), "w", tag=4)
-    s, c = pair(d, server_advertise=[exposed])
-    remote = c.remote_region(4)
+    exposed, s, c, remote = exposed_pair(d, target, tag=4)
     inbox = s.inbox()
     src = d.register(np.full(4096, 3, dtype=np.uint8))
     assert inbox.try_take(5) is None
@@ -193,9 +199,7 @@ def test_a_region_in_use_and_a_read_only_target_are_refused():
 def test_many_operations_read_one_region_at_once_and_a_writer_has_it_alone():
     d = domain()
     target = np.zeros(8 * 4096, dtype=np.uint8)
-    exposed = d.expose(d.register(target), "w", tag=3)
-    s, c = pair(d, server_advertise=[exposed])
-    remote = c.remote_region(3)
+    exposed, s, c, remote = exposed_pair(d, target, tag=3)
     data = np.arange(4096, dtype=np.uint32).view(np.uint8)[:4096].copy()
     src = d.register(data)
     # A send the peer has no receive for yet stays in flight; six writes and
@@ -265,9 +269,7 @@ def test_a_non_contiguous_array_is_refused_with_the_fix():
 def test_bounds_are_checked_here_and_at_the_peer():
     d = domain()
     target = np.zeros(4096, dtype=np.uint8)
-    exposed = d.expose(d.register(target), "w", tag=2)
-    s, c = pair(d, server_advertise=[exposed])
-    remote = c.remote_region(2)
+    exposed, s, c, remote = exposed_pair(d, target, tag=2)
     src = d.register(np.ones(4096, dtype=np.uint8))
     with pytest.raises(gpu_rdma.OutOfBounds):
         c.send(src, offset=4000, length=200)
