@@ -428,11 +428,11 @@ fn host(rounds: usize) -> Result<(String, usize)> {
         again.push(Some(plain_socket_mib_s(size as usize, iters as usize)?));
     }
     let both: Vec<Option<f64>> = plain.iter().zip(&again).map(|(a, b)| Some(((*a)? * (*b)?).sqrt())).collect();
-    let ratio =
-        match (median(lists.iter().flatten().copied().collect()), median(both.iter().flatten().copied().collect())) {
-            (Some(g), Some(p)) if p > 0.0 => Some(g / p),
-            _ => None,
-        };
+    let (g, p) = (median(lists.iter().flatten().copied().collect()), median(both.iter().flatten().copied().collect()));
+    let ratio = match (g, p) {
+        (Some(g), Some(p)) if p > 0.0 => Some(g / p),
+        _ => None,
+    };
     let range = paired_range(&lists, &both);
     let null = paired_range(&again, &plain);
     let show = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{v:.2} MiB/s"));
@@ -450,8 +450,8 @@ fn host(rounds: usize) -> Result<(String, usize)> {
         "list-bw",
         size,
         iters,
-        show(median(both.iter().flatten().copied().collect())),
-        show(median(lists.iter().flatten().copied().collect())),
+        show(p),
+        show(g),
         ratio.map_or("-".to_owned(), |r| format!("{r:.2}x")),
         span(range),
         verdict(ratio, range, |r| r >= 1.0)

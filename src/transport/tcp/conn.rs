@@ -200,11 +200,9 @@ impl TcpConn {
                     if let Err(e) = r {
                         self.inner.break_with(&mut st, format!("sending to the peer failed: {e}"));
                     }
-                    if matches!(o.kind, OutKind::Inline { .. }) {
-                        drop(st);
-                        self.inner.recycle(&mut o);
-                        st = self.inner.lock();
-                    }
+                    // Its inline copy back to the pool (its own lock, never
+                    // held while taking the connection's).
+                    self.inner.recycle(&mut o);
                     if failed {
                         break;
                     }

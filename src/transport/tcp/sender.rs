@@ -71,30 +71,16 @@ pub(super) fn sender(inner: &Inner) {
 pub(super) fn try_send_single(fd: RawFd, o: &Out, more: bool, tx: &AtomicU64) -> io::Result<usize> {
     let Some(f) = message_frames(o).next() else { return Ok(0) };
     let head = f.h.encode();
-    let already = o.skip;
-    let (head_sent, sent) = (already.min(HEADER), already.saturating_sub(HEADER).min(f.len));
-    let mut iov = [
-        libc::iovec { iov_base: head[head_sent..].as_ptr() as *mut libc::c_void, iov_len: HEADER - head_sent },
-        // SAFETY (the pointer): inside the message's source, as below.
-        libc::iovec { iov_base: (f.src as usize + sent) as *mut libc::c_void, iov_len: f.len - sent },
-    ];
-    let first = usize::from(head_sent == HEADER);
-    // SAFETY: a zeroed msghdr is valid; the iovecs and what they point to
-    // outlive the call: the header on this stack, and the message's source,
-    // a registered buffer owned by its operation until the operation is
-    // reported complete (which waits for this writer's end) or the
-    // message's own inline copy; the frame's range is inside it (checked
-    // when it was posted).
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = iov[first..].as_mut_ptr();
-    msg.msg_iovlen = iov.len() - first;
-    let flags = libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL | if more { libc::MSG_MORE } else { 0 };
-    report(Some((tx, 0)), already, true);
+    let flags = frame_flags(more);
+    report(Some((tx, 0)), o.skip, true);
     let r = sent_without_waiting(|| {
-        // SAFETY: valid socket, message and buffers; MSG_NOSIGNAL instead of SIGPIPE.
-        unsafe { libc::sendmsg(fd, &msg, flags) }
+        // SAFETY: the message's source is a registered buffer owned by its
+        // operation until the operation is reported complete (which waits
+        // for this writer's end), or the message's own inline copy; the
+        // frame's range is inside it (checked when it was posted).
+        unsafe { sendmsg_frame(fd, &head, f.src as *const u8, f.len, o.skip, flags) }
     });
-    let total = already + *r.as_ref().unwrap_or(&0);
+    let total = o.skip + *r.as_ref().unwrap_or(&0);
     report(Some((tx, 0)), total, false);
     r.map(|_| total)
 }

@@ -230,6 +230,44 @@ pub(super) fn report(tx: Tx<'_>, handed_in_frame: usize, in_call: bool) {
     }
 }
 
+/// One `sendmsg` of the frame made of `head` and the `len` bytes at `ptr`,
+/// from byte `done` of the frame on (the header's first), at most
+/// [`STEP`] bytes of payload: the call's raw result (bytes taken, or -1
+/// with the error in `errno`).
+///
+/// # Safety
+/// `ptr..ptr + len` must be valid for reads for the call.
+pub(super) unsafe fn sendmsg_frame(
+    fd: RawFd,
+    head: &[u8; HEADER],
+    ptr: *const u8,
+    len: usize,
+    done: usize,
+    flags: libc::c_int,
+) -> isize {
+    let (head_sent, sent) = (done.min(HEADER), done.saturating_sub(HEADER).min(len));
+    let mut iov = [
+        libc::iovec { iov_base: head[head_sent..].as_ptr() as *mut libc::c_void, iov_len: HEADER - head_sent },
+        // SAFETY: inside the range the caller vouches for.
+        libc::iovec { iov_base: unsafe { ptr.add(sent) } as *mut libc::c_void, iov_len: (len - sent).min(STEP) },
+    ];
+    let first = usize::from(head_sent == HEADER);
+    // SAFETY: a zeroed msghdr is valid; the iovecs outlive the call.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = iov[first..].as_mut_ptr();
+    msg.msg_iovlen = iov.len() - first;
+    // SAFETY: valid socket, message and buffers (the caller's range, the
+    // header it lends); MSG_NOSIGNAL instead of SIGPIPE, if it asked.
+    unsafe { libc::sendmsg(fd, &msg, flags) }
+}
+
+/// The flags of a frame's non-blocking send; `more`: more frames follow at
+/// once, so the kernel may fill segments across them (a 64 KiB payload and
+/// its header would otherwise end in a runt).
+pub(super) fn frame_flags(more: bool) -> libc::c_int {
+    libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL | if more { libc::MSG_MORE } else { 0 }
+}
+
 /// Sends a header and `len` bytes at `ptr`. `gate` is held only while bytes
 /// move; if it reports the source gone, `Ok(false)` is returned after the
 /// header and the bytes sent so far (the caller then breaks the connection).
@@ -250,35 +288,23 @@ pub(super) unsafe fn send_frame(
     tx: Tx<'_>,
 ) -> io::Result<bool> {
     let head = header.encode();
-    // More follows at once: let the kernel fill segments across frames
-    // (a 64 KiB payload and its header would otherwise end in a runt).
-    let flags = libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL | if more { libc::MSG_MORE } else { 0 };
+    let flags = frame_flags(more);
     // The first `already` bytes of the frame went out earlier (a posting
     // thread's attempt that the socket cut short).
-    let mut head_sent = already.min(HEADER);
-    let mut sent = already.saturating_sub(HEADER).min(len);
-    report(tx, head_sent + sent, false);
-    while head_sent < HEADER || sent < len {
+    let whole = HEADER + len;
+    let mut done = already.min(whole);
+    report(tx, done, false);
+    while done < whole {
         let guard = gate.map(|g| g.read().unwrap_or_else(|e| e.into_inner()));
         if guard.as_ref().is_some_and(|alive| !**alive) {
             return Ok(false);
         }
-        let mut iov = [
-            libc::iovec { iov_base: head[head_sent..].as_ptr() as *mut libc::c_void, iov_len: HEADER - head_sent },
-            // SAFETY: inside the range the caller vouches for, while the gate holds.
-            libc::iovec { iov_base: unsafe { ptr.add(sent) } as *mut libc::c_void, iov_len: (len - sent).min(STEP) },
-        ];
-        let (first, count) = if head_sent < HEADER { (0, 2) } else { (1, 1) };
-        // SAFETY: a zeroed msghdr is valid; the iovecs outlive the call.
-        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        msg.msg_iov = iov[first..].as_mut_ptr();
-        msg.msg_iovlen = count;
-        report(tx, head_sent + sent, true);
-        // SAFETY: valid socket, message and buffers; MSG_NOSIGNAL instead of SIGPIPE.
-        let n = unsafe { libc::sendmsg(fd, &msg, flags) };
+        report(tx, done, true);
+        // SAFETY: inside the range the caller vouches for, while the gate holds.
+        let n = unsafe { sendmsg_frame(fd, &head, ptr, len, done, flags) };
         drop(guard);
         if n < 0 {
-            report(tx, head_sent + sent, false);
+            report(tx, done, false);
             let e = io::Error::last_os_error();
             match e.kind() {
                 // The socket is full: wait for room without holding the gate.
@@ -288,14 +314,8 @@ pub(super) unsafe fn send_frame(
             }
             continue;
         }
-        let mut n = n as usize;
-        if head_sent < HEADER {
-            let h = n.min(HEADER - head_sent);
-            head_sent += h;
-            n -= h;
-        }
-        sent += n;
-        report(tx, head_sent + sent, false);
+        done += n as usize;
+        report(tx, done, false);
     }
     Ok(true)
 }
