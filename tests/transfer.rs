@@ -434,6 +434,50 @@ fn an_awaited_inbox_gets_its_notes_without_blocking_its_runtime(t: Kind) {
     assert!(got.chunks(64).enumerate().all(|(i, c)| c.iter().all(|&b| b == i as u8)));
 }
 
+/// An awaited inbox that waits long for its note is not looked at all the
+/// while: over TCP the transport wakes it when the peer's writes land (and
+/// its timer at most every 50 ms); over verbs, where nothing sees a write
+/// land, the engine's timer has it look every 200 us. Its notes still come.
+fn an_idle_awaited_inbox_is_woken_by_its_note_not_by_a_timer(t: Kind) {
+    let d = domain(t);
+    let (s, c) = pair(&d);
+    let target = d.expose(d.alloc(4096).unwrap(), Access::REMOTE_WRITE, 0).unwrap();
+    let remote = s.grant(&target).whole();
+    let mut inbox = s.inbox(1).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+    let sender = std::thread::spawn(move || {
+        for tag in 0..3u32 {
+            // Idle first: the await has nothing to find for 300 ms.
+            std::thread::sleep(Duration::from_millis(300));
+            c.write_list_notify(filled(&d, &[tag as u8; 64]), &remote, [Piece::new(0, 0, 64)], tag, &[tag as u8])
+                .finish()
+                .unwrap();
+        }
+        c
+    });
+    for tag in 0..3u32 {
+        let started = Instant::now();
+        let mut looks = 0u32;
+        let notes = rt.block_on(async {
+            let mut wait = std::pin::pin!(inbox.wait_async(tag, 1));
+            std::future::poll_fn(|cx| {
+                looks += 1;
+                wait.as_mut().poll(cx)
+            })
+            .await
+        });
+        let waited = started.elapsed();
+        assert_eq!(notes.unwrap()[0].payload.to_vec(), vec![tag as u8], "note {tag}");
+        println!("note {tag}: awaited {waited:?}, looked at {looks} times");
+        assert!(waited >= Duration::from_millis(200), "note {tag} came before it was sent ({waited:?})");
+        if t == Kind::Tcp {
+            // 300 ms: six timer looks at most, and one per write landing.
+            assert!(looks <= 20, "note {tag}: looked at {looks} times in {waited:?}");
+        }
+    }
+    drop(sender.join().unwrap());
+}
+
 /// A peer that never takes its notes fills its ring and no more: the
 /// sender's next notification waits for room, and fails at its operation
 /// timeout, naming what it waited for; taking the notes makes room.
@@ -609,6 +653,7 @@ both!(
     a_list_nobody_waits_on_is_carried_to_the_end_by_the_engine,
     a_list_the_peer_saw_completes_though_the_peer_closes_at_once,
     an_idle_inbox_wait_sleeps_and_wakes_for_its_note,
+    an_idle_awaited_inbox_is_woken_by_its_note_not_by_a_timer,
 );
 
 /// A peer sending notifications nobody takes cannot grow this side's

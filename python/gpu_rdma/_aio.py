@@ -3,7 +3,6 @@ engine rings when awaited operations finish; each event loop watches it
 (no thread per operation, no GIL on the engine's thread)."""
 
 import asyncio
-import time
 import weakref
 
 from . import _native
@@ -41,17 +40,12 @@ def settle(fut, ok, value):
     loop.call_soon_threadsafe(_set, fut, ok, value)
 
 
-async def poll(take, tag, n, timeout):
-    """`Inbox.wait_async`: `take(tag, n)` again and again, 50 us apart and
-    backing off to 1 ms, until it returns the notes; `Timeout` after
-    `timeout` seconds (None: no limit)."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    pause = 50e-6
-    while True:
-        got = take(tag, n)
-        if got is not None:
-            return got
-        if deadline is not None and time.monotonic() >= deadline:
-            raise _native.Timeout(f"{n} notification(s) tagged {tag} did not come within {timeout:.3f} s")
-        await asyncio.sleep(pause)
-        pause = min(pause * 2, 1e-3)
+async def bounded(fut, timeout, what):
+    """Awaits `fut` for up to `timeout` seconds (None: no limit); past it,
+    `fut` is cancelled and `Timeout(what)` raised."""
+    if timeout is None:
+        return await fut
+    try:
+        return await asyncio.wait_for(fut, timeout)
+    except asyncio.TimeoutError:
+        raise _native.Timeout(what) from None

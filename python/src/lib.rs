@@ -16,6 +16,7 @@ mod dlpack;
 mod errors;
 mod mem;
 mod ops;
+mod tasks;
 
 use errors::to_py;
 use ops::{Completion, Handle, Op};
@@ -558,7 +559,7 @@ impl Connection {
 
     /// The peer's notifications (`Inbox.wait(tag, n)`).
     fn inbox(&self) -> PyResult<Inbox> {
-        self.with(|c| Ok(Inbox { inner: Mutex::new(c.inbox(1).map_err(to_py)?) }))
+        self.with(|c| Ok(Inbox { inner: c.inbox(1).map_err(to_py)? }))
     }
 
     /// Closes the connection: operations in flight fail, their regions
@@ -575,7 +576,10 @@ impl Connection {
 /// A connection's notifications, by tag.
 #[pyclass(module = "gpu_rdma", frozen)]
 struct Inbox {
-    inner: Mutex<gpu_rdma::Inbox>,
+    /// Cloned for each call: the connection's inboxes all see the same
+    /// notifications, so calls from several threads never wait on each
+    /// other here.
+    inner: gpu_rdma::Inbox,
 }
 
 fn payloads(py: Python<'_>, notes: Vec<gpu_rdma::Note>) -> PyResult<Bound<'_, PyList>> {
@@ -592,25 +596,47 @@ impl Inbox {
     /// payloads), else None; never waits.
     #[pyo3(signature = (tag, n=1))]
     fn try_take<'py>(&self, py: Python<'py>, tag: u32, n: usize) -> PyResult<Option<Bound<'py, PyList>>> {
-        match py.detach(|| self.inner.lock().try_take(tag, n)).map_err(to_py)? {
+        match py.detach(|| self.inner.clone().try_take(tag, n)).map_err(to_py)? {
             Some(notes) => payloads(py, notes).map(Some),
             None => Ok(None),
         }
     }
 
-    /// `wait` for asyncio: a coroutine that looks again every 50 us to
-    /// 1 ms (the loop runs meanwhile; no thread waits) and returns the
-    /// payloads; `timeout` in seconds (None: no limit).
+    /// `wait` for asyncio: an awaitable of the payloads, woken by the
+    /// crate (over TCP when the peer's writes land; over verbs by the
+    /// engine's timer, every 200 us): no thread waits, and the loop is not
+    /// woken while nothing comes. `timeout` in seconds (None: no limit); a
+    /// wait that times out or is cancelled takes nothing.
     #[pyo3(signature = (tag, n=1, timeout=None))]
     fn wait_async<'py>(
-        slf: &Bound<'py, Self>,
+        &self,
+        py: Python<'py>,
         tag: u32,
         n: usize,
         timeout: Option<f64>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let timeout = timeout.map(seconds).transpose()?.map(|t| t.as_secs_f64());
-        let take = slf.getattr("try_take")?;
-        slf.py().import("gpu_rdma._aio")?.call_method1("poll", (take, tag, n, timeout))
+        let aio = py.import("gpu_rdma._aio")?;
+        let fut = aio.call_method0("future")?;
+        let mut inbox = self.inner.clone();
+        let notes: tasks::BoxFuture<gpu_rdma::Result<Vec<gpu_rdma::Note>>> = Box::pin(async move {
+            loop {
+                // Each await is bounded by the connection's operation
+                // timeout; this one only by `timeout`, on the Python side.
+                match inbox.wait_async(tag, n).await {
+                    Err(e) if e.is_timeout() => continue,
+                    got => return got,
+                }
+            }
+        });
+        tasks::start(
+            py,
+            notes,
+            |py, got| Ok(payloads(py, got.map_err(to_py)?)?.into_any().unbind()),
+            fut.clone().unbind(),
+        )?;
+        let what = format!("{n} notification(s) tagged {tag} did not come within {:.3} s", timeout.unwrap_or(0.0));
+        aio.call_method1("bounded", (fut, timeout, what))
     }
 
     /// Waits for `n` notifications tagged `tag` (the GIL released, Ctrl-C
@@ -620,7 +646,7 @@ impl Inbox {
     fn wait<'py>(&self, py: Python<'py>, tag: u32, n: usize, timeout: Option<f64>) -> PyResult<Bound<'py, PyList>> {
         let until = timeout.map(seconds).transpose()?.map(|t| std::time::Instant::now() + t);
         loop {
-            let got = py.detach(|| self.inner.lock().wait_timeout(tag, n, Duration::from_millis(50)));
+            let got = py.detach(|| self.inner.clone().wait_timeout(tag, n, Duration::from_millis(50)));
             match got {
                 Ok(notes) => return payloads(py, notes),
                 Err(e) if e.is_timeout() => {

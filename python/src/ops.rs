@@ -18,6 +18,7 @@ use pyo3::prelude::*;
 use crate::buffer::release_pending;
 use crate::errors::to_py;
 use crate::mem::{OpBuffer, Slot};
+use crate::tasks::Woken;
 
 /// What a finished operation says.
 #[pyclass(module = "gpu_rdma", frozen, get_all)]
@@ -77,12 +78,18 @@ type Settled = (Arc<OpShared>, Vec<Py<PyAny>>);
 /// Awaited operations that finished, and the eventfd that says so.
 struct Ready {
     queue: Mutex<VecDeque<Settled>>,
+    /// Awaited crate futures woken since the reader last looked.
+    tasks: Mutex<Vec<Arc<dyn Woken>>>,
     fd: OwnedFd,
 }
 
 impl Ready {
     fn push(&self, op: Arc<OpShared>, futures: Vec<Py<PyAny>>) {
         self.queue.lock().push_back((op, futures));
+        self.ring();
+    }
+
+    fn ring(&self) {
         let one: u64 = 1;
         // SAFETY: an eventfd we own; an 8-byte write of a counter increment.
         let _ = unsafe { libc::write(self.fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
@@ -102,7 +109,7 @@ pub(crate) fn init() -> PyResult<()> {
         }
         // SAFETY: a fresh fd nobody else owns.
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        let _ = READY.set(Ready { queue: Mutex::new(VecDeque::new()), fd });
+        let _ = READY.set(Ready { queue: Mutex::new(VecDeque::new()), tasks: Mutex::new(Vec::new()), fd });
     }
     Ok(())
 }
@@ -110,6 +117,12 @@ pub(crate) fn init() -> PyResult<()> {
 /// The ready queue, made by [`init`] at import (nothing here runs before).
 fn ready() -> &'static Ready {
     READY.get().expect("the module's init made the ready queue before any operation")
+}
+
+/// Queues a woken task for the loop's reader (any thread, no GIL).
+pub(crate) fn queue_task(task: Arc<dyn Woken>) {
+    ready().tasks.lock().push(task);
+    ready().ring();
 }
 
 /// The eventfd an event loop watches (`loop.add_reader`) to learn that
@@ -133,7 +146,8 @@ pub(crate) fn _drain(py: Python<'_>) -> PyResult<()> {
             resolve(py, &op, fut.bind(py))?;
         }
     }
-    Ok(())
+    let woken = std::mem::take(&mut *ready().tasks.lock());
+    crate::tasks::hand_back(py, woken)
 }
 
 /// Sets `fut`'s result or exception from `op`'s outcome, through the

@@ -56,6 +56,15 @@ impl Connection {
     }
 }
 
+/// Another inbox of the same connection, as [`Connection::inbox`] gives:
+/// it sees the same notifications, and a note taken through either is gone
+/// for both.
+impl Clone for Inbox {
+    fn clone(&self) -> Self {
+        Inbox { shared: Arc::clone(&self.shared) }
+    }
+}
+
 impl Inbox {
     /// Takes in what has arrived, without blocking; how many notifications.
     ///
@@ -107,15 +116,21 @@ impl Inbox {
         )
     }
 
-    /// [`wait`](Self::wait) as a future: it never blocks the thread; the
-    /// domain's engine has it look at the ring again every 200 us until
-    /// the notifications are there, or the connection's operation timeout.
+    /// [`wait`](Self::wait) as a future: it never blocks the thread. Over
+    /// TCP it is woken when the peer's next write lands (the transport
+    /// sees each land); over verbs, where the device places them unseen,
+    /// the domain's engine has it look at the ring again every 200 us.
+    /// Until the notifications are there, or the connection's operation
+    /// timeout.
     ///
     /// # Errors
     /// As [`wait`](Self::wait).
     pub fn wait_async(&mut self, tag: u32, n: usize) -> Looking<impl FnMut() -> Result<Option<Vec<Note>>> + '_> {
         let (ctx, timeout) = (Arc::clone(&self.shared.ctx), self.shared.op_timeout);
-        Looking::new(ctx, timeout, "notifications", move || self.try_take(tag, n))
+        let ring = Arc::clone(&self.shared);
+        let mut looking = Looking::new(ctx, timeout, "notifications", move || self.try_take(tag, n));
+        looking.ring = Some(ring);
+        looking
     }
 
     /// Notifications with `tag` that arrived and are not taken (as of the
@@ -150,6 +165,10 @@ impl Inbox {
 #[must_use = "a future does nothing unless awaited"]
 pub struct Looking<F> {
     look: F,
+    /// The connection whose notification ring `look` reads, whose
+    /// transport wakes the look when the peer's writes land (None: looked
+    /// at again on the engine's timer).
+    ring: Option<Arc<ConnShared>>,
     ctx: Arc<OpContext>,
     timeout: Duration,
     clock: AwaitClock,
@@ -158,7 +177,7 @@ pub struct Looking<F> {
 
 impl<F> Looking<F> {
     pub(crate) fn new(ctx: Arc<OpContext>, timeout: Duration, what: &'static str, look: F) -> Self {
-        Looking { look, ctx, timeout, clock: AwaitClock::default(), what }
+        Looking { look, ring: None, ctx, timeout, clock: AwaitClock::default(), what }
     }
 }
 
@@ -175,7 +194,22 @@ impl<T, F: FnMut() -> Result<Option<T>> + Unpin> std::future::Future for Looking
         let this = self.get_mut();
         let engine = this.ctx.engine();
         let bound = Some(this.timeout);
-        op::poll(&mut Take(&mut this.look), &op::NoRequests, engine, &mut this.clock, cx.waker(), bound, this.what)
+        match &this.ring {
+            Some(shared) => {
+                let transport = &shared.transport;
+                let mut take = RingTake { transport, look: &mut this.look };
+                op::poll(&mut take, transport, engine, &mut this.clock, cx.waker(), bound, this.what)
+            }
+            None => op::poll(
+                &mut Take(&mut this.look),
+                &op::NoRequests,
+                engine,
+                &mut this.clock,
+                cx.waker(),
+                bound,
+                this.what,
+            ),
+        }
     }
 }
 

@@ -49,7 +49,9 @@ pub(crate) enum Until {
     /// it does not see them land). A blocking waiter looks again at once
     /// within the spin window, then sleeps until the next write lands;
     /// where none is seen, a pause growing from 20 us to 200 us while
-    /// nothing comes. An awaited one looks again on the engine's timer.
+    /// nothing comes. An awaited one is woken when the next write lands
+    /// (the engine's timer looks again after [`RING_SLEEP`] in any case);
+    /// where none is seen, it looks again on the engine's timer.
     Ring { seen: Option<u64> },
 }
 
@@ -102,6 +104,13 @@ pub(crate) trait Requests {
         let _ = seen;
         std::thread::sleep(d);
     }
+    /// Whether a write of the peer's landed after the first `seen`
+    /// (`Some(true)`), else `waker` is registered to be woken when one
+    /// does (`Some(false)`); None where nothing sees writes land.
+    fn landed_or_register(&self, seen: u64, waker: &Waker) -> Option<bool> {
+        let _ = (seen, waker);
+        None
+    }
 }
 
 impl Requests for ConnTransport {
@@ -115,6 +124,10 @@ impl Requests for ConnTransport {
 
     fn wait_landed(&self, seen: u64, d: Duration) {
         ConnTransport::wait_landed(self, seen, d);
+    }
+
+    fn landed_or_register(&self, seen: u64, waker: &Waker) -> Option<bool> {
+        ConnTransport::landed_or_register(self, seen, waker)
     }
 }
 
@@ -270,7 +283,17 @@ pub(crate) fn poll<O: Operation>(
             }
         },
         Look::Wait(Until::Soon { copying }) => NotYet::LookAgain(if copying { LOOK_AGAIN_COPYING } else { LOOK_AGAIN }),
-        Look::Wait(Until::Ring { .. }) => NotYet::LookAgain(LOOK_AGAIN),
+        // Woken when the peer's next write lands; the timer looks again
+        // after RING_SLEEP only as a blocking wait's sleep ends.
+        Look::Wait(Until::Ring { seen: Some(seen) }) => match transport.landed_or_register(seen, waker) {
+            Some(false) => NotYet::LookAgain(RING_SLEEP),
+            Some(true) => {
+                waker.wake_by_ref();
+                NotYet::Told
+            }
+            None => NotYet::LookAgain(LOOK_AGAIN),
+        },
+        Look::Wait(Until::Ring { seen: None }) => NotYet::LookAgain(LOOK_AGAIN),
         Look::Wait(Until::Woken) => NotYet::Told,
     };
     if op.moved() != before {

@@ -463,6 +463,21 @@ impl ConnTransport {
         }
     }
 
+    /// Whether a write of the peer's landed after the first `seen`
+    /// ([`landed`](Self::landed)) or the connection is lost (`Some(true)`),
+    /// else `waker` is woken when either happens (`Some(false)`); None
+    /// where the transport does not see writes land (verbs).
+    pub(crate) fn landed_or_register(&self, seen: u64, waker: &std::task::Waker) -> Option<bool> {
+        match self {
+            #[cfg(feature = "verbs")]
+            ConnTransport::Verbs(_) => {
+                let _ = (seen, waker);
+                None
+            }
+            ConnTransport::Tcp(t) => Some(t.landed_or_register(seen, waker)),
+        }
+    }
+
     /// Drives progress until `id` is done or the deadline passes.
     #[inline]
     pub(crate) fn wait(&self, id: OpId, due: &mut Deadline) -> Result<()> {

@@ -361,6 +361,12 @@ impl TcpConn {
         }
     }
 
+    /// Whether a write of the peer's landed after the first `seen`, or the
+    /// connection is lost; else `waker` is woken when either happens.
+    pub(crate) fn landed_or_register(&self, seen: u64, waker: &std::task::Waker) -> bool {
+        self.inner.lock().landed_or_register(seen, waker)
+    }
+
     /// Takes `id`'s outcome if it is done.
     pub(crate) fn poll_take(&self, id: OpId) -> Result<Option<OpOutcome>> {
         Ok(self.inner.lock().q.take(id))

@@ -18,6 +18,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::task::Waker;
 
 use super::frame::{ACK, FIRST, FrameHeader, FrameOp, HEADER, Handled, IMM, LAST, SEGMENT};
 use super::replies::{OnAck, Progress, Replies, Reply, Request, Segment};
@@ -215,6 +216,9 @@ pub(super) struct Core {
     /// How many of the peer's writes have landed: a waiter on memory the
     /// peer writes (a notification ring) sleeps until it moves.
     pub(super) landed: u64,
+    /// Awaited looks at such memory, woken when `landed` moves or the
+    /// connection breaks (each look's task once).
+    pub(super) ring_wakers: Vec<Waker>,
 }
 
 impl Core {
@@ -241,6 +245,7 @@ impl Core {
             peer_depth,
             rx: Default::default(),
             landed: 0,
+            ring_wakers: Vec::new(),
         }
     }
 }
@@ -309,6 +314,33 @@ impl Core {
         }
     }
 
+    /// One more of the peer's writes landed: whoever waits on memory the
+    /// peer writes looks again.
+    pub(super) fn count_landing(&mut self, sig: &impl Signals) {
+        self.landed = self.landed.wrapping_add(1);
+        self.wake_ring();
+        self.wake(sig);
+    }
+
+    /// Whether a write of the peer's landed since `landed` read `seen`, or
+    /// the connection broke: the caller looks again. Else `waker` is woken
+    /// when either happens.
+    pub(super) fn landed_or_register(&mut self, seen: u64, waker: &Waker) -> bool {
+        if self.landed != seen || self.q.lost().is_some() {
+            return true;
+        }
+        if !self.ring_wakers.iter().any(|w| w.will_wake(waker)) {
+            self.ring_wakers.push(waker.clone());
+        }
+        false
+    }
+
+    fn wake_ring(&mut self) {
+        for w in self.ring_wakers.drain(..) {
+            w.wake();
+        }
+    }
+
     /// Records a completion; frees the queue room it held. Wakes waiters.
     pub(super) fn complete(&mut self, c: &RawCompletion, sig: &impl Signals) {
         drop(self.q.complete(c));
@@ -338,6 +370,7 @@ impl Core {
             self.fail_request(w, sig);
         }
         sig.wake_sender();
+        self.wake_ring();
         self.wake(sig);
     }
 

@@ -426,6 +426,49 @@ fn every_operation_kind_lands_and_completes_only_once_acknowledged() {
     drop((served, served_r));
 }
 
+/// Counts its wakes.
+struct Wakes(std::sync::atomic::AtomicUsize);
+
+impl std::task::Wake for Wakes {
+    fn wake(self: Arc<Self>) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+#[test]
+fn an_awaited_look_at_peer_written_memory_is_woken_by_the_next_write_and_by_a_break() {
+    let mut p = Pair::new();
+    let mut target = vec![0u8; 4096];
+    let served = p.b.expose(&mut target, Access::REMOTE_WRITE);
+    let (key, taddr) = (served.key(), target.as_ptr() as u64);
+    let wakes = Arc::new(Wakes(Default::default()));
+    let waker = std::task::Waker::from(Arc::clone(&wakes));
+    let woken = || wakes.0.load(std::sync::atomic::Ordering::Relaxed);
+    let seen = p.b.core.landed;
+    assert!(!p.b.core.landed_or_register(seen, &waker), "nothing landed: registered");
+    assert!(!p.b.core.landed_or_register(seen, &waker), "registering again keeps one registration");
+    let src = pattern(64, 1);
+    let write = |p: &mut Pair| {
+        let w = OutKind::Write { raddr: taddr, key, imm: None };
+        p.a.post(Opcode::Write, vec![(w, src.as_ptr() as u64, 64)]).unwrap()
+    };
+    let w = write(&mut p);
+    while p.a.send_step() {}
+    assert_eq!(woken(), 0, "nothing read yet");
+    p.settle();
+    assert!(outcome(&mut p.a, w).unwrap().is_ok());
+    assert_eq!(woken(), 1, "the landing woke the look, once");
+    assert!(p.b.core.landed_or_register(seen, &waker), "a write landed since `seen`: look again");
+    let seen = p.b.core.landed;
+    assert!(!p.b.core.landed_or_register(seen, &waker));
+    // A break wakes it too (the look then sees the connection lost), and
+    // a look after it is never registered.
+    p.b.core.break_with("cut".into(), &p.b.env);
+    assert_eq!(woken(), 2, "the break woke the look");
+    assert!(p.b.core.landed_or_register(seen, &waker), "lost: look again, never wait");
+    assert_eq!(woken(), 2);
+}
+
 #[test]
 fn a_chain_completes_once_as_a_whole_after_its_last_message() {
     let mut p = Pair::new();

@@ -345,9 +345,7 @@ impl Core {
             let r = responder::withdrawn_during_write();
             return self.refuse(h.seq, r.status, r.why, env).map(|()| RxStep::Done);
         }
-        // Whoever waits on memory the peer writes looks again.
-        self.landed = self.landed.wrapping_add(1);
-        self.wake(env);
+        self.count_landing(env);
         if h.flags & IMM != 0 {
             // The immediate announces the data: in GPU memory it must be
             // visible to CUDA work before the receive completes.
