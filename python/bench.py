@@ -3,19 +3,23 @@
   send-lat 4 KiB: ping-pong between two processes, one-way time (half the
                   round trip, as perftest and `gpu-rdma bench` report it);
                   Python's per-operation overhead is the difference.
-  write-bw 1 MiB: 128 writes in flight in chains of 32 (the Rust bench's
-                  -t 128 -Q 32; in Python a transfer list of 32 pieces),
-                  2048 in all, each from the same 1 MiB into the same 1 MiB
-                  at the peer, as the Rust bench (and perftest) write;
-                  Python over Rust.
+  list-bw 1 MiB:  2048 writes, each from the same 1 MiB into the same 1 MiB
+                  at the peer, as transfer lists of 64 pieces, two lists in
+                  flight: the Rust bench's `list-bw --list 64`, operation
+                  for operation. Python over Rust: what the binding costs.
+  write-bw 1 MiB: the same Python figure against the Rust bench's
+                  `write-bw` (-t 128 -Q 32: chains of 32 raw writes, 128 in
+                  flight), which Python has no call for: what the binding
+                  and the transfer list cost together over raw writes.
 
     python python/bench.py --rust target/release/gpu-rdma [--transport tcp] [--rounds 5]
 
-Each round runs the Rust bench, the Python one, and the Rust bench again,
-back to back; Python is judged against both Rust runs of its round (their
-geometric mean), and the second Rust run against the first is the null:
-what the machine alone does to a ratio. Medians and per-round ranges are
-printed. `cargo xtask compare --host` runs it after its own table.
+Each round runs the Rust benches, the Python one, and the Rust benches
+again, back to back; Python is judged against both Rust runs of its round
+(their geometric mean), and each second Rust run against its first is that
+row's null: what the machine alone does to a ratio. Medians and per-round
+ranges are printed. `cargo xtask compare --host` runs it after its own
+table.
 """
 
 import argparse
@@ -50,7 +54,7 @@ def aligned(n, fill):
     raw = np.full(n + 4096, fill, dtype=np.uint8)
     at = -raw.ctypes.data % 4096
     return raw[at:at + n]
-BW_SIZE, BW_ITERS, BW_DEPTH, CHAIN = 1 << 20, 2048, 128, 32
+BW_SIZE, BW_ITERS, LIST, LISTS = 1 << 20, 2048, 64, 2
 
 
 def _serve(transport, port_q, test):
@@ -97,25 +101,24 @@ def python_round(transport, test):
                 conn.send(sbuf).wait(timeout=60)
                 rx.wait(timeout=60)
             return (time.perf_counter() - t0) / LAT_ITERS / 2 * 1e6  # one way, us
-        conn = d.connect(addr, queue_depth=(BW_DEPTH, 16))
+        conn = d.connect(addr, queue_depth=(LIST * LISTS, 16))
         remote = conn.remote_region(1)
-        # As the Rust bench posts: chains of CHAIN writes, one completion
-        # each (here a transfer list of CHAIN pieces), DEPTH writes in
-        # flight, every write from the same 1 MiB into the same 1 MiB.
-        chains = BW_DEPTH // CHAIN
+        # As the Rust bench's list-bw posts: LISTS transfer lists of LIST
+        # pieces in flight, every piece from the same 1 MiB into the same
+        # 1 MiB; the front list waited for, the next one posted.
         region = d.register(aligned(BW_SIZE, 1))
-        pieces = [(0, 0, BW_SIZE)] * CHAIN
+        pieces = [(0, 0, BW_SIZE)] * LIST
         t0 = time.perf_counter()
         inflight = []
-        for i in range(BW_ITERS // CHAIN):
-            if len(inflight) == chains:
+        for i in range(BW_ITERS // LIST):
+            if len(inflight) == LISTS:
                 inflight.pop(0).wait(timeout=60)
             inflight.append(conn.write_list(region, remote, pieces))
         for op in inflight:
             op.wait(timeout=60)
         secs = time.perf_counter() - t0
         conn.write_with_imm(d.register(bytearray(1)), remote, 9).wait(timeout=60)
-        return BW_SIZE * (BW_ITERS // CHAIN * CHAIN) / secs / (1 << 20)  # MiB/s
+        return BW_SIZE * (BW_ITERS // LIST * LIST) / secs / (1 << 20)  # MiB/s
     finally:
         server.join(timeout=60)
 
@@ -123,6 +126,8 @@ def python_round(transport, test):
 def rust_round(rust, transport, test, port):
     size, iters = (LAT_SIZE, LAT_ITERS) if test == "send-lat" else (BW_SIZE, BW_ITERS)
     common = [test, "--transport", transport, "-s", str(size), "-n", str(iters), "-p", str(port), "--json"]
+    if test == "list-bw":
+        common += ["--list", str(LIST)]
     server = subprocess.Popen([rust, "bench", *common, "--bind", "127.0.0.1"], stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     time.sleep(0.5)
@@ -139,43 +144,56 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     port = 18600
-    rows = []
-    for test, unit in (("send-lat", "us"), ("write-bw", "MiB/s")):
-        rust, py, again = [], [], []
-        for _ in range(args.rounds):
-            # Rust, Python, Rust again: Python against both Rust runs of its
-            # round, and the second Rust run against the first (the null:
-            # how far the machine alone moves a ratio).
-            for out, run in ((rust, "rust"), (py, "python"), (again, "rust")):
-                port += 1
-                out.append(rust_round(args.rust, args.transport, test, port) if run == "rust"
-                           else python_round(args.transport, test))
-        rows.append((test, unit, rust, py, again))
+    # Per row: Rust's first runs, Python's, Rust's second runs.
+    runs = {t: ([], [], []) for t in ("send-lat", "list-bw", "write-bw")}
+
+    def rust(test):
+        nonlocal port
+        port += 1
+        return rust_round(args.rust, args.transport, test, port)
+
+    for _ in range(args.rounds):
+        # Rust, Python, Rust again: Python against both Rust runs of its
+        # round, and the second Rust run against the first (the null: how
+        # far the machine alone moves a ratio).
+        first = rust("send-lat")
+        runs["send-lat"][0].append(first)
+        runs["send-lat"][1].append(python_round(args.transport, "send-lat"))
+        runs["send-lat"][2].append(rust("send-lat"))
+        firsts = {t: rust(t) for t in ("list-bw", "write-bw")}
+        py = python_round(args.transport, "write-bw")
+        for t in ("list-bw", "write-bw"):
+            runs[t][0].append(firsts[t])
+            runs[t][1].append(py)
+            runs[t][2].append(rust(t))
     print(f"gpu_rdma {gpu_rdma.__version__}, {args.transport}, medians of {args.rounds} rounds "
           "(Rust: gpu-rdma bench, run before and after Python in each round)")
     print(f"{'test':10} {'bytes':>8} {'rust':>12} {'python':>12}   verdict")
-    for test, unit, rust, py, again in rows:
-        both = [(a * b) ** 0.5 for a, b in zip(rust, again)]
+    for test, (rust_runs, py, again) in runs.items():
+        both = [(a * b) ** 0.5 for a, b in zip(rust_runs, again)]
         r, p = statistics.median(both), statistics.median(py)
         if test == "send-lat":
+            unit = "us"
             over = [b - a for a, b in zip(both, py)]
-            null = [b - a for a, b in zip(rust, again)]
+            null = [b - a for a, b in zip(rust_runs, again)]
             verdict = (f"Python adds {statistics.median(over):.1f} us a one-way operation "
                        f"(rounds {min(over):.1f} to {max(over):.1f}; null: Rust's second run "
                        f"{statistics.median(null):+.1f} us, {min(null):.1f} to {max(null):.1f})")
             size = LAT_SIZE
         else:
+            unit = "MiB/s"
             ratio = [b / a for a, b in zip(both, py)]
-            null = [b / a for a, b in zip(rust, again)]
+            null = [b / a for a, b in zip(rust_runs, again)]
             met = "met" if statistics.median(ratio) >= 0.95 else "MISSED"
             noise = (", inside the null's range" if met == "MISSED" and min(null) <= statistics.median(ratio)
                      else "")
-            verdict = (f"{statistics.median(ratio):.2f}x Rust (rounds {min(ratio):.2f}-{max(ratio):.2f}); "
-                       f"goal >= 0.95x {met}{noise}; null: Rust's second run {statistics.median(null):.2f}x its "
-                       f"first ({min(null):.2f}-{max(null):.2f})")
+            what = "same operations" if test == "list-bw" else "Rust's raw write chains"
+            verdict = (f"{statistics.median(ratio):.2f}x Rust's {test} ({what}; rounds {min(ratio):.2f}-"
+                       f"{max(ratio):.2f}); goal >= 0.95x {met}{noise}; null: Rust's second run "
+                       f"{statistics.median(null):.2f}x its first ({min(null):.2f}-{max(null):.2f})")
             size = BW_SIZE
-        print(f"{test:10} {size:>8} {r:>9.1f} {unit:<3}{p:>9.1f} {unit:<3}   {verdict}")
-        print(f"{'':10} {'':>8} rounds: rust {', '.join(f'{x:.1f}' for x in rust)}; "
+        print(f"{test:10} {size:>8} {r:>9.1f} {unit:<5}{p:>9.1f} {unit:<5} {verdict}")
+        print(f"{'':10} {'':>8} rounds: rust {', '.join(f'{x:.1f}' for x in rust_runs)}; "
               f"python {', '.join(f'{x:.1f}' for x in py)}; rust again {', '.join(f'{x:.1f}' for x in again)}")
 
 
