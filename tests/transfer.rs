@@ -595,6 +595,33 @@ fn thread_cpu() -> Duration {
     Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
 }
 
+/// A thread waiting for a message sleeps while a stream of the peer's
+/// writes lands: its message wakes it, the writes do not (over TCP every
+/// landed write woke every sleeping waiter before: 200,000 futex calls at
+/// a bench's server for 40,000 frames, 3,600 since).
+fn a_waiting_receive_sleeps_through_a_stream_of_writes(t: Kind) {
+    const PIECE: u64 = 64 << 10;
+    let d = domain(t);
+    let (s, c) = pair(&d);
+    let target = d.expose(d.alloc(PIECE as usize).unwrap(), Access::REMOTE_WRITE, 0).unwrap();
+    let remote = s.grant(&target).whole();
+    let mut rx = s.recv(d.alloc(16).unwrap());
+    let waiter = std::thread::spawn(move || {
+        let cpu = thread_cpu();
+        let got = rx.wait().map(|c| c.byte_len);
+        (got, thread_cpu() - cpu)
+    });
+    // Let it fall asleep first.
+    std::thread::sleep(Duration::from_millis(50));
+    let pieces = (0..4000).map(|_| Piece::new(0, 0, PIECE));
+    let moved = c.write_list(filled(&d, &[5; PIECE as usize]), &remote, pieces).finish().unwrap();
+    c.send(filled(&d, b"done")).wait().unwrap();
+    let (got, cpu) = waiter.join().unwrap();
+    assert_eq!(got.unwrap(), 4, "the message ended the wait");
+    println!("{} bytes written while a receive waited; its thread used {cpu:?} of CPU", moved.0.bytes);
+    assert!(cpu < Duration::from_millis(5), "the waiting thread used {cpu:?} while 4,000 writes landed");
+}
+
 /// A waiting inbox sleeps: over TCP until the peer's next write lands
 /// (the receiver thread wakes it), over verbs between looks that back off
 /// to 200 us. Its notes still come, each wait ending once its note is in.
@@ -654,6 +681,7 @@ both!(
     a_list_the_peer_saw_completes_though_the_peer_closes_at_once,
     an_idle_inbox_wait_sleeps_and_wakes_for_its_note,
     an_idle_awaited_inbox_is_woken_by_its_note_not_by_a_timer,
+    a_waiting_receive_sleeps_through_a_stream_of_writes,
 );
 
 /// A peer sending notifications nobody takes cannot grow this side's

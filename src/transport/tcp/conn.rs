@@ -55,6 +55,7 @@ impl TcpConn {
             rx_wake: Condvar::new(),
             work: Condvar::new(),
             events: Condvar::new(),
+            ring: Condvar::new(),
             fd: stream.as_raw_fd(),
             tx: AtomicU64::new(0),
             dead: AtomicBool::new(false),
@@ -357,7 +358,7 @@ impl TcpConn {
             if now >= until {
                 return;
             }
-            st = self.inner.sleep(st, until - now);
+            st = self.inner.sleep_on_ring(st, until - now);
         }
     }
 

@@ -40,6 +40,9 @@ pub(super) trait Signals {
     fn wake_waiters(&self);
     /// Wakes the sender thread: there is something to write, or to hang up.
     fn wake_sender(&self);
+    /// Wakes the threads asleep until the peer's next write lands (called
+    /// only when some sleep).
+    fn wake_ring_waiters(&self);
     /// The connection broke: from now on nothing more from the peer is
     /// carried out (the receiving threads look before each frame).
     fn broken(&self);
@@ -207,6 +210,8 @@ pub(super) struct Core {
     pub(super) sender_done: bool,
     /// Threads asleep on `events`: waking nobody costs no system call.
     pub(super) sleepers: usize,
+    /// Threads asleep until the peer's next write lands.
+    pub(super) ring_sleepers: usize,
     /// The peer's send-queue depth: the most replies (acknowledgements, read
     /// responses) its outstanding requests can need.
     pub(super) peer_depth: usize,
@@ -242,6 +247,7 @@ impl Core {
             recvs: VecDeque::new(),
             sender_done: false,
             sleepers: 0,
+            ring_sleepers: 0,
             peer_depth,
             rx: Default::default(),
             landed: 0,
@@ -318,8 +324,7 @@ impl Core {
     /// peer writes looks again.
     pub(super) fn count_landing(&mut self, sig: &impl Signals) {
         self.landed = self.landed.wrapping_add(1);
-        self.wake_ring();
-        self.wake(sig);
+        self.wake_ring(sig);
     }
 
     /// Whether a write of the peer's landed since `landed` read `seen`, or
@@ -335,9 +340,14 @@ impl Core {
         false
     }
 
-    fn wake_ring(&mut self) {
+    /// Wakes whoever waits on memory the peer writes: awaited looks and
+    /// sleeping threads.
+    fn wake_ring(&mut self, sig: &impl Signals) {
         for w in self.ring_wakers.drain(..) {
             w.wake();
+        }
+        if self.ring_sleepers > 0 {
+            sig.wake_ring_waiters();
         }
     }
 
@@ -370,7 +380,7 @@ impl Core {
             self.fail_request(w, sig);
         }
         sig.wake_sender();
-        self.wake_ring();
+        self.wake_ring(sig);
         self.wake(sig);
     }
 

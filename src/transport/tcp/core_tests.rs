@@ -29,6 +29,7 @@ struct TestEnv {
 impl Signals for TestEnv {
     fn wake_waiters(&self) {}
     fn wake_sender(&self) {}
+    fn wake_ring_waiters(&self) {}
     fn broken(&self) {}
 }
 
