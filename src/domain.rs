@@ -329,7 +329,10 @@ impl Domain {
     /// is granted: least privilege.
     ///
     /// GPU memory on a direct path is exposed as it is: peers read and write
-    /// the GPU. On the staged path peers reach a pinned host mirror instead,
+    /// the GPU, so this waits for its fences first (the work its producers
+    /// still have queued, [`CudaBuffer::ready_after`](crate::cuda::CudaBuffer::ready_after);
+    /// a cudarc slice's stream), which would otherwise land over what peers
+    /// write. On the staged path peers reach a pinned host mirror instead,
     /// which its owner moves to and from the GPU explicitly (see
     /// [`Exposed::publish`] and [`Connection::recv_write`](crate::Connection::recv_write)).
     ///
@@ -386,6 +389,19 @@ impl Domain {
             Ok(reg) => reg,
             Err(error) => return Err(BufError { error, buffer: region }),
         };
+        // On a direct path peers reach the GPU memory itself from the moment
+        // they have the key: what its producers still have queued (a
+        // framework's zeroing memset, a kernel filling it) must be done
+        // first, or it lands over what a peer writes, and a peer reads what
+        // was not written yet. (On the staged path peers reach the mirror,
+        // which `publish` fills and a notification's copy drains, each after
+        // the fences.)
+        #[cfg(feature = "cuda")]
+        if let (Some((buf, _)), None) = (gpu, reg.mirror()) {
+            if let Err(error) = buf.wait_ready() {
+                return Err(BufError { error, buffer: region });
+            }
+        }
         #[cfg(feature = "cuda")]
         if reg.mirror().is_some() && remote.contains(Access::REMOTE_WRITE) {
             // Connections made from now on ask for covers of writes with

@@ -968,6 +968,36 @@ gpu_test! {
 }
 
 gpu_test! {
+    /// GPU memory exposed on a direct path while its producer still runs (a
+    /// fenced fill landing 300 ms later, as a framework's zeroing memset
+    /// may): peers reach it only after that work, so what a peer writes at
+    /// once stays. Before, the fill landed over the peer's write (the tail
+    /// of a cudarc slice read back zero, now and then, in this suite).
+    fn memory_exposed_while_its_producer_runs_is_the_peers_only_after_it() {
+        use common::gpu::produce;
+        const LEN: usize = 64 << 10;
+        let (d, peer) = (domain(), domain());
+        let stream = gpu_rdma::cuda::CudaStream::new(&gpu()).unwrap();
+        let region = gpu_region(&d, LEN, None, PathPolicy::Force(MemPath::PeerMem));
+        produce(&stream, region.memory(), 0, LEN, 61, 300_000);
+        region.memory().ready_after(&stream).unwrap();
+        let t0 = Instant::now();
+        let target = d.expose(region, Access::REMOTE_WRITE, 3).unwrap();
+        let exposed_in = t0.elapsed();
+        let (s, c) = pair_on(&peer, &d, opts(), opts().advertise(&target));
+        let mut imm = c.recv_imm();
+        let msg = pattern(LEN, 62);
+        s.write_with_imm(common::filled(&peer, &msg), &s.remote_region(3).unwrap().whole(), 5).wait().unwrap();
+        assert_eq!(imm.wait().unwrap().imm, Some(5));
+        // Whatever the producer had queued has run by now.
+        stream.synchronize().unwrap();
+        println!("exposed in {exposed_in:?}");
+        assert_eq!(first_difference(&read_gpu(target.cuda(), LEN), &msg), None, "the producer's late fill landed over the peer's write");
+        assert!(exposed_in >= Duration::from_millis(250), "exposed before its producer ran: {exposed_in:?}");
+    }
+}
+
+gpu_test! {
     /// A framework's cudarc slices on the device: one given by value is
     /// written to a peer, one the framework keeps (shared) is written by
     /// the peer and read back through cudarc itself. Whatever path each
