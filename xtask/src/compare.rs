@@ -412,9 +412,10 @@ fn host(rounds: usize) -> Result<(String, usize)> {
     // the socket again; the lists against both socket runs of their round,
     // and the second socket run against the first (the null).
     let (size, iters) = (64u64 << 10, 20_000u32);
-    let (mut lists, mut plain, mut again) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut lists, mut plain, mut again, mut replied) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for round in 0..rounds {
         plain.push(Some(plain_socket_mib_s(size as usize, iters as usize)?));
+        replied.push(replies_socket_mib_s(size as usize, iters as usize)?);
         let server = words(format!("{bin} bench list-bw --transport tcp -p 18591 -s {size} -n {iters}"));
         let mut client = server.clone();
         client.push("127.0.0.1".into());
@@ -462,6 +463,19 @@ fn host(rounds: usize) -> Result<(String, usize)> {
          medians of {rounds} rounds; plain socket: one TCP stream on loopback, 64 KiB writes into a 64 KiB read buffer",
         null.map_or("-".to_owned(), |r| format!("{:.2}", r.estimate)),
         span(null)
+    );
+    // What one stream pays for carrying replies at all: the plain socket's
+    // writes with an 8-byte reply every 32 of them (2 MiB), read on the
+    // writer's side by a second thread, as any one-stream transport's
+    // acknowledgements are.
+    let r = median(replied.clone());
+    let _ = writeln!(
+        out,
+        "one stream with replies: the plain socket with an 8-byte reply every 32 writes, read by another thread on the \
+         writer's side: {}, {}x the plain socket; the lists {}x it",
+        show(r),
+        r.zip(p).map_or("-".to_owned(), |(r, p)| format!("{:.2}", r / p)),
+        g.zip(r).map_or("-".to_owned(), |(g, r)| format!("{:.2}", g / r)),
     );
     match python_beside(&bin, rounds) {
         Ok(table) => {
@@ -529,6 +543,46 @@ fn plain_socket_mib_s(size: usize, iters: usize) -> Result<f64> {
     }
     drop(s);
     reader.join().map_err(|_| "the reader panicked".to_owned())?.map_err(|e| e.to_string())?;
+    Ok((size * iters) as f64 / started.elapsed().as_secs_f64() / (1024.0 * 1024.0))
+}
+
+/// [`plain_socket_mib_s`] with replies: the reader answers every 32nd
+/// buffer with 8 bytes on the same stream, and a second thread of the
+/// writer's side reads them, contending with the writer for the socket.
+fn replies_socket_mib_s(size: usize, iters: usize) -> Result<f64> {
+    use std::io::{Read, Write};
+    const EVERY: usize = 32;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let reader = std::thread::spawn(move || -> std::io::Result<()> {
+        let (mut s, _) = listener.accept()?;
+        s.set_nodelay(true)?;
+        let mut buf = vec![0u8; size];
+        for i in 0..iters {
+            s.read_exact(&mut buf)?;
+            if (i + 1) % EVERY == 0 {
+                s.write_all(&[1u8; 8])?;
+            }
+        }
+        Ok(())
+    });
+    let mut s = std::net::TcpStream::connect(addr).map_err(|e| e.to_string())?;
+    let _ = s.set_nodelay(true);
+    let mut replies = s.try_clone().map_err(|e| e.to_string())?;
+    let started = Instant::now();
+    let acks = std::thread::spawn(move || -> std::io::Result<()> {
+        let mut b = [0u8; 8];
+        for _ in 0..iters / EVERY {
+            replies.read_exact(&mut b)?;
+        }
+        Ok(())
+    });
+    let buf = vec![7u8; size];
+    for _ in 0..iters {
+        s.write_all(&buf).map_err(|e| e.to_string())?;
+    }
+    reader.join().map_err(|_| "the reader panicked".to_owned())?.map_err(|e| e.to_string())?;
+    acks.join().map_err(|_| "the reply reader panicked".to_owned())?.map_err(|e| e.to_string())?;
     Ok((size * iters) as f64 / started.elapsed().as_secs_f64() / (1024.0 * 1024.0))
 }
 
