@@ -397,15 +397,31 @@ fn notifications_sent_before_the_inbox_exists_wait_for_it(t: Kind) {
     assert!(got.chunks(128).enumerate().all(|(i, c)| c.iter().all(|&b| b == i as u8)));
 }
 
-/// An inbox's wait as a future: awaited on a one-thread runtime, it gets
-/// notes sent later from another thread while the runtime runs other
-/// tasks.
-fn an_awaited_inbox_gets_its_notes_without_blocking_its_runtime(t: Kind) {
+/// A connected pair for notifications: the server side exposes 4 KiB for
+/// writes, which the client sees as `remote`; the server's inbox.
+struct Noted {
+    d: gpu_rdma::Domain,
+    s: gpu_rdma::Connection,
+    c: gpu_rdma::Connection,
+    target: gpu_rdma::Exposed<gpu_rdma::HostMemory>,
+    remote: gpu_rdma::RemoteSlice,
+    inbox: gpu_rdma::Inbox,
+}
+
+fn noted(t: Kind) -> Noted {
     let d = domain(t);
     let (s, c) = pair(&d);
     let target = d.expose(d.alloc(4096).unwrap(), Access::REMOTE_WRITE, 0).unwrap();
     let remote = s.grant(&target).whole();
-    let mut inbox = s.inbox(1).unwrap();
+    let inbox = s.inbox(1).unwrap();
+    Noted { d, s, c, target, remote, inbox }
+}
+
+/// An inbox's wait as a future: awaited on a one-thread runtime, it gets
+/// notes sent later from another thread while the runtime runs other
+/// tasks.
+fn an_awaited_inbox_gets_its_notes_without_blocking_its_runtime(t: Kind) {
+    let Noted { d, s: _s, c, target, remote, mut inbox } = noted(t);
     let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
     let (got, ticks) = rt.block_on(async {
         let (ticks, ticker) = common::ticker();
@@ -439,11 +455,7 @@ fn an_awaited_inbox_gets_its_notes_without_blocking_its_runtime(t: Kind) {
 /// its timer at most every 50 ms); over verbs, where nothing sees a write
 /// land, the engine's timer has it look every 200 us. Its notes still come.
 fn an_idle_awaited_inbox_is_woken_by_its_note_not_by_a_timer(t: Kind) {
-    let d = domain(t);
-    let (s, c) = pair(&d);
-    let target = d.expose(d.alloc(4096).unwrap(), Access::REMOTE_WRITE, 0).unwrap();
-    let remote = s.grant(&target).whole();
-    let mut inbox = s.inbox(1).unwrap();
+    let Noted { d, s: _s, c, target: _target, remote, mut inbox } = noted(t);
     let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
     let sender = std::thread::spawn(move || {
         for tag in 0..3u32 {
@@ -633,11 +645,7 @@ fn a_waiting_receive_sleeps_through_a_stream_of_writes(t: Kind) {
 /// looked every 20 us before: 55 ms of user and 127 ms of system time a
 /// second, measured from Python).
 fn an_idle_inbox_wait_sleeps_and_wakes_for_its_note(t: Kind) {
-    let d = domain(t);
-    let (s, c) = pair(&d);
-    let target = d.expose(d.alloc(4096).unwrap(), Access::REMOTE_WRITE, 0).unwrap();
-    let remote = s.grant(&target).whole();
-    let mut inbox = s.inbox(1).unwrap();
+    let Noted { d, s: _s, c, target: _target, remote, mut inbox } = noted(t);
     let waiter = std::thread::spawn(move || {
         let mut out = Vec::new();
         for tag in 0..3u32 {

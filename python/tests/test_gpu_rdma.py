@@ -33,6 +33,17 @@ def exposed_pair(d, target, tag):
     return exposed, s, c, c.remote_region(tag)
 
 
+def noted_pair(src_len, fill):
+    """A pair for notifications: the server exposes a zeroed 4 KiB `target`
+    (tag 4), the client sees it as `remote`; the server's inbox, and a
+    registered `src` of `src_len` bytes of `fill` at the client."""
+    d = domain()
+    target = np.zeros(4096, dtype=np.uint8)
+    exposed, s, c, remote = exposed_pair(d, target, tag=4)
+    src = d.register(np.full(src_len, fill, dtype=np.uint8))
+    return target, exposed, s, c, remote, s.inbox(), src
+
+
 class Ticker:
     """A task on the running loop ticking every millisecond: how often the
     loop ran other work meanwhile."""
@@ -129,11 +140,7 @@ def test_a_thousand_operations_in_flight_on_one_event_loop():
 
 
 def test_an_inbox_is_awaited_while_the_loop_runs_other_work():
-    d = domain()
-    target = np.zeros(4096, dtype=np.uint8)
-    exposed, s, c, remote = exposed_pair(d, target, tag=4)
-    inbox = s.inbox()
-    src = d.register(np.full(4096, 3, dtype=np.uint8))
+    target, exposed, s, c, remote, inbox, src = noted_pair(4096, 3)
     assert inbox.try_take(5) is None
 
     async def main():
@@ -161,11 +168,7 @@ def test_an_inbox_is_awaited_while_the_loop_runs_other_work():
 
 
 def test_an_awaited_inbox_that_times_out_or_is_cancelled_takes_nothing():
-    d = domain()
-    target = np.zeros(4096, dtype=np.uint8)
-    exposed, s, c, remote = exposed_pair(d, target, tag=4)
-    inbox = s.inbox()
-    src = d.register(np.full(64, 9, dtype=np.uint8))
+    target, exposed, s, c, remote, inbox, src = noted_pair(64, 9)
 
     async def main():
         with pytest.raises(gpu_rdma.Timeout):
@@ -190,11 +193,7 @@ def test_an_idle_awaited_inbox_leaves_the_loop_asleep():
     awaiting nothing cost it (here 1.1-1.5 ms, its threads' own, and
     0.2-0.3 ms more with the inbox awaited). Looking every 50 us to 1 ms,
     as it did before, cost about 6 ms more."""
-    d = domain()
-    target = np.zeros(4096, dtype=np.uint8)
-    exposed, s, c, remote = exposed_pair(d, target, tag=4)
-    inbox = s.inbox()
-    src = d.register(np.full(64, 5, dtype=np.uint8))
+    target, exposed, s, c, remote, inbox, src = noted_pair(64, 5)
 
     async def idle_cpu():
         cpu = time.process_time()
