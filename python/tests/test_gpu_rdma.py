@@ -187,6 +187,31 @@ def test_an_awaited_inbox_that_times_out_or_is_cancelled_takes_nothing():
     assert inbox.wait(8, timeout=5) == [b"eight"]
 
 
+def test_inboxes_awaited_on_two_loops_in_two_threads_each_get_their_notes():
+    """Each awaited inbox is polled on its own loop's thread, whichever
+    loop's reader saw the eventfd ring."""
+    target, exposed, s, c, remote, inbox, src = noted_pair(64, 2)
+    got = {}
+
+    def run(tag):
+        async def main():
+            return await inbox.wait_async(tag, 2, timeout=30)
+        got[tag] = (asyncio.run(main()), threading.get_ident())
+
+    threads = [threading.Thread(target=run, args=(tag,)) for tag in (11, 12)]
+    for t in threads:
+        t.start()
+    time.sleep(0.05)
+    for i in range(2):
+        for tag in (12, 11):
+            c.write_list(src, remote, [(0, 0, 64)], tag=tag, payload=bytes([tag, i])).wait(timeout=10)
+    for t in threads:
+        t.join(timeout=30)
+    assert got[11][0] == [bytes([11, 0]), bytes([11, 1])]
+    assert got[12][0] == [bytes([12, 0]), bytes([12, 1])]
+    assert got[11][1] != got[12][1]
+
+
 def test_an_idle_awaited_inbox_leaves_the_loop_asleep():
     """Over TCP the transport wakes an awaited inbox when the peer's
     writes land: 300 ms of waiting cost the process about what 300 ms of
