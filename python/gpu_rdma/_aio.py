@@ -40,6 +40,13 @@ def settle(fut, ok, value):
     loop.call_soon_threadsafe(_set, fut, ok, value)
 
 
+async def inbox_wait(start, tag, n, timeout, what):
+    """`Inbox.wait_async`: the wait starts here, on the awaiting loop."""
+    fut = future()
+    start(fut, tag, n)
+    return await bounded(fut, timeout, what)
+
+
 async def bounded(fut, timeout, what):
     """Awaits `fut` for up to `timeout` seconds (None: no limit); past it,
     `fut` is cancelled and `Timeout(what)` raised."""

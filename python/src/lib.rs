@@ -602,22 +602,28 @@ impl Inbox {
         }
     }
 
-    /// `wait` for asyncio: an awaitable of the payloads, woken by the
-    /// crate (over TCP when the peer's writes land; over verbs by the
-    /// engine's timer, every 200 us): no thread waits, and the loop is not
-    /// woken while nothing comes. `timeout` in seconds (None: no limit); a
-    /// wait that times out or is cancelled takes nothing.
+    /// `wait` for asyncio: a coroutine of the payloads, woken by the crate
+    /// (over TCP when the peer's writes land; over verbs by the engine's
+    /// timer, every 200 us): no thread waits, and the loop is not woken
+    /// while nothing comes. The wait starts when the coroutine is first
+    /// awaited (so `asyncio.run(inbox.wait_async(t))` works). `timeout` in
+    /// seconds (None: no limit); a wait that times out or is cancelled
+    /// takes nothing.
     #[pyo3(signature = (tag, n=1, timeout=None))]
     fn wait_async<'py>(
-        &self,
-        py: Python<'py>,
+        slf: &Bound<'py, Self>,
         tag: u32,
         n: usize,
         timeout: Option<f64>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let timeout = timeout.map(seconds).transpose()?.map(|t| t.as_secs_f64());
-        let aio = py.import("gpu_rdma._aio")?;
-        let fut = aio.call_method0("future")?;
+        let what = format!("{n} notification(s) tagged {tag} did not come within {:.3} s", timeout.unwrap_or(0.0));
+        let start = slf.getattr("_start_wait")?;
+        slf.py().import("gpu_rdma._aio")?.call_method1("inbox_wait", (start, tag, n, timeout, what))
+    }
+
+    /// Starts `wait_async`'s wait for `fut`, a future of the running loop.
+    fn _start_wait(&self, py: Python<'_>, fut: Bound<'_, PyAny>, tag: u32, n: usize) -> PyResult<()> {
         let mut inbox = self.inner.clone();
         let notes: tasks::BoxFuture<gpu_rdma::Result<Vec<gpu_rdma::Note>>> = Box::pin(async move {
             loop {
@@ -629,14 +635,10 @@ impl Inbox {
                 }
             }
         });
-        tasks::start(
-            py,
-            notes,
-            |py, got| Ok(payloads(py, got.map_err(to_py)?)?.into_any().unbind()),
-            fut.clone().unbind(),
-        )?;
-        let what = format!("{n} notification(s) tagged {tag} did not come within {:.3} s", timeout.unwrap_or(0.0));
-        aio.call_method1("bounded", (fut, timeout, what))
+        let settle = |py: Python<'_>, got: gpu_rdma::Result<Vec<gpu_rdma::Note>>| {
+            Ok(payloads(py, got.map_err(to_py)?)?.into_any().unbind())
+        };
+        tasks::start(py, notes, settle, fut.unbind())
     }
 
     /// Waits for `n` notifications tagged `tag` (the GIL released, Ctrl-C

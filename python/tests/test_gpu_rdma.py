@@ -185,6 +185,9 @@ def test_an_awaited_inbox_that_times_out_or_is_cancelled_takes_nothing():
     assert asyncio.run(main())
     assert inbox.wait(7, timeout=5) == [b"seven"]
     assert inbox.wait(8, timeout=5) == [b"eight"]
+    # Made before any loop runs, awaited by asyncio.run's.
+    c.write_list(src, remote, [(0, 0, 64)], tag=9, payload=b"nine").wait(timeout=10)
+    assert asyncio.run(inbox.wait_async(9, 1, timeout=5)) == [b"nine"]
 
 
 def test_inboxes_awaited_on_two_loops_in_two_threads_each_get_their_notes():
