@@ -355,12 +355,14 @@ fn host(rounds: usize) -> Result<(String, usize)> {
         cases.len()
     );
     let words = |s: String| s.split_whitespace().map(str::to_owned).collect::<Vec<_>>();
-    let mut figures: Vec<[Vec<f64>; 2]> = cases.iter().map(|_| [Vec::new(), Vec::new()]).collect();
+    // Per case: gpu-rdma's runs, UCX's before them and UCX's after them, by
+    // round. gpu-rdma is judged against both UCX runs of its round; UCX's
+    // second run over its first is the null.
+    let mut figures: Vec<[Vec<Option<f64>>; 3]> = cases.iter().map(|_| Default::default()).collect();
     let mut missing = 0;
     for round in 0..rounds {
         for (i, c) in cases.iter().enumerate() {
-            for k in 0..2 {
-                let ucx_turn = (round + i + k) % 2 == 0;
+            for (k, ucx_turn) in [true, false, true].into_iter().enumerate() {
                 let log = if ucx_turn {
                     let server = words(ucx_cmd(c, 13390));
                     let client = words(ucx_cmd(c, 13390).replace("ucx_perftest ", "ucx_perftest 127.0.0.1 "));
@@ -373,39 +375,58 @@ fn host(rounds: usize) -> Result<(String, usize)> {
                     pair(&server, &client, &[])?
                 };
                 let v = if ucx_turn { ucx_figure(&log, c.is_bw()) } else { figure(&log, c.size, c.is_bw()) };
-                match v {
-                    Some(v) => figures[i][usize::from(ucx_turn)].push(v),
-                    None => {
-                        missing += 1;
-                        println!(
-                            "  no figure from {} (round {round}):\n{log}",
-                            if ucx_turn { "ucx" } else { "gpu-rdma" }
-                        );
-                    }
+                if v.is_none() {
+                    missing += 1;
+                    println!("  no figure from {} (round {round}):\n{log}", if ucx_turn { "ucx" } else { "gpu-rdma" });
                 }
+                figures[i][[1, 0, 2][k]].push(v);
             }
         }
     }
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "\nthis machine, TCP on loopback\n{:<10} {:>9} {:>7}  {:>14} {:>14}  {:>7}",
-        "test", "bytes", "iters", "ucx (tcp)", "gpu-rdma (tcp)", "ratio"
+        "\nthis machine, TCP on loopback\n{:<10} {:>9} {:>7}  {:>14} {:>14}  {:>7}  {:>9}  {:<8}  null (UCX again)",
+        "test", "bytes", "iters", "ucx (tcp)", "gpu-rdma (tcp)", "ratio", "range", "goal"
     );
-    for (c, [ours, ucx]) in cases.iter().zip(figures) {
-        let (g, u) = (median(ours), median(ucx));
+    let span = |r: Option<RatioRange>| r.map_or("-".to_owned(), |r| format!("{:.2}-{:.2}", r.lo, r.hi));
+    for (c, [ours, first, again]) in cases.iter().zip(figures) {
+        let both: Vec<Option<f64>> = first.iter().zip(&again).map(|(a, b)| Some(((*a)? * (*b)?).sqrt())).collect();
+        let (g, u) =
+            (median(ours.iter().flatten().copied().collect()), median(both.iter().flatten().copied().collect()));
         let unit = if c.is_bw() { "MiB/s" } else { "us" };
         let show = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{v:.2} {unit}"));
         let ratio = match (g, u) {
-            (Some(g), Some(u)) if u > 0.0 => format!("{:.2}x", g / u),
-            _ => "-".to_owned(),
+            (Some(g), Some(u)) if u > 0.0 => Some(g / u),
+            _ => None,
         };
-        let _ =
-            writeln!(out, "{:<10} {:>9} {:>7}  {:>14} {:>14}  {:>7}", c.test, c.size, c.iters, show(u), show(g), ratio);
+        let range = paired_range(&ours, &both);
+        let null = paired_range(&again, &first);
+        // Bandwidth: at least UCX's; latency: at most UCX's.
+        let (goal, judged) = if c.is_bw() {
+            (">= 1.00x", verdict(ratio, range, |r| r >= 1.0))
+        } else {
+            ("<= 1.00x", verdict(ratio, range, |r| r <= 1.0))
+        };
+        let _ = writeln!(
+            out,
+            "{:<10} {:>9} {:>7}  {:>14} {:>14}  {:>7}  {:>9}  {goal} {judged}; {}x ({})",
+            c.test,
+            c.size,
+            c.iters,
+            show(u),
+            show(g),
+            ratio.map_or("-".to_owned(), |r| format!("{r:.2}x")),
+            span(range),
+            null.map_or("-".to_owned(), |r| format!("{:.2}", r.estimate)),
+            span(null),
+        );
     }
     let _ = writeln!(
         out,
-        "medians of {rounds} rounds; UCX: ucp_put_bw / tag_lat (median latency, one-way); gpu-rdma: write-bw / send-lat"
+        "medians of {rounds} rounds, each UCX, gpu-rdma, UCX again; UCX: ucp_put_bw / tag_lat (median latency, \
+         one-way); gpu-rdma: write-bw / send-lat; ratio against both UCX runs of a round, range paired by round; \
+         null: UCX's second run over its first"
     );
     // Transfer lists of 64 KiB pieces against a plain socket moving the
     // same bytes in 64 KiB writes: each round the socket, the lists, and
@@ -437,7 +458,6 @@ fn host(rounds: usize) -> Result<(String, usize)> {
     let range = paired_range(&lists, &both);
     let null = paired_range(&again, &plain);
     let show = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{v:.2} MiB/s"));
-    let span = |r: Option<RatioRange>| r.map_or("-".to_owned(), |r| format!("{:.2}-{:.2}", r.lo, r.hi));
     let _ = writeln!(
         out,
         "\n{:<10} {:>9} {:>7}  {:>14} {:>14}  {:>7}  {:>9}  goal\n{:<10} {:>9} {:>7}  {:>14} {:>14}  {:>7}  {:>9}  >= 1.00x {}",
