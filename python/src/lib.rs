@@ -604,8 +604,8 @@ impl Inbox {
 
     /// `wait` for asyncio: a coroutine of the payloads, woken by the crate
     /// (over TCP when the peer's writes land; over verbs by the engine's
-    /// timer, every 200 us): no thread waits, and the loop is not woken
-    /// while nothing comes. The wait starts when the coroutine is first
+    /// timer, every 200 us, every millisecond once 10 ms passed): no thread
+    /// waits, and over TCP the loop is not woken while nothing comes. The wait starts when the coroutine is first
     /// awaited (so `asyncio.run(inbox.wait_async(t))` works). `timeout` in
     /// seconds (None: no limit); a wait that times out or is cancelled
     /// takes nothing.

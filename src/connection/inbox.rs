@@ -119,7 +119,8 @@ impl Inbox {
     /// [`wait`](Self::wait) as a future: it never blocks the thread. Over
     /// TCP it is woken when the peer's next write lands (the transport
     /// sees each land); over verbs, where the device places them unseen,
-    /// the domain's engine has it look at the ring again every 200 us.
+    /// the domain's engine has it look at the ring again every 200 us, and
+    /// every millisecond once it has waited 10 ms.
     /// Until the notifications are there, or the connection's operation
     /// timeout.
     ///

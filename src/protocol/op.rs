@@ -51,7 +51,8 @@ pub(crate) enum Until {
     /// where none is seen, a pause growing from 20 us to 200 us while
     /// nothing comes. An awaited one is woken when the next write lands
     /// (the engine's timer looks again after [`RING_SLEEP`] in any case);
-    /// where none is seen, it looks again on the engine's timer.
+    /// where none is seen, it looks again on the engine's timer (see
+    /// `awaited_ring_pause`).
     Ring { seen: Option<u64> },
 }
 
@@ -188,6 +189,18 @@ fn ring_pause(idle: Duration) -> Duration {
     (idle / 16).clamp(Duration::from_micros(20), Duration::from_micros(200))
 }
 
+/// The pause between an awaited wait's looks at a ring whose writes
+/// nobody sees land (verbs): the engine's [`LOOK_AGAIN`] for the first
+/// [`AWAITED_RING_BUSY`] of the wait, then a millisecond. Each look wakes
+/// the awaiting task, which for Python is an event loop taking the GIL: a
+/// look every 200 us kept an idle loop busy 5,000 times a second.
+fn awaited_ring_pause(idle: Duration) -> Duration {
+    if idle < AWAITED_RING_BUSY { LOOK_AGAIN } else { Duration::from_millis(1) }
+}
+
+/// How long an awaited wait on a ring looks at it every [`LOOK_AGAIN`].
+const AWAITED_RING_BUSY: Duration = Duration::from_millis(10);
+
 /// One pause of a blocking wait on what `until` names, at most `left`,
 /// `idle` since the wait last moved: within `spin` of it (on a copy about
 /// to end, a ring) the CPU is only yielded; a request is slept on (a slice
@@ -291,9 +304,9 @@ pub(crate) fn poll<O: Operation>(
                 waker.wake_by_ref();
                 NotYet::Told
             }
-            None => NotYet::LookAgain(LOOK_AGAIN),
+            None => NotYet::LookAgain(awaited_ring_pause(clock.idle())),
         },
-        Look::Wait(Until::Ring { seen: None }) => NotYet::LookAgain(LOOK_AGAIN),
+        Look::Wait(Until::Ring { seen: None }) => NotYet::LookAgain(awaited_ring_pause(clock.idle())),
         Look::Wait(Until::Woken) => NotYet::Told,
     };
     if op.moved() != before {

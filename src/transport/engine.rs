@@ -369,17 +369,24 @@ impl AwaitClock {
     pub(crate) fn restart(&mut self, engine: &Engine) {
         self.stop(engine);
     }
+
+    /// How long since the first look that did not finish the operation
+    /// (or the last [`restart`](Self::restart)); zero before one.
+    pub(crate) fn idle(&self) -> Duration {
+        self.0.as_ref().map_or(Duration::ZERO, |aw| aw.since.elapsed())
+    }
 }
 
 /// An [`AwaitClock`]'s deadline and timer.
 struct Awaiting {
+    since: Instant,
     deadline: Instant,
     timer: Option<(TimerKey, Waker)>,
 }
 
 impl Awaiting {
     fn new(deadline: Instant) -> Box<Self> {
-        Box::new(Awaiting { deadline, timer: None })
+        Box::new(Awaiting { since: Instant::now(), deadline, timer: None })
     }
 
     /// Has `waker` woken at `at` (replacing the timer if it is for
