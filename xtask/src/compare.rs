@@ -435,8 +435,8 @@ fn host(rounds: usize) -> Result<(String, usize)> {
     let (size, iters) = (64u64 << 10, 20_000u32);
     let (mut lists, mut plain, mut again, mut replied) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for round in 0..rounds {
-        plain.push(Some(plain_socket_mib_s(size as usize, iters as usize)?));
-        replied.push(replies_socket_mib_s(size as usize, iters as usize)?);
+        plain.push(Some(socket_mib_s(size as usize, iters as usize, None)?));
+        replied.push(socket_mib_s(size as usize, iters as usize, Some(32))?);
         let server = words(format!("{bin} bench list-bw --transport tcp -p 18591 -s {size} -n {iters}"));
         let mut client = server.clone();
         client.push("127.0.0.1".into());
@@ -447,7 +447,7 @@ fn host(rounds: usize) -> Result<(String, usize)> {
             println!("  no figure from gpu-rdma list-bw (round {round}):\n{log}");
         }
         lists.push(v);
-        again.push(Some(plain_socket_mib_s(size as usize, iters as usize)?));
+        again.push(Some(socket_mib_s(size as usize, iters as usize, None)?));
     }
     let both: Vec<Option<f64>> = plain.iter().zip(&again).map(|(a, b)| Some(((*a)? * (*b)?).sqrt())).collect();
     let (g, p) = (median(lists.iter().flatten().copied().collect()), median(both.iter().flatten().copied().collect()));
@@ -536,51 +536,32 @@ fn python_beside(bin: &str, rounds: usize) -> Result<String> {
 
 /// A plain TCP stream on loopback: one thread writes `iters` buffers of
 /// `size` bytes, another reads them; MiB/s from the first byte written to
-/// the last read.
-fn plain_socket_mib_s(size: usize, iters: usize) -> Result<f64> {
+/// the last read. With `replies_every`, the reader answers every that many
+/// buffers with 8 bytes on the same stream, and a second thread of the
+/// writer's side reads them, contending with the writer for the socket (as
+/// a one-stream transport's acknowledgements do).
+fn socket_mib_s(size: usize, iters: usize, replies_every: Option<usize>) -> Result<f64> {
     use std::io::{Read, Write};
     let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
     let reader = std::thread::spawn(move || -> std::io::Result<()> {
         let (mut s, _) = listener.accept()?;
         let mut buf = vec![0u8; size];
-        let mut left = size * iters;
-        while left > 0 {
-            let n = s.read(&mut buf[..size.min(left)])?;
-            if n == 0 {
-                break;
+        let Some(every) = replies_every else {
+            let mut left = size * iters;
+            while left > 0 {
+                let n = s.read(&mut buf[..size.min(left)])?;
+                if n == 0 {
+                    break;
+                }
+                left -= n;
             }
-            left -= n;
-        }
-        Ok(())
-    });
-    let mut s = std::net::TcpStream::connect(addr).map_err(|e| e.to_string())?;
-    let _ = s.set_nodelay(true);
-    let buf = vec![7u8; size];
-    let started = Instant::now();
-    for _ in 0..iters {
-        s.write_all(&buf).map_err(|e| e.to_string())?;
-    }
-    drop(s);
-    reader.join().map_err(|_| "the reader panicked".to_owned())?.map_err(|e| e.to_string())?;
-    Ok((size * iters) as f64 / started.elapsed().as_secs_f64() / (1024.0 * 1024.0))
-}
-
-/// [`plain_socket_mib_s`] with replies: the reader answers every 32nd
-/// buffer with 8 bytes on the same stream, and a second thread of the
-/// writer's side reads them, contending with the writer for the socket.
-fn replies_socket_mib_s(size: usize, iters: usize) -> Result<f64> {
-    use std::io::{Read, Write};
-    const EVERY: usize = 32;
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
-    let addr = listener.local_addr().map_err(|e| e.to_string())?;
-    let reader = std::thread::spawn(move || -> std::io::Result<()> {
-        let (mut s, _) = listener.accept()?;
+            return Ok(());
+        };
         s.set_nodelay(true)?;
-        let mut buf = vec![0u8; size];
         for i in 0..iters {
             s.read_exact(&mut buf)?;
-            if (i + 1) % EVERY == 0 {
+            if (i + 1) % every == 0 {
                 s.write_all(&[1u8; 8])?;
             }
         }
@@ -588,21 +569,29 @@ fn replies_socket_mib_s(size: usize, iters: usize) -> Result<f64> {
     });
     let mut s = std::net::TcpStream::connect(addr).map_err(|e| e.to_string())?;
     let _ = s.set_nodelay(true);
-    let mut replies = s.try_clone().map_err(|e| e.to_string())?;
-    let started = Instant::now();
-    let acks = std::thread::spawn(move || -> std::io::Result<()> {
-        let mut b = [0u8; 8];
-        for _ in 0..iters / EVERY {
-            replies.read_exact(&mut b)?;
-        }
-        Ok(())
-    });
     let buf = vec![7u8; size];
+    let started = Instant::now();
+    let replies = match replies_every {
+        Some(every) => {
+            let mut r = s.try_clone().map_err(|e| e.to_string())?;
+            Some(std::thread::spawn(move || -> std::io::Result<()> {
+                let mut b = [0u8; 8];
+                for _ in 0..iters / every {
+                    r.read_exact(&mut b)?;
+                }
+                Ok(())
+            }))
+        }
+        None => None,
+    };
     for _ in 0..iters {
         s.write_all(&buf).map_err(|e| e.to_string())?;
     }
+    drop(s);
     reader.join().map_err(|_| "the reader panicked".to_owned())?.map_err(|e| e.to_string())?;
-    acks.join().map_err(|_| "the reply reader panicked".to_owned())?.map_err(|e| e.to_string())?;
+    if let Some(r) = replies {
+        r.join().map_err(|_| "the reply reader panicked".to_owned())?.map_err(|e| e.to_string())?;
+    }
     Ok((size * iters) as f64 / started.elapsed().as_secs_f64() / (1024.0 * 1024.0))
 }
 
