@@ -110,7 +110,7 @@ impl Inbox {
         let shared = Arc::clone(&self.shared);
         let bound = op::Bound { total: Some(timeout), idle: timeout, spin: shared.spin, what: "notifications" };
         op::wait(
-            &mut RingTake { transport: &shared.transport, look: || self.try_take(tag, n) },
+            &mut RingTake { transport: Some(&shared.transport), look: || self.try_take(tag, n) },
             &shared.transport,
             bound,
         )
@@ -195,49 +195,22 @@ impl<T, F: FnMut() -> Result<Option<T>> + Unpin> std::future::Future for Looking
         let this = self.get_mut();
         let engine = this.ctx.engine();
         let bound = Some(this.timeout);
-        match &this.ring {
-            Some(shared) => {
-                let transport = &shared.transport;
-                let mut take = RingTake { transport, look: &mut this.look };
-                op::poll(&mut take, transport, engine, &mut this.clock, cx.waker(), bound, this.what)
-            }
-            None => op::poll(
-                &mut Take(&mut this.look),
-                &op::NoRequests,
-                engine,
-                &mut this.clock,
-                cx.waker(),
-                bound,
-                this.what,
-            ),
+        let transport = this.ring.as_ref().map(|shared| &shared.transport);
+        let mut take = RingTake { transport, look: &mut this.look };
+        match transport {
+            Some(t) => op::poll(&mut take, t, engine, &mut this.clock, cx.waker(), bound, this.what),
+            None => op::poll(&mut take, &op::NoRequests, engine, &mut this.clock, cx.waker(), bound, this.what),
         }
     }
 }
 
-/// A look at something written by the peer, which wakes nobody: taken
-/// when `look` finds it, else looked at again soon (at once within the
-/// spin window of a blocking wait).
-struct Take<F>(F);
-
-impl<T, F: FnMut() -> Result<Option<T>>> op::Operation for Take<F> {
-    type Output = T;
-
-    fn step(&mut self, waker: Option<&std::task::Waker>) -> op::Look<T> {
-        match (self.0)() {
-            Ok(Some(v)) => op::Look::Done(Ok(v)),
-            Err(e) => op::Look::Done(Err(e)),
-            // Awaited: every 200 us on the engine's timer; waited on: at
-            // once within the spin window.
-            Ok(None) => op::Look::Wait(op::Until::Soon { copying: waker.is_none() }),
-        }
-    }
-}
-
-/// A blocking wait's look at the ring: the transport's count of the
-/// peer's landed writes is read first, so a note that lands after the look
-/// ends the sleep that follows it.
+/// A look at a ring the peer writes: taken when `look` finds what it
+/// wants, else waited for as [`op::Until::Ring`] says. The transport's count
+/// of the peer's landed writes is read first, so a note that lands after
+/// the look ends the sleep that follows it; without a transport (a rail
+/// inbox's rings) or over verbs, nothing counts them.
 struct RingTake<'a, F> {
-    transport: &'a crate::transport::ConnTransport,
+    transport: Option<&'a crate::transport::ConnTransport>,
     look: F,
 }
 
@@ -245,7 +218,7 @@ impl<T, F: FnMut() -> Result<Option<T>>> op::Operation for RingTake<'_, F> {
     type Output = T;
 
     fn step(&mut self, _: Option<&std::task::Waker>) -> op::Look<T> {
-        let seen = self.transport.landed();
+        let seen = self.transport.and_then(crate::transport::ConnTransport::landed);
         match (self.look)() {
             Ok(Some(v)) => op::Look::Done(Ok(v)),
             Err(e) => op::Look::Done(Err(e)),

@@ -298,7 +298,7 @@ pub(crate) fn poll<O: Operation>(
         Look::Wait(Until::Soon { copying }) => NotYet::LookAgain(if copying { LOOK_AGAIN_COPYING } else { LOOK_AGAIN }),
         // Woken when the peer's next write lands; the timer looks again
         // after RING_SLEEP only as a blocking wait's sleep ends.
-        Look::Wait(Until::Ring { seen: Some(seen) }) => match transport.landed_or_register(seen, waker) {
+        Look::Wait(Until::Ring { seen }) => match seen.and_then(|seen| transport.landed_or_register(seen, waker)) {
             Some(false) => NotYet::LookAgain(RING_SLEEP),
             Some(true) => {
                 waker.wake_by_ref();
@@ -306,7 +306,6 @@ pub(crate) fn poll<O: Operation>(
             }
             None => NotYet::LookAgain(awaited_ring_pause(clock.idle())),
         },
-        Look::Wait(Until::Ring { seen: None }) => NotYet::LookAgain(awaited_ring_pause(clock.idle())),
         Look::Wait(Until::Woken) => NotYet::Told,
     };
     if op.moved() != before {
