@@ -605,10 +605,11 @@ impl Inbox {
     /// `wait` for asyncio: a coroutine of the payloads, woken by the crate
     /// (over TCP when the peer's writes land; over verbs by the engine's
     /// timer, every 200 us, every millisecond once 10 ms passed): no thread
-    /// waits, and over TCP the loop is not woken while nothing comes. The wait starts when the coroutine is first
-    /// awaited (so `asyncio.run(inbox.wait_async(t))` works). `timeout` in
-    /// seconds (None: no limit); a wait that times out or is cancelled
-    /// takes nothing.
+    /// waits, and over TCP the loop is not woken while nothing comes. The
+    /// wait starts when the coroutine is first awaited (so
+    /// `asyncio.run(inbox.wait_async(t))` works). `timeout` in seconds
+    /// (None: no limit); a wait that times out or is cancelled takes
+    /// nothing.
     #[pyo3(signature = (tag, n=1, timeout=None))]
     fn wait_async<'py>(
         slf: &Bound<'py, Self>,
@@ -625,20 +626,20 @@ impl Inbox {
     /// Starts `wait_async`'s wait for `fut`, a future of the running loop.
     fn _start_wait(&self, py: Python<'_>, fut: Bound<'_, PyAny>, tag: u32, n: usize) -> PyResult<()> {
         let mut inbox = self.inner.clone();
-        let notes: tasks::BoxFuture<gpu_rdma::Result<Vec<gpu_rdma::Note>>> = Box::pin(async move {
-            loop {
+        let notes: tasks::BoxFuture = Box::pin(async move {
+            let got = loop {
                 // Each await is bounded by the connection's operation
                 // timeout; this one only by `timeout`, on the Python side.
                 match inbox.wait_async(tag, n).await {
                     Err(e) if e.is_timeout() => continue,
-                    got => return got,
+                    got => break got,
                 }
-            }
+            };
+            let outcome: tasks::Outcome =
+                Box::new(move |py| Ok(payloads(py, got.map_err(to_py)?)?.into_any().unbind()));
+            outcome
         });
-        let settle = |py: Python<'_>, got: gpu_rdma::Result<Vec<gpu_rdma::Note>>| {
-            Ok(payloads(py, got.map_err(to_py)?)?.into_any().unbind())
-        };
-        tasks::start(py, notes, settle, fut.unbind())
+        tasks::start(py, notes, fut.unbind())
     }
 
     /// Waits for `n` notifications tagged `tag` (the GIL released, Ctrl-C

@@ -18,7 +18,7 @@ use pyo3::prelude::*;
 use crate::buffer::release_pending;
 use crate::errors::to_py;
 use crate::mem::{OpBuffer, Slot};
-use crate::tasks::Woken;
+use crate::tasks::Task;
 
 /// What a finished operation says.
 #[pyclass(module = "gpu_rdma", frozen, get_all)]
@@ -79,7 +79,7 @@ type Settled = (Arc<OpShared>, Vec<Py<PyAny>>);
 struct Ready {
     queue: Mutex<VecDeque<Settled>>,
     /// Awaited crate futures woken since the reader last looked.
-    tasks: Mutex<Vec<Arc<dyn Woken>>>,
+    tasks: Mutex<Vec<Arc<Task>>>,
     fd: OwnedFd,
 }
 
@@ -120,7 +120,7 @@ fn ready() -> &'static Ready {
 }
 
 /// Queues a woken task for the loop's reader (any thread, no GIL).
-pub(crate) fn queue_task(task: Arc<dyn Woken>) {
+pub(crate) fn queue_task(task: Arc<Task>) {
     ready().tasks.lock().push(task);
     ready().ring();
 }

@@ -16,47 +16,33 @@ use std::task::{Context, Poll, Wake, Waker};
 use parking_lot::Mutex;
 use pyo3::prelude::*;
 
-pub(crate) type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+/// What a finished crate future leaves: the Python future's result, made
+/// with the GIL (an `Err`: the exception it raises).
+pub(crate) type Outcome = Box<dyn FnOnce(Python<'_>) -> PyResult<Py<PyAny>> + Send>;
 
-/// Turns a finished future's output into the Python future's result, with
-/// the GIL (an `Err`: the exception it raises).
-pub(crate) type Settle<T> = fn(Python<'_>, T) -> PyResult<Py<PyAny>>;
+/// A crate future as a task runs it.
+pub(crate) type BoxFuture = Pin<Box<dyn Future<Output = Outcome> + Send>>;
 
 /// A crate future and the Python future awaiting it.
-struct Task<T> {
-    future: Mutex<Option<BoxFuture<T>>>,
-    settle: Settle<T>,
+pub(crate) struct Task {
+    future: Mutex<Option<BoxFuture>>,
     py_future: Py<PyAny>,
     py_loop: Py<PyAny>,
     /// Queued to be polled: queued once however often woken meanwhile.
     queued: AtomicBool,
 }
 
-/// A task, whatever its output, as the eventfd's reader sees it.
-pub(crate) trait Woken: Send + Sync {
-    /// Polls the task once, on its loop's thread; settles its Python
-    /// future when it ends.
-    fn step(self: Arc<Self>, py: Python<'_>) -> PyResult<()>;
-    /// The loop it is polled on.
-    fn py_loop(&self) -> &Py<PyAny>;
-    /// Taken off the queue: the next wake queues it again.
-    fn unqueue(&self);
-}
-
 /// Starts `future` for `py_future`, of the running loop (this thread):
 /// polled once now, then each time the crate wakes it.
-pub(crate) fn start<T: Send + 'static>(
-    py: Python<'_>,
-    future: BoxFuture<T>,
-    settle: Settle<T>,
-    py_future: Py<PyAny>,
-) -> PyResult<()> {
+pub(crate) fn start(py: Python<'_>, future: BoxFuture, py_future: Py<PyAny>) -> PyResult<()> {
     let py_loop = py_future.bind(py).call_method0("get_loop")?.unbind();
-    let task = Task { future: Mutex::new(Some(future)), settle, py_future, py_loop, queued: AtomicBool::new(false) };
+    let task = Task { future: Mutex::new(Some(future)), py_future, py_loop, queued: AtomicBool::new(false) };
     Arc::new(task).step(py)
 }
 
-impl<T: Send + 'static> Woken for Task<T> {
+impl Task {
+    /// Polls the task once, on its loop's thread; settles its Python future
+    /// when it ends.
     fn step(self: Arc<Self>, py: Python<'_>) -> PyResult<()> {
         let fut = self.py_future.bind(py).clone();
         if fut.call_method0("done")?.is_truthy()? {
@@ -78,23 +64,15 @@ impl<T: Send + 'static> Woken for Task<T> {
             }
         });
         let Some(out) = out else { return Ok(()) };
-        match (self.settle)(py, out) {
+        match out(py) {
             Ok(value) => fut.call_method1("set_result", (value,))?,
             Err(e) => fut.call_method1("set_exception", (e.into_value(py),))?,
         };
         Ok(())
     }
-
-    fn py_loop(&self) -> &Py<PyAny> {
-        &self.py_loop
-    }
-
-    fn unqueue(&self) {
-        self.queued.store(false, Ordering::Release);
-    }
 }
 
-impl<T: Send + 'static> Wake for Task<T> {
+impl Wake for Task {
     fn wake(self: Arc<Self>) {
         if !self.queued.swap(true, Ordering::AcqRel) {
             crate::ops::queue_task(self);
@@ -104,7 +82,7 @@ impl<T: Send + 'static> Wake for Task<T> {
 
 /// A woken task's next poll, handed to its loop.
 #[pyclass(module = "gpu_rdma", frozen)]
-pub(crate) struct Step(Arc<dyn Woken>);
+pub(crate) struct Step(Arc<Task>);
 
 #[pymethods]
 impl Step {
@@ -113,11 +91,12 @@ impl Step {
     }
 }
 
-/// Hands each of `woken` to its loop for its next poll.
-pub(crate) fn hand_back(py: Python<'_>, woken: Vec<Arc<dyn Woken>>) -> PyResult<()> {
+/// Hands each of `woken` to its loop for its next poll; the next wake
+/// queues it again.
+pub(crate) fn hand_back(py: Python<'_>, woken: Vec<Arc<Task>>) -> PyResult<()> {
     for task in woken {
-        task.unqueue();
-        let py_loop = task.py_loop().bind(py).clone();
+        task.queued.store(false, Ordering::Release);
+        let py_loop = task.py_loop.bind(py).clone();
         if py_loop.call_method0("is_closed")?.is_truthy()? {
             continue;
         }
