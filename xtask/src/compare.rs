@@ -389,37 +389,28 @@ fn host(rounds: usize) -> Result<(String, usize)> {
         "\nthis machine, TCP on loopback\n{:<10} {:>9} {:>7}  {:>14} {:>14}  {:>7}  {:>9}  {:<8}  null (UCX again)",
         "test", "bytes", "iters", "ucx (tcp)", "gpu-rdma (tcp)", "ratio", "range", "goal"
     );
-    let span = |r: Option<RatioRange>| r.map_or("-".to_owned(), |r| format!("{:.2}-{:.2}", r.lo, r.hi));
     for (c, [ours, first, again]) in cases.iter().zip(figures) {
-        let both: Vec<Option<f64>> = first.iter().zip(&again).map(|(a, b)| Some(((*a)? * (*b)?).sqrt())).collect();
-        let (g, u) =
-            (median(ours.iter().flatten().copied().collect()), median(both.iter().flatten().copied().collect()));
+        let j = sandwiched(&ours, &first, &again);
         let unit = if c.is_bw() { "MiB/s" } else { "us" };
         let show = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{v:.2} {unit}"));
-        let ratio = match (g, u) {
-            (Some(g), Some(u)) if u > 0.0 => Some(g / u),
-            _ => None,
-        };
-        let range = paired_range(&ours, &both);
-        let null = paired_range(&again, &first);
         // Bandwidth: at least UCX's; latency: at most UCX's.
         let (goal, judged) = if c.is_bw() {
-            (">= 1.00x", verdict(ratio, range, |r| r >= 1.0))
+            (">= 1.00x", verdict(j.ratio, j.range, |r| r >= 1.0))
         } else {
-            ("<= 1.00x", verdict(ratio, range, |r| r <= 1.0))
+            ("<= 1.00x", verdict(j.ratio, j.range, |r| r <= 1.0))
         };
         let _ = writeln!(
             out,
-            "{:<10} {:>9} {:>7}  {:>14} {:>14}  {:>7}  {:>9}  {goal} {judged}; {}x ({})",
+            "{:<10} {:>9} {:>7}  {:>14} {:>14}  {:>7}  {:>9}  {goal} {judged}; {} ({})",
             c.test,
             c.size,
             c.iters,
-            show(u),
-            show(g),
-            ratio.map_or("-".to_owned(), |r| format!("{r:.2}x")),
-            span(range),
-            null.map_or("-".to_owned(), |r| format!("{:.2}", r.estimate)),
-            span(null),
+            show(j.anchor),
+            show(j.ours),
+            times(j.ratio),
+            show_range(j.range),
+            times(j.null.map(|r| r.estimate)),
+            show_range(j.null),
         );
     }
     let _ = writeln!(
@@ -449,14 +440,7 @@ fn host(rounds: usize) -> Result<(String, usize)> {
         lists.push(v);
         again.push(Some(socket_mib_s(size as usize, iters as usize, None)?));
     }
-    let both: Vec<Option<f64>> = plain.iter().zip(&again).map(|(a, b)| Some(((*a)? * (*b)?).sqrt())).collect();
-    let (g, p) = (median(lists.iter().flatten().copied().collect()), median(both.iter().flatten().copied().collect()));
-    let ratio = match (g, p) {
-        (Some(g), Some(p)) if p > 0.0 => Some(g / p),
-        _ => None,
-    };
-    let range = paired_range(&lists, &both);
-    let null = paired_range(&again, &plain);
+    let Sandwiched { ours: g, anchor: p, ratio, range, null } = sandwiched(&lists, &plain, &again);
     let show = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{v:.2} MiB/s"));
     let _ = writeln!(
         out,
@@ -473,16 +457,16 @@ fn host(rounds: usize) -> Result<(String, usize)> {
         iters,
         show(p),
         show(g),
-        ratio.map_or("-".to_owned(), |r| format!("{r:.2}x")),
-        span(range),
+        times(ratio),
+        show_range(range),
         verdict(ratio, range, |r| r >= 1.0)
     );
     let _ = writeln!(
         out,
-        "null: the socket's second run of a round over its first, {}x ({}); lists over both runs of their round\n\
+        "null: the socket's second run of a round over its first, {} ({}); lists over both runs of their round\n\
          medians of {rounds} rounds; plain socket: one TCP stream on loopback, 64 KiB writes into a 64 KiB read buffer",
-        null.map_or("-".to_owned(), |r| format!("{:.2}", r.estimate)),
-        span(null)
+        times(null.map(|r| r.estimate)),
+        show_range(null)
     );
     // What one stream pays for carrying replies at all: the plain socket's
     // writes with an 8-byte reply every 32 of them (2 MiB), read on the
@@ -492,10 +476,10 @@ fn host(rounds: usize) -> Result<(String, usize)> {
     let _ = writeln!(
         out,
         "one stream with replies: the plain socket with an 8-byte reply every 32 writes, read by another thread on the \
-         writer's side: {}, {}x the plain socket; the lists {}x it",
+         writer's side: {}, {} the plain socket; the lists {} it",
         show(r),
-        r.zip(p).map_or("-".to_owned(), |(r, p)| format!("{:.2}", r / p)),
-        g.zip(r).map_or("-".to_owned(), |(g, r)| format!("{:.2}", g / r)),
+        times(ratio_of(r, p)),
+        times(ratio_of(g, r)),
     );
     match python_beside(&bin, rounds) {
         Ok(table) => {
@@ -660,9 +644,7 @@ fn report(runs: &[Run], cases: &[Case]) -> (String, usize) {
             let n = pt.iter().zip(again).filter(|(p, a)| p.is_some() && a.is_some()).count();
             // Against both of perftest's runs, a round's baseline is less
             // of a draw than against one.
-            let both: Vec<Option<f64>> =
-                pt.iter().zip(again).map(|(p, a)| Some((p.as_ref()? * a.as_ref()?).sqrt())).collect();
-            let vs_both = paired_range(gr, &both);
+            let vs_both = paired_range(gr, &round_means(pt, again));
             let _ = writeln!(
                 null,
                 "{label:<10} {:>9}  {paired:>7} {:>11} {n:>7}  {said:<47}  {:>7} {:>11}",
@@ -836,6 +818,36 @@ fn check_settings(dir: &Path, cases: &[Case], rounds: usize) -> Result<()> {
     Ok(())
 }
 
+/// One tool judged against an anchor run just before and just after it in
+/// each round: the medians (the anchor's of each round's two runs), the
+/// ratio of the medians, the paired range against both anchor runs of each
+/// round, and the null (the anchor's second run over its first).
+struct Sandwiched {
+    ours: Option<f64>,
+    anchor: Option<f64>,
+    ratio: Option<f64>,
+    range: Option<RatioRange>,
+    null: Option<RatioRange>,
+}
+
+fn sandwiched(ours: &[Option<f64>], first: &[Option<f64>], again: &[Option<f64>]) -> Sandwiched {
+    let both = round_means(first, again);
+    let (g, a) = (median(figures(ours)), median(figures(&both)));
+    Sandwiched {
+        ours: g,
+        anchor: a,
+        ratio: ratio_of(g, a),
+        range: paired_range(ours, &both),
+        null: paired_range(again, first),
+    }
+}
+
+/// Each round's geometric mean of a tool's two runs (none where either
+/// has no figure).
+fn round_means(a: &[Option<f64>], b: &[Option<f64>]) -> Vec<Option<f64>> {
+    a.iter().zip(b).map(|(a, b)| Some(((*a)? * (*b)?).sqrt())).collect()
+}
+
 /// The rounds' figures, without the rounds that have none.
 fn figures(rounds: &[Option<f64>]) -> Vec<f64> {
     rounds.iter().flatten().copied().collect()
@@ -880,6 +892,18 @@ fn show_range(r: Option<RatioRange>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_tool_between_two_anchor_runs_is_judged_against_both() {
+        let ours = [Some(90.0), Some(100.0), None];
+        let (first, again) = ([Some(100.0), Some(81.0), Some(1.0)], [Some(100.0), Some(121.0), None]);
+        assert_eq!(round_means(&first, &again), vec![Some(100.0), Some(99.0), None]);
+        let j = sandwiched(&ours, &first, &again);
+        assert_eq!((j.ours, j.anchor), (Some(95.0), Some(99.5)));
+        assert_eq!(j.ratio, Some(95.0 / 99.5));
+        let null = j.null.expect("two rounds with both anchor runs");
+        assert!((null.lo..=null.hi).contains(&1.0) && null.hi > 1.0, "{null:?}");
+    }
 
     #[test]
     fn each_tool_follows_every_other_equally_often_and_takes_every_place() {

@@ -174,9 +174,9 @@ const NOTE_POOL: usize = 16;
 /// is posted, with nobody waiting (and the notification after the last
 /// piece). Waiting on it, polling it or awaiting it (it is a future) moves
 /// it along too; a caller that waits or polls keeps it, and the engine
-/// takes it back 5 ms after that caller's last call. Dropping it before it is done is safe: nothing more is
-/// posted, and the buffer stays with the connection until the device is
-/// done with everything that was.
+/// takes it back 5 ms after that caller's last call. Dropping it before it
+/// is done is safe: nothing more is posted, and the buffer stays with the
+/// connection until the device is done with everything that was.
 #[must_use = "a transfer list's outcome and buffer come back through its Transfer"]
 pub struct Transfer<B: Send + 'static> {
     list: Arc<Mutex<List<B>>>,
