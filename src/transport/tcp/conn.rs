@@ -9,9 +9,13 @@ use super::*;
 const LINGER: Duration = Duration::from_millis(200);
 
 /// Whether the posting thread may send `o` itself: a message of one frame
-/// (sends and writes up to a segment, inline sends), not a read request.
+/// (sends and writes up to a segment, inline sends, read requests, which
+/// carry no payload).
 fn direct(o: &Out) -> bool {
-    matches!(o.kind, OutKind::Inline { .. } | OutKind::Send { .. } | OutKind::Write { .. }) && o.len <= SEGMENT as u64
+    match o.kind {
+        OutKind::ReadReq { .. } => true,
+        OutKind::Inline { .. } | OutKind::Send { .. } | OutKind::Write { .. } => o.len <= SEGMENT as u64,
+    }
 }
 
 impl TcpConn {

@@ -111,10 +111,10 @@ impl Out {
 /// Which thread carries a frame out.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(super) enum Reading {
-    /// The receiver thread: its replies go through the sender thread,
-    /// which sends them while this one reads on.
+    /// The receiver thread: its replies go through the sender thread while
+    /// that is awake, which sends them while this one reads on.
     Receiver,
-    /// A spinning waiter: it acknowledges what it read itself.
+    /// A spinning waiter: it writes its replies itself.
     Waiter,
 }
 
@@ -162,10 +162,13 @@ pub(super) enum AfterDrain {
     Fail(String),
 }
 
-/// A frame the receiver asks the sender to send.
+/// A frame the receiver asks the sender to send. A read's response's
+/// `sent`: the bytes of its frames the socket already has (from the
+/// attempt of the thread that carried out the read; `Inner::respond`).
+#[derive(Debug)]
 pub(super) enum Ctl {
     Ack { seq: u32, status: u32 },
-    ReadResp { seq: u32, entry: Arc<KeyEntry>, addr: u64, len: u64 },
+    ReadResp { seq: u32, entry: Arc<KeyEntry>, addr: u64, len: u64, sent: u64 },
     Bye,
 }
 
@@ -208,6 +211,8 @@ pub(super) struct Core {
     pub(super) recvs: VecDeque<Recv>,
     /// The sender thread has ended (after the connection broke or stopped).
     pub(super) sender_done: bool,
+    /// The sender thread sleeps, waiting for work.
+    pub(super) sender_asleep: bool,
     /// Threads asleep on `events`: waking nobody costs no system call.
     pub(super) sleepers: usize,
     /// Threads asleep until the peer's next write lands.
@@ -246,6 +251,7 @@ impl Core {
             ctl_rest: None,
             recvs: VecDeque::new(),
             sender_done: false,
+            sender_asleep: false,
             sleepers: 0,
             ring_sleepers: 0,
             peer_depth,

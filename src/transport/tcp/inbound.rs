@@ -48,8 +48,11 @@ pub(super) enum RxStep {
     /// Make `len` bytes written at `addr` under `key` visible to CUDA work
     /// (a write with immediate into GPU memory), then [`Core::visible`].
     MakeVisible { key: u32, addr: u64, len: u64 },
-    /// Acknowledge the peer's message `seq` (the frame is carried out).
-    Ack(u32),
+    /// Send the peer this reply, an acknowledgement or a read's response
+    /// (the frame is carried out): [`Core::reply`] queues it for the
+    /// sender thread, or the thread that carried the frame out writes it
+    /// itself.
+    Reply(Ctl),
     /// The frame is carried out.
     Done,
 }
@@ -303,7 +306,7 @@ impl Core {
         };
         self.complete(&c, env);
         self.rx = Rx::Idle;
-        Ok(if h.flags & ACK != 0 { RxStep::Ack(h.seq) } else { RxStep::Done })
+        Ok(if h.flags & ACK != 0 { RxStep::Reply(Ctl::Ack { seq: h.seq, status: 0 }) } else { RxStep::Done })
     }
 
     fn write(&mut self, h: FrameHeader, env: &impl Env) -> Stepped {
@@ -352,15 +355,13 @@ impl Core {
             self.rx = Rx::Visible { h };
             return Ok(RxStep::MakeVisible { key: h.key, addr: h.addr, len: total });
         }
-        Ok(if h.flags & ACK != 0 { RxStep::Ack(h.seq) } else { RxStep::Done })
+        Ok(if h.flags & ACK != 0 { RxStep::Reply(Ctl::Ack { seq: h.seq, status: 0 }) } else { RxStep::Done })
     }
 
     fn read_request(&mut self, h: FrameHeader, env: &impl Env) -> Stepped {
         let total = u64::from(h.total);
         match responder::read(env.lookup(h.key), h.key, h.addr, total) {
-            Ok(entry) => {
-                self.reply(Ctl::ReadResp { seq: h.seq, entry, addr: h.addr, len: total }, env).map(|()| RxStep::Done)
-            }
+            Ok(entry) => Ok(RxStep::Reply(Ctl::ReadResp { seq: h.seq, entry, addr: h.addr, len: total, sent: 0 })),
             Err(r) => self.refuse(h.seq, r.status, r.why, env).map(|()| RxStep::Done),
         }
     }

@@ -8,8 +8,11 @@
 //!   a send lands in the next posted receive, a write or read is checked
 //!   against the domain's table of exposed regions (key, bounds, access)
 //!   and done directly in that memory, a response lands in the waiting
-//!   read's buffer. The receiver never writes to the socket, so two busy
-//!   directions cannot deadlock.
+//!   read's buffer. The receiver never blocks on a write to the socket,
+//!   so two busy directions cannot deadlock: while the sender thread
+//!   sleeps (waking it costs more than the write), the receiver makes one
+//!   attempt that never blocks at a reply itself, and leaves the rest to
+//!   the sender.
 //! - A waiter that spins (for the connection's spin window) reads small
 //!   frames itself while the receiver thread is not at the socket (two
 //!   calls a frame: one look that shows whether it is whole and whether
@@ -92,6 +95,7 @@ mod tests;
 use self::core::*;
 use frame::*;
 use inbound::*;
+use sender::{read_response_wire, try_send_read_response};
 use socket::*;
 
 /// The largest message (send, or write with immediate) this side accepts.
@@ -330,31 +334,60 @@ impl Inner {
         st.reply(ctl, self)
     }
 
-    /// Acknowledges the peer's message `seq`. A spinning waiter that read
-    /// it sends the acknowledgement itself while nobody else writes to the
-    /// socket, with the lock released: no hand-over to the sender thread on
-    /// the latency path. One attempt that never blocks (a reader never
-    /// waits on a peer that does not read); what the socket does not take,
-    /// the sender thread sends. The receiver thread hands it over: the
-    /// sender sends it while the receiver reads on.
-    fn acknowledge(&self, mut st: MutexGuard<'_, Core>, seq: u32, by: Reading) -> Handled {
+    /// Sends the peer `reply` (an acknowledgement, a read's response). The
+    /// thread that carried out the request writes it itself while nobody
+    /// else writes to the socket, with the lock released, when it is a
+    /// spinning waiter (no hand-over on the latency path) or when the sender
+    /// thread sleeps (waking it costs more than the write: a read's
+    /// response waited 30 us for it here). One attempt that never blocks (a
+    /// reader never waits on a peer that does not read); what the socket
+    /// does not take, the sender thread sends. Otherwise the sender thread,
+    /// awake, sends it while the receiver reads on.
+    fn respond(&self, mut st: MutexGuard<'_, Core>, reply: Ctl, by: Reading) -> Handled {
         let socket_free = st.socket_idle() && st.queue.is_empty() && st.q.lost().is_none();
-        if by == Reading::Receiver || !socket_free {
-            return self.reply(&mut st, Ctl::Ack { seq, status: 0 });
+        if !socket_free || by == Reading::Receiver && !st.sender_asleep {
+            return self.reply(&mut st, reply);
         }
         st.writing = true;
         drop(st);
-        let h = ack_header(seq, 0);
-        let sent = send_now(self.fd, &h.encode());
+        let rest = match reply {
+            Ctl::Ack { seq, status } => {
+                let h = ack_header(seq, status);
+                match send_now(self.fd, &h.encode()) {
+                    Ok(HEADER) => None,
+                    Ok(n) if n > 0 => {
+                        let mut st = self.lock();
+                        st.writing = false;
+                        st.ctl_rest = Some((h, n));
+                        return self.sender_on(st);
+                    }
+                    // Nothing went out: the sender sends it (or meets the
+                    // error, and breaks the connection).
+                    _ => Some(reply),
+                }
+            }
+            Ctl::ReadResp { seq, ref entry, addr, len, sent } => {
+                let now = try_send_read_response(self.fd, seq, entry, addr, len, sent);
+                match now {
+                    Ok(n) if n == read_response_wire(len) => None,
+                    Ok(n) => Some(Ctl::ReadResp { seq, entry: Arc::clone(entry), addr, len, sent: n }),
+                    Err(_) => Some(reply),
+                }
+            }
+            Ctl::Bye => Some(reply),
+        };
         let mut st = self.lock();
         st.writing = false;
-        match sent {
-            Ok(HEADER) => {}
-            // Before anything queued meanwhile (a bye goes last); the sender
-            // meets the error, if any, and breaks the connection.
-            Ok(0) | Err(_) => st.control.push_front(Ctl::Ack { seq, status: 0 }),
-            Ok(n) => st.ctl_rest = Some((h, n)),
+        if let Some(rest) = rest {
+            // Before anything queued meanwhile (a bye goes last).
+            st.control.push_front(rest);
         }
+        self.sender_on(st)
+    }
+
+    /// Wakes the sender thread if it has work (it may wait for the socket
+    /// to be free).
+    fn sender_on(&self, st: MutexGuard<'_, Core>) -> Handled {
         if st.has_work() {
             // The sender thread may wait for the socket to be free.
             self.work.notify_one();

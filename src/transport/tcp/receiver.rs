@@ -53,7 +53,7 @@ pub(super) fn on_frame(
     loop {
         stepped = match stepped? {
             RxStep::Done => return Ok(()),
-            RxStep::Ack(seq) => return inner.acknowledge(st, seq, by),
+            RxStep::Reply(reply) => return inner.respond(st, reply, by),
             RxStep::Fill { addr, len, gate } => {
                 drop(st);
                 // SAFETY: the core checked `addr..addr + len`: inside a posted

@@ -10,7 +10,14 @@ pub(super) fn sender(inner: &Inner) {
             let mut st = inner.lock();
             loop {
                 match next(&mut st) {
-                    Next::Wait => st = inner.work.wait(st).unwrap_or_else(|e| e.into_inner()),
+                    Next::Wait => {
+                        // Asleep, a reply costs a wake-up (tens of
+                        // microseconds on a virtual machine): whoever carries
+                        // out the peer's request writes it instead.
+                        st.sender_asleep = true;
+                        st = inner.work.wait(st).unwrap_or_else(|e| e.into_inner());
+                        st.sender_asleep = false;
+                    }
                     Next::HangUp => {
                         st.sender_done = true;
                         inner.wake(&st);
@@ -44,7 +51,9 @@ pub(super) fn sender(inner: &Inner) {
                         let _ = send_header(fd, &bye_header());
                         Ok(())
                     }
-                    Ctl::ReadResp { seq, entry, addr, len } => send_read_response(fd, seq, &entry, addr, len),
+                    Ctl::ReadResp { seq, entry, addr, len, sent } => {
+                        send_read_response(fd, seq, &entry, addr, len, sent)
+                    }
                 };
                 inner.lock().writing = false;
                 r
@@ -109,15 +118,64 @@ pub(super) fn send_message(fd: RawFd, o: &Out, more: bool, tx: &AtomicU64) -> io
     Ok(())
 }
 
-pub(super) fn send_read_response(fd: RawFd, seq: u32, entry: &KeyEntry, addr: u64, len: u64) -> io::Result<()> {
+/// Writes the response to the peer's read `seq` from its `sent`th byte on
+/// (what a direct attempt wrote, see [`Inner::respond`]).
+pub(super) fn send_read_response(
+    fd: RawFd,
+    seq: u32,
+    entry: &KeyEntry,
+    addr: u64,
+    len: u64,
+    sent: u64,
+) -> io::Result<()> {
     for f in read_response_frames(seq, addr, len) {
+        if sent >= f.wire + (HEADER + f.len) as u64 {
+            continue;
+        }
+        let already = sent.saturating_sub(f.wire) as usize;
         // SAFETY: the range was checked against the exposure, whose memory stays
         // valid while its gate says alive (revocation waits for the gate).
-        let whole = unsafe { send_frame(fd, &f.h, f.src as *const u8, f.len, Some(&entry.alive), 0, false, None)? };
+        let whole =
+            unsafe { send_frame(fd, &f.h, f.src as *const u8, f.len, Some(&entry.alive), already, false, None)? };
         if !whole {
             // Revoked mid-way: the frame is cut, the stream cannot be resynchronized.
             return Err(io::Error::other("an exposed region was withdrawn during a read"));
         }
     }
     Ok(())
+}
+
+/// The bytes on the wire of a response to a read of `len` bytes.
+pub(super) fn read_response_wire(len: u64) -> u64 {
+    read_response_frames(0, 0, len).last().map_or(0, |f| f.wire + (HEADER + f.len) as u64)
+}
+
+/// One attempt, without blocking, to write the response to the peer's
+/// read `seq` from its `sent`th byte on (one frame at most): how many of
+/// its bytes the socket has in all. A withdrawn region writes nothing (the
+/// sender thread then finds it withdrawn).
+pub(super) fn try_send_read_response(
+    fd: RawFd,
+    seq: u32,
+    entry: &KeyEntry,
+    addr: u64,
+    len: u64,
+    sent: u64,
+) -> io::Result<u64> {
+    let Some(f) = read_response_frames(seq, addr, len).find(|f| sent < f.wire + (HEADER + f.len) as u64) else {
+        return Ok(sent);
+    };
+    let head = f.h.encode();
+    let alive = entry.alive.read().unwrap_or_else(|e| e.into_inner());
+    if !*alive {
+        return Ok(sent);
+    }
+    let more = !f.is_last();
+    let n = sent_without_waiting(|| {
+        // SAFETY: the range was checked against the exposure when the read
+        // was carried out, and its memory stays valid while the gate, held
+        // for the call, says alive (revocation waits for the gate).
+        unsafe { sendmsg_frame(fd, &head, f.src as *const u8, f.len, (sent - f.wire) as usize, frame_flags(more)) }
+    })?;
+    Ok(sent + n as u64)
 }

@@ -180,6 +180,52 @@ fn a_direct_acknowledgement_into_a_full_socket_is_finished_by_the_sender_and_sta
     drop(writer.join().unwrap().unwrap());
 }
 
+/// A read's response written directly by the thread that carried out the
+/// request (one attempt, never blocking) into a socket that takes a little
+/// at a time, then finished by the sender thread from where the attempt
+/// stopped: the peer reads every frame of it whole and in order, and a
+/// response the attempt finished needs nothing more.
+#[test]
+fn a_direct_read_response_is_finished_by_the_sender_from_where_it_stopped() {
+    use crate::memory::Access;
+    let (mut rx, tx) = std::os::unix::net::UnixStream::pair().unwrap();
+    small_send_buffer(&tx);
+    // Three frames: two whole segments and a part.
+    let mut mem: Vec<u8> = (0..2 * SEGMENT + 5_000).map(|i| (i % 253) as u8).collect();
+    let keys = KeyTable::default();
+    // SAFETY: `mem` outlives the exposure (dropped at the end of the test).
+    let served = unsafe { keys.expose(mem.as_mut_ptr() as u64, mem.len() as u64, Access::REMOTE_READ, None) }.unwrap();
+    let entry = keys.lookup(served.key()).unwrap();
+    let (addr, len) = (mem.as_ptr() as u64, mem.len() as u64);
+    let mut expected = Vec::new();
+    for f in read_response_frames(4, addr, len) {
+        expected.extend_from_slice(&f.h.encode());
+        expected.extend_from_slice(&mem[(f.src - addr) as usize..][..f.len]);
+    }
+    assert_eq!(read_response_wire(len), expected.len() as u64);
+    let sent = try_send_read_response(tx.as_raw_fd(), 4, &entry, addr, len, 0).unwrap();
+    assert!(sent > 0 && sent < expected.len() as u64, "the attempt wrote part: {sent}");
+    let total = expected.len();
+    let reader = std::thread::spawn(move || read_exactly(&mut rx, total) == expected);
+    send_read_response(tx.as_raw_fd(), 4, &entry, addr, len, sent).unwrap();
+    assert!(reader.join().unwrap(), "the peer read the response whole, in order");
+    // A response the attempt wrote whole is done: nothing more goes out.
+    let small = 100;
+    let (mut rx2, tx2) = std::os::unix::net::UnixStream::pair().unwrap();
+    let n = try_send_read_response(tx2.as_raw_fd(), 5, &entry, addr, small, 0).unwrap();
+    assert_eq!(n, read_response_wire(small));
+    send_read_response(tx2.as_raw_fd(), 5, &entry, addr, small, n).unwrap();
+    drop(tx2);
+    let mut all = Vec::new();
+    std::io::Read::read_to_end(&mut rx2, &mut all).unwrap();
+    assert_eq!(all.len() as u64, n, "the sender wrote nothing more");
+    // A withdrawn region: the attempt writes nothing.
+    drop(served);
+    let (_rx3, tx3) = std::os::unix::net::UnixStream::pair().unwrap();
+    assert_eq!(try_send_read_response(tx3.as_raw_fd(), 6, &entry, addr, small, 0).unwrap(), 0);
+    drop(mem);
+}
+
 fn read_tcp(r: &mut TcpStream, n: usize) -> Vec<u8> {
     use std::io::Read;
     let mut v = vec![0u8; n];

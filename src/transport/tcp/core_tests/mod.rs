@@ -143,7 +143,8 @@ impl Side {
                 match c {
                     Ctl::Ack { seq, status } => put(&mut self.out, &ack_header(seq, status), 0, 0),
                     Ctl::Bye => put(&mut self.out, &bye_header(), 0, 0),
-                    Ctl::ReadResp { seq, entry, addr, len } => {
+                    Ctl::ReadResp { seq, entry, addr, len, sent } => {
+                        assert_eq!(sent, 0, "the cores' harness writes replies whole");
                         for f in read_response_frames(seq, addr, len) {
                             assert!(*entry.alive.read().unwrap(), "no test withdraws a region");
                             put(&mut self.out, &f.h, f.src, f.len);
@@ -222,7 +223,7 @@ impl Side {
                 self.core.on_receive(posted, &self.env)
             }
             Some(RxStep::MakeVisible { .. }) => self.core.visible(Ok(()), &self.env),
-            Some(RxStep::Ack(seq)) => self.core.reply(Ctl::Ack { seq, status: 0 }, &self.env).map(|()| RxStep::Done),
+            Some(RxStep::Reply(ctl)) => self.core.reply(ctl, &self.env).map(|()| RxStep::Done),
             Some(RxStep::Done) => unreachable!("not kept"),
         };
         match stepped {
