@@ -181,6 +181,43 @@ fn withdrawing_a_region_while_a_peer_writes_it_stops_the_writes(t: Kind) {
     eprintln!("the write {}", if outcome.is_ok() { "finished before the withdrawal" } else { "was cut off" });
 }
 
+/// Over TCP only: on soft-RoCE (rxe0, the guest's Debian kernel) a read
+/// whose region is withdrawn mid-way neither finishes nor fails before the
+/// operation's timeout (60 s, then `Error::Timeout`), while a write cut
+/// off the same way fails at once.
+#[test]
+fn tcp_withdrawing_a_region_while_a_peer_reads_it_ends_the_read_with_nothing_read_after() {
+    withdrawing_a_region_while_a_peer_reads_it_ends_the_read_with_nothing_read_after(Kind::Tcp)
+}
+
+fn withdrawing_a_region_while_a_peer_reads_it_ends_the_read_with_nothing_read_after(t: Kind) {
+    // Once withdraw returns, the memory is this side's again: a read still
+    // streaming out of it must not carry what this side writes there next
+    // (it fails at the peer instead, or finished before the withdrawal).
+    let d = domain(t);
+    let len = 64 << 20;
+    let mut mem = d.alloc(len).unwrap();
+    mem.fill(0xab);
+    let target = d.expose(mem, Access::REMOTE_READ, 3).unwrap();
+    let (_s, c) = pair_on(&d, &d, opts().advertise(&target), opts());
+    let remote = c.remote_region(3).unwrap();
+    let read = c.read(d.alloc(len).unwrap(), &remote.whole());
+    thread::sleep(Duration::from_millis(2));
+    let mut back = target.withdraw().unwrap();
+    back.fill(0x55);
+    match read.into_result() {
+        Ok((_, got)) => {
+            let stray = got.iter().position(|&b| b != 0xab);
+            assert_eq!(stray, None, "the read carried memory written after the withdrawal");
+            eprintln!("the read finished before the withdrawal");
+        }
+        Err(failed) => {
+            assert!(!matches!(failed.error, Error::Timeout { .. }), "the read neither finished nor failed");
+            eprintln!("the read was cut off: {}", failed.error);
+        }
+    }
+}
+
 fn write_with_immediate_delivers_data_and_notification(t: Kind) {
     let d = domain(t);
     let target = d.expose(d.alloc(8192).unwrap(), Access::REMOTE_WRITE, 1).unwrap();
