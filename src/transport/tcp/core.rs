@@ -20,7 +20,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::task::Waker;
 
-use super::frame::{ACK, FIRST, FrameHeader, FrameOp, HEADER, Handled, IMM, LAST, SEGMENT};
+use super::frame::{ACK, FrameHeader, FrameOp, HEADER, Handled, IMM, OutFrame, frames_of, segments};
 use super::replies::{OnAck, Progress, Replies, Reply, Request, Segment};
 use super::responder::Refusal;
 use super::socket::STEP;
@@ -162,14 +162,24 @@ pub(super) enum AfterDrain {
     Fail(String),
 }
 
-/// A frame the receiver asks the sender to send. A read's response's
-/// `sent`: the bytes of its frames the socket already has (from the
-/// attempt of the thread that carried out the read; `Inner::respond`).
+/// A frame the receiver asks the sender to send.
 #[derive(Debug)]
 pub(super) enum Ctl {
     Ack { seq: u32, status: u32 },
-    ReadResp { seq: u32, entry: Arc<KeyEntry>, addr: u64, len: u64, sent: u64 },
+    ReadResp(ReadResponse),
     Bye,
+}
+
+/// The response to the peer's read `seq` of `len` bytes at `addr` under
+/// `entry`; `sent`: the bytes of its frames the socket already has (from
+/// the attempt of the thread that carried out the read).
+#[derive(Debug)]
+pub(super) struct ReadResponse {
+    pub(super) seq: u32,
+    pub(super) entry: Arc<KeyEntry>,
+    pub(super) addr: u64,
+    pub(super) len: u64,
+    pub(super) sent: u64,
 }
 
 #[derive(Debug)]
@@ -618,27 +628,6 @@ pub(super) fn next(st: &mut Core) -> Next {
     }
 }
 
-/// One frame of a message as its writer sends it: the header, then `len`
-/// bytes of payload from `src`. `wire`: the message's bytes on the wire
-/// before this frame (how far its writer is when it starts it).
-#[derive(Clone, Copy, Debug)]
-pub(super) struct OutFrame {
-    pub(super) h: FrameHeader,
-    pub(super) src: u64,
-    pub(super) len: usize,
-    pub(super) wire: u64,
-}
-
-impl OutFrame {
-    pub(super) fn is_first(&self) -> bool {
-        self.wire == 0
-    }
-
-    pub(super) fn is_last(&self) -> bool {
-        self.h.flags & LAST != 0
-    }
-}
-
 /// The frames of message `o`: a frame per segment of at most [`SEGMENT`]
 /// bytes of payload (one for none), from its source (a registered buffer,
 /// or its inline copy).
@@ -664,43 +653,4 @@ pub(super) fn message_frames(o: &Out) -> impl Iterator<Item = OutFrame> + '_ {
         };
         OutFrame { h, src: src + off, len: n, wire }
     })
-}
-
-/// The frames of the response to the peer's read `seq` of `len` bytes at
-/// `addr`: `h.addr` is each segment's offset in the read.
-pub(super) fn read_response_frames(seq: u32, addr: u64, len: u64) -> impl Iterator<Item = OutFrame> {
-    segments(len).map(move |(off, n, flags, wire)| {
-        let h =
-            FrameHeader { op: FrameOp::ReadResp as u8, flags, seq, addr: off, len: n as u32, ..FrameHeader::default() };
-        OutFrame { h, src: addr + off, len: n, wire }
-    })
-}
-
-/// How many frames carry `len` bytes of payload: one per segment of at
-/// most [`SEGMENT`] bytes, one for none.
-fn frames_of(len: u64) -> u64 {
-    len.div_ceil(SEGMENT as u64).max(1)
-}
-
-/// The segments `len` bytes of payload travel in: each one's offset and
-/// length, its `FIRST`/`LAST` flags, and the payload's bytes on the wire
-/// before its frame.
-fn segments(len: u64) -> impl Iterator<Item = (u64, usize, u8, u64)> {
-    let frames = frames_of(len);
-    (0..frames).map(move |i| {
-        let off = i * SEGMENT as u64;
-        let n = (len - off).min(SEGMENT as u64);
-        let flags = if i == 0 { FIRST } else { 0 } | if i + 1 == frames { LAST } else { 0 };
-        (off, n as usize, flags, off + i * HEADER as u64)
-    })
-}
-
-/// The header of an acknowledgement of the peer's request `seq` (`status`
-/// 0: done), or of this side's goodbye.
-pub(super) fn ack_header(seq: u32, status: u32) -> FrameHeader {
-    FrameHeader { op: FrameOp::Ack as u8, seq, total: status, ..FrameHeader::default() }
-}
-
-pub(super) fn bye_header() -> FrameHeader {
-    FrameHeader { op: FrameOp::Bye as u8, ..FrameHeader::default() }
 }

@@ -15,7 +15,7 @@
 
 use std::sync::Arc;
 
-use super::core::{AfterDrain, Core, Ctl, Recv, Rx, Signals, raw};
+use super::core::{AfterDrain, Core, Ctl, ReadResponse, Recv, Rx, Signals, raw};
 use super::frame::{ACK, FIRST, FrameHeader, FrameOp, IMM, LAST};
 use super::replies::Progress;
 use super::responder;
@@ -361,7 +361,10 @@ impl Core {
     fn read_request(&mut self, h: FrameHeader, env: &impl Env) -> Stepped {
         let total = u64::from(h.total);
         match responder::read(env.lookup(h.key), h.key, h.addr, total) {
-            Ok(entry) => Ok(RxStep::Reply(Ctl::ReadResp { seq: h.seq, entry, addr: h.addr, len: total, sent: 0 })),
+            Ok(entry) => {
+                let response = ReadResponse { seq: h.seq, entry, addr: h.addr, len: total, sent: 0 };
+                Ok(RxStep::Reply(Ctl::ReadResp(response)))
+            }
             Err(r) => self.refuse(h.seq, r.status, r.why, env).map(|()| RxStep::Done),
         }
     }

@@ -54,10 +54,11 @@
 //!   no memory is touched after its operation completed.
 //!
 //! Here the connection's state, shared by both threads and the posters;
-//! `frame` the frame header (no I/O), `replies` the socket-free ledger of
+//! `frame` the frame header and segments (no I/O), `core` the rules a
+//! reliable connection keeps (no I/O), `replies` the socket-free ledger of
 //! the replies this side waits for, `socket` the raw reads and writes,
-//! `sender` and `receiver` the two threads (the rules a reliable
-//! connection keeps are carried out in `receiver`), `conn` the operations.
+//! `sender` and `receiver` the two threads (and the replies a reading
+//! thread writes itself), `conn` the operations.
 
 use std::io;
 use std::net::TcpStream;
@@ -95,7 +96,6 @@ mod tests;
 use self::core::*;
 use frame::*;
 use inbound::*;
-use sender::{read_response_wire, try_send_read_response};
 use socket::*;
 
 /// The largest message (send, or write with immediate) this side accepts.
@@ -332,67 +332,6 @@ impl Inner {
     /// [`Core::reply`].
     fn reply(&self, st: &mut Core, ctl: Ctl) -> Handled {
         st.reply(ctl, self)
-    }
-
-    /// Sends the peer `reply` (an acknowledgement, a read's response). The
-    /// thread that carried out the request writes it itself while nobody
-    /// else writes to the socket, with the lock released, when it is a
-    /// spinning waiter (no hand-over on the latency path) or when the sender
-    /// thread sleeps (waking it costs more than the write: a read's
-    /// response waited 30 us for it here). One attempt that never blocks (a
-    /// reader never waits on a peer that does not read); what the socket
-    /// does not take, the sender thread sends. Otherwise the sender thread,
-    /// awake, sends it while the receiver reads on.
-    fn respond(&self, mut st: MutexGuard<'_, Core>, reply: Ctl, by: Reading) -> Handled {
-        let socket_free = st.socket_idle() && st.queue.is_empty() && st.q.lost().is_none();
-        if !socket_free || by == Reading::Receiver && !st.sender_asleep {
-            return self.reply(&mut st, reply);
-        }
-        st.writing = true;
-        drop(st);
-        let rest = match reply {
-            Ctl::Ack { seq, status } => {
-                let h = ack_header(seq, status);
-                match send_now(self.fd, &h.encode()) {
-                    Ok(HEADER) => None,
-                    Ok(n) if n > 0 => {
-                        let mut st = self.lock();
-                        st.writing = false;
-                        st.ctl_rest = Some((h, n));
-                        return self.sender_on(st);
-                    }
-                    // Nothing went out: the sender sends it (or meets the
-                    // error, and breaks the connection).
-                    _ => Some(reply),
-                }
-            }
-            Ctl::ReadResp { seq, ref entry, addr, len, sent } => {
-                let now = try_send_read_response(self.fd, seq, entry, addr, len, sent);
-                match now {
-                    Ok(n) if n == read_response_wire(len) => None,
-                    Ok(n) => Some(Ctl::ReadResp { seq, entry: Arc::clone(entry), addr, len, sent: n }),
-                    Err(_) => Some(reply),
-                }
-            }
-            Ctl::Bye => Some(reply),
-        };
-        let mut st = self.lock();
-        st.writing = false;
-        if let Some(rest) = rest {
-            // Before anything queued meanwhile (a bye goes last).
-            st.control.push_front(rest);
-        }
-        self.sender_on(st)
-    }
-
-    /// Wakes the sender thread if it has work (it may wait for the socket
-    /// to be free).
-    fn sender_on(&self, st: MutexGuard<'_, Core>) -> Handled {
-        if st.has_work() {
-            // The sender thread may wait for the socket to be free.
-            self.work.notify_one();
-        }
-        Ok(())
     }
 
     /// Shuts the socket both ways: the peer sees the end of the stream, and

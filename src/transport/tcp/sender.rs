@@ -51,9 +51,7 @@ pub(super) fn sender(inner: &Inner) {
                         let _ = send_header(fd, &bye_header());
                         Ok(())
                     }
-                    Ctl::ReadResp { seq, entry, addr, len, sent } => {
-                        send_read_response(fd, seq, &entry, addr, len, sent)
-                    }
+                    Ctl::ReadResp(r) => send_read_response(fd, &r),
                 };
                 inner.lock().writing = false;
                 r
@@ -70,6 +68,69 @@ pub(super) fn sender(inner: &Inner) {
             inner.break_with(&mut st, format!("sending to the peer failed: {e}"));
             // Keep serving the control queue until stopped (the frames fail fast).
         }
+    }
+}
+
+impl Inner {
+    /// Sends the peer `reply` (an acknowledgement, a read's response). The
+    /// thread that carried out the request writes it itself while nobody
+    /// else writes to the socket, with the lock released, when it is a
+    /// spinning waiter (no hand-over on the latency path) or when the sender
+    /// thread sleeps (waking it costs more than the write: a read's
+    /// response waited 30 us for it here). One attempt that never blocks (a
+    /// reader never waits on a peer that does not read); what the socket
+    /// does not take, the sender thread sends. Otherwise the sender thread,
+    /// awake, sends it while the receiver reads on.
+    pub(super) fn respond(&self, mut st: MutexGuard<'_, Core>, reply: Ctl, by: Reading) -> Handled {
+        let socket_free = st.socket_idle() && st.queue.is_empty() && st.q.lost().is_none();
+        if !socket_free || by == Reading::Receiver && !st.sender_asleep {
+            return self.reply(&mut st, reply);
+        }
+        st.writing = true;
+        drop(st);
+        let rest = match reply {
+            Ctl::Ack { seq, status } => {
+                let h = ack_header(seq, status);
+                match send_now(self.fd, &h.encode()) {
+                    Ok(HEADER) => None,
+                    Ok(n) if n > 0 => {
+                        let mut st = self.lock();
+                        st.writing = false;
+                        st.ctl_rest = Some((h, n));
+                        return self.sender_on(st);
+                    }
+                    // Nothing went out: the sender sends it (or meets the
+                    // error, and breaks the connection).
+                    _ => Some(reply),
+                }
+            }
+            Ctl::ReadResp(mut r) => match try_send_read_response(self.fd, &r) {
+                Ok(n) if n == r.wire() => None,
+                Ok(n) => {
+                    r.sent = n;
+                    Some(Ctl::ReadResp(r))
+                }
+                Err(_) => Some(Ctl::ReadResp(r)),
+            },
+            Ctl::Bye => Some(reply),
+        };
+        let mut st = self.lock();
+        st.writing = false;
+        if let Some(rest) = rest {
+            // Before anything queued meanwhile (a bye goes last).
+            st.control.push_front(rest);
+        }
+        self.sender_on(st)
+    }
+
+    /// Wakes the sender thread if it has work (it may wait for the socket
+    /// to be free).
+    fn sender_on(&self, st: MutexGuard<'_, Core>) -> Handled {
+        if st.has_work() {
+            // The sender thread may wait for the socket to be free.
+            self.work.notify_one();
+        }
+        Ok(())
     }
 }
 
@@ -118,25 +179,28 @@ pub(super) fn send_message(fd: RawFd, o: &Out, more: bool, tx: &AtomicU64) -> io
     Ok(())
 }
 
-/// Writes the response to the peer's read `seq` from its `sent`th byte on
-/// (what a direct attempt wrote, see [`Inner::respond`]).
-pub(super) fn send_read_response(
-    fd: RawFd,
-    seq: u32,
-    entry: &KeyEntry,
-    addr: u64,
-    len: u64,
-    sent: u64,
-) -> io::Result<()> {
-    for f in read_response_frames(seq, addr, len) {
-        if sent >= f.wire + (HEADER + f.len) as u64 {
-            continue;
-        }
-        let already = sent.saturating_sub(f.wire) as usize;
+impl ReadResponse {
+    /// Its frames the socket does not have whole, each with the bytes of
+    /// it the socket has.
+    fn unsent(&self) -> impl Iterator<Item = (OutFrame, usize)> + '_ {
+        read_response_frames(self.seq, self.addr, self.len)
+            .filter(|f| self.sent < f.wire + (HEADER + f.len) as u64)
+            .map(|f| (f, self.sent.saturating_sub(f.wire) as usize))
+    }
+
+    /// All its bytes on the wire.
+    pub(super) fn wire(&self) -> u64 {
+        read_response_frames(0, 0, self.len).last().map_or(0, |f| f.wire + (HEADER + f.len) as u64)
+    }
+}
+
+/// Writes the rest of a response to the peer's read (from `r.sent` on).
+pub(super) fn send_read_response(fd: RawFd, r: &ReadResponse) -> io::Result<()> {
+    for (f, already) in r.unsent() {
         // SAFETY: the range was checked against the exposure, whose memory stays
         // valid while its gate says alive (revocation waits for the gate).
         let whole =
-            unsafe { send_frame(fd, &f.h, f.src as *const u8, f.len, Some(&entry.alive), already, false, None)? };
+            unsafe { send_frame(fd, &f.h, f.src as *const u8, f.len, Some(&r.entry.alive), already, false, None)? };
         if !whole {
             // Revoked mid-way: the frame is cut, the stream cannot be resynchronized.
             return Err(io::Error::other("an exposed region was withdrawn during a read"));
@@ -145,37 +209,23 @@ pub(super) fn send_read_response(
     Ok(())
 }
 
-/// The bytes on the wire of a response to a read of `len` bytes.
-pub(super) fn read_response_wire(len: u64) -> u64 {
-    read_response_frames(0, 0, len).last().map_or(0, |f| f.wire + (HEADER + f.len) as u64)
-}
-
-/// One attempt, without blocking, to write the response to the peer's
-/// read `seq` from its `sent`th byte on (one frame at most): how many of
-/// its bytes the socket has in all. A withdrawn region writes nothing (the
-/// sender thread then finds it withdrawn).
-pub(super) fn try_send_read_response(
-    fd: RawFd,
-    seq: u32,
-    entry: &KeyEntry,
-    addr: u64,
-    len: u64,
-    sent: u64,
-) -> io::Result<u64> {
-    let Some(f) = read_response_frames(seq, addr, len).find(|f| sent < f.wire + (HEADER + f.len) as u64) else {
-        return Ok(sent);
-    };
+/// One attempt, without blocking, at the rest of a response to the peer's
+/// read (one frame at most): how many of its bytes the socket has in all.
+/// A withdrawn region writes nothing (the sender thread then finds it
+/// withdrawn).
+pub(super) fn try_send_read_response(fd: RawFd, r: &ReadResponse) -> io::Result<u64> {
+    let Some((f, already)) = r.unsent().next() else { return Ok(r.sent) };
     let head = f.h.encode();
-    let alive = entry.alive.read().unwrap_or_else(|e| e.into_inner());
+    let alive = r.entry.alive.read().unwrap_or_else(|e| e.into_inner());
     if !*alive {
-        return Ok(sent);
+        return Ok(r.sent);
     }
     let more = !f.is_last();
     let n = sent_without_waiting(|| {
         // SAFETY: the range was checked against the exposure when the read
         // was carried out, and its memory stays valid while the gate, held
         // for the call, says alive (revocation waits for the gate).
-        unsafe { sendmsg_frame(fd, &head, f.src as *const u8, f.len, (sent - f.wire) as usize, frame_flags(more)) }
+        unsafe { sendmsg_frame(fd, &head, f.src as *const u8, f.len, already, frame_flags(more)) }
     })?;
-    Ok(sent + n as u64)
+    Ok(r.sent + n as u64)
 }

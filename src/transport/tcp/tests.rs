@@ -197,24 +197,25 @@ fn a_direct_read_response_is_finished_by_the_sender_from_where_it_stopped() {
     let served = unsafe { keys.expose(mem.as_mut_ptr() as u64, mem.len() as u64, Access::REMOTE_READ, None) }.unwrap();
     let entry = keys.lookup(served.key()).unwrap();
     let (addr, len) = (mem.as_ptr() as u64, mem.len() as u64);
+    let response = |seq, len, sent| ReadResponse { seq, entry: Arc::clone(&entry), addr, len, sent };
     let mut expected = Vec::new();
     for f in read_response_frames(4, addr, len) {
         expected.extend_from_slice(&f.h.encode());
         expected.extend_from_slice(&mem[(f.src - addr) as usize..][..f.len]);
     }
-    assert_eq!(read_response_wire(len), expected.len() as u64);
-    let sent = try_send_read_response(tx.as_raw_fd(), 4, &entry, addr, len, 0).unwrap();
+    assert_eq!(response(4, len, 0).wire(), expected.len() as u64);
+    let sent = try_send_read_response(tx.as_raw_fd(), &response(4, len, 0)).unwrap();
     assert!(sent > 0 && sent < expected.len() as u64, "the attempt wrote part: {sent}");
     let total = expected.len();
     let reader = std::thread::spawn(move || read_exactly(&mut rx, total) == expected);
-    send_read_response(tx.as_raw_fd(), 4, &entry, addr, len, sent).unwrap();
+    send_read_response(tx.as_raw_fd(), &response(4, len, sent)).unwrap();
     assert!(reader.join().unwrap(), "the peer read the response whole, in order");
     // A response the attempt wrote whole is done: nothing more goes out.
     let small = 100;
     let (mut rx2, tx2) = std::os::unix::net::UnixStream::pair().unwrap();
-    let n = try_send_read_response(tx2.as_raw_fd(), 5, &entry, addr, small, 0).unwrap();
-    assert_eq!(n, read_response_wire(small));
-    send_read_response(tx2.as_raw_fd(), 5, &entry, addr, small, n).unwrap();
+    let n = try_send_read_response(tx2.as_raw_fd(), &response(5, small, 0)).unwrap();
+    assert_eq!(n, response(5, small, 0).wire());
+    send_read_response(tx2.as_raw_fd(), &response(5, small, n)).unwrap();
     drop(tx2);
     let mut all = Vec::new();
     std::io::Read::read_to_end(&mut rx2, &mut all).unwrap();
@@ -222,7 +223,7 @@ fn a_direct_read_response_is_finished_by_the_sender_from_where_it_stopped() {
     // A withdrawn region: the attempt writes nothing.
     drop(served);
     let (_rx3, tx3) = std::os::unix::net::UnixStream::pair().unwrap();
-    assert_eq!(try_send_read_response(tx3.as_raw_fd(), 6, &entry, addr, small, 0).unwrap(), 0);
+    assert_eq!(try_send_read_response(tx3.as_raw_fd(), &response(6, small, 0)).unwrap(), 0);
     drop(mem);
 }
 

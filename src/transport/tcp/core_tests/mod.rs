@@ -143,7 +143,7 @@ impl Side {
                 match c {
                     Ctl::Ack { seq, status } => put(&mut self.out, &ack_header(seq, status), 0, 0),
                     Ctl::Bye => put(&mut self.out, &bye_header(), 0, 0),
-                    Ctl::ReadResp { seq, entry, addr, len, sent } => {
+                    Ctl::ReadResp(ReadResponse { seq, entry, addr, len, sent }) => {
                         assert_eq!(sent, 0, "the cores' harness writes replies whole");
                         for f in read_response_frames(seq, addr, len) {
                             assert!(*entry.alive.read().unwrap(), "no test withdraws a region");
