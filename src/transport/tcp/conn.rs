@@ -214,10 +214,7 @@ impl TcpConn {
                 }
             }
         }
-        if st.has_work() {
-            // The sender thread may wait for the socket to be free.
-            self.inner.work.notify_all();
-        }
+        self.inner.sender_on(&st);
         Posted::Ok(id)
     }
 

@@ -20,7 +20,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::task::Waker;
 
-use super::frame::{ACK, FrameHeader, FrameOp, HEADER, Handled, IMM, OutFrame, frames_of, segments};
+use super::frame::{ACK, FrameHeader, FrameOp, HEADER, Handled, IMM, OutFrame, segments, wire_len};
 use super::replies::{OnAck, Progress, Replies, Reply, Request, Segment};
 use super::responder::Refusal;
 use super::socket::STEP;
@@ -103,8 +103,7 @@ impl Out {
 
     /// Its bytes on the wire: a frame per segment of payload (one for none).
     pub(super) fn wire_len(&self) -> u64 {
-        let (_, len) = self.payload();
-        len + HEADER as u64 * frames_of(len)
+        wire_len(self.payload().1)
     }
 }
 

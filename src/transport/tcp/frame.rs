@@ -149,6 +149,12 @@ pub(super) fn read_response_frames(seq: u32, addr: u64, len: u64) -> impl Iterat
     })
 }
 
+/// The bytes on the wire of a message or response of `len` bytes of
+/// payload: its frames' headers and the payload.
+pub(super) fn wire_len(len: u64) -> u64 {
+    len + HEADER as u64 * frames_of(len)
+}
+
 /// How many frames carry `len` bytes of payload: one per segment of at
 /// most [`SEGMENT`] bytes, one for none.
 pub(super) fn frames_of(len: u64) -> u64 {

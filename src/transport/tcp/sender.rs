@@ -88,19 +88,20 @@ impl Inner {
         }
         st.writing = true;
         drop(st);
+        // What the socket did not take: the rest of an acknowledgement's
+        // header, or the reply itself (a response from where it stopped).
+        // Nothing went out on an error: the sender sends it, or meets the
+        // error and breaks the connection.
+        let mut header_rest = None;
         let rest = match reply {
             Ctl::Ack { seq, status } => {
                 let h = ack_header(seq, status);
                 match send_now(self.fd, &h.encode()) {
                     Ok(HEADER) => None,
                     Ok(n) if n > 0 => {
-                        let mut st = self.lock();
-                        st.writing = false;
-                        st.ctl_rest = Some((h, n));
-                        return self.sender_on(st);
+                        header_rest = Some((h, n));
+                        None
                     }
-                    // Nothing went out: the sender sends it (or meets the
-                    // error, and breaks the connection).
                     _ => Some(reply),
                 }
             }
@@ -116,21 +117,23 @@ impl Inner {
         };
         let mut st = self.lock();
         st.writing = false;
+        if let Some(part) = header_rest {
+            st.ctl_rest = Some(part);
+        }
         if let Some(rest) = rest {
             // Before anything queued meanwhile (a bye goes last).
             st.control.push_front(rest);
         }
-        self.sender_on(st)
+        self.sender_on(&st);
+        Ok(())
     }
 
     /// Wakes the sender thread if it has work (it may wait for the socket
     /// to be free).
-    fn sender_on(&self, st: MutexGuard<'_, Core>) -> Handled {
+    pub(super) fn sender_on(&self, st: &Core) {
         if st.has_work() {
-            // The sender thread may wait for the socket to be free.
             self.work.notify_one();
         }
-        Ok(())
     }
 }
 
@@ -190,7 +193,7 @@ impl ReadResponse {
 
     /// All its bytes on the wire.
     pub(super) fn wire(&self) -> u64 {
-        read_response_frames(0, 0, self.len).last().map_or(0, |f| f.wire + (HEADER + f.len) as u64)
+        wire_len(self.len)
     }
 }
 
