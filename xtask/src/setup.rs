@@ -112,23 +112,49 @@ pub fn ensure_packages(packages: &[&str], why: &str) -> Result<()> {
     }
     println!("xtask: installing {} ({why})", missing.join(" "));
     run(privileged("apt-get").arg("update").arg("-q"))?;
-    let install = |simulate: bool| {
+    let install = |simulate: bool, target: Option<&str>| {
         let mut c = privileged("apt-get");
         c.env("DEBIAN_FRONTEND", "noninteractive")
             .args(["install", "-y", "-q", "--no-install-recommends", "--no-remove"])
             .args(&missing);
+        if let Some(suite) = target {
+            // Raises the suite's priority for this command only: what it
+            // does not carry still comes from the release.
+            c.args(["-t", suite]);
+        }
         if simulate {
             c.arg("-s");
         }
         c
     };
-    let plan = Plan::parse(&output(&mut install(true)).map_err(|e| {
+    let cannot = |e: String| {
         format!(
             "apt cannot install {} without removing packages you have, and xtask never removes one: {e}\n\
              install them yourself, or remove what conflicts, then run this again",
             missing.join(" ")
         )
-    })?);
+    };
+    let mut target = None;
+    let plan = match output(&mut install(true, None)) {
+        Ok(text) => Plan::parse(&text),
+        // A machine with packages from backports (seen: qemu-utils 10 from
+        // bookworm-backports, which breaks Debian 12's qemu-system 7.2) gets
+        // what conflicts with them from the same suite.
+        Err(e) => {
+            let held = from_backports();
+            let Some(suite) = backports_suite().filter(|_| !held.is_empty()) else { return Err(cannot(e)) };
+            println!(
+                "xtask: Debian's release versions of {} conflict with what this machine has from {suite} ({}): \
+                 taking them from {suite} where it carries them",
+                missing.join(" "),
+                held.join(" ")
+            );
+            ensure_source(&suite)?;
+            let plan = Plan::parse(&output(&mut install(true, Some(&suite))).map_err(cannot)?);
+            target = Some(suite);
+            plan
+        }
+    };
     if !plan.remove.is_empty() {
         return Err(format!(
             "installing {} would remove {}; xtask never removes a package: resolve that yourself first",
@@ -154,7 +180,7 @@ pub fn ensure_packages(packages: &[&str], why: &str) -> Result<()> {
             "printf '#!/bin/sh\\nexit 101\\n' > /usr/sbin/policy-rc.d && chmod 755 /usr/sbin/policy-rc.d",
         ]))
         .is_ok();
-    let installed = run(&mut install(false));
+    let installed = run(&mut install(false, target.as_deref()));
     if ours {
         let _ = run(privileged("rm").args(["-f", "/usr/sbin/policy-rc.d"]));
     }
@@ -181,6 +207,66 @@ pub fn ensure_packages(packages: &[&str], why: &str) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The installed packages whose version came from a Debian backports
+/// suite (`1:10.0.2+ds-2+deb13u1~bpo12+1`), as `name version`.
+fn from_backports() -> Vec<String> {
+    let Ok(text) = output(Command::new("dpkg-query").args(["-W", "-f=${Package} ${Version} ${db:Status-Status}\n"]))
+    else {
+        return Vec::new();
+    };
+    backported(&text)
+}
+
+/// [`from_backports`] of `dpkg-query`'s `name version status` lines.
+fn backported(text: &str) -> Vec<String> {
+    text.lines()
+        .filter_map(|l| match l.split_whitespace().collect::<Vec<_>>()[..] {
+            [name, version, "installed"] if version.contains("~bpo") => Some(format!("{name} {version}")),
+            _ => None,
+        })
+        .collect()
+}
+
+/// This release's backports suite (`bookworm-backports`), from
+/// `/etc/os-release`.
+fn backports_suite() -> Option<String> {
+    suite_of(&fs::read_to_string("/etc/os-release").ok()?)
+}
+
+/// [`backports_suite`] of an os-release file's text.
+fn suite_of(release: &str) -> Option<String> {
+    let codename = release.lines().find_map(|l| l.strip_prefix("VERSION_CODENAME="))?.trim_matches('"');
+    (!codename.is_empty()).then(|| format!("{codename}-backports"))
+}
+
+/// Makes apt see `suite` (a file of ours in `sources.list.d` when no source
+/// names it), then refreshes its lists. Backports stay at apt's low default
+/// priority: nothing comes from them unless asked for.
+fn ensure_source(suite: &str) -> Result<()> {
+    let policy = output(Command::new("apt-cache").arg("policy"))?;
+    if !policy.lines().any(|l| l.split_whitespace().any(|w| w.starts_with(&format!("{suite}/")))) {
+        let file = format!("/etc/apt/sources.list.d/gpu-rdma-{suite}.sources");
+        println!("xtask: adding Debian's {suite} to apt's sources ({file})");
+        let text = format!(
+            "Types: deb\nURIs: http://deb.debian.org/debian\nSuites: {suite}\nComponents: main\n\
+             Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg\n"
+        );
+        let mut tee = privileged("tee");
+        let mut child = tee
+            .arg(&file)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .spawn()
+            .map_err(|e| format!("cannot run tee: {e}"))?;
+        child.stdin.take().ok_or("tee has no stdin")?.write_all(text.as_bytes()).map_err(|e| format!("{file}: {e}"))?;
+        let status = child.wait().map_err(|e| format!("tee {file}: {e}"))?;
+        if !status.success() {
+            return Err(format!("cannot write {file}: {status}"));
+        }
+    }
+    run(privileged("apt-get").arg("update").arg("-q"))
 }
 
 /// What `apt-get install -s` says it would do.
@@ -372,7 +458,26 @@ fn output_bytes(cmd: &mut Command) -> Result<Vec<u8>> {
 
 #[cfg(test)]
 mod tests {
-    use super::Plan;
+    use super::{Plan, backported, suite_of};
+
+    #[test]
+    fn packages_from_backports_are_told_by_their_version() {
+        let text = "qemu-utils 1:10.0.2+ds-2+deb13u1~bpo12+1 installed\n\
+                    qemu-system-x86 1:7.2+dfsg-7+deb12u18+b3 installed\n\
+                    osslsigncode 2.9-1~bpo12+1 config-files\n\
+                    libc6 2.36-9+deb12u10 installed\n";
+        assert_eq!(backported(text), ["qemu-utils 1:10.0.2+ds-2+deb13u1~bpo12+1"]);
+        assert!(backported("").is_empty());
+    }
+
+    #[test]
+    fn the_backports_suite_is_named_by_the_release() {
+        let release = "PRETTY_NAME=\"Debian GNU/Linux 12 (bookworm)\"\nVERSION_CODENAME=bookworm\nID=debian\n";
+        assert_eq!(suite_of(release).as_deref(), Some("bookworm-backports"));
+        assert_eq!(suite_of("VERSION_CODENAME=\"trixie\"\n").as_deref(), Some("trixie-backports"));
+        assert_eq!(suite_of("ID=debian\n"), None);
+        assert_eq!(suite_of("VERSION_CODENAME=\n"), None);
+    }
 
     #[test]
     fn a_simulation_says_what_is_installed_upgraded_and_removed() {
