@@ -230,6 +230,10 @@ pub(super) fn report(tx: Tx<'_>, handed_in_frame: usize, in_call: bool) {
     }
 }
 
+/// The largest payload [`sendmsg_frame`] copies behind its header to send
+/// the frame from one buffer.
+pub(super) const SMALL_FRAME: usize = 256;
+
 /// One `sendmsg` of the frame made of `head` and the `len` bytes at `ptr`,
 /// from byte `done` of the frame on (the header's first), at most
 /// [`STEP`] bytes of payload: the call's raw result (bytes taken, or -1
@@ -246,6 +250,22 @@ pub(super) unsafe fn sendmsg_frame(
     flags: libc::c_int,
 ) -> isize {
     let (head_sent, sent) = (done.min(HEADER), done.saturating_sub(HEADER).min(len));
+    if done == 0 && len <= SMALL_FRAME {
+        // A small frame goes out of one buffer by `send`: `sendmsg` also has
+        // the kernel copy in and check the message header and its vector,
+        // which costs more than copying a few hundred bytes here (64 B
+        // send-lat over loopback: 0.988x, quartiles 0.979-0.993, 16 pairs).
+        let mut frame = [0u8; HEADER + SMALL_FRAME];
+        frame[..HEADER].copy_from_slice(head);
+        if len > 0 {
+            // SAFETY: `ptr..ptr + len` is valid for reads (the caller's
+            // promise), and `frame` has room for it after the header.
+            unsafe { std::ptr::copy_nonoverlapping(ptr, frame.as_mut_ptr().add(HEADER), len) };
+        }
+        // SAFETY: `frame` is borrowed for the call; MSG_NOSIGNAL instead of
+        // SIGPIPE, if the caller asked.
+        return unsafe { libc::send(fd, frame.as_ptr().cast(), HEADER + len, flags) };
+    }
     let mut iov = [
         libc::iovec { iov_base: head[head_sent..].as_ptr() as *mut libc::c_void, iov_len: HEADER - head_sent },
         // SAFETY: inside the range the caller vouches for.

@@ -35,21 +35,31 @@ fn read_exactly(r: &mut std::os::unix::net::UnixStream, n: usize) -> Vec<u8> {
     buf
 }
 
+/// Every size around the one below which a frame is copied whole into one
+/// buffer, resumed after every kind of prefix.
 #[test]
 fn a_frame_resumed_after_any_prefix_reaches_the_peer_whole() {
     let (mut rx, tx) = std::os::unix::net::UnixStream::pair().unwrap();
-    let data: Vec<u8> = (0..200u8).collect();
-    let (mut o, frame) = inline_out(9, &data);
-    for skip in [0, 1, HEADER - 1, HEADER, HEADER + 1, HEADER + 150, frame.len()] {
+    for size in [0, 1, 200, SMALL_FRAME, SMALL_FRAME + 1, 4000] {
+        let data: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
+        resumed_after_any_prefix(&mut rx, &tx, &data);
+    }
+}
+
+fn resumed_after_any_prefix(rx: &mut std::os::unix::net::UnixStream, tx: &std::os::unix::net::UnixStream, data: &[u8]) {
+    let (mut o, frame) = inline_out(9, data);
+    let mut skips = vec![0, 1, HEADER - 1, HEADER, frame.len()];
+    skips.extend([HEADER + 1, HEADER + data.len() / 2].into_iter().filter(|&s| s < frame.len()));
+    for skip in skips {
         o.skip = skip;
         // The prefix goes out as a posting thread would have sent it.
         {
             use std::io::Write;
-            (&tx).write_all(&frame[..skip]).unwrap();
+            (&*tx).write_all(&frame[..skip]).unwrap();
         }
         let progress = AtomicU64::new(0);
         send_message(tx.as_raw_fd(), &o, false, &progress).unwrap();
-        assert_eq!(read_exactly(&mut rx, frame.len()), frame, "resumed after {skip} bytes");
+        assert_eq!(read_exactly(rx, frame.len()), frame, "{} bytes resumed after {skip}", data.len());
         // The writer said where it was: all of it handed, out of its call.
         let whole = Progress { handed: frame.len() as u64, in_call: false };
         assert_eq!(Progress::unpack(progress.load(Ordering::Acquire)), whole);
@@ -120,12 +130,20 @@ fn direct_attempts_at_a_write_go_on_from_where_the_socket_stopped() {
     assert!(reader.join().unwrap(), "the peer read the frame whole");
 }
 
+/// Small frames (sent from one buffer) and larger ones (header and
+/// payload apart) alike.
 #[test]
 fn a_direct_send_into_a_full_socket_is_finished_by_the_writer_and_stays_whole() {
+    for size in [SMALL_FRAME / 2, SMALL_FRAME, 1000] {
+        direct_send_into_a_full_socket(size);
+    }
+}
+
+fn direct_send_into_a_full_socket(size: usize) {
     let (mut rx, tx) = std::os::unix::net::UnixStream::pair().unwrap();
     small_send_buffer(&tx);
     // Fill the socket until a direct attempt cannot send a whole frame.
-    let data = vec![0xabu8; 1000];
+    let data = vec![0xabu8; size];
     let mut frames = Vec::new();
     let partial = loop {
         let (mut o, frame) = inline_out(frames.len() as u32 + 1, &data);
