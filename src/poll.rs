@@ -102,9 +102,88 @@ impl AsFd for Bell {
     }
 }
 
+/// A one-shot timerfd(2) alarm that a thread sleeps on in [`readable`]: it
+/// goes off once, after the time it was last [set](Self::set) to, and stays
+/// readable until [drained](Self::drain). Setting it again while it is
+/// pending moves it, sooner or later, without waking anyone.
+#[derive(Debug)]
+pub(crate) struct Alarm(OwnedFd);
+
+impl Alarm {
+    /// An alarm that is not set.
+    ///
+    /// # Errors
+    /// [`io::Error`] from timerfd_create(2) (out of descriptors).
+    pub(crate) fn new() -> io::Result<Self> {
+        // SAFETY: timerfd_create(2) with constant arguments; the result is checked.
+        let fd = unsafe { libc::timerfd_create(libc::CLOCK_MONOTONIC, libc::TFD_NONBLOCK | libc::TFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: a fresh descriptor that nothing else owns.
+        Ok(Alarm(unsafe { OwnedFd::from_raw_fd(fd) }))
+    }
+
+    /// Makes it go off `after` from now (at the next tick when `after` is
+    /// zero), in place of any time it was set to.
+    pub(crate) fn set(&self, after: Duration) {
+        // A zero it_value would disarm it instead.
+        let after = after.max(Duration::from_nanos(1));
+        let spec = libc::itimerspec {
+            it_interval: libc::timespec { tv_sec: 0, tv_nsec: 0 },
+            it_value: libc::timespec {
+                tv_sec: libc::time_t::try_from(after.as_secs()).unwrap_or(libc::time_t::MAX),
+                tv_nsec: libc::c_long::from(after.subsec_nanos()),
+            },
+        };
+        // SAFETY: the timerfd this value owns, a live itimerspec, and a null
+        // pointer for the old value (not asked for). It fails only on a bad
+        // descriptor or value, neither of which this can pass.
+        let _ = unsafe { libc::timerfd_settime(self.0.as_raw_fd(), 0, &spec, std::ptr::null_mut()) };
+    }
+
+    /// Takes back its going off: not readable until it goes off again.
+    pub(crate) fn drain(&self) {
+        let mut count: u64 = 0;
+        // SAFETY: reads at most 8 bytes into a live u64 from the timerfd this
+        // value owns; non-blocking (EAGAIN when it has not gone off).
+        let _ = unsafe { libc::read(self.0.as_raw_fd(), (&raw mut count).cast(), 8) };
+    }
+}
+
+impl AsFd for Alarm {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.0.as_fd()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_alarm_goes_off_once_at_the_last_time_it_was_set_to() {
+        let alarm = Alarm::new().unwrap();
+        let short = Duration::from_millis(20);
+        assert_eq!(readable([alarm.as_fd()], short).unwrap(), [false], "not set: never goes off");
+        alarm.set(Duration::from_secs(60));
+        alarm.set(Duration::from_millis(1));
+        let started = std::time::Instant::now();
+        assert_eq!(readable([alarm.as_fd()], LONG).unwrap(), [true], "moved sooner: goes off then");
+        assert!(started.elapsed() < Duration::from_secs(5));
+        assert_eq!(readable([alarm.as_fd()], short).unwrap(), [true], "readable until drained");
+        alarm.drain();
+        assert_eq!(readable([alarm.as_fd()], short).unwrap(), [false], "one-shot: drained, it stays quiet");
+        alarm.set(Duration::from_millis(1));
+        alarm.set(Duration::from_secs(60));
+        assert_eq!(
+            readable([alarm.as_fd()], Duration::from_millis(200)).unwrap(),
+            [false],
+            "moved later: not at the first time"
+        );
+        alarm.set(Duration::ZERO);
+        assert_eq!(readable([alarm.as_fd()], LONG).unwrap(), [true], "zero: at once");
+    }
 
     /// Long enough never to end a wait that a ring should end.
     const LONG: Duration = Duration::from_secs(10);

@@ -1,5 +1,6 @@
 //! The connection's operations: post, poll, wait, establish, shut down.
 
+use super::nap::*;
 use super::receiver::*;
 use super::sender::*;
 use super::*;
@@ -56,7 +57,7 @@ impl TcpConn {
             reader: Mutex::new(Reader { scratch: vec![0u8; STEP], ahead: Ahead::default() }),
             spinners: AtomicUsize::new(0),
             napping: AtomicBool::new(false),
-            rx_wake: Condvar::new(),
+            nap: Nap::new()?,
             work: Condvar::new(),
             events: Condvar::new(),
             ring: Condvar::new(),

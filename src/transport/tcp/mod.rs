@@ -85,6 +85,7 @@ mod core;
 mod core_tests;
 mod frame;
 mod inbound;
+mod nap;
 mod receiver;
 mod replies;
 mod responder;
@@ -155,11 +156,12 @@ struct Inner {
     /// instead of watching the socket, so that it does not take a CPU from
     /// them at every frame they carry out themselves.
     spinners: AtomicUsize,
-    /// The receiver thread naps (on `rx_wake`, with the reader released).
+    /// The receiver thread naps (on `nap`, with the reader released).
     napping: AtomicBool,
-    /// Ends the receiver thread's nap: a waiter left it a frame, or a
-    /// thread goes to sleep on `events` and needs it to watch the socket.
-    rx_wake: Condvar,
+    /// Where the receiver thread naps: rung when a waiter left it a frame,
+    /// a thread goes to sleep on `events` and needs it to watch the socket,
+    /// or the connection broke.
+    nap: nap::Nap,
     /// The sender thread waits here: queued messages, control frames,
     /// stopping.
     work: Condvar,
@@ -268,8 +270,8 @@ impl Inner {
 
     /// Ends the receiver thread's nap, if it naps.
     fn end_nap(&self) {
-        if self.napping.load(Ordering::Acquire) {
-            self.rx_wake.notify_one();
+        if self.napping.load(Ordering::SeqCst) {
+            self.nap.ring();
         }
     }
 
@@ -325,6 +327,8 @@ impl Signals for Inner {
 
     fn broken(&self) {
         self.dead.store(true, Ordering::Release);
+        // A napping receiver thread fails what it owns now.
+        self.end_nap();
     }
 }
 

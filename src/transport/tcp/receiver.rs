@@ -8,22 +8,24 @@ pub(super) const CLOSED: &str = "the peer closed the connection (its process exi
 /// The stream ended inside a frame.
 const CLOSED_MID: &str = "the peer closed the connection";
 
-/// The longest the receiver thread naps while waiters spin.
-pub(super) const NAP: Duration = Duration::from_millis(1);
-
 /// A spinning waiter, counted while it lives.
 pub(super) struct Spinning<'a>(&'a Inner);
 
 impl<'a> Spinning<'a> {
     pub(super) fn new(inner: &'a Inner) -> Self {
-        inner.spinners.fetch_add(1, Ordering::AcqRel);
+        inner.spinners.fetch_add(1, Ordering::SeqCst);
         Spinning(inner)
     }
 }
 
 impl Drop for Spinning<'_> {
     fn drop(&mut self) {
-        self.0.spinners.fetch_sub(1, Ordering::AcqRel);
+        // The last to leave while the receiver thread naps sees that the nap
+        // ends within NAP (paired with the thread's look at `spinners` after
+        // it says it naps: one of the two sees the other).
+        if self.0.spinners.fetch_sub(1, Ordering::SeqCst) == 1 && self.0.napping.load(Ordering::SeqCst) {
+            self.0.nap.push();
+        }
     }
 }
 
@@ -208,14 +210,20 @@ pub(super) fn receiver(inner: &Inner) {
             Ok(0) => break CLOSED.to_owned(),
             Ok(n) => n,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                if inner.spinners.load(Ordering::Acquire) > 0 {
-                    // Waiters spin and carry out what arrives: nap until one
-                    // leaves a frame to this thread or a thread goes to
-                    // sleep, or for a millisecond (the last spinner may have
-                    // gone meanwhile).
-                    inner.napping.store(true, Ordering::Release);
-                    reader = inner.rx_wake.wait_timeout(reader, NAP).unwrap_or_else(|e| e.into_inner()).0;
-                    inner.napping.store(false, Ordering::Release);
+                if inner.spinners.load(Ordering::SeqCst) > 0 {
+                    // Waiters spin and carry out what arrives: nap (without
+                    // the reader) until one leaves a frame to this thread, a
+                    // thread goes to sleep, or the last has gone.
+                    inner.napping.store(true, Ordering::SeqCst);
+                    if inner.spinners.load(Ordering::SeqCst) > 0 {
+                        drop(reader);
+                        while !inner.nap.sleep()
+                            && inner.spinners.load(Ordering::SeqCst) > 0
+                            && !inner.dead.load(Ordering::Acquire)
+                        {}
+                        reader = inner.reader.lock().unwrap_or_else(|e| e.into_inner());
+                    }
+                    inner.napping.store(false, Ordering::SeqCst);
                     continue;
                 }
                 // Nothing yet: wait for it without the reader, so that a

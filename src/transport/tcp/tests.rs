@@ -1,3 +1,4 @@
+use super::nap::*;
 use super::receiver::*;
 use super::sender::*;
 use super::*;
@@ -440,4 +441,28 @@ fn the_end_of_a_payload_takes_the_start_of_the_next_header_with_it() {
     assert!(recv_buf(r.as_raw_fd(), &mut head[had..]).unwrap());
     assert_eq!(FrameHeader::decode(&head).seq, 9);
     assert!(ahead.is_empty());
+}
+
+/// The receiver thread's nap ends when rung, and by its alarm once the last
+/// spinning waiter has left: long before the safeguard's [`NAP_MAX`].
+#[test]
+fn a_nap_ends_when_rung_or_soon_after_the_last_spinner_left() {
+    let nap = Nap::new().unwrap();
+    nap.ring();
+    assert!(nap.sleep(), "rung before the nap began: it ends at once");
+    for _ in 0..3 {
+        let began = Instant::now();
+        nap.push();
+        assert!(!nap.sleep(), "the alarm, not a ring");
+        assert!(began.elapsed() < NAP_MAX, "ended by the alarm, not the safeguard: {:?}", began.elapsed());
+    }
+    // Rung after the last spinner left: the ring wins over the alarm.
+    nap.push();
+    nap.ring();
+    assert!(nap.sleep());
+    // A ring is taken once.
+    let began = Instant::now();
+    nap.push();
+    assert!(!nap.sleep());
+    assert!(began.elapsed() < NAP_MAX);
 }
