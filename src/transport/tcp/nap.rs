@@ -6,7 +6,7 @@ use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::poll::Alarm;
+use crate::poll::{Alarm, Bell};
 
 /// The longest the socket goes unwatched after the last spinning waiter
 /// left while the receiver thread napped.
@@ -26,11 +26,18 @@ pub(super) const NAP_MAX: Duration = Duration::from_millis(100);
 /// which on a machine whose CPUs they all hold moved a 64 B ping-pong's
 /// median from run to run by a sixth.
 pub(super) struct Nap {
+    /// Goes off [`NAP`] after the last spinning waiter left.
     alarm: Alarm,
+    /// Rung to end the nap now (an eventfd: a timer set to go off at once
+    /// took about 20 us more to wake the thread here, which a 4 KiB
+    /// ping-pong, whose frames the receiver thread reads, paid every way).
+    bell: Bell,
     base: Instant,
-    /// When the alarm goes off, in nanoseconds after `base`; 0 when it is
-    /// not known to be set.
+    /// When the alarm goes off, in nanoseconds after `base`.
     armed_until: AtomicU64,
+    /// The bell was rung in this nap (it is rung once a nap: a waiter
+    /// rings at every look while a frame it leaves to the receiver thread
+    /// waits).
     rung: AtomicBool,
 }
 
@@ -38,6 +45,7 @@ impl Nap {
     pub(super) fn new() -> io::Result<Nap> {
         Ok(Nap {
             alarm: Alarm::new()?,
+            bell: Bell::new()?,
             base: Instant::now(),
             armed_until: AtomicU64::new(0),
             rung: AtomicBool::new(false),
@@ -48,35 +56,33 @@ impl Nap {
         u64::try_from(self.base.elapsed().as_nanos()).unwrap_or(u64::MAX)
     }
 
-    /// The last spinning waiter left: the nap ends within [`NAP`].
+    /// The last spinning waiter left: the nap ends within [`NAP`]. The
+    /// alarm is moved only when it would go off sooner than half that.
     pub(super) fn push(&self) {
-        if self.rung.load(Ordering::SeqCst) {
-            return;
-        }
         let (now, nap) = (self.now(), NAP.as_nanos() as u64);
         if self.armed_until.load(Ordering::SeqCst) >= now + nap / 2 {
             return;
         }
         self.armed_until.store(now + nap, Ordering::SeqCst);
         self.alarm.set(NAP);
-        // A ring between the look above and the set: it goes off now.
-        if self.rung.load(Ordering::SeqCst) {
-            self.alarm.set(Duration::ZERO);
-        }
     }
 
     /// Ends the nap now.
     pub(super) fn ring(&self) {
-        self.rung.store(true, Ordering::SeqCst);
-        self.alarm.set(Duration::ZERO);
+        if !self.rung.swap(true, Ordering::SeqCst) {
+            self.bell.ring();
+        }
     }
 
-    /// Sleeps until the alarm goes off (or [`NAP_MAX`]): whether the nap was
-    /// rung. The alarm is then known not to be set.
+    /// Sleeps until rung or the alarm goes off (or [`NAP_MAX`]): whether it
+    /// was rung.
     pub(super) fn sleep(&self) -> bool {
-        let _ = crate::poll::readable([self.alarm.as_fd()], NAP_MAX);
-        self.alarm.drain();
-        self.armed_until.store(0, Ordering::SeqCst);
+        let [_, went_off] =
+            crate::poll::readable([self.bell.as_fd(), self.alarm.as_fd()], NAP_MAX).unwrap_or([false, false]);
+        if went_off {
+            self.alarm.drain();
+        }
+        self.bell.drain();
         self.rung.swap(false, Ordering::SeqCst)
     }
 }
