@@ -1,6 +1,5 @@
 //! The connection's operations: post, poll, wait, establish, shut down.
 
-use super::nap::*;
 use super::receiver::*;
 use super::sender::*;
 use super::*;
@@ -57,7 +56,7 @@ impl TcpConn {
             reader: Mutex::new(Reader { scratch: vec![0u8; STEP], ahead: Ahead::default() }),
             spinners: AtomicUsize::new(0),
             napping: AtomicBool::new(false),
-            nap: Nap::new()?,
+            nap: OnceLock::new(),
             work: Condvar::new(),
             events: Condvar::new(),
             ring: Condvar::new(),

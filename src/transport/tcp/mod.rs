@@ -24,8 +24,8 @@
 //!   frames stay the receiver thread's. While waiters spin, the receiver
 //!   thread naps instead of waking at every frame (which on a busy machine
 //!   takes a CPU from a spinner): a spinner that meets a frame it leaves,
-//!   or a thread that goes to sleep, ends the nap, and it lasts at most
-//!   [`NAP`] in any case.
+//!   or a thread that goes to sleep, ends the nap, and it ends at most
+//!   [`NAP`](nap::NAP) after the last spinner left.
 //! - Payloads travel in segments of at most 1 MiB, so control frames are
 //!   not stuck behind a large write.
 //! - An operation completes when the peer acknowledged it (a write: the
@@ -64,7 +64,7 @@ use std::io;
 use std::net::TcpStream;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -161,7 +161,9 @@ struct Inner {
     /// Where the receiver thread naps: rung when a waiter left it a frame,
     /// a thread goes to sleep on `events` and needs it to watch the socket,
     /// or the connection broke.
-    nap: nap::Nap,
+    /// Made at the receiver thread's first nap (none when out of
+    /// descriptors: it then naps [`NAP`](nap::NAP) at a time, not rung).
+    nap: OnceLock<Option<nap::Nap>>,
     /// The sender thread waits here: queued messages, control frames,
     /// stopping.
     work: Condvar,
@@ -271,7 +273,9 @@ impl Inner {
     /// Ends the receiver thread's nap, if it naps.
     fn end_nap(&self) {
         if self.napping.load(Ordering::SeqCst) {
-            self.nap.ring();
+            if let Some(Some(nap)) = self.nap.get() {
+                nap.ring();
+            }
         }
     }
 

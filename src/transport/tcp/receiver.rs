@@ -1,6 +1,7 @@
 //! The receiver thread (and a spinning waiter in its place): frames read
 //! and carried out against the rules of a reliable connection.
 
+use super::nap::{NAP, Nap};
 use super::*;
 
 pub(super) const CLOSED: &str = "the peer closed the connection (its process exited or dropped the connection)";
@@ -24,7 +25,9 @@ impl Drop for Spinning<'_> {
         // ends within NAP (paired with the thread's look at `spinners` after
         // it says it naps: one of the two sees the other).
         if self.0.spinners.fetch_sub(1, Ordering::SeqCst) == 1 && self.0.napping.load(Ordering::SeqCst) {
-            self.0.nap.push();
+            if let Some(Some(nap)) = self.0.nap.get() {
+                nap.push();
+            }
         }
     }
 }
@@ -214,13 +217,22 @@ pub(super) fn receiver(inner: &Inner) {
                     // Waiters spin and carry out what arrives: nap (without
                     // the reader) until one leaves a frame to this thread, a
                     // thread goes to sleep, or the last has gone.
+                    // Its descriptors are made at the first nap: a
+                    // connection nobody spins on costs none.
+                    let nap = inner.nap.get_or_init(|| Nap::new().ok());
                     inner.napping.store(true, Ordering::SeqCst);
                     if inner.spinners.load(Ordering::SeqCst) > 0 {
                         drop(reader);
-                        while !inner.nap.sleep()
-                            && inner.spinners.load(Ordering::SeqCst) > 0
-                            && !inner.dead.load(Ordering::Acquire)
-                        {}
+                        match nap {
+                            Some(nap) => {
+                                while !nap.sleep()
+                                    && inner.spinners.load(Ordering::SeqCst) > 0
+                                    && !inner.dead.load(Ordering::Acquire)
+                                {}
+                            }
+                            // Out of descriptors: a nap of NAP, not rung.
+                            None => std::thread::sleep(NAP),
+                        }
                         reader = inner.reader.lock().unwrap_or_else(|e| e.into_inner());
                     }
                     inner.napping.store(false, Ordering::SeqCst);
