@@ -89,10 +89,7 @@ impl Bell {
 
     /// Takes back every ring so far: not readable until the next.
     pub(crate) fn drain(&self) {
-        let mut count: u64 = 0;
-        // SAFETY: reads at most 8 bytes into a live u64 from the eventfd this
-        // value owns; non-blocking (EAGAIN when nothing was rung).
-        let _ = unsafe { libc::read(self.0.as_raw_fd(), (&raw mut count).cast(), 8) };
+        read_counter(self.0.as_fd());
     }
 }
 
@@ -144,11 +141,18 @@ impl Alarm {
 
     /// Takes back its going off: not readable until it goes off again.
     pub(crate) fn drain(&self) {
-        let mut count: u64 = 0;
-        // SAFETY: reads at most 8 bytes into a live u64 from the timerfd this
-        // value owns; non-blocking (EAGAIN when it has not gone off).
-        let _ = unsafe { libc::read(self.0.as_raw_fd(), (&raw mut count).cast(), 8) };
+        read_counter(self.0.as_fd());
     }
+}
+
+/// Reads (and so resets) the 8-byte counter of a non-blocking eventfd or
+/// timerfd; nothing when it is zero (EAGAIN).
+fn read_counter(fd: BorrowedFd<'_>) {
+    let mut count: u64 = 0;
+    // SAFETY: reads at most 8 bytes into a live u64 from a descriptor the
+    // caller borrows for the call; both kinds are non-blocking, so the call
+    // returns at once.
+    let _ = unsafe { libc::read(fd.as_raw_fd(), (&raw mut count).cast(), 8) };
 }
 
 impl AsFd for Alarm {
