@@ -241,30 +241,32 @@ fn suite_of(release: &str) -> Option<String> {
     (!codename.is_empty()).then(|| format!("{codename}-backports"))
 }
 
-/// Makes apt see `suite` (a file of ours in `sources.list.d` when no source
-/// names it), then refreshes its lists. Backports stay at apt's low default
-/// priority: nothing comes from them unless asked for.
+/// Makes apt see `suite`: when no source names it, a file of ours in
+/// `sources.list.d`, then a refresh of apt's lists (the caller refreshed
+/// them just before, so a suite already there needs none). Backports stay
+/// at apt's low default priority: nothing comes from them unless asked for.
 fn ensure_source(suite: &str) -> Result<()> {
     let policy = output(Command::new("apt-cache").arg("policy"))?;
-    if !policy.lines().any(|l| l.split_whitespace().any(|w| w.starts_with(&format!("{suite}/")))) {
-        let file = format!("/etc/apt/sources.list.d/gpu-rdma-{suite}.sources");
-        println!("xtask: adding Debian's {suite} to apt's sources ({file})");
-        let text = format!(
-            "Types: deb\nURIs: http://deb.debian.org/debian\nSuites: {suite}\nComponents: main\n\
-             Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg\n"
-        );
-        let mut tee = privileged("tee");
-        let mut child = tee
-            .arg(&file)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .spawn()
-            .map_err(|e| format!("cannot run tee: {e}"))?;
-        child.stdin.take().ok_or("tee has no stdin")?.write_all(text.as_bytes()).map_err(|e| format!("{file}: {e}"))?;
-        let status = child.wait().map_err(|e| format!("tee {file}: {e}"))?;
-        if !status.success() {
-            return Err(format!("cannot write {file}: {status}"));
-        }
+    if policy.lines().any(|l| l.split_whitespace().any(|w| w.starts_with(&format!("{suite}/")))) {
+        return Ok(());
+    }
+    let file = format!("/etc/apt/sources.list.d/gpu-rdma-{suite}.sources");
+    println!("xtask: adding Debian's {suite} to apt's sources ({file})");
+    let text = format!(
+        "Types: deb\nURIs: http://deb.debian.org/debian\nSuites: {suite}\nComponents: main\n\
+         Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg\n"
+    );
+    let mut tee = privileged("tee");
+    let mut child = tee
+        .arg(&file)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("cannot run tee: {e}"))?;
+    child.stdin.take().ok_or("tee has no stdin")?.write_all(text.as_bytes()).map_err(|e| format!("{file}: {e}"))?;
+    let status = child.wait().map_err(|e| format!("tee {file}: {e}"))?;
+    if !status.success() {
+        return Err(format!("cannot write {file}: {status}"));
     }
     run(privileged("apt-get").arg("update").arg("-q"))
 }

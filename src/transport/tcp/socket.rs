@@ -249,7 +249,6 @@ pub(super) unsafe fn sendmsg_frame(
     done: usize,
     flags: libc::c_int,
 ) -> isize {
-    let (head_sent, sent) = (done.min(HEADER), done.saturating_sub(HEADER).min(len));
     if done == 0 && len <= SMALL_FRAME {
         // A small frame goes out of one buffer by `send`: `sendmsg` also has
         // the kernel copy in and check the message header and its vector,
@@ -266,6 +265,7 @@ pub(super) unsafe fn sendmsg_frame(
         // SIGPIPE, if the caller asked.
         return unsafe { libc::send(fd, frame.as_ptr().cast(), HEADER + len, flags) };
     }
+    let (head_sent, sent) = (done.min(HEADER), done.saturating_sub(HEADER).min(len));
     let mut iov = [
         libc::iovec { iov_base: head[head_sent..].as_ptr() as *mut libc::c_void, iov_len: HEADER - head_sent },
         // SAFETY: inside the range the caller vouches for.
