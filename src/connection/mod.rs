@@ -75,6 +75,17 @@ impl Connection {
         }
     }
 
+    /// The TCP transport's connection, for the transport's own tests.
+    #[cfg(test)]
+    pub(crate) fn tcp_conn(&self) -> Option<&crate::transport::tcp::TcpConn> {
+        use crate::transport::ConnTransport;
+        match &self.shared.transport {
+            ConnTransport::Tcp(t) => Some(t),
+            #[cfg(feature = "verbs")]
+            ConnTransport::Verbs(_) => None,
+        }
+    }
+
     pub(crate) fn establish(
         domain: &Domain,
         stream: TcpStream,

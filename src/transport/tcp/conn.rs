@@ -1,5 +1,6 @@
 //! The connection's operations: post, poll, wait, establish, shut down.
 
+use super::handoff::Writing;
 use super::receiver::*;
 use super::sender::*;
 use super::*;
@@ -56,6 +57,11 @@ impl TcpConn {
             reader: Mutex::new(Reader { scratch: vec![0u8; STEP], ahead: Ahead::default() }),
             spinners: AtomicUsize::new(0),
             napping: AtomicBool::new(false),
+            writers: AtomicUsize::new(0),
+            handed: AtomicBool::new(false),
+            left_to_receiver: AtomicBool::new(false),
+            #[cfg(test)]
+            turns: Default::default(),
             nap: OnceLock::new(),
             work: Condvar::new(),
             events: Condvar::new(),
@@ -181,11 +187,15 @@ impl TcpConn {
     /// message is not of one frame, the sender thread goes on with the
     /// rest, that frame first.
     fn send_direct<'a>(&'a self, mut st: MutexGuard<'a, Core>, id: OpId) -> Posted {
+        // While it writes: the receiver thread leaves what arrives to it
+        // (see `handoff`).
+        let mut streaming = None;
         while st.socket_idle() && st.queue.front().is_some_and(direct) {
             let Some(mut o) = st.queue.pop_front() else { break };
             let more = !st.queue.is_empty();
             self.inner.start_write(&mut st, &o);
             drop(st);
+            streaming.get_or_insert_with(|| Writing::new(&self.inner));
             let written = try_send_single(self.inner.fd, &o, more, &self.inner.tx);
             st = self.inner.lock();
             let whole = o.wire_len() as usize;
@@ -213,8 +223,16 @@ impl TcpConn {
                     }
                 }
             }
+            if self.inner.handed.load(Ordering::Relaxed) {
+                drop(st);
+                self.inner.writer_turn();
+                st = self.inner.lock();
+            }
         }
         self.inner.sender_on(&st);
+        drop(st);
+        // The stream's last turn, without the lock.
+        drop(streaming);
         Posted::Ok(id)
     }
 
@@ -318,7 +336,9 @@ impl TcpConn {
             loop {
                 // What arrived is carried out here when the receiver thread
                 // is not at it: no wake-up and hand-over per message.
-                self.inner.read_ready();
+                if self.inner.read_ready() {
+                    self.inner.end_nap();
+                }
                 let mut s = self.inner.lock();
                 if let Some(v) = ready(&mut s) {
                     return Ok(v);

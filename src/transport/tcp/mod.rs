@@ -26,6 +26,11 @@
 //!   takes a CPU from a spinner): a spinner that meets a frame it leaves,
 //!   or a thread that goes to sleep, ends the nap, and it ends at most
 //!   [`NAP`](nap::NAP) after the last spinner left.
+//! - While a thread writes a stream, the receiver thread does not read the
+//!   socket (a read waits for the kernel's socket lock at each of the
+//!   writer's calls): it watches it, and hands what arrives to the writer,
+//!   which carries out small frames between its calls and leaves the rest
+//!   to it (see [`handoff`]).
 //! - Payloads travel in segments of at most 1 MiB, so control frames are
 //!   not stuck behind a large write.
 //! - An operation completes when the peer acknowledged it (a write: the
@@ -58,7 +63,9 @@
 //! reliable connection keeps (no I/O), `replies` the socket-free ledger of
 //! the replies this side waits for, `socket` the raw reads and writes,
 //! `sender` and `receiver` the two threads (and the replies a reading
-//! thread writes itself), `conn` the operations.
+//! thread writes itself), `nap` and `handoff` how the receiver thread
+//! stands aside for spinning waiters and for writers, `conn` the
+//! operations.
 
 use std::io;
 use std::net::TcpStream;
@@ -84,6 +91,7 @@ mod core;
 #[cfg(test)]
 mod core_tests;
 mod frame;
+mod handoff;
 mod inbound;
 mod nap;
 mod receiver;
@@ -158,6 +166,18 @@ struct Inner {
     spinners: AtomicUsize,
     /// The receiver thread naps (on `nap`, with the reader released).
     napping: AtomicBool,
+    /// Threads writing a stream now ([`handoff::Writing`]): while there are
+    /// any, the receiver thread leaves what arrives to them.
+    writers: AtomicUsize,
+    /// The receiver thread saw the socket readable while a writer streamed
+    /// and waits for a writer to read it.
+    handed: AtomicBool,
+    /// A writer's turn left a frame to the receiver thread.
+    left_to_receiver: AtomicBool,
+    /// Hand-overs writers took, and of those, the ones that left a frame
+    /// to the receiver thread (for the tests).
+    #[cfg(test)]
+    turns: [AtomicU64; 2],
     /// Where the receiver thread naps: rung when a waiter left it a frame,
     /// a thread goes to sleep on `events` and needs it to watch the socket,
     /// or the connection broke.

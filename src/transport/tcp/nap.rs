@@ -2,7 +2,7 @@
 //! themselves (see [`Nap`]).
 
 use std::io;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -72,6 +72,23 @@ impl Nap {
         if !self.rung.swap(true, Ordering::SeqCst) {
             self.bell.ring();
         }
+    }
+
+    /// Sleeps until rung or `fd` is readable (or `timeout` passed):
+    /// whether `fd` is (the receiver thread watching the socket while a
+    /// writer reads it, see [`handoff`](super::handoff)). Takes back a ring.
+    pub(super) fn watch(&self, fd: BorrowedFd<'_>, timeout: Duration) -> bool {
+        let [_, readable] = crate::poll::readable([self.bell.as_fd(), fd], timeout).unwrap_or([false, false]);
+        self.bell.drain();
+        self.rung.store(false, Ordering::SeqCst);
+        readable
+    }
+
+    /// Sleeps until rung (or `timeout` passed), whatever the alarm says.
+    pub(super) fn wait_rung(&self, timeout: Duration) {
+        let _ = crate::poll::readable([self.bell.as_fd()], timeout);
+        self.bell.drain();
+        self.rung.store(false, Ordering::SeqCst);
     }
 
     /// Sleeps until rung or the alarm goes off (or [`NAP_MAX`]): whether it

@@ -123,12 +123,14 @@ impl Inner {
     /// else (a large or partial frame, a send with no receive posted, a
     /// message of several segments, the end of the stream, a garbled
     /// header) is left to the receiver thread, which reads with blocking
-    /// calls and watches for the receiver-not-ready budget. Never blocks.
-    pub(super) fn read_ready(&self) {
-        let Ok(mut reader) = self.reader.try_lock() else { return };
+    /// calls and watches for the receiver-not-ready budget: returns whether
+    /// it left one (the caller then rings the receiver thread). Never
+    /// blocks. A writer takes the same turn ([`handoff`](super::handoff)).
+    pub(super) fn read_ready(&self) -> bool {
+        let Ok(mut reader) = self.reader.try_lock() else { return false };
         if !reader.ahead.is_empty() {
             // The receiver thread read the start of the next frame: it is its.
-            return self.end_nap();
+            return true;
         }
         let fd = self.fd;
         let (look, scratch) = reader.scratch.split_at_mut(LOOK);
@@ -136,7 +138,7 @@ impl Inner {
         // waiter here past its deadline (the wait looks at it between turns).
         for _ in 0..WAITER_FRAMES {
             if self.dead.load(Ordering::Acquire) {
-                return;
+                return false;
             }
             // One look shows the header and, for a frame a waiter carries
             // out, the whole frame and whether more follows it: one system
@@ -144,31 +146,31 @@ impl Inner {
             // length, and one more finding nothing after the frame took three.
             let seen = match recv_now(fd, look, true) {
                 Ok(n) if n >= HEADER => n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return false,
                 // Part of a header, the end of the stream, an error: the
                 // receiver thread's.
-                _ => return self.end_nap(),
+                _ => return true,
             };
             let mut head = [0u8; HEADER];
             head.copy_from_slice(&look[..HEADER]);
-            let Ok(h) = FrameHeader::parse(&head) else { return self.end_nap() };
+            let Ok(h) = FrameHeader::parse(&head) else { return true };
             let whole = h.flags & (FIRST | LAST) == FIRST | LAST;
             let (payload, needs_recv) = match FrameOp::from_raw(h.op) {
                 Some(FrameOp::Ack | FrameOp::ReadReq) => (0, false),
                 Some(FrameOp::ReadResp) => (h.len, false),
                 Some(FrameOp::Send) if whole => (h.len, true),
                 Some(FrameOp::Write) if whole => (h.len, h.flags & IMM != 0),
-                _ => return self.end_nap(),
+                _ => return true,
             };
             // A large frame is the receiver thread's: the copy dwarfs the
             // hand-over, and a waiter polling a stream of them would only
             // contend with it for the socket.
             if payload > MAX_INLINE || needs_recv && self.lock().recvs.is_empty() {
-                return self.end_nap();
+                return true;
             }
             let frame = HEADER + payload as usize;
             if seen < frame {
-                return self.end_nap();
+                return true;
             }
             // The frame, all there, read by this thread only: one call,
             // and its payload is carried out from here.
@@ -177,7 +179,7 @@ impl Inner {
                 // would find the stream out of step, so break it here.
                 let mut st = self.lock();
                 self.break_with(&mut st, "the connection to the peer failed: a peeked frame went missing".into());
-                return;
+                return false;
             }
             let mut src = Source::Read(&look[HEADER..frame]);
             if let Err(why) = on_frame(self, &h, &mut src, scratch, Reading::Waiter) {
@@ -185,14 +187,15 @@ impl Inner {
                 // fails what it owns.
                 let mut st = self.lock();
                 self.break_with(&mut st, why);
-                return;
+                return false;
             }
             if seen == frame {
                 // Nothing followed it when this side looked; what arrives
                 // since, the next turn finds.
-                return;
+                return false;
             }
         }
+        false
     }
 }
 
@@ -213,40 +216,12 @@ pub(super) fn receiver(inner: &Inner) {
             Ok(0) => break CLOSED.to_owned(),
             Ok(n) => n,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                if inner.spinners.load(Ordering::SeqCst) > 0 {
-                    // Waiters spin and carry out what arrives: nap (without
-                    // the reader) until one leaves a frame to this thread, a
-                    // thread goes to sleep, or the last has gone.
-                    // Its descriptors are made at the first nap: a
-                    // connection nobody spins on costs none.
-                    let nap = inner.nap.get_or_init(|| Nap::new().ok());
-                    inner.napping.store(true, Ordering::SeqCst);
-                    if inner.spinners.load(Ordering::SeqCst) > 0 {
-                        drop(reader);
-                        match nap {
-                            Some(nap) => {
-                                while !nap.sleep()
-                                    && inner.spinners.load(Ordering::SeqCst) > 0
-                                    && !inner.dead.load(Ordering::Acquire)
-                                {}
-                            }
-                            // Out of descriptors: a nap of NAP, not rung.
-                            None => std::thread::sleep(NAP),
-                        }
-                        reader = inner.reader.lock().unwrap_or_else(|e| e.into_inner());
-                    }
-                    inner.napping.store(false, Ordering::SeqCst);
-                    continue;
+                let waited;
+                (reader, waited) = idle(inner, reader);
+                match waited {
+                    Ok(()) => continue,
+                    Err(e) => break format!("the connection to the peer failed: {e}"),
                 }
-                // Nothing yet: wait for it without the reader, so that a
-                // spinning waiter can take the next frame itself.
-                drop(reader);
-                let waited = wait_fd_for(fd, libc::POLLIN, RECV_WAIT.as_millis() as i32);
-                reader = inner.reader.lock().unwrap_or_else(|e| e.into_inner());
-                if let Err(e) = waited {
-                    break format!("the connection to the peer failed: {e}");
-                }
-                continue;
             }
             Err(e) => break format!("the connection to the peer failed: {e}"),
         };
@@ -289,6 +264,58 @@ pub(super) fn receiver(inner: &Inner) {
     }
     drop(st);
     inner.hang_up();
+}
+
+/// The receiver thread with nothing to read: waits, without the reader,
+/// until something may be there for it, and takes the reader back (with
+/// the error of a failed wait, if one failed).
+fn idle<'a>(inner: &'a Inner, mut reader: MutexGuard<'a, Reader>) -> (MutexGuard<'a, Reader>, io::Result<()>) {
+    loop {
+        if inner.spinners.load(Ordering::SeqCst) > 0 {
+            // Waiters spin and carry out what arrives: nap (without the
+            // reader) until one leaves a frame to this thread, a thread goes
+            // to sleep, or the last has gone. Its descriptors are made at
+            // the first nap: a connection nobody spins on costs none.
+            let nap = inner.nap.get_or_init(|| Nap::new().ok());
+            inner.napping.store(true, Ordering::SeqCst);
+            if inner.spinners.load(Ordering::SeqCst) > 0 {
+                drop(reader);
+                match nap {
+                    Some(nap) => {
+                        while !nap.sleep()
+                            && inner.spinners.load(Ordering::SeqCst) > 0
+                            && !inner.dead.load(Ordering::Acquire)
+                        {}
+                    }
+                    // Out of descriptors: a nap of NAP, not rung.
+                    None => std::thread::sleep(NAP),
+                }
+                reader = inner.reader.lock().unwrap_or_else(|e| e.into_inner());
+            }
+            inner.napping.store(false, Ordering::SeqCst);
+            return (reader, Ok(()));
+        }
+        if inner.writers.load(Ordering::SeqCst) > 0 {
+            // A writer streams: what arrives is its to read, between its
+            // calls (a `recv` here would wait for the socket's lock at each
+            // of them).
+            if let Some(nap) = inner.nap.get_or_init(|| Nap::new().ok()) {
+                drop(reader);
+                handoff::defer_to_writers(inner, nap);
+                return (inner.reader.lock().unwrap_or_else(|e| e.into_inner()), Ok(()));
+            }
+        }
+        // Nothing yet: wait for it without the reader, so that a spinning
+        // waiter can take the next frame itself.
+        drop(reader);
+        let waited = wait_fd_for(inner.fd, libc::POLLIN, RECV_WAIT.as_millis() as i32);
+        reader = inner.reader.lock().unwrap_or_else(|e| e.into_inner());
+        let can_defer = matches!(inner.nap.get(), Some(Some(_)));
+        if waited.is_err() || !can_defer || inner.writers.load(Ordering::SeqCst) == 0 {
+            return (reader, waited);
+        }
+        // A writer began to stream meanwhile: what came is its.
+    }
 }
 
 pub(super) fn io_err(e: io::Error) -> String {

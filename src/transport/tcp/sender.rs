@@ -1,15 +1,25 @@
 //! The sender thread: this side's messages and the replies the receiver
 //! asks for, written straight from registered memory.
 
+use super::handoff::Writing;
 use super::*;
 
 pub(super) fn sender(inner: &Inner) {
     let fd = inner.fd;
+    // While it has work: the receiver thread leaves what arrives to it
+    // (see `handoff`).
+    let mut streaming: Option<Writing<'_>> = None;
     loop {
         let work = {
             let mut st = inner.lock();
             loop {
                 match next(&mut st) {
+                    Next::Wait if streaming.is_some() => {
+                        // The stream ends (its last turn without the lock), then a look again.
+                        drop(st);
+                        streaming = None;
+                        st = inner.lock();
+                    }
                     Next::Wait => {
                         // Asleep, a reply costs a wake-up (tens of
                         // microseconds on a virtual machine): whoever carries
@@ -19,6 +29,11 @@ pub(super) fn sender(inner: &Inner) {
                         st.sender_asleep = false;
                     }
                     Next::HangUp => {
+                        if let Some(stream) = streaming.take() {
+                            drop(st);
+                            drop(stream);
+                            st = inner.lock();
+                        }
                         st.sender_done = true;
                         inner.wake(&st);
                         drop(st);
@@ -26,6 +41,7 @@ pub(super) fn sender(inner: &Inner) {
                         return;
                     }
                     Next::Write(work) => {
+                        streaming.get_or_insert_with(|| Writing::new(inner));
                         match &work {
                             // Shutdown may be waiting for the control queue to drain.
                             Work::Ctl(_) if st.q.lost().is_some() => inner.wake(&st),
@@ -40,24 +56,24 @@ pub(super) fn sender(inner: &Inner) {
         let outcome = match work {
             Work::Rest(h, sent) => {
                 // SAFETY: no payload.
-                let r = unsafe { send_frame(fd, &h, std::ptr::null(), 0, None, sent, false, None) }.map(drop);
+                let r = unsafe { send_frame(fd, &h, std::ptr::null(), 0, None, sent, false, None, inner) }.map(drop);
                 inner.lock().writing = false;
                 r
             }
             Work::Ctl(c) => {
                 let r = match c {
-                    Ctl::Ack { seq, status } => send_header(fd, &ack_header(seq, status)),
+                    Ctl::Ack { seq, status } => send_header(fd, &ack_header(seq, status), inner),
                     Ctl::Bye => {
-                        let _ = send_header(fd, &bye_header());
+                        let _ = send_header(fd, &bye_header(), inner);
                         Ok(())
                     }
-                    Ctl::ReadResp(r) => send_read_response(fd, &r),
+                    Ctl::ReadResp(r) => send_read_response(fd, &r, inner),
                 };
                 inner.lock().writing = false;
                 r
             }
             Work::Out(mut o, more) => {
-                let r = send_message(fd, &o, more, &inner.tx);
+                let r = send_message(fd, &o, more, &inner.tx, inner);
                 inner.recycle(&mut o);
                 inner.end_write(&mut inner.lock(), &o, r.is_err());
                 r
@@ -68,6 +84,7 @@ pub(super) fn sender(inner: &Inner) {
             inner.break_with(&mut st, format!("sending to the peer failed: {e}"));
             // Keep serving the control queue until stopped (the frames fail fast).
         }
+        inner.writer_turn();
     }
 }
 
@@ -159,8 +176,8 @@ pub(super) fn try_send_single(fd: RawFd, o: &Out, more: bool, tx: &AtomicU64) ->
 }
 
 /// Writes message `o` (from `o.skip` bytes on), reporting its progress
-/// through `tx`.
-pub(super) fn send_message(fd: RawFd, o: &Out, more: bool, tx: &AtomicU64) -> io::Result<()> {
+/// through `tx`; `room` waits when the socket is full.
+pub(super) fn send_message(fd: RawFd, o: &Out, more: bool, tx: &AtomicU64, room: &dyn Room) -> io::Result<()> {
     for f in message_frames(o) {
         // SAFETY: the message's source is a registered buffer owned by its
         // operation until this thread reports the operation complete, or an
@@ -176,6 +193,7 @@ pub(super) fn send_message(fd: RawFd, o: &Out, more: bool, tx: &AtomicU64) -> io
                 if f.is_first() { o.skip } else { 0 },
                 more || !f.is_last(),
                 Some((tx, f.wire)),
+                room,
             )?
         };
     }
@@ -197,13 +215,15 @@ impl ReadResponse {
     }
 }
 
-/// Writes the rest of a response to the peer's read (from `r.sent` on).
-pub(super) fn send_read_response(fd: RawFd, r: &ReadResponse) -> io::Result<()> {
+/// Writes the rest of a response to the peer's read (from `r.sent` on);
+/// `room` waits when the socket is full.
+pub(super) fn send_read_response(fd: RawFd, r: &ReadResponse, room: &dyn Room) -> io::Result<()> {
     for (f, already) in r.unsent() {
         // SAFETY: the range was checked against the exposure, whose memory stays
         // valid while its gate says alive (revocation waits for the gate).
-        let whole =
-            unsafe { send_frame(fd, &f.h, f.src as *const u8, f.len, Some(&r.entry.alive), already, false, None)? };
+        let whole = unsafe {
+            send_frame(fd, &f.h, f.src as *const u8, f.len, Some(&r.entry.alive), already, false, None, room)?
+        };
         if !whole {
             // Revoked mid-way: the frame is cut, the stream cannot be resynchronized.
             return Err(io::Error::other("an exposed region was withdrawn during a read"));

@@ -288,11 +288,17 @@ pub(super) fn frame_flags(more: bool) -> libc::c_int {
     libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL | if more { libc::MSG_MORE } else { 0 }
 }
 
+/// How a writer that blocks waits for room in the socket.
+pub(super) trait Room {
+    fn wait(&self, fd: RawFd) -> io::Result<()>;
+}
+
 /// Sends a header and `len` bytes at `ptr`. `gate` is held only while bytes
 /// move; if it reports the source gone, `Ok(false)` is returned after the
 /// header and the bytes sent so far (the caller then breaks the connection).
 /// A message's writer reports through `tx` how much of it the socket has,
-/// and when it is inside a call that may hand more.
+/// and when it is inside a call that may hand more. When the socket is
+/// full, `room` waits.
 ///
 /// # Safety
 /// While `gate` returns true, `ptr..ptr + len` must be valid for reads.
@@ -306,6 +312,7 @@ pub(super) unsafe fn send_frame(
     already: usize,
     more: bool,
     tx: Tx<'_>,
+    room: &dyn Room,
 ) -> io::Result<bool> {
     let head = header.encode();
     let flags = frame_flags(more);
@@ -328,7 +335,7 @@ pub(super) unsafe fn send_frame(
             let e = io::Error::last_os_error();
             match e.kind() {
                 // The socket is full: wait for room without holding the gate.
-                io::ErrorKind::WouldBlock => wait_fd(fd, libc::POLLOUT)?,
+                io::ErrorKind::WouldBlock => room.wait(fd)?,
                 io::ErrorKind::Interrupted => {}
                 _ => return Err(e),
             }
@@ -340,7 +347,7 @@ pub(super) unsafe fn send_frame(
     Ok(true)
 }
 
-pub(super) fn send_header(fd: RawFd, header: &FrameHeader) -> io::Result<()> {
+pub(super) fn send_header(fd: RawFd, header: &FrameHeader, room: &dyn Room) -> io::Result<()> {
     // SAFETY: no payload.
-    unsafe { send_frame(fd, header, std::ptr::null(), 0, None, 0, false, None) }.map(drop)
+    unsafe { send_frame(fd, header, std::ptr::null(), 0, None, 0, false, None, room) }.map(drop)
 }

@@ -3,6 +3,15 @@ use super::receiver::*;
 use super::sender::*;
 use super::*;
 
+/// A blocking writer's wait for room in poll(2), and nothing else.
+struct Poll;
+
+impl Room for Poll {
+    fn wait(&self, fd: RawFd) -> io::Result<()> {
+        wait_fd(fd, libc::POLLOUT)
+    }
+}
+
 /// An inline message's frame, as the peer must read it.
 fn inline_out(seq: u32, data: &[u8]) -> (Out, Vec<u8>) {
     let o = Out {
@@ -59,7 +68,7 @@ fn resumed_after_any_prefix(rx: &mut std::os::unix::net::UnixStream, tx: &std::o
             (&*tx).write_all(&frame[..skip]).unwrap();
         }
         let progress = AtomicU64::new(0);
-        send_message(tx.as_raw_fd(), &o, false, &progress).unwrap();
+        send_message(tx.as_raw_fd(), &o, false, &progress, &Poll).unwrap();
         assert_eq!(read_exactly(rx, frame.len()), frame, "{} bytes resumed after {skip}", data.len());
         // The writer said where it was: all of it handed, out of its call.
         let whole = Progress { handed: frame.len() as u64, in_call: false };
@@ -159,8 +168,9 @@ fn direct_send_into_a_full_socket(size: usize) {
         assert!(frames.len() < 10_000, "the socket never filled");
     };
     // The sender thread's part: the rest, blocking until the peer reads.
-    let writer =
-        std::thread::spawn(move || send_message(tx.as_raw_fd(), &partial, false, &AtomicU64::new(0)).map(|()| tx));
+    let writer = std::thread::spawn(move || {
+        send_message(tx.as_raw_fd(), &partial, false, &AtomicU64::new(0), &Poll).map(|()| tx)
+    });
     for (i, frame) in frames.iter().enumerate() {
         assert_eq!(&read_exactly(&mut rx, frame.len()), frame, "frame {i} of {}", frames.len());
     }
@@ -190,7 +200,7 @@ fn a_direct_acknowledgement_into_a_full_socket_is_finished_by_the_sender_and_sta
     // none went), blocking until the peer reads.
     let writer = std::thread::spawn(move || {
         // SAFETY: no payload.
-        unsafe { send_frame(tx.as_raw_fd(), &rest, std::ptr::null(), 0, None, already, false, None) }.map(|_| tx)
+        unsafe { send_frame(tx.as_raw_fd(), &rest, std::ptr::null(), 0, None, already, false, None, &Poll) }.map(|_| tx)
     });
     for (i, h) in sent.iter().enumerate() {
         let got: [u8; HEADER] = read_tcp(&mut rx, HEADER).try_into().unwrap();
@@ -227,14 +237,14 @@ fn a_direct_read_response_is_finished_by_the_sender_from_where_it_stopped() {
     assert!(sent > 0 && sent < expected.len() as u64, "the attempt wrote part: {sent}");
     let total = expected.len();
     let reader = std::thread::spawn(move || read_exactly(&mut rx, total) == expected);
-    send_read_response(tx.as_raw_fd(), &response(4, len, sent)).unwrap();
+    send_read_response(tx.as_raw_fd(), &response(4, len, sent), &Poll).unwrap();
     assert!(reader.join().unwrap(), "the peer read the response whole, in order");
     // A response the attempt wrote whole is done: nothing more goes out.
     let small = 100;
     let (mut rx2, tx2) = std::os::unix::net::UnixStream::pair().unwrap();
     let n = try_send_read_response(tx2.as_raw_fd(), &response(5, small, 0)).unwrap();
     assert_eq!(n, response(5, small, 0).wire());
-    send_read_response(tx2.as_raw_fd(), &response(5, small, n)).unwrap();
+    send_read_response(tx2.as_raw_fd(), &response(5, small, n), &Poll).unwrap();
     drop(tx2);
     let mut all = Vec::new();
     std::io::Read::read_to_end(&mut rx2, &mut all).unwrap();
