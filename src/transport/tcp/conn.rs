@@ -58,6 +58,7 @@ impl TcpConn {
             spinners: AtomicUsize::new(0),
             napping: AtomicBool::new(false),
             writers: AtomicUsize::new(0),
+            deferring: AtomicBool::new(false),
             handed: AtomicBool::new(false),
             left_to_receiver: AtomicBool::new(false),
             #[cfg(test)]
@@ -337,7 +338,7 @@ impl TcpConn {
                 // What arrived is carried out here when the receiver thread
                 // is not at it: no wake-up and hand-over per message.
                 if self.inner.read_ready() {
-                    self.inner.end_nap();
+                    self.inner.rouse();
                 }
                 let mut s = self.inner.lock();
                 if let Some(v) = ready(&mut s) {

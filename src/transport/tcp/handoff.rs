@@ -87,9 +87,9 @@ pub(super) fn defer_to_writers(inner: &Inner, nap: &Nap) {
     // SAFETY: `inner.fd` is the connection's socket, open until the
     // `TcpConn` owning it is dropped, which joins this thread first.
     let socket = unsafe { BorrowedFd::borrow_raw(inner.fd) };
-    // Rung by the writer's turn, and by whoever ends a nap (a waiter that
-    // left a frame, a thread going to sleep, a break).
-    inner.napping.store(true, Ordering::SeqCst);
+    // Rung by the writer's turn, a waiter that left a frame, a break (not
+    // by a thread going to sleep: the socket is watched).
+    inner.deferring.store(true, Ordering::SeqCst);
     loop {
         if inner.dead.load(Ordering::Acquire)
             || inner.writers.load(Ordering::SeqCst) == 0
@@ -117,7 +117,7 @@ pub(super) fn defer_to_writers(inner: &Inner, nap: &Nap) {
             break;
         }
     }
-    inner.napping.store(false, Ordering::SeqCst);
+    inner.deferring.store(false, Ordering::SeqCst);
 }
 
 #[cfg(test)]

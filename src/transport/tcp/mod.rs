@@ -169,6 +169,9 @@ struct Inner {
     /// Threads writing a stream now ([`handoff::Writing`]): while there are
     /// any, the receiver thread leaves what arrives to them.
     writers: AtomicUsize,
+    /// The receiver thread defers to writers (on `nap`, with the reader
+    /// released, watching the socket).
+    deferring: AtomicBool,
     /// The receiver thread saw the socket readable while a writer streamed
     /// and waits for a writer to read it.
     handed: AtomicBool,
@@ -290,9 +293,21 @@ impl Inner {
         st
     }
 
-    /// Ends the receiver thread's nap, if it naps.
+    /// Ends the receiver thread's nap, if it naps (a thread going to
+    /// sleep needs the socket watched; a receiver thread deferring to a
+    /// writer watches it already).
     fn end_nap(&self) {
         if self.napping.load(Ordering::SeqCst) {
+            if let Some(Some(nap)) = self.nap.get() {
+                nap.ring();
+            }
+        }
+    }
+
+    /// Calls the receiver thread back to the socket, if it naps or defers
+    /// to a writer: a frame was left to it, or the connection broke.
+    fn rouse(&self) {
+        if self.napping.load(Ordering::SeqCst) || self.deferring.load(Ordering::SeqCst) {
             if let Some(Some(nap)) = self.nap.get() {
                 nap.ring();
             }
@@ -352,7 +367,7 @@ impl Signals for Inner {
     fn broken(&self) {
         self.dead.store(true, Ordering::Release);
         // A napping receiver thread fails what it owns now.
-        self.end_nap();
+        self.rouse();
     }
 }
 
