@@ -219,8 +219,10 @@ def test_an_idle_awaited_inbox_leaves_the_loop_asleep():
     """Over TCP the transport wakes an awaited inbox when the peer's
     writes land: 300 ms of waiting cost the process about what 300 ms of
     awaiting nothing cost it (here 1.1-1.5 ms, its threads' own, and
-    0.2-0.3 ms more with the inbox awaited). Looking every 50 us to 1 ms,
-    as it did before, cost about 6 ms more."""
+    0.6-2.5 ms more with the inbox awaited). Looking every 50 us to 1 ms,
+    as it did before, cost about 6 ms more, every time. Noise on a shared
+    machine only adds CPU (one CI run measured 8 ms more once), so the
+    least of up to three measurements is judged."""
     target, exposed, s, c, remote, inbox, src = noted_pair(64, 5)
 
     async def idle_cpu():
@@ -229,22 +231,27 @@ def test_an_idle_awaited_inbox_leaves_the_loop_asleep():
         return time.process_time() - cpu
 
     async def main():
-        # Nothing awaited, before and after (the quieter of the two).
-        before = await idle_cpu()
-        waiting = asyncio.ensure_future(inbox.wait_async(3, 1, timeout=30))
-        await asyncio.sleep(0)
-        cpu = await idle_cpu()
-        assert not waiting.done()
-        after = await idle_cpu()
-        await c.write_list(src, remote, [(0, 0, 64)], tag=3, payload=b"x")
-        return await waiting, min(before, after), cpu
+        extra = []
+        for _ in range(3):
+            # Nothing awaited, before and after (the quieter of the two).
+            before = await idle_cpu()
+            waiting = asyncio.ensure_future(inbox.wait_async(3, 1, timeout=30))
+            await asyncio.sleep(0)
+            cpu = await idle_cpu()
+            assert not waiting.done()
+            after = await idle_cpu()
+            await c.write_list(src, remote, [(0, 0, 64)], tag=3, payload=b"x")
+            assert await waiting == [b"x"]
+            extra.append(cpu - min(before, after))
+            if extra[-1] < 0.003:
+                break
+        return extra
 
-    notes, alone, cpu = asyncio.run(main())
-    assert notes == [b"x"]
-    print(f"300 ms: {alone * 1e3:.2f} ms of the process's CPU awaiting nothing, "
-          f"{cpu * 1e3:.2f} ms awaiting the inbox")
+    extra = asyncio.run(main())
+    print("300 ms awaiting the inbox cost " + ", ".join(f"{e * 1e3:.2f}" for e in extra)
+          + " ms of the process's CPU more than awaiting nothing")
     if not os.environ.get("GPU_RDMA_TEST_DEVICE"):  # TCP
-        assert cpu - alone < 0.003, f"an idle await cost {(cpu - alone) * 1e3:.2f} ms of CPU in 300 ms"
+        assert min(extra) < 0.003, f"an idle await cost {min(extra) * 1e3:.2f} ms of CPU in 300 ms (least of {len(extra)})"
 
 
 def test_an_operation_awaited_after_it_finished_resolves_at_once():

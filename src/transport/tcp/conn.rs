@@ -63,6 +63,8 @@ impl TcpConn {
             left_to_receiver: AtomicBool::new(false),
             #[cfg(test)]
             turns: Default::default(),
+            #[cfg(test)]
+            receiver_tid: Default::default(),
             nap: OnceLock::new(),
             work: Condvar::new(),
             events: Condvar::new(),

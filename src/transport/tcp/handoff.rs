@@ -121,14 +121,14 @@ pub(super) fn defer_to_writers(inner: &Inner, nap: &Nap) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
     /// A connected TCP pair on one domain, each side advertising a region of
     /// `len` bytes (tag 1) that the other may write: (server, client, domain,
     /// the server's region, the client's region). Waits never spin, so the
     /// receiver threads never nap for a spinning waiter.
-    fn exposing_pair(
+    pub(in crate::transport::tcp) fn exposing_pair(
         len: usize,
     ) -> (crate::Connection, crate::Connection, crate::Domain, crate::Exposed, crate::Exposed) {
         use crate::{Access, ConnectOptions, Domain, DomainConfig, TransportPolicy};

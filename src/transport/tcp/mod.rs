@@ -181,6 +181,9 @@ struct Inner {
     /// to the receiver thread (for the tests).
     #[cfg(test)]
     turns: [AtomicU64; 2],
+    /// The receiver thread's id, for the tests.
+    #[cfg(test)]
+    receiver_tid: std::sync::atomic::AtomicI32,
     /// Where the receiver thread naps: rung when a waiter left it a frame,
     /// a thread goes to sleep on `events` and needs it to watch the socket,
     /// or the connection broke.

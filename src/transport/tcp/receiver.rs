@@ -9,6 +9,13 @@ pub(super) const CLOSED: &str = "the peer closed the connection (its process exi
 /// The stream ended inside a frame.
 const CLOSED_MID: &str = "the peer closed the connection";
 
+/// How often a receiver thread with nothing to read looks whether the
+/// connection broke while its socket stayed open (a break's other paths
+/// shut the socket, which wakes it at once): an idle connection's only
+/// wake-ups, 10 a second (at 10 ms, a hundred cost an idle process's
+/// receiver threads about 1 ms of CPU a second each).
+const IDLE_LOOK: Duration = Duration::from_millis(100);
+
 /// A spinning waiter, counted while it lives.
 pub(super) struct Spinning<'a>(&'a Inner);
 
@@ -200,6 +207,9 @@ impl Inner {
 }
 
 pub(super) fn receiver(inner: &Inner) {
+    #[cfg(test)]
+    // SAFETY: gettid(2) takes nothing and cannot fail.
+    inner.receiver_tid.store(unsafe { libc::gettid() }, Ordering::SeqCst);
     let fd = inner.fd;
     let mut reader = inner.reader.lock().unwrap_or_else(|e| e.into_inner());
     let why = loop {
@@ -308,7 +318,7 @@ fn idle<'a>(inner: &'a Inner, mut reader: MutexGuard<'a, Reader>) -> (MutexGuard
         // Nothing yet: wait for it without the reader, so that a spinning
         // waiter can take the next frame itself.
         drop(reader);
-        let waited = wait_fd_for(inner.fd, libc::POLLIN, RECV_WAIT.as_millis() as i32);
+        let waited = wait_fd_for(inner.fd, libc::POLLIN, IDLE_LOOK.as_millis() as i32);
         reader = inner.reader.lock().unwrap_or_else(|e| e.into_inner());
         let can_defer = matches!(inner.nap.get(), Some(Some(_)));
         if waited.is_err() || !can_defer || inner.writers.load(Ordering::SeqCst) == 0 {
@@ -429,5 +439,35 @@ fn await_receive<'a>(
         if st.recvs.is_empty() && inner.peer_gone() {
             return Err((st, "the peer closed the connection while its message waited for a receive".into()));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::handoff::tests::exposing_pair;
+    use super::*;
+
+    /// The voluntary context switches so far of the receiver thread of
+    /// `conn`.
+    fn receiver_switches(conn: &crate::Connection) -> u64 {
+        let tid = conn.tcp_conn().expect("a TCP connection").inner.receiver_tid.load(Ordering::SeqCst);
+        let status = std::fs::read_to_string(format!("/proc/self/task/{tid}/status")).expect("the receiver thread");
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
+            .and_then(|v| v.trim().parse().ok())
+            .expect("its switches")
+    }
+
+    /// An idle connection's receiver thread wakes [`IDLE_LOOK`] apart (10
+    /// times a second), not at every [`RECV_WAIT`] (a hundred).
+    #[test]
+    fn an_idle_connections_receiver_thread_sleeps_between_looks() {
+        let (s, c, ..) = exposing_pair(64);
+        std::thread::sleep(Duration::from_millis(50));
+        let before = [receiver_switches(&s), receiver_switches(&c)];
+        std::thread::sleep(Duration::from_secs(1));
+        let woke = [receiver_switches(&s) - before[0], receiver_switches(&c) - before[1]];
+        assert!(woke.iter().all(|&n| n <= 25), "idle receiver threads woke {woke:?} times in a second");
     }
 }
