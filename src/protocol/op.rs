@@ -198,6 +198,12 @@ fn awaited_ring_pause(idle: Duration) -> Duration {
     if idle < AWAITED_RING_BUSY { LOOK_AGAIN } else { Duration::from_millis(1) }
 }
 
+/// How long an awaited look at a ring whose landings the transport counts
+/// (TCP) waits for its wake before it looks anyway. Each look wakes the
+/// awaiting task: at 50 ms, an idle awaited inbox cost a Python process
+/// 1.4-2.5 ms of CPU per 300 ms more than awaiting nothing.
+const AWAITED_RING_SAFEGUARD: Duration = Duration::from_secs(1);
+
 /// How long an awaited wait on a ring looks at it every [`LOOK_AGAIN`].
 const AWAITED_RING_BUSY: Duration = Duration::from_millis(10);
 
@@ -296,10 +302,11 @@ pub(crate) fn poll<O: Operation>(
             }
         },
         Look::Wait(Until::Soon { copying }) => NotYet::LookAgain(if copying { LOOK_AGAIN_COPYING } else { LOOK_AGAIN }),
-        // Woken when the peer's next write lands; the timer looks again
-        // after RING_SLEEP only as a blocking wait's sleep ends.
+        // Woken when the peer's next write lands (the transport registers
+        // the waker under the lock it counts landings with, and wakes it on
+        // a break too); the timer looks again only as a safeguard.
         Look::Wait(Until::Ring { seen }) => match seen.and_then(|seen| transport.landed_or_register(seen, waker)) {
-            Some(false) => NotYet::LookAgain(RING_SLEEP),
+            Some(false) => NotYet::LookAgain(AWAITED_RING_SAFEGUARD),
             Some(true) => {
                 waker.wake_by_ref();
                 NotYet::Told
