@@ -125,7 +125,7 @@ pub(super) mod tests {
     use super::*;
 
     /// A connected TCP pair on one domain, each side advertising a region of
-    /// `len` bytes (tag 1) that the other may write: (server, client, domain,
+    /// `len` bytes (tag 1) that the other may write and read: (server, client, domain,
     /// the server's region, the client's region). Waits never spin, so the
     /// receiver threads never nap for a spinning waiter.
     pub(in crate::transport::tcp) fn exposing_pair(
@@ -133,7 +133,8 @@ pub(super) mod tests {
     ) -> (crate::Connection, crate::Connection, crate::Domain, crate::Exposed, crate::Exposed) {
         use crate::{Access, ConnectOptions, Domain, DomainConfig, TransportPolicy};
         let d = Domain::with_config(&DomainConfig::default().transport(TransportPolicy::Tcp)).unwrap();
-        let expose = |d: &Domain| d.expose(d.alloc(len).unwrap(), Access::REMOTE_WRITE, 1).unwrap();
+        let rights = Access::REMOTE_WRITE | Access::REMOTE_READ;
+        let expose = |d: &Domain| d.expose(d.alloc(len).unwrap(), rights, 1).unwrap();
         let (on_server, on_client) = (expose(&d), expose(&d));
         let o = ConnectOptions::default().op_timeout(Duration::from_secs(60)).spin(Duration::ZERO);
         let listener = d.listen("127.0.0.1:0").unwrap();
@@ -247,5 +248,34 @@ pub(super) mod tests {
         assert!(landed == to_server, "the client's writes landed whole");
         on_client.read_at(0, &mut landed).unwrap();
         assert!(landed == to_client, "the server's writes landed whole");
+    }
+
+    /// The peer reads this side's region while this side streams writes to
+    /// it: the read requests arrive while a writer streams (its turns carry
+    /// them out and start the responses), and every read returns what the
+    /// region holds.
+    #[test]
+    fn reads_of_a_side_that_streams_writes_return_its_bytes() {
+        const PIECE: usize = 64 << 10;
+        let (s, c, d, _on_server, on_client) = exposing_pair(PIECE);
+        let held: Vec<u8> = (0..PIECE).map(|i| (i % 239) as u8).collect();
+        on_client.write_at(0, &held).unwrap();
+        let data = vec![7u8; PIECE];
+        let remote = s.remote_region(1).expect("the client's region");
+        std::thread::scope(|sc| {
+            let streaming = sc.spawn(|| {
+                for _ in 0..4 {
+                    assert_eq!(stream_writes(&c, &d, &data, 256), 256 * PIECE as u64);
+                }
+            });
+            let mut reads = 0;
+            while !streaming.is_finished() || reads < 8 {
+                let (_, back) =
+                    s.read(d.alloc(PIECE).unwrap(), &remote.slice(0..PIECE as u64).unwrap()).finish().unwrap();
+                assert!(back[..] == held[..], "read {reads} returned the region's bytes");
+                reads += 1;
+            }
+            streaming.join().unwrap();
+        });
     }
 }
