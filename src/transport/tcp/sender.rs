@@ -14,8 +14,9 @@ pub(super) fn sender(inner: &Inner) {
             let mut st = inner.lock();
             loop {
                 match next(&mut st) {
-                    Next::Wait if streaming.is_some() => {
-                        // The stream ends (its last turn without the lock), then a look again.
+                    Next::Wait | Next::HangUp if streaming.is_some() => {
+                        // The stream ends (its last turn, without the lock),
+                        // then a look again: the turn may have queued a reply.
                         drop(st);
                         streaming = None;
                         st = inner.lock();
@@ -29,11 +30,6 @@ pub(super) fn sender(inner: &Inner) {
                         st.sender_asleep = false;
                     }
                     Next::HangUp => {
-                        if let Some(stream) = streaming.take() {
-                            drop(st);
-                            drop(stream);
-                            st = inner.lock();
-                        }
                         st.sender_done = true;
                         inner.wake(&st);
                         drop(st);
