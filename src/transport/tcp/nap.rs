@@ -79,16 +79,20 @@ impl Nap {
     /// writer reads it, see [`handoff`](super::handoff)). Takes back a ring.
     pub(super) fn watch(&self, fd: BorrowedFd<'_>, timeout: Duration) -> bool {
         let [_, readable] = crate::poll::readable([self.bell.as_fd(), fd], timeout).unwrap_or([false, false]);
-        self.bell.drain();
-        self.rung.store(false, Ordering::SeqCst);
+        self.take_ring();
         readable
     }
 
     /// Sleeps until rung (or `timeout` passed), whatever the alarm says.
     pub(super) fn wait_rung(&self, timeout: Duration) {
         let _ = crate::poll::readable([self.bell.as_fd()], timeout);
+        self.take_ring();
+    }
+
+    /// Takes back the ring of this nap, if any: whether it was rung.
+    fn take_ring(&self) -> bool {
         self.bell.drain();
-        self.rung.store(false, Ordering::SeqCst);
+        self.rung.swap(false, Ordering::SeqCst)
     }
 
     /// Sleeps until rung or the alarm goes off (or [`NAP_MAX`]): whether it
@@ -99,7 +103,6 @@ impl Nap {
         if went_off {
             self.alarm.drain();
         }
-        self.bell.drain();
-        self.rung.swap(false, Ordering::SeqCst)
+        self.take_ring()
     }
 }
