@@ -57,7 +57,7 @@ impl Inner {
         }
         #[cfg(test)]
         self.turns[usize::from(left)].fetch_add(1, Ordering::Relaxed);
-        if let Some(Some(nap)) = self.nap.get() {
+        if let Some(nap) = self.nap() {
             nap.ring();
         }
     }

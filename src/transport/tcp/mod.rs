@@ -296,24 +296,32 @@ impl Inner {
         st
     }
 
+    /// The receiver thread's nap, if it was made.
+    fn nap(&self) -> Option<&nap::Nap> {
+        self.nap.get().and_then(Option::as_ref)
+    }
+
+    /// The receiver thread's nap, made now if it was not (none when out of
+    /// descriptors).
+    fn made_nap(&self) -> Option<&nap::Nap> {
+        self.nap.get_or_init(|| nap::Nap::new().ok()).as_ref()
+    }
+
     /// Ends the receiver thread's nap, if it naps (a thread going to
     /// sleep needs the socket watched; a receiver thread deferring to a
     /// writer watches it already).
     fn end_nap(&self) {
-        if self.napping.load(Ordering::SeqCst) {
-            if let Some(Some(nap)) = self.nap.get() {
-                nap.ring();
-            }
+        if let Some(nap) = self.nap().filter(|_| self.napping.load(Ordering::SeqCst)) {
+            nap.ring();
         }
     }
 
     /// Calls the receiver thread back to the socket, if it naps or defers
     /// to a writer: a frame was left to it, or the connection broke.
     fn rouse(&self) {
-        if self.napping.load(Ordering::SeqCst) || self.deferring.load(Ordering::SeqCst) {
-            if let Some(Some(nap)) = self.nap.get() {
-                nap.ring();
-            }
+        let away = self.napping.load(Ordering::SeqCst) || self.deferring.load(Ordering::SeqCst);
+        if let Some(nap) = self.nap().filter(|_| away) {
+            nap.ring();
         }
     }
 

@@ -1,7 +1,7 @@
 //! The receiver thread (and a spinning waiter in its place): frames read
 //! and carried out against the rules of a reliable connection.
 
-use super::nap::{NAP, Nap};
+use super::nap::NAP;
 use super::*;
 
 pub(super) const CLOSED: &str = "the peer closed the connection (its process exited or dropped the connection)";
@@ -32,7 +32,7 @@ impl Drop for Spinning<'_> {
         // ends within NAP (paired with the thread's look at `spinners` after
         // it says it naps: one of the two sees the other).
         if self.0.spinners.fetch_sub(1, Ordering::SeqCst) == 1 && self.0.napping.load(Ordering::SeqCst) {
-            if let Some(Some(nap)) = self.0.nap.get() {
+            if let Some(nap) = self.0.nap() {
                 nap.push();
             }
         }
@@ -286,7 +286,7 @@ fn idle<'a>(inner: &'a Inner, mut reader: MutexGuard<'a, Reader>) -> (MutexGuard
             // reader) until one leaves a frame to this thread, a thread goes
             // to sleep, or the last has gone. Its descriptors are made at
             // the first nap: a connection nobody spins on costs none.
-            let nap = inner.nap.get_or_init(|| Nap::new().ok());
+            let nap = inner.made_nap();
             inner.napping.store(true, Ordering::SeqCst);
             if inner.spinners.load(Ordering::SeqCst) > 0 {
                 drop(reader);
@@ -309,7 +309,7 @@ fn idle<'a>(inner: &'a Inner, mut reader: MutexGuard<'a, Reader>) -> (MutexGuard
             // A writer streams: what arrives is its to read, between its
             // calls (a `recv` here would wait for the socket's lock at each
             // of them).
-            if let Some(nap) = inner.nap.get_or_init(|| Nap::new().ok()) {
+            if let Some(nap) = inner.made_nap() {
                 drop(reader);
                 handoff::defer_to_writers(inner, nap);
                 return (inner.reader.lock().unwrap_or_else(|e| e.into_inner()), Ok(()));
@@ -320,8 +320,7 @@ fn idle<'a>(inner: &'a Inner, mut reader: MutexGuard<'a, Reader>) -> (MutexGuard
         drop(reader);
         let waited = wait_fd_for(inner.fd, libc::POLLIN, IDLE_LOOK.as_millis() as i32);
         reader = inner.reader.lock().unwrap_or_else(|e| e.into_inner());
-        let can_defer = matches!(inner.nap.get(), Some(Some(_)));
-        if waited.is_err() || !can_defer || inner.writers.load(Ordering::SeqCst) == 0 {
+        if waited.is_err() || inner.nap().is_none() || inner.writers.load(Ordering::SeqCst) == 0 {
             return (reader, waited);
         }
         // A writer began to stream meanwhile: what came is its.
